@@ -1,0 +1,262 @@
+"""Frozen, self-validating configuration sections loaded from plain mappings."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+
+LORA_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b",
+    "in_proj_a", "out_proj", "gate_proj", "up_proj", "down_proj",
+)
+EMBEDDED = "embedded"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class EmbeddedShape:
+    """Shape of the tiny Qwen3.5-architecture base the project builds itself."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    layer_types: tuple[str, ...] = ("linear_attention",) * 3 + ("full_attention",)
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    head_dim: int = 32
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 2
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    vision_depth: int = 2
+    vision_hidden_size: int = 32
+    vision_heads: int = 2
+    vision_intermediate_size: int = 64
+    patch_size: int = 16
+    vocab_size: int = 2048
+
+    def __post_init__(self):
+        kinds = set(self.layer_types)
+        _check(kinds <= {"linear_attention", "full_attention"} and len(kinds) == 2,
+               f"model.embedded.layer_types must mix linear_attention and full_attention, got {self.layer_types}")
+        _check(self.num_attention_heads % self.num_key_value_heads == 0,
+               f"model.embedded: {self.num_attention_heads} attention heads not divisible by "
+               f"{self.num_key_value_heads} key/value heads")
+        _check(self.head_dim % 8 == 0, f"model.embedded.head_dim must be a multiple of 8, got {self.head_dim}")
+        _check(self.vocab_size >= 512, f"model.embedded.vocab_size must be >= 512, got {self.vocab_size}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The base model and the fixed preprocessing policy."""
+
+    base: str = EMBEDDED
+    revision: str | None = None
+    dtype: str = "float32"
+    marker_token: str = "<|fim_suffix|>"
+    image_pixels: int = 64 * 64
+    max_tokens: int = 4096
+    seed: int = 0
+    embedded: EmbeddedShape = field(default_factory=EmbeddedShape)
+
+    def __post_init__(self):
+        _check(self.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {self.dtype!r}")
+        _check(self.image_pixels >= 32 * 32, f"model.image_pixels must be >= 1024, got {self.image_pixels}")
+        _check(self.max_tokens >= 16, f"model.max_tokens must be >= 16, got {self.max_tokens}")
+        if self.base != EMBEDDED:
+            _check(self.revision is not None,
+                   f"model.base {self.base!r} is a Hub id: pin model.revision to a commit hash")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA on the language model only."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self):
+        _check(self.rank >= 1, f"lora.rank must be >= 1, got {self.rank}")
+        _check(0.0 <= self.dropout < 1.0, f"lora.dropout must be in [0, 1), got {self.dropout}")
+        unknown = set(self.targets) - set(LORA_TARGETS)
+        _check(not unknown, f"lora.targets has unknown modules {sorted(unknown)}; known: {LORA_TARGETS}")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The synthetic decision mixture and its partitions."""
+
+    source: str = "synthetic"
+    seed: int = 0
+    states_per_group: int = 400
+    image_size: int = 64
+    partitions: dict = field(default_factory=lambda: {"train": 0.7, "dev": 0.1, "calibration": 0.1, "test": 0.1})
+
+    def __post_init__(self):
+        _check(self.source == "synthetic", f"data.source must be 'synthetic' (the only source so far), got {self.source!r}")
+        _check(self.states_per_group >= 8, f"data.states_per_group must be >= 8, got {self.states_per_group}")
+        _check(set(self.partitions) == {"train", "dev", "calibration", "test"},
+               f"data.partitions must name train, dev, calibration and test, got {sorted(self.partitions)}")
+        _check(all(value > 0 for value in self.partitions.values()),
+               f"data.partitions fractions must be positive, got {self.partitions}")
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    """RLCD + cross-entropy constants."""
+
+    samples: int = 4
+    sigma: float = 0.3
+    log_weight: float = 1.0
+    spherical_weight: float = 0.75
+    ordinal_weight: float = 1.0
+    log_floor: float = -9.21
+    ce_weight: float = 1.0
+
+    def __post_init__(self):
+        _check(self.samples >= 2, f"train.objective.samples must be >= 2, got {self.samples}")
+        _check(self.sigma > 0, f"train.objective.sigma must be > 0, got {self.sigma}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation, schedule, sampling and checkpointing."""
+
+    steps: int = 600
+    rows_per_microbatch: int = 8
+    microbatches_per_update: int = 4
+    lora_lr: float = 1e-4
+    head_lr: float = 5e-4
+    weight_decay: float = 0.01
+    horizon_cap: int = 2400
+    warmup_fraction: float = 0.03
+    lr_floor: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 400
+    max_tokens: int = 2048
+    group_cap: int = 6000
+    activation_checkpointing: bool = True
+    head_init_std: float = 0.01
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+
+    def __post_init__(self):
+        _check(self.steps >= 1, f"train.steps must be >= 1, got {self.steps}")
+        _check(self.eval_every >= 1, f"train.eval_every must be >= 1, got {self.eval_every}")
+        _check(self.rows_per_microbatch >= 1 and self.microbatches_per_update >= 1,
+               f"train.rows_per_microbatch and microbatches_per_update must be >= 1, got "
+               f"{self.rows_per_microbatch}, {self.microbatches_per_update}")
+        _check(self.lora_lr > 0 and self.head_lr > 0, f"train learning rates must be > 0, got {self.lora_lr}, {self.head_lr}")
+        _check(0.0 < self.lr_floor <= 1.0, f"train.lr_floor must be in (0, 1], got {self.lr_floor}")
+        _check(self.grad_clip > 0, f"train.grad_clip must be > 0, got {self.grad_clip}")
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    dev_rows_per_group: int = 256
+    batch_rows: int = 32
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    min_rows: int = 10
+    lr: float = 0.1
+    iterations: int = 100
+    min_temperature: float = 0.1
+    max_temperature: float = 10.0
+    batch_rows: int = 32
+
+    def __post_init__(self):
+        _check(0 < self.min_temperature < self.max_temperature,
+               f"calibrate temperature bounds must satisfy 0 < min < max, got "
+               f"{self.min_temperature}, {self.max_temperature}")
+
+
+@dataclass(frozen=True)
+class TestConfig:
+    batch_rows: int = 32
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    warmup: int = 3
+    timed: int = 20
+
+    def __post_init__(self):
+        _check(self.timed >= 2, f"benchmark.timed must be >= 2, got {self.timed}")
+
+
+SECTIONS = {
+    "model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "train": TrainConfig,
+    "select": SelectConfig, "calibrate": CalibrateConfig, "test": TestConfig,
+    "benchmark": BenchmarkConfig,
+}
+INIT_CHOICES = ("base", "checkpoint")
+
+
+def build(cls, data, path: str):
+    """Build dataclass `cls` from a mapping, rejecting unknown keys, recursing into sections."""
+    if data is None:
+        data = {}
+    _check(isinstance(data, dict), f"{path} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    _check(not unknown, f"{path} has unknown keys {sorted(unknown)}; known: {sorted(names)}")
+    values = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            value = build(hint, value, f"{path}.{name}")
+        elif typing.get_origin(hint) is tuple:
+            _check(isinstance(value, (list, tuple)), f"{path}.{name} must be a list, got {value!r}")
+            value = tuple(value)
+        values[name] = value
+    try:
+        return cls(**values)
+    except TypeError as error:
+        raise ConfigError(f"{path}: {error}") from None
+
+
+def section(params: dict, name: str):
+    """Load one named section of a params mapping into its frozen dataclass."""
+    return build(SECTIONS[name], params.get(name), name)
+
+
+def init_mode(params: dict) -> str:
+    """The `init` top-level param: start from the base or from a parent checkpoint."""
+    value = params.get("init", "base")
+    _check(value in INIT_CHOICES, f"init must be one of {INIT_CHOICES}, got {value!r}")
+    return value
+
+
+def to_dict(config) -> dict:
+    """A JSON-ready dict of a config dataclass (tuples become lists)."""
+    return json_ready(dataclasses.asdict(config))
+
+
+def json_ready(value):
+    if isinstance(value, dict):
+        return {key: json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_ready(item) for item in value]
+    return value
+
+
+def read_params(path) -> dict:
+    """The params mapping from a YAML file the caller names (stages pass params.yaml)."""
+    import yaml
+
+    with open(path, encoding="utf-8") as handle:
+        params = yaml.safe_load(handle) or {}
+    _check(isinstance(params, dict), f"{path} must hold a mapping of sections, got {type(params).__name__}")
+    return params

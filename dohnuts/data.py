@@ -1,0 +1,185 @@
+"""Decision records on disk (Parquet + image files), partitions, sampling and row encoding."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from PIL import Image
+
+from .io import write_bytes, write_manifest
+from .schema import parse_request
+from .template import EncodedImage, Row, Template
+
+PARTITIONS = ("train", "dev", "calibration", "test")
+RECORDS = "records.parquet"
+
+
+def stable_fraction(*parts) -> float:
+    """A number in [0, 1) from a SHA-256 of the parts: the same on every machine and run."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def assign_partition(seed: int, group: str, state_id: str, fractions: dict) -> str:
+    """Partition of a state by hashing its key: all questions of a state land together."""
+    total = sum(fractions.values())
+    point, edge = stable_fraction(seed, group, state_id) * total, 0.0
+    for name in PARTITIONS:
+        edge += fractions[name]
+        if point < edge:
+            return name
+    return PARTITIONS[-1]
+
+
+def write_mixture(states, out: Path, seed: int, fractions: dict) -> dict:
+    """Write synthetic states as one row per question, images as PNG files, and a manifest.
+
+    Returns:
+        The manifest (file hashes plus row and state counts per partition and group).
+    """
+    out = Path(out)
+    records = []
+    for state in states:
+        value, image_name = state.state, None
+        if isinstance(value, dict) and "image" in value:
+            buffer = io.BytesIO()
+            value["image"].save(buffer, format="PNG")
+            data = buffer.getvalue()
+            image_name = f"images/{hashlib.sha256(data).hexdigest()[:32]}.png"
+            write_bytes(out / image_name, data)
+            value = {key: item for key, item in value.items() if key != "image"}
+        partition = assign_partition(seed, state.group, state.state_id, fractions)
+        for qid, question in state.questions.items():
+            records.append({
+                "group": state.group, "state_id": state.state_id, "partition": partition,
+                "state": json.dumps(value, ensure_ascii=False), "image": image_name, "qid": qid,
+                "question": json.dumps(question, ensure_ascii=False),
+                "target": [float(x) for x in state.targets[qid]],
+            })
+    table = pd.DataFrame.from_records(records)
+    buffer = io.BytesIO()
+    table.to_parquet(buffer, index=False)
+    write_bytes(out / RECORDS, buffer.getvalue())
+    counts = {
+        partition: {
+            "rows": int((table.partition == partition).sum()),
+            "states": int(table[table.partition == partition].state_id.nunique()),
+            "groups": {group: int(n) for group, n in table[table.partition == partition].group.value_counts().sort_index().items()},
+        }
+        for partition in PARTITIONS
+    }
+    return write_manifest(out, {"counts": counts})
+
+
+def load_records(folder: Path, partition: str) -> pd.DataFrame:
+    """The rows of one partition, in a stable order."""
+    table = pd.read_parquet(Path(folder) / RECORDS)
+    if partition not in PARTITIONS:
+        raise ValueError(f"unknown partition {partition!r}; expected one of {PARTITIONS}")
+    rows = table[table.partition == partition].reset_index(drop=True)
+    if rows.empty:
+        raise ValueError(f"{folder}/{RECORDS} has no rows in partition {partition!r}")
+    return rows
+
+
+def hash_order(rows: pd.DataFrame, limit_per_group: int, seed: int = 0) -> pd.DataFrame:
+    """Up to `limit_per_group` rows per group, chosen by hash order (fixed, seed-dependent)."""
+    keys = [stable_fraction(seed, g, s, q) for g, s, q in zip(rows.group, rows.state_id, rows.qid)]
+    ordered = rows.assign(_key=keys).sort_values(["group", "_key"])
+    return ordered.groupby("group", sort=True).head(limit_per_group).drop(columns="_key").reset_index(drop=True)
+
+
+@dataclass
+class Example:
+    """One record ready to encode: the request's state, one question, its target."""
+
+    state: object
+    question: dict
+    qid: str
+    target: list[float]
+
+
+class RecordReader:
+    """Turns record rows into examples, decoding each image file once."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self._images: dict[str, Image.Image] = {}
+
+    def state(self, row) -> object:
+        state = json.loads(row["state"])
+        if row["image"] is not None and isinstance(row["image"], str):
+            if row["image"] not in self._images:
+                with Image.open(self.folder / row["image"]) as image:
+                    self._images[row["image"]] = image.convert("RGB")
+            state = {**state, "image": self._images[row["image"]]}
+        return state
+
+    def example(self, row) -> Example:
+        return Example(self.state(row), json.loads(row["question"]), row["qid"], list(row["target"]))
+
+
+def shuffled_choice(example: Example, rng: np.random.Generator) -> Example:
+    """Shuffle a choice question's candidates together with its target (training only)."""
+    question = example.question
+    if question["type"] != "choice":
+        return example
+    order = rng.permutation(len(example.target))
+    criteria = question["criteria"]
+    if isinstance(criteria, dict):
+        items = list(criteria.items())
+        criteria = {items[i][0]: items[i][1] for i in order}
+    else:
+        criteria = [criteria[i] for i in order]
+    return Example(example.state, {**question, "criteria": criteria}, example.qid,
+                   [example.target[i] for i in order])
+
+
+def encode_examples(template: Template, examples: list[Example], max_tokens: int):
+    """Encode examples (one question each) into rows, images and a [B, K] target tensor."""
+    rows: list[Row] = []
+    images: list[EncodedImage] = []
+    for example in examples:
+        request = parse_request(example.state, {example.qid: example.question}, template.reserved)
+        encoded = template.encode_image(request.image) if request.image is not None else None
+        rows.extend(template.encode(request, max_tokens, len(images), encoded))
+        if encoded is not None:
+            images.append(encoded)
+    width = max(len(row.markers) for row in rows)
+    targets = torch.zeros((len(rows), width))
+    for index, example in enumerate(examples):
+        if len(example.target) != len(rows[index].markers):
+            raise ValueError(f"row {example.qid!r}: {len(example.target)} target values for "
+                             f"{len(rows[index].markers)} candidates")
+        targets[index, : len(example.target)] = torch.tensor(example.target)
+    return rows, images, targets
+
+
+class GroupSampler:
+    """Microbatches drawn by absolute index: one group uniformly, then rows with replacement.
+
+    The generator is seeded by (seed, microbatch index), so a resumed run draws the same
+    stream as an uninterrupted one.
+    """
+
+    def __init__(self, rows: pd.DataFrame, seed: int, rows_per_microbatch: int, group_cap: int):
+        capped = hash_order(rows, group_cap, seed)
+        self.groups = sorted(capped.group.unique())
+        self.by_group = {group: capped[capped.group == group].reset_index(drop=True) for group in self.groups}
+        self.seed = seed
+        self.rows_per_microbatch = rows_per_microbatch
+
+    def draw(self, index: int):
+        """Returns (records DataFrame, numpy generator for per-row shuffles)."""
+        rng = np.random.default_rng([self.seed, index])
+        group = self.groups[int(rng.integers(len(self.groups)))]
+        table = self.by_group[group]
+        picks = rng.integers(len(table), size=self.rows_per_microbatch)
+        return table.iloc[picks], rng

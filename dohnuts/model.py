@@ -1,0 +1,152 @@
+"""The decision model: Qwen3.5 backbone without an LM head, LoRA, a float32 head at markers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .base import load_backbone
+from .config import LoraConfig
+from .template import Batch
+
+HEAD_KEY = "head.weight"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def default_device() -> torch.device:
+    """CUDA when present, else the CPU: the one execution policy picks the device, not a flag."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def language_forward(language_model, inputs_embeds, position_ids, attention_mask) -> torch.Tensor:
+    """The language forward: [B, T, D] embeddings -> [B, T, D] final (normed) hidden states.
+
+    Kept behind this one function so a faster runtime can replace it everywhere at once.
+    """
+    output = language_model(inputs_embeds=inputs_embeds, position_ids=position_ids,
+                            attention_mask=attention_mask, use_cache=False)
+    return output.last_hidden_state
+
+
+def image_features(visual, pixel_values, grid_thw) -> list[torch.Tensor]:
+    """Frozen vision tower: merged features per image, each [tokens, D]."""
+    with torch.no_grad():
+        output = visual(pixel_values.to(visual.dtype), grid_thw=grid_thw)
+    # transformers >= 5 returns a model output whose pooler_output holds the merged features.
+    merged = getattr(output, "pooler_output", output)
+    sizes = (grid_thw.prod(-1) // visual.spatial_merge_size**2).tolist()
+    return list(torch.split(merged, sizes))
+
+
+class DecisionModel(nn.Module):
+    """Scores every candidate of every row with one scalar logit.
+
+    `backbone` is a Hugging Face `Qwen3_5Model` (LoRA may be injected into its language
+    model); `head` is Linear(hidden, 1) in float32.
+    """
+
+    def __init__(self, backbone, head: nn.Linear):
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+        self.backbone.visual.requires_grad_(False)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.backbone.visual.eval()  # the vision tower is frozen and always in eval mode
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Args: batch on the model's device. Returns: logits [B, K] float32 (0 where masked)."""
+        language = self.backbone.language_model
+        embeds = language.get_input_embeddings()(batch.input_ids)
+        if batch.pixel_values is not None:
+            per_image = image_features(self.backbone.visual, batch.pixel_values, batch.image_grid_thw)
+            with_image = [index for index in batch.row_images.tolist() if index >= 0]
+            rows = torch.cat([per_image[index] for index in with_image]).to(embeds.dtype)
+            slots = (batch.input_ids == self.backbone.config.image_token_id).unsqueeze(-1)
+            embeds = embeds.masked_scatter(slots, rows)
+        hidden = language_forward(language, embeds, batch.position_ids, batch.attention_mask)
+        picked = torch.gather(hidden, 1, batch.markers.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        logits = self.head(picked.float()).squeeze(-1)  # [B, K]
+        return logits.masked_fill(~batch.candidate_mask, 0.0)
+
+
+def new_head(hidden_size: int, std: float, generator: torch.Generator | None = None) -> nn.Linear:
+    head = nn.Linear(hidden_size, 1, bias=False, dtype=torch.float32)
+    with torch.no_grad():
+        head.weight.normal_(0.0, std, generator=generator)
+    return head
+
+
+def lora_target_pattern(targets) -> str:
+    """peft target regex: the listed projections of the language model only, never vision."""
+    return rf".*language_model\.layers\.\d+\.(self_attn|linear_attn|mlp)\.({'|'.join(targets)})"
+
+
+def with_lora(backbone, lora: LoraConfig, seed: int):
+    """Inject LoRA adapters into the language model (in place); returns the peft model."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    torch.manual_seed(seed)  # LoRA A matrices are initialised from the global generator
+    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, bias="none",
+                            target_modules=lora_target_pattern(lora.targets))
+    return get_peft_model(backbone, config)
+
+
+def build_training_model(base: Path, dtype: str, lora: LoraConfig, head_std: float, seed: int):
+    """A fresh trainable model: base backbone, new LoRA, new head. Returns (model, peft_model)."""
+    backbone = load_backbone(base, DTYPES[dtype])
+    peft_model = with_lora(backbone, lora, seed)
+    generator = torch.Generator().manual_seed(seed)
+    head = new_head(backbone.config.text_config.hidden_size, head_std, generator)
+    return DecisionModel(peft_model.get_base_model(), head), peft_model
+
+
+def adapter_state(model: DecisionModel, peft_model) -> dict[str, torch.Tensor]:
+    """The trainable weights (LoRA and head) under stable names."""
+    from peft import get_peft_model_state_dict
+
+    state = {f"lora.{key}": value.detach().float().contiguous()
+             for key, value in get_peft_model_state_dict(peft_model).items()}
+    state[HEAD_KEY] = model.head.weight.detach().float().contiguous()
+    return state
+
+
+def save_adapter(path: Path, model: DecisionModel, peft_model) -> None:
+    save_file(adapter_state(model, peft_model), str(path))
+
+
+def load_adapter(path: Path, model: DecisionModel, peft_model) -> None:
+    """Load LoRA and head weights, refusing a file whose keys or shapes differ from the model's.
+
+    Raises:
+        ValueError: missing, unexpected or mis-shaped keys.
+    """
+    from peft import set_peft_model_state_dict
+
+    loaded = load_file(str(path))
+    expected = adapter_state(model, peft_model)
+    missing = sorted(set(expected) - set(loaded))
+    unexpected = sorted(set(loaded) - set(expected))
+    wrong = sorted(key for key in set(expected) & set(loaded) if expected[key].shape != loaded[key].shape)
+    if missing or unexpected or wrong:
+        shapes = [f"{key}: {tuple(loaded[key].shape)} vs {tuple(expected[key].shape)}" for key in wrong[:3]]
+        raise ValueError(
+            f"{path} does not fit this model: {len(missing)} missing keys {missing[:3]}, "
+            f"{len(unexpected)} unexpected keys {unexpected[:3]}, mis-shaped {shapes}"
+        )
+    lora = {key[len("lora."):]: value for key, value in loaded.items() if key.startswith("lora.")}
+    result = set_peft_model_state_dict(peft_model, lora)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"{path}: peft rejected keys {result.unexpected_keys[:3]}")
+    with torch.no_grad():
+        model.head.weight.copy_(loaded[HEAD_KEY])

@@ -1,0 +1,72 @@
+"""The RLCD + cross-entropy objective on candidate logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import ObjectiveConfig
+
+
+@dataclass
+class ObjectiveOutput:
+    loss: torch.Tensor  # scalar, differentiable in the logits
+    reward_mean: torch.Tensor  # scalar, no grad
+    cross_entropy: torch.Tensor  # scalar, no grad
+
+
+def _masked_log_softmax(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+
+
+def rlcd_loss(logits: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, ordinal: torch.Tensor,
+              config: ObjectiveConfig, generator: torch.Generator | None = None) -> ObjectiveOutput:
+    """RLCD with a cross-entropy term for one microbatch.
+
+    Args:
+        logits: mu [B, K] float32.
+        mask: [B, K] bool, valid candidates (a prefix of each row).
+        targets: [B, K] distributions over valid candidates, or [B] class indices.
+        ordinal: [B] bool, rows whose candidates are ordered levels (score questions).
+        config: the objective constants.
+        generator: source of the exploration noise (the global one when None); the noise
+            is exactly one randn((samples, B, K)) draw, before anything else.
+
+    Returns:
+        loss, reward mean and the cross-entropy term.
+    """
+    samples, sigma = config.samples, config.sigma
+    if targets.dim() == 1:
+        targets = torch.nn.functional.one_hot(targets, logits.shape[-1]).to(logits.dtype)
+    targets = targets.to(logits.dtype) * mask
+    valid = mask.to(logits.dtype)
+    noise = torch.randn((samples, *logits.shape), generator=generator, device=logits.device,
+                        dtype=logits.dtype) * sigma * valid
+    # Centre the noise over each row's valid candidates: a shift of all logits is no action.
+    noise = noise - noise.sum(-1, keepdim=True) / valid.sum(-1, keepdim=True) * valid
+    actions = (logits.detach() + noise).detach()  # [G, B, K]
+
+    with torch.no_grad():
+        log_p = _masked_log_softmax(actions, mask)
+        p = log_p.exp()
+        log_score = (targets * log_p.clamp(min=config.log_floor)).sum(-1)
+        spherical = (targets * p).sum(-1) / p.norm(dim=-1)
+        reward = config.log_weight * log_score + config.spherical_weight * spherical
+        reward = reward - config.ordinal_weight * ordinal.to(logits.dtype) * _rps(p, targets, mask)
+        advantage = reward - reward.mean(0, keepdim=True)
+        advantage = advantage / (advantage.std() + 1e-6)
+
+    log_pi = -0.5 * (((actions - logits) / sigma) ** 2 * valid).sum(-1)  # [G, B]
+    policy = -(advantage * log_pi).mean()
+    cross_entropy = -(targets * _masked_log_softmax(logits, mask).masked_fill(~mask, 0.0)).sum(-1).mean()
+    loss = policy + config.ce_weight * cross_entropy
+    return ObjectiveOutput(loss, reward.mean(), cross_entropy.detach())
+
+
+def _rps(p: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Ranked probability score: mean over the first K-1 levels of squared CDF differences."""
+    levels = mask.sum(-1)  # [B]
+    cdf_gap = (p.cumsum(-1) - targets.cumsum(-1)) ** 2
+    inner = torch.arange(mask.shape[-1], device=mask.device) < (levels - 1).unsqueeze(-1)  # [B, K]
+    return (cdf_gap * inner).sum(-1) / (levels - 1).clamp(min=1)

@@ -1,0 +1,63 @@
+"""The public prediction API: a calibrated checkpoint answering typed questions about a state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .checkpoint import load_merged
+from .metrics import masked_softmax
+from .schema import answer, parse_request
+from .model import default_device
+
+
+class Predictor:
+    """Answers `predict(state, questions)` with calibrated probabilities in one forward pass."""
+
+    def __init__(self, model, template, model_config, temperatures: dict[str, float]):
+        self.model = model
+        self.template = template
+        self.config = model_config
+        self.temperatures = temperatures
+
+    @classmethod
+    def from_checkpoint(cls, path, device: str | torch.device | None = None) -> Predictor:
+        """Load the deployable checkpoint folder the calibrate stage writes (hashes verified)."""
+        device = torch.device(device) if device is not None else default_device()
+        model, template, config, temperatures = load_merged(Path(path), device, need_temperatures=True)
+        return cls(model, template, config, temperatures)
+
+    def encode(self, state, questions):
+        """Validate and encode a request into a batch. Returns (batch, request)."""
+        request = parse_request(state, questions, self.template.reserved)
+        image = self.template.encode_image(request.image) if request.image is not None else None
+        rows = self.template.encode(request, self.config.max_tokens, 0, image)
+        batch = self.template.collate(rows, [image] if image is not None else [])
+        return batch, request
+
+    @torch.no_grad()
+    def predict(self, state, questions) -> dict:
+        """Answer every question about `state`.
+
+        Args:
+            state: a string, or a mapping (rendered as JSON) with at most one PIL image
+                under "image".
+            questions: qid -> {"type": "choice" | "noul" | "score", "instructions", "criteria"}.
+
+        Returns:
+            {"answers": {qid: answer}, "usage": {"input_tokens", "images"}}; see
+            `dohnuts.schema.answer` for each answer's fields.
+
+        Raises:
+            TypeError, ValueError: invalid request (see `dohnuts.schema.parse_request`).
+        """
+        batch, request = self.encode(state, questions)
+        logits = self.model(batch.to(self.model.device)).double()
+        scale = torch.tensor([self.temperatures[q.kind] for q in request.questions],
+                             dtype=logits.dtype, device=logits.device)
+        probs = masked_softmax(logits, batch.candidate_mask.to(logits.device), scale).cpu()
+        answers = {q.qid: answer(q, probs[index, : len(q.labels)].tolist())
+                   for index, q in enumerate(request.questions)}
+        usage = {"input_tokens": int(batch.attention_mask.sum()), "images": int(request.image is not None)}
+        return {"answers": answers, "usage": usage}

@@ -1,0 +1,192 @@
+"""The decision request schema: validation, candidate rendering and answers."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from PIL import Image
+
+QUESTION_TYPES = ("choice", "noul", "score")
+MIN_CANDIDATES = 2
+MAX_CANDIDATES = 128
+NOUL_DEFAULTS = {
+    "false": "no, the statement does not hold",
+    "true": "yes, the statement holds",
+}
+
+
+@dataclass(frozen=True)
+class Question:
+    """One validated question: its labels and the candidate texts shown to the model."""
+
+    qid: str
+    kind: str
+    instructions: str
+    labels: tuple[str, ...]
+    candidates: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request: the rendered state text, an optional RGB image, its questions."""
+
+    state_text: str
+    image: Image.Image | None
+    questions: tuple[Question, ...]
+
+
+def parse_request(state, questions, reserved: Sequence[str] = ()) -> Request:
+    """Validate a request and render its state and candidates.
+
+    Args:
+        state: a string, or a mapping rendered as JSON without its "image" key, which may
+            hold one PIL image.
+        questions: a non-empty mapping qid -> {"type", "instructions", "criteria"}.
+        reserved: special-token strings no text may contain; the first is the candidate
+            marker.
+
+    Returns:
+        The Request.
+
+    Raises:
+        TypeError, ValueError: with a message naming the offending field.
+    """
+    state_text, image = _parse_state(state)
+    if not isinstance(questions, Mapping):
+        raise TypeError(f"questions must be a mapping qid -> question, got {type(questions).__name__}")
+    if not questions:
+        raise ValueError("questions is empty: a request needs at least one question")
+    parsed = tuple(_parse_question(qid, question) for qid, question in questions.items())
+    _reject_reserved("state", state_text, reserved)
+    for question in parsed:
+        _reject_reserved(f"question {question.qid!r} instructions", question.instructions, reserved)
+        for candidate in question.candidates:
+            _reject_reserved(f"question {question.qid!r} candidate", candidate, reserved)
+    return Request(state_text=state_text, image=image, questions=parsed)
+
+
+def _parse_state(state) -> tuple[str, Image.Image | None]:
+    if isinstance(state, str):
+        return state, None
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a string or a mapping, got {type(state).__name__}")
+    if "images" in state:
+        raise ValueError('state has an "images" key: at most one image goes under "image"')
+    for key in state:
+        if not isinstance(key, str):
+            raise TypeError(f"state keys must be strings, got {key!r}")
+    image = state.get("image")
+    if image is not None and not isinstance(image, Image.Image):
+        raise TypeError(f'state["image"] must be a decoded PIL image, got {type(image).__name__}')
+    rest = {key: value for key, value in state.items() if key != "image"}
+    try:
+        text = json.dumps(rest, ensure_ascii=False)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"state is not JSON-serialisable apart from its image: {error}") from None
+    return text, None if image is None else image.convert("RGB")
+
+
+def _parse_question(qid, question) -> Question:
+    if not isinstance(qid, str) or not qid:
+        raise TypeError(f"question ids must be non-empty strings, got {qid!r}")
+    if not isinstance(question, Mapping):
+        raise TypeError(f"question {qid!r} must be a mapping, got {type(question).__name__}")
+    unknown = set(question) - {"type", "instructions", "criteria"}
+    if unknown:
+        raise ValueError(f"question {qid!r} has unknown keys {sorted(unknown)}")
+    kind = question.get("type")
+    if kind not in QUESTION_TYPES:
+        raise ValueError(f"question {qid!r} has unknown type {kind!r}; expected one of {QUESTION_TYPES}")
+    instructions = question.get("instructions")
+    if not isinstance(instructions, str) or not instructions.strip():
+        raise TypeError(f"question {qid!r} needs non-empty string instructions, got {instructions!r}")
+    criteria = question.get("criteria")
+    labels, candidates = {"choice": _choice, "noul": _noul, "score": _score}[kind](qid, criteria)
+    if not MIN_CANDIDATES <= len(labels) <= MAX_CANDIDATES:
+        raise ValueError(
+            f"question {qid!r} has {len(labels)} candidates; "
+            f"between {MIN_CANDIDATES} and {MAX_CANDIDATES} are allowed"
+        )
+    return Question(qid, kind, instructions, tuple(labels), tuple(candidates))
+
+
+def _choice(qid, criteria):
+    if isinstance(criteria, Mapping):
+        labels, candidates = [], []
+        for key, description in criteria.items():
+            if not isinstance(key, str) or not isinstance(description, str):
+                raise TypeError(f"choice question {qid!r}: criteria mapping must be str -> str, got {key!r}: {description!r}")
+            labels.append(key)
+            candidates.append(f"{key}: {description}" if description else key)
+    elif isinstance(criteria, Sequence) and not isinstance(criteria, str):
+        for item in criteria:
+            if isinstance(item, bool) or not isinstance(item, (str, int, float)):
+                raise TypeError(f"choice question {qid!r}: criteria items must be strings or numbers, got {item!r}")
+        labels = [str(item) for item in criteria]
+        candidates = list(labels)
+    else:
+        raise TypeError(f"choice question {qid!r} needs criteria as a list or a mapping, got {criteria!r}")
+    duplicates = sorted({label for label in labels if labels.count(label) > 1})
+    if duplicates:
+        raise ValueError(f"choice question {qid!r} has duplicate labels {duplicates}")
+    return labels, candidates
+
+
+def _noul(qid, criteria):
+    descriptions = dict(NOUL_DEFAULTS)
+    if criteria is not None:
+        if not isinstance(criteria, Mapping):
+            raise TypeError(f'noul question {qid!r}: criteria must be a mapping with "false"/"true", got {criteria!r}')
+        unknown = set(criteria) - set(NOUL_DEFAULTS)
+        if unknown:
+            raise ValueError(f"noul question {qid!r}: criteria keys must be 'false'/'true', got {sorted(unknown)}")
+        for key, description in criteria.items():
+            if not isinstance(description, str):
+                raise TypeError(f"noul question {qid!r}: criteria[{key!r}] must be a string")
+            descriptions[key] = description
+    labels = ["false", "true"]
+    return labels, [f"{label}: {descriptions[label]}" for label in labels]
+
+
+def _score(qid, criteria):
+    if isinstance(criteria, str) or not isinstance(criteria, Sequence):
+        raise TypeError(f"score question {qid!r} needs criteria as an ordered list of level descriptions, got {criteria!r}")
+    for item in criteria:
+        if not isinstance(item, str):
+            raise TypeError(f"score question {qid!r}: level descriptions must be strings, got {item!r}")
+    labels = [str(level) for level in range(len(criteria))]
+    return labels, [f"level {level}: {text}" for level, text in enumerate(criteria)]
+
+
+def _reject_reserved(where: str, text: str, reserved: Sequence[str]) -> None:
+    for position, token in enumerate(reserved):
+        if token and token in text:
+            what = "the reserved candidate marker" if position == 0 else "the reserved special token"
+            raise ValueError(f"{where} contains {what} {token!r}")
+
+
+def answer(question: Question, probabilities: Sequence[float]) -> dict:
+    """The answer to one question from its calibrated candidate probabilities.
+
+    Args:
+        question: the validated question.
+        probabilities: [K] probabilities in candidate order.
+
+    Returns:
+        choice: {"type", "choice", "probabilities", "confidence"}; noul: {"type", "noul",
+        "probabilities", "confidence"}; score: {"type", "score", "probabilities", "confidence"}.
+    """
+    p = [float(value) for value in probabilities]
+    table = dict(zip(question.labels, p))
+    if question.kind == "noul":
+        return {"type": "noul", "noul": table["true"], "probabilities": table, "confidence": max(p)}
+    entropy = -sum(value * math.log(value) for value in p if value > 0)
+    confidence = 1.0 - entropy / math.log(len(p))
+    if question.kind == "choice":
+        best = max(range(len(p)), key=p.__getitem__)
+        return {"type": "choice", "choice": question.labels[best], "probabilities": table, "confidence": confidence}
+    expected = sum(level * value for level, value in enumerate(p))
+    return {"type": "score", "score": expected, "probabilities": table, "confidence": confidence}

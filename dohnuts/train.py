@@ -1,0 +1,250 @@
+"""Training: RLCD + CE updates over seeded group-uniform microbatches, checkpoints and resume."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .base import load_processors
+from .config import LoraConfig, ModelConfig, TrainConfig, to_dict
+from .data import GroupSampler, RecordReader, encode_examples, load_records, shuffled_choice
+from .io import IntegrityError, atomic_directory, read_json, verify_manifest, write_bytes, write_json, write_manifest
+from .model import build_training_model, default_device, load_adapter, save_adapter
+from .objective import rlcd_loss
+from .schedule import lr_factor
+from .template import Template
+
+ADAPTER = "adapter.safetensors"
+LOG_FIELDS = ("step", "loss", "reward", "cross_entropy", "accuracy", "lr", "grad_norm", "seconds")
+
+
+@dataclass(frozen=True)
+class TrainRun:
+    """Everything one training run depends on."""
+
+    model: ModelConfig
+    lora: LoraConfig
+    train: TrainConfig
+    seed: int
+    base: Path
+    data: Path
+    out: Path
+    parent: Path | None = None  # verified unmerged LoRA/head weights to start from
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def resolved_config(run: TrainRun) -> dict:
+    """The configuration written beside every checkpoint."""
+    return {"model": to_dict(run.model), "lora": to_dict(run.lora), "train": to_dict(run.train),
+            "seed": run.seed, "init": "checkpoint" if run.parent else "base"}
+
+
+def _fingerprint(run: TrainRun) -> str:
+    """Identity of a run for resuming: everything but the step budget, which may grow."""
+    config = resolved_config(run)
+    config["train"] = {key: value for key, value in config["train"].items() if key != "steps"}
+    inputs = [read_json(run.data / "manifest.json")["files"], read_json(run.base / "manifest.json")["files"]]
+    if run.parent:
+        inputs.append(read_json(run.parent / "manifest.json")["files"])
+    return hashlib.sha256(json.dumps([config, inputs], sort_keys=True).encode()).hexdigest()
+
+
+def verify_parent(parent: Path) -> Path:
+    """The parent's adapter file after checking every SHA-256 of its manifest.
+
+    Raises:
+        FileNotFoundError: no parent checkpoint there; IntegrityError: a hash differs.
+    """
+    parent = Path(parent)
+    if not (parent / ADAPTER).is_file():
+        raise FileNotFoundError(
+            f"init: checkpoint needs a parent checkpoint in {parent}, but it holds no {ADAPTER}; "
+            f"publish one first (python stages/publish.py --source runs/select/adapter --target {parent})"
+        )
+    verify_manifest(parent, required=(ADAPTER,))
+    return parent / ADAPTER
+
+
+class Trainer:
+    """Owns the model, optimizer, samplers and RNG of one run; `run()` trains to the budget."""
+
+    def __init__(self, run: TrainRun):
+        self.run = run
+        self.device = default_device()
+        torch.manual_seed(run.seed)
+        self.model, self.peft_model = build_training_model(
+            run.base, run.model.dtype, run.lora, run.train.head_init_std, run.seed)
+        if run.parent:
+            load_adapter(verify_parent(run.parent), self.model, self.peft_model)
+        self.model.to(self.device)
+        if run.train.activation_checkpointing:
+            self.model.backbone.language_model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        tokenizer, processor = load_processors(run.base, run.model)
+        self.template = Template(tokenizer, processor, run.model.marker_token)
+        self.reader = RecordReader(run.data)
+        self.sampler = GroupSampler(load_records(run.data, "train"), run.seed,
+                                    run.train.rows_per_microbatch, run.train.group_cap)
+        lora_params = [p for n, p in self.model.backbone.named_parameters() if p.requires_grad]
+        config = run.train
+        self.optimizer = torch.optim.AdamW(
+            [{"params": lora_params, "lr": config.lora_lr}, {"params": [self.model.head.weight], "lr": config.head_lr}],
+            weight_decay=config.weight_decay)
+        self.base_lrs = [config.lora_lr, config.head_lr]
+        self.noise = torch.Generator(device=self.device).manual_seed(run.seed)
+        self.update = 0
+        self.log: list[dict] = []
+        self.fingerprint = _fingerprint(run)
+
+    # -- persistence -------------------------------------------------------------------
+
+    def save_checkpoint(self) -> None:
+        folder = self.run.out / "checkpoints" / checkpoint_name(self.update)
+        with atomic_directory(folder) as tmp:
+            save_adapter(tmp / ADAPTER, self.model, self.peft_model)
+            write_json(tmp / "config.json", resolved_config(self.run))
+            write_manifest(tmp, {"step": self.update, "fingerprint": self.fingerprint})
+
+    def save_state(self) -> None:
+        """Everything needed to continue exactly: weights, optimizer, RNG, update count, log."""
+        with atomic_directory(self.run.out / "state") as tmp:
+            save_adapter(tmp / ADAPTER, self.model, self.peft_model)
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save({"torch": torch.get_rng_state(), "noise": self.noise.get_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                        "python": random.getstate(), "numpy": np.random.get_state()}, tmp / "rng.pt")
+            write_json(tmp / "progress.json", {"update": self.update, "fingerprint": self.fingerprint, "log": self.log})
+            write_manifest(tmp)
+
+    def try_resume(self) -> bool:
+        """Restore the saved state if it belongs to this run; False when there is none to use."""
+        state = self.run.out / "state"
+        if not (state / "progress.json").is_file():
+            return False
+        try:
+            verify_manifest(state)
+        except IntegrityError:
+            return False
+        progress = read_json(state / "progress.json")
+        if progress["fingerprint"] != self.fingerprint:
+            return False
+        if progress["update"] > self.run.train.steps:
+            raise ValueError(f"the saved run reached update {progress['update']}, beyond train.steps = "
+                             f"{self.run.train.steps}; only the step budget may grow on resume")
+        load_adapter(state / ADAPTER, self.model, self.peft_model)
+        self.optimizer.load_state_dict(torch.load(state / "optimizer.pt", map_location=self.device))
+        rng = torch.load(state / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        self.noise.set_state(rng["noise"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        self.update, self.log = progress["update"], progress["log"]
+        return True
+
+    def write_log(self) -> None:
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=LOG_FIELDS)
+        writer.writeheader()
+        writer.writerows(self.log)
+        write_bytes(self.run.out / "log.csv", buffer.getvalue().encode())
+
+    # -- training ----------------------------------------------------------------------
+
+    def set_lr(self) -> float:
+        config = self.run.train
+        factor = lr_factor(self.update, config.steps, config.horizon_cap, config.warmup_fraction, config.lr_floor)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * factor
+        return factor
+
+    def microbatch(self, index: int):
+        records, rng = self.sampler.draw(index)
+        examples = [shuffled_choice(self.reader.example(row), rng) for _, row in records.iterrows()]
+        rows, images, targets = encode_examples(self.template, examples, self.run.train.max_tokens)
+        batch = self.template.collate(rows, images).to(self.device)
+        ordinal = torch.tensor([row.question.kind == "score" for row in rows], device=self.device)
+        return batch, targets.to(self.device), ordinal
+
+    def step(self) -> dict:
+        """One update: several microbatches at one parameter snapshot, averaged, clipped once."""
+        started = time.perf_counter()
+        config = self.run.train
+        factor = self.set_lr()
+        self.model.train()
+        totals = {"loss": 0.0, "reward": 0.0, "cross_entropy": 0.0, "accuracy": 0.0}
+        for micro in range(config.microbatches_per_update):
+            batch, targets, ordinal = self.microbatch(self.update * config.microbatches_per_update + micro)
+            logits = self.model(batch)
+            out = rlcd_loss(logits, batch.candidate_mask, targets, ordinal, config.objective, self.noise)
+            if not torch.isfinite(out.loss):
+                raise FloatingPointError(f"non-finite loss {out.loss.item()} at update {self.update}, "
+                                         f"microbatch {micro}: aborting before the optimizer step")
+            (out.loss / config.microbatches_per_update).backward()
+            predicted = logits.detach().masked_fill(~batch.candidate_mask, float("-inf")).argmax(-1)
+            share = 1.0 / config.microbatches_per_update
+            totals["loss"] += out.loss.item() * share
+            totals["reward"] += out.reward_mean.item() * share
+            totals["cross_entropy"] += out.cross_entropy.item() * share
+            totals["accuracy"] += (predicted == targets.argmax(-1)).float().mean().item() * share
+        parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.update += 1
+        return {"step": self.update, **totals, "lr": factor * config.lora_lr,
+                "grad_norm": float(grad_norm), "seconds": time.perf_counter() - started}
+
+    def run_to_budget(self, on_update=None) -> None:
+        """Train until `train.steps` updates, checkpointing at 0, every `eval_every` and the end.
+
+        Args:
+            on_update: optional callback(update) after each update (progress, tests).
+        """
+        config = self.run.train
+        if self.update == 0:
+            self.save_checkpoint()
+            self.save_state()
+        bar = tqdm(total=config.steps, initial=self.update, desc="train", unit="update", dynamic_ncols=True)
+        while self.update < config.steps:
+            record = self.step()
+            self.log.append(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.2f}")
+            if self.update % config.eval_every == 0 or self.update == config.steps:
+                self.save_checkpoint()
+                self.save_state()
+                self.write_log()
+            if on_update is not None:
+                on_update(self.update)
+        bar.close()
+        self.write_log()
+
+
+def train(run: TrainRun, resume: bool, on_update=None) -> Trainer:
+    """Train a run; with `resume`, continue from its saved state when that state is this run's.
+
+    A fresh start clears the output folder first, so no checkpoint of another run survives.
+    """
+    trainer = Trainer(run)
+    if not (resume and trainer.try_resume()):
+        if run.out.exists():
+            shutil.rmtree(run.out)
+        run.out.mkdir(parents=True)
+    trainer.run_to_budget(on_update)
+    return trainer

@@ -1,0 +1,33 @@
+"""Stage merge: fold the selected LoRA adapter into the frozen base."""
+
+import os
+import sys
+
+# Stage scripts are named like stdlib modules (select, test): keep their folder off sys.path.
+sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+from pathlib import Path
+
+import click
+
+from dohnuts.config import read_params, section
+from dohnuts.pipeline import merge
+
+
+@click.command()
+@click.option("--params", "params_path", type=click.Path(exists=True, dir_okay=False), default="params.yaml",
+              show_default=True, help="Parameters file.")
+@click.option("--base", type=click.Path(exists=True, file_okay=False), default="runs/prepare/base", show_default=True)
+@click.option("--adapter", type=click.Path(exists=True, file_okay=False), default="runs/select/adapter",
+              show_default=True, help="Selected checkpoint folder.")
+@click.option("--out", type=click.Path(file_okay=False), default="runs/merge/model", show_default=True,
+              help="Merged model folder (backbone, head, tokenizer, processor, manifest).")
+def main(params_path, base, adapter, out):
+    """Write the merged model; its logits equal the unmerged model's within tolerance."""
+    params = read_params(params_path)
+    merge(Path(base), Path(adapter), section(params, "model"), section(params, "lora"), Path(out))
+    click.echo(f"merged model written to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Stage prepare: build or fetch the base model and generate the decision mixture."""
+
+import os
+import sys
+
+# Stage scripts are named like stdlib modules (select, test): keep their folder off sys.path.
+sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+from pathlib import Path
+
+import click
+
+from dohnuts.config import read_params, section
+from dohnuts.io import write_json
+from dohnuts.prepare import prepare
+
+
+@click.command()
+@click.option("--params", "params_path", type=click.Path(exists=True, dir_okay=False), default="params.yaml",
+              show_default=True, help="Parameters file.")
+@click.option("--base-out", type=click.Path(file_okay=False), default="runs/prepare/base", show_default=True,
+              help="Folder for the base model (Hugging Face format).")
+@click.option("--data-out", type=click.Path(file_okay=False), default="runs/prepare/data", show_default=True,
+              help="Folder for the mixture (records.parquet, images/, manifest.json).")
+@click.option("--summary", type=click.Path(dir_okay=False), default="runs/prepare/summary.json", show_default=True,
+              help="Row and state counts per partition and group.")
+def main(params_path, base_out, data_out, summary):
+    """Write the base model and the partitioned decision mixture, each with a SHA-256 manifest."""
+    params = read_params(params_path)
+    counts = prepare(section(params, "model"), section(params, "data"), Path(base_out), Path(data_out))
+    write_json(Path(summary), counts)
+    click.echo(" ".join(f"{name}={value['rows']} rows" for name, value in counts.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""Stage test: raw and calibrated metrics of the deployable checkpoint on the test partition."""
+
+import os
+import sys
+
+# Stage scripts are named like stdlib modules (select, test): keep their folder off sys.path.
+sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+from pathlib import Path
+
+import click
+
+from dohnuts.config import read_params, section
+from dohnuts.io import write_json
+from dohnuts.pipeline import test, write_parquet
+
+
+@click.command()
+@click.option("--params", "params_path", type=click.Path(exists=True, dir_okay=False), default="params.yaml",
+              show_default=True, help="Parameters file.")
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), default="runs/calibrate/checkpoint",
+              show_default=True, help="Deployable checkpoint folder.")
+@click.option("--data", type=click.Path(exists=True, file_okay=False), default="runs/prepare/data", show_default=True)
+@click.option("--predictions", type=click.Path(dir_okay=False), default="runs/test/predictions.parquet",
+              show_default=True, help="Per-example predictions.")
+@click.option("--metrics", type=click.Path(dir_okay=False), default="runs/test/metrics.json", show_default=True)
+def main(params_path, checkpoint, data, predictions, metrics):
+    """Accuracy, soft accuracy, NLL, Brier, ECE, RPS and MAE per group and macro."""
+    params = read_params(params_path)
+    table, result = test(Path(checkpoint), Path(data), section(params, "test"))
+    write_parquet(Path(predictions), table)
+    write_json(Path(metrics), result)
+    macro = result["calibrated"]["macro"]
+    click.echo(f"test macro accuracy {macro['accuracy']:.4f} (chance {macro['chance']:.4f}), nll {macro['nll']:.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Stage train: LoRA + head training with the RLCD + cross-entropy objective."""
+
+import os
+import sys
+
+# Stage scripts are named like stdlib modules (select, test): keep their folder off sys.path.
+sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
+
+from pathlib import Path
+
+import click
+
+from dohnuts.config import init_mode, read_params, section
+from dohnuts.train import TrainRun, train
+
+
+@click.command()
+@click.option("--params", "params_path", type=click.Path(exists=True, dir_okay=False), default="params.yaml",
+              show_default=True, help="Parameters file.")
+@click.option("--base", type=click.Path(exists=True, file_okay=False), default="runs/prepare/base", show_default=True,
+              help="Base model folder from prepare.")
+@click.option("--data", type=click.Path(exists=True, file_okay=False), default="runs/prepare/data", show_default=True,
+              help="Mixture folder from prepare.")
+@click.option("--parent", type=click.Path(file_okay=False), default="data/parent", show_default=True,
+              help="Parent checkpoint folder, used when params init is 'checkpoint'.")
+@click.option("--out", type=click.Path(file_okay=False), default="runs/train", show_default=True,
+              help="Output folder: checkpoints/, state/, log.csv.")
+@click.option("--resume/--no-resume", default=False, show_default=True,
+              help="Continue from the saved state in --out when it belongs to this configuration.")
+def main(params_path, base, data, parent, out, resume):
+    """Train; write checkpoints at step 0, every train.eval_every updates and at the end."""
+    params = read_params(params_path)
+    run = TrainRun(
+        model=section(params, "model"), lora=section(params, "lora"), train=section(params, "train"),
+        seed=int(params.get("seed", 0)), base=Path(base), data=Path(data), out=Path(out),
+        parent=Path(parent) if init_mode(params) == "checkpoint" else None,
+    )
+    try:
+        trainer = train(run, resume=resume)
+    except (FileNotFoundError, ValueError) as error:  # no parent, bad hash, or keys that do not fit
+        raise click.ClickException(str(error)) from None
+    click.echo(f"trained to update {trainer.update}; checkpoints in {out}/checkpoints")
+
+
+if __name__ == "__main__":
+    main()
