@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from PIL import Image
 
-from .io import write_bytes, write_manifest
+from .io import atomic_directory, verify_manifest, write_bytes, write_manifest
 from .schema import parse_request
 from .template import EncodedImage, Row, Template
 
@@ -38,14 +38,35 @@ def assign_partition(seed: int, group: str, state_id: str, fractions: dict) -> s
     return PARTITIONS[-1]
 
 
-def write_mixture(states, out: Path, seed: int, fractions: dict) -> dict:
-    """Write synthetic states as one row per question, images as PNG files, and a manifest.
+def write_partition(records: list[dict], images: dict[str, bytes], out: Path, partition: str) -> dict:
+    """Write one partition folder atomically: records.parquet, images/*.png and a manifest.
 
     Returns:
-        The manifest (file hashes plus row and state counts per partition and group).
+        Row, state and per-group row counts.
     """
-    out = Path(out)
-    records = []
+    table = pd.DataFrame.from_records(records)
+    counts = {"rows": len(table), "states": int(table.state_id.nunique()) if len(table) else 0,
+              "groups": {g: int(n) for g, n in table.group.value_counts().sort_index().items()} if len(table) else {}}
+    with atomic_directory(out) as tmp:
+        for name in sorted({record["image"] for record in records if record["image"]}):
+            write_bytes(tmp / name, images[name])
+        buffer = io.BytesIO()
+        table.to_parquet(buffer, index=False)
+        write_bytes(tmp / RECORDS, buffer.getvalue())
+        write_manifest(tmp, {"partition": partition, "counts": counts})
+    return counts
+
+
+def write_mixture(states, root: Path, seed: int, fractions: dict) -> dict:
+    """Write synthetic states, one row per question, into one folder per partition under `root`.
+
+    Each partition has its own folder so the pipeline graph shows which stage reads which.
+
+    Returns:
+        partition -> row, state and per-group row counts.
+    """
+    records: dict[str, list[dict]] = {name: [] for name in PARTITIONS}
+    images: dict[str, bytes] = {}
     for state in states:
         value, image_name = state.state, None
         if isinstance(value, dict) and "image" in value:
@@ -53,39 +74,29 @@ def write_mixture(states, out: Path, seed: int, fractions: dict) -> dict:
             value["image"].save(buffer, format="PNG")
             data = buffer.getvalue()
             image_name = f"images/{hashlib.sha256(data).hexdigest()[:32]}.png"
-            write_bytes(out / image_name, data)
+            images[image_name] = data
             value = {key: item for key, item in value.items() if key != "image"}
         partition = assign_partition(seed, state.group, state.state_id, fractions)
         for qid, question in state.questions.items():
-            records.append({
+            records[partition].append({
                 "group": state.group, "state_id": state.state_id, "partition": partition,
                 "state": json.dumps(value, ensure_ascii=False), "image": image_name, "qid": qid,
                 "question": json.dumps(question, ensure_ascii=False),
                 "target": [float(x) for x in state.targets[qid]],
             })
-    table = pd.DataFrame.from_records(records)
-    buffer = io.BytesIO()
-    table.to_parquet(buffer, index=False)
-    write_bytes(out / RECORDS, buffer.getvalue())
-    counts = {
-        partition: {
-            "rows": int((table.partition == partition).sum()),
-            "states": int(table[table.partition == partition].state_id.nunique()),
-            "groups": {group: int(n) for group, n in table[table.partition == partition].group.value_counts().sort_index().items()},
-        }
-        for partition in PARTITIONS
-    }
-    return write_manifest(out, {"counts": counts})
+    return {name: write_partition(records[name], images, Path(root) / name, name) for name in PARTITIONS}
 
 
-def load_records(folder: Path, partition: str) -> pd.DataFrame:
-    """The rows of one partition, in a stable order."""
-    table = pd.read_parquet(Path(folder) / RECORDS)
-    if partition not in PARTITIONS:
-        raise ValueError(f"unknown partition {partition!r}; expected one of {PARTITIONS}")
-    rows = table[table.partition == partition].reset_index(drop=True)
+def load_records(folder: Path) -> pd.DataFrame:
+    """The rows of one partition folder (SHA-256 verified), in a stable order.
+
+    Raises:
+        IntegrityError: a file differs from the manifest; ValueError: no rows.
+    """
+    verify_manifest(folder, required=(RECORDS,))
+    rows = pd.read_parquet(Path(folder) / RECORDS).reset_index(drop=True)
     if rows.empty:
-        raise ValueError(f"{folder}/{RECORDS} has no rows in partition {partition!r}")
+        raise ValueError(f"{folder}/{RECORDS} has no rows: use more data.states_per_group")
     return rows
 
 

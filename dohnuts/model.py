@@ -63,8 +63,8 @@ class DecisionModel(nn.Module):
     def device(self) -> torch.device:
         return self.head.weight.device
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Args: batch on the model's device. Returns: logits [B, K] float32 (0 where masked)."""
+    def hidden_states(self, batch: Batch) -> torch.Tensor:
+        """Final hidden states [B, T, D] of a batch on the model's device."""
         language = self.backbone.language_model
         embeds = language.get_input_embeddings()(batch.input_ids)
         if batch.pixel_values is not None:
@@ -73,7 +73,11 @@ class DecisionModel(nn.Module):
             rows = torch.cat([per_image[index] for index in with_image]).to(embeds.dtype)
             slots = (batch.input_ids == self.backbone.config.image_token_id).unsqueeze(-1)
             embeds = embeds.masked_scatter(slots, rows)
-        hidden = language_forward(language, embeds, batch.position_ids, batch.attention_mask)
+        return language_forward(language, embeds, batch.position_ids, batch.attention_mask)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Args: batch on the model's device. Returns: logits [B, K] float32 (0 where masked)."""
+        hidden = self.hidden_states(batch)
         picked = torch.gather(hidden, 1, batch.markers.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
         logits = self.head(picked.float()).squeeze(-1)  # [B, K]
         return logits.masked_fill(~batch.candidate_mask, 0.0)

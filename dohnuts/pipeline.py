@@ -49,7 +49,7 @@ def select(checkpoints: Path, base: Path, data: Path, model: ModelConfig, lora: 
     tokenizer, processor = load_processors(base, model)
     template = Template(tokenizer, processor, model.marker_token)
     reader = RecordReader(data)
-    dev = hash_order(load_records(data, "dev"), config.dev_rows_per_group)
+    dev = hash_order(load_records(data), config.dev_rows_per_group)
     table = []
     for folder in folders:
         decision, _ = _adapter_model(base, model, lora, folder, device)
@@ -84,7 +84,7 @@ def calibrate(merged: Path, data: Path, config: CalibrateConfig, out: Path) -> d
     write the deployable checkpoint to `out`. Returns the metrics dict."""
     device = default_device()
     model, template, model_config, _ = load_merged(merged, device)
-    rows = load_records(data, "calibration")
+    rows = load_records(data)
     table = evaluate(model, template, RecordReader(data), rows, config.batch_rows, model_config.max_tokens,
                      desc="calibrate")
     logits, mask, targets = padded(table)
@@ -111,7 +111,7 @@ def test(checkpoint: Path, data: Path, config: TestConfig) -> tuple[pd.DataFrame
     from .predict import Predictor
 
     predictor = Predictor.from_checkpoint(checkpoint)
-    rows = load_records(data, "test")
+    rows = load_records(data)
     table = evaluate(predictor.model, predictor.template, RecordReader(data), rows, config.batch_rows,
                      predictor.config.max_tokens, desc="test")
     _, raw = score_table(table)

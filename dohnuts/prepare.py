@@ -11,16 +11,14 @@ from .data import write_mixture
 from .io import atomic_directory, write_manifest
 
 
-def prepare(model: ModelConfig, data: DataConfig, base_out: Path, data_out: Path) -> dict:
-    """Write the base (HF format) to `base_out` and the mixture to `data_out`, atomically.
+def prepare(model: ModelConfig, data: DataConfig, base_out: Path, data_root: Path) -> dict:
+    """Write the base (HF format) to `base_out` and one folder per partition under `data_root`.
 
     Returns:
-        The mixture manifest's counts per partition.
+        Row, state and group counts per partition.
     """
     with atomic_directory(base_out) as tmp:
         prepare_base(model, tmp, synthetic.corpus(data.seed))
         write_manifest(tmp, {"model": to_dict(model)})
-    with atomic_directory(data_out) as tmp:
-        states = synthetic.generate(data.seed, data.states_per_group, data.image_size)
-        manifest = write_mixture(states, tmp, data.seed, data.partitions)
-    return manifest["counts"]
+    states = synthetic.generate(data.seed, data.states_per_group, data.image_size)
+    return write_mixture(states, data_root, data.seed, data.partitions)

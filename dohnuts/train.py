@@ -92,12 +92,14 @@ class Trainer:
             load_adapter(verify_parent(run.parent), self.model, self.peft_model)
         self.model.to(self.device)
         if run.train.activation_checkpointing:
-            self.model.backbone.language_model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
+            language = self.model.backbone.language_model
+            # transformers renamed the switch; 5.17 (the GPU machine) only has the old name.
+            enable = getattr(language, "activation_checkpointing_enable", None) or language.gradient_checkpointing_enable
+            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         tokenizer, processor = load_processors(run.base, run.model)
         self.template = Template(tokenizer, processor, run.model.marker_token)
         self.reader = RecordReader(run.data)
-        self.sampler = GroupSampler(load_records(run.data, "train"), run.seed,
+        self.sampler = GroupSampler(load_records(run.data), run.seed,
                                     run.train.rows_per_microbatch, run.train.group_cap)
         lora_params = [p for n, p in self.model.backbone.named_parameters() if p.requires_grad]
         config = run.train

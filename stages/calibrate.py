@@ -19,7 +19,8 @@ from dohnuts.pipeline import calibrate
 @click.option("--params", "params_path", type=click.Path(exists=True, dir_okay=False), default="params.yaml",
               show_default=True, help="Parameters file.")
 @click.option("--merged", type=click.Path(exists=True, file_okay=False), default="runs/merge/model", show_default=True)
-@click.option("--data", type=click.Path(exists=True, file_okay=False), default="runs/prepare/data", show_default=True)
+@click.option("--data", type=click.Path(exists=True, file_okay=False), default="runs/prepare/calibration", show_default=True,
+              help="The calibration partition folder.")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/calibrate/checkpoint", show_default=True,
               help="Deployable checkpoint folder (loads with dohnuts.Predictor.from_checkpoint).")
 @click.option("--metrics", type=click.Path(dir_okay=False), default="runs/calibrate/metrics.json", show_default=True)

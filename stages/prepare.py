@@ -20,14 +20,14 @@ from dohnuts.prepare import prepare
               show_default=True, help="Parameters file.")
 @click.option("--base-out", type=click.Path(file_okay=False), default="runs/prepare/base", show_default=True,
               help="Folder for the base model (Hugging Face format).")
-@click.option("--data-out", type=click.Path(file_okay=False), default="runs/prepare/data", show_default=True,
-              help="Folder for the mixture (records.parquet, images/, manifest.json).")
+@click.option("--data-root", type=click.Path(file_okay=False), default="runs/prepare", show_default=True,
+              help="Root of the partition folders train/, dev/, calibration/, test/.")
 @click.option("--summary", type=click.Path(dir_okay=False), default="runs/prepare/summary.json", show_default=True,
               help="Row and state counts per partition and group.")
-def main(params_path, base_out, data_out, summary):
+def main(params_path, base_out, data_root, summary):
     """Write the base model and the partitioned decision mixture, each with a SHA-256 manifest."""
     params = read_params(params_path)
-    counts = prepare(section(params, "model"), section(params, "data"), Path(base_out), Path(data_out))
+    counts = prepare(section(params, "model"), section(params, "data"), Path(base_out), Path(data_root))
     write_json(Path(summary), counts)
     click.echo(" ".join(f"{name}={value['rows']} rows" for name, value in counts.items()))
 

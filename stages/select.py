@@ -21,7 +21,8 @@ from dohnuts.pipeline import select
 @click.option("--checkpoints", type=click.Path(exists=True, file_okay=False), default="runs/train/checkpoints",
               show_default=True, help="Folder of step-* checkpoints from train.")
 @click.option("--base", type=click.Path(exists=True, file_okay=False), default="runs/prepare/base", show_default=True)
-@click.option("--data", type=click.Path(exists=True, file_okay=False), default="runs/prepare/data", show_default=True)
+@click.option("--data", type=click.Path(exists=True, file_okay=False), default="runs/prepare/dev", show_default=True,
+              help="The dev partition folder.")
 @click.option("--adapter-out", type=click.Path(file_okay=False), default="runs/select/adapter", show_default=True,
               help="Folder for the selected checkpoint.")
 @click.option("--table-out", type=click.Path(dir_okay=False), default="runs/select/selection.parquet",

@@ -20,7 +20,8 @@ from dohnuts.pipeline import test, write_parquet
               show_default=True, help="Parameters file.")
 @click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), default="runs/calibrate/checkpoint",
               show_default=True, help="Deployable checkpoint folder.")
-@click.option("--data", type=click.Path(exists=True, file_okay=False), default="runs/prepare/data", show_default=True)
+@click.option("--data", type=click.Path(exists=True, file_okay=False), default="runs/prepare/test", show_default=True,
+              help="The test partition folder.")
 @click.option("--predictions", type=click.Path(dir_okay=False), default="runs/test/predictions.parquet",
               show_default=True, help="Per-example predictions.")
 @click.option("--metrics", type=click.Path(dir_okay=False), default="runs/test/metrics.json", show_default=True)

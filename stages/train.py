@@ -19,8 +19,8 @@ from dohnuts.train import TrainRun, train
               show_default=True, help="Parameters file.")
 @click.option("--base", type=click.Path(exists=True, file_okay=False), default="runs/prepare/base", show_default=True,
               help="Base model folder from prepare.")
-@click.option("--data", type=click.Path(exists=True, file_okay=False), default="runs/prepare/data", show_default=True,
-              help="Mixture folder from prepare.")
+@click.option("--data", type=click.Path(exists=True, file_okay=False), default="runs/prepare/train", show_default=True,
+              help="The train partition folder.")
 @click.option("--parent", type=click.Path(file_okay=False), default="data/parent", show_default=True,
               help="Parent checkpoint folder, used when params init is 'checkpoint'.")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/train", show_default=True,

@@ -1,0 +1,123 @@
+"""The decision model against Hugging Face's Qwen3_5Model, LoRA placement and adapter files."""
+
+import inspect
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+from dohnuts.base import load_backbone
+from dohnuts.config import LoraConfig
+from dohnuts.model import DecisionModel, build_training_model, load_adapter, new_head, save_adapter
+from dohnuts.schema import parse_request
+
+TOLERANCE = 1e-4  # float32, max abs error on final hidden states
+
+
+def _image() -> Image.Image:
+    image = Image.new("RGB", (64, 48), "white")
+    image.paste((220, 20, 20), (8, 8, 40, 40))
+    return image
+
+
+def _rows(template):
+    """One image request with two questions and one text request: three rows of unequal length."""
+    questions = {
+        "colour": {"type": "choice", "instructions": "What colour is the square?", "criteria": ["red", "green", "blue"]},
+        "big": {"type": "noul", "instructions": "Is it big?"},
+    }
+    image_request = parse_request({"note": "a square", "image": _image()}, questions, template.reserved)
+    encoded = template.encode_image(image_request.image)
+    rows = template.encode(image_request, 4096, 0, encoded)
+    text_request = parse_request("Customer: I was billed twice.", {
+        "urgent": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "high", "critical"]}},
+        template.reserved)
+    rows += template.encode(text_request, 4096)
+    return rows, [encoded]
+
+
+def _hugging_face_hidden(backbone, row, image):
+    """Reference: Hugging Face's own forward (and its own M-RoPE positions) on one unpadded row."""
+    ids = torch.tensor([row.input_ids])
+    kwargs = {}
+    if row.image is not None:
+        kwargs = {"pixel_values": image.pixel_values, "image_grid_thw": image.grid_thw}
+        if "mm_token_type_ids" in inspect.signature(backbone.forward).parameters:
+            kwargs["mm_token_type_ids"] = (ids == backbone.config.image_token_id).int()
+    return backbone(input_ids=ids, use_cache=False, **kwargs).last_hidden_state[0]
+
+
+def test_forward_matches_hugging_face_with_images_and_padding(tiny):
+    template = tiny.template()
+    backbone = load_backbone(tiny.base, torch.float32).eval()
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
+    rows, images = _rows(template)
+    batch = template.collate(rows, images)
+    lengths = batch.attention_mask.sum(-1)
+    assert lengths.min() < lengths.max()  # padding is exercised
+    with torch.no_grad():
+        ours = model.hidden_states(batch)
+        for index, row in enumerate(rows):
+            reference = _hugging_face_hidden(backbone, row, images[0])
+            length = len(row.input_ids)
+            error = (ours[index, :length] - reference).abs().max().item()
+            assert error <= TOLERANCE, f"row {index}: max abs error {error}"
+
+
+def test_logits_are_read_at_the_markers(tiny):
+    template = tiny.template()
+    backbone = load_backbone(tiny.base, torch.float32).eval()
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
+    rows, images = _rows(template)
+    batch = template.collate(rows, images)
+    with torch.no_grad():
+        hidden = model.hidden_states(batch)
+        logits = model(batch)
+    for index, row in enumerate(rows):
+        expected = model.head(hidden[index, list(row.markers)]).squeeze(-1)
+        torch.testing.assert_close(logits[index, : len(row.markers)], expected)
+        assert (logits[index, len(row.markers):] == 0).all()
+
+
+def test_lora_targets_only_the_language_model(tiny):
+    model, peft_model = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
+    adapted = {name.rsplit(".lora_A", 1)[0] for name, _ in model.backbone.named_parameters() if ".lora_A" in name}
+    assert adapted and all(".language_model." in name or name.startswith("language_model.") for name in adapted)
+    layer_types = model.backbone.config.text_config.layer_types
+    # Gated delta-rule layers: 5 projections + 3 MLP; attention layers: 4 projections + 3 MLP.
+    expected = sum(8 if kind == "linear_attention" else 7 for kind in layer_types)
+    assert len(adapted) == expected
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert all("lora_" in name or name == "head.weight" for name in trainable)
+    assert "head.weight" in trainable
+
+
+def test_vision_tower_stays_frozen_and_in_eval_mode(tiny):
+    model, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
+    model.train()
+    assert not model.backbone.visual.training
+    assert not any(p.requires_grad for p in model.backbone.visual.parameters())
+    assert model.backbone.language_model.training
+
+
+def test_adapter_round_trip_and_refusal_of_foreign_keys_and_shapes(tiny, tmp_path):
+    model, peft_model = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
+    with torch.no_grad():
+        model.head.weight.fill_(0.5)
+    save_adapter(tmp_path / "a.safetensors", model, peft_model)
+    fresh, fresh_peft = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=1)
+    load_adapter(tmp_path / "a.safetensors", fresh, fresh_peft)
+    assert torch.equal(fresh.head.weight, model.head.weight)
+
+    state = load_file(str(tmp_path / "a.safetensors"))
+    key = next(k for k in state if "lora_A" in k)
+    save_file({**state, key: torch.zeros(3, 3)}, str(tmp_path / "shape.safetensors"))
+    with pytest.raises(ValueError, match="mis-shaped"):
+        load_adapter(tmp_path / "shape.safetensors", fresh, fresh_peft)
+    save_file({k: v for k, v in state.items() if k != key}, str(tmp_path / "missing.safetensors"))
+    with pytest.raises(ValueError, match="1 missing keys"):
+        load_adapter(tmp_path / "missing.safetensors", fresh, fresh_peft)
+    save_file({**state, "lora.extra.weight": torch.zeros(1)}, str(tmp_path / "extra.safetensors"))
+    with pytest.raises(ValueError, match="1 unexpected keys"):
+        load_adapter(tmp_path / "extra.safetensors", fresh, fresh_peft)

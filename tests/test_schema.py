@@ -1,0 +1,97 @@
+"""Request validation, candidate rendering and answers."""
+
+import math
+
+import pytest
+from PIL import Image
+
+from dohnuts.schema import answer, parse_request
+
+RESERVED = ("<|fim_suffix|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
+NOUL = {"q": {"type": "noul", "instructions": "Is it red?"}}
+
+
+def test_choice_list_and_mapping_render_labels_and_candidates():
+    request = parse_request("s", {
+        "a": {"type": "choice", "instructions": "Pick", "criteria": ["red", 2]},
+        "b": {"type": "choice", "instructions": "Pick", "criteria": {"x": "the x one", "y": ""}},
+    }, RESERVED)
+    first, second = request.questions
+    assert first.labels == ("red", "2") and first.candidates == ("red", "2")
+    assert second.labels == ("x", "y") and second.candidates == ("x: the x one", "y")
+
+
+def test_noul_defaults_and_overrides():
+    request = parse_request("s", {
+        "d": {"type": "noul", "instructions": "Holds?"},
+        "o": {"type": "noul", "instructions": "Holds?", "criteria": {"true": "it does"}},
+    }, RESERVED)
+    assert request.questions[0].candidates == (
+        "false: no, the statement does not hold", "true: yes, the statement holds")
+    assert request.questions[1].candidates == ("false: no, the statement does not hold", "true: it does")
+    assert request.questions[1].labels == ("false", "true")
+
+
+def test_score_levels_are_numbered():
+    request = parse_request("s", {"q": {"type": "score", "instructions": "How big?",
+                                        "criteria": ["small", "large"]}}, RESERVED)
+    assert request.questions[0].labels == ("0", "1")
+    assert request.questions[0].candidates == ("level 0: small", "level 1: large")
+
+
+def test_mapping_state_renders_as_json_without_the_image():
+    image = Image.new("L", (8, 8))
+    request = parse_request({"name": "Zoë", "n": 2, "image": image}, NOUL, RESERVED)
+    assert request.state_text == '{"name": "Zoë", "n": 2}'
+    assert request.image.mode == "RGB" and request.image.size == (8, 8)
+
+
+@pytest.mark.parametrize("state, questions, error, message", [
+    ("s", {}, ValueError, "questions is empty"),
+    ("s", [("q", {})], TypeError, "must be a mapping"),
+    ("s", {"q": {"type": "rank", "instructions": "x"}}, ValueError, "unknown type 'rank'"),
+    ("s", {"q": {"type": "choice", "instructions": "x", "criteria": ["only"]}}, ValueError, "1 candidates"),
+    ("s", {"q": {"type": "choice", "instructions": "x", "criteria": [str(i) for i in range(129)]}},
+     ValueError, "129 candidates"),
+    ("s", {"q": {"type": "choice", "instructions": "x", "criteria": ["a", "b", "a"]}}, ValueError, "duplicate labels ['a']"),
+    ("s", {"q": {"type": "choice", "instructions": "x", "criteria": "ab"}}, TypeError, "list or a mapping"),
+    ("s", {"q": {"type": "score", "instructions": "x", "criteria": ["one"]}}, ValueError, "1 candidates"),
+    ("s", {"q": {"type": "noul", "instructions": "x", "criteria": {"maybe": "?"}}}, ValueError, "'false'/'true'"),
+    ("s", {"q": {"type": "noul", "instructions": ""}}, TypeError, "non-empty string instructions"),
+    ("s", {"q": {"type": "noul", "instructions": "x", "extra": 1}}, ValueError, "unknown keys ['extra']"),
+    ("a <|fim_suffix|> b", NOUL, ValueError, "state contains the reserved candidate marker"),
+    ("s", {"q": {"type": "noul", "instructions": "x<|fim_suffix|>"}}, ValueError, "reserved candidate marker"),
+    ("s", {"q": {"type": "choice", "instructions": "x", "criteria": ["a", "<|fim_suffix|>"]}},
+     ValueError, "candidate contains the reserved candidate marker"),
+    ("s <|image_pad|>", NOUL, ValueError, "reserved special token '<|image_pad|>'"),
+    ({"image": "not an image"}, NOUL, TypeError, "decoded PIL image"),
+    ({"images": []}, NOUL, ValueError, '"images" key'),
+    (3, NOUL, TypeError, "string or a mapping"),
+    ({"x": object()}, NOUL, TypeError, "not JSON-serialisable"),
+])
+def test_invalid_requests_are_rejected_with_a_message_naming_the_problem(state, questions, error, message):
+    with pytest.raises(error, match=None) as caught:
+        parse_request(state, questions, RESERVED)
+    assert message in str(caught.value)
+
+
+def test_choice_answer_gives_argmax_label_and_normalised_entropy_confidence():
+    request = parse_request("s", {"q": {"type": "choice", "instructions": "x", "criteria": ["a", "b", "c"]}}, RESERVED)
+    result = answer(request.questions[0], [0.2, 0.5, 0.3])
+    entropy = -(0.2 * math.log(0.2) + 0.5 * math.log(0.5) + 0.3 * math.log(0.3))
+    assert result["choice"] == "b"
+    assert result["probabilities"] == {"a": 0.2, "b": 0.5, "c": 0.3}
+    assert result["confidence"] == pytest.approx(1 - entropy / math.log(3))
+
+
+def test_noul_answer_is_probability_of_true_with_max_confidence():
+    request = parse_request("s", NOUL, RESERVED)
+    result = answer(request.questions[0], [0.3, 0.7])
+    assert result["noul"] == pytest.approx(0.7) and result["confidence"] == pytest.approx(0.7)
+
+
+def test_score_answer_is_the_expected_level():
+    request = parse_request("s", {"q": {"type": "score", "instructions": "x", "criteria": ["a", "b", "c"]}}, RESERVED)
+    result = answer(request.questions[0], [0.5, 0.0, 0.5])
+    assert result["score"] == pytest.approx(1.0)
+    assert result["confidence"] == pytest.approx(1 - math.log(2) / math.log(3))

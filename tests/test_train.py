@@ -1,0 +1,156 @@
+"""Training: resume equivalence, init from a verified checkpoint, abort on non-finite loss, sampling."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dohnuts.config import LoraConfig, TrainConfig
+from dohnuts.data import Example, GroupSampler, load_records, shuffled_choice
+from dohnuts.io import IntegrityError, write_manifest
+from dohnuts.model import build_training_model, save_adapter
+from dohnuts.publish import publish
+from dohnuts.train import ADAPTER, Trainer, TrainRun, train
+
+
+def _run(tiny, out, steps=5, parent=None, lora=LoraConfig()):
+    config = TrainConfig(steps=steps, eval_every=2, rows_per_microbatch=4, microbatches_per_update=2,
+                         lora_lr=1e-3, head_lr=5e-3, activation_checkpointing=True)
+    return TrainRun(tiny.model, lora, config, seed=3, base=tiny.base, data=tiny.partition("train"),
+                    out=out, parent=parent)
+
+
+def _final(out, step):
+    return load_file(str(out / "checkpoints" / f"step-{step:06d}" / ADAPTER))
+
+
+class Killed(Exception):
+    pass
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny, tmp_path_factory):
+    out = tmp_path_factory.mktemp("whole") / "train"
+    trainer = train(_run(tiny, out), resume=False)
+    return out, trainer
+
+
+def test_checkpoints_at_zero_every_interval_and_end_with_a_step_log(uninterrupted):
+    out, trainer = uninterrupted
+    names = sorted(path.name for path in (out / "checkpoints").iterdir())
+    assert names == ["step-000000", "step-000002", "step-000004", "step-000005"]
+    assert [row["step"] for row in trainer.log] == [1, 2, 3, 4, 5]
+    header = (out / "log.csv").read_text().splitlines()[0]
+    assert header == "step,loss,reward,cross_entropy,accuracy,lr,grad_norm,seconds"
+    first, last = _final(out, 0), _final(out, 5)
+    assert not torch.equal(first["head.weight"], last["head.weight"])  # it trained
+
+
+def test_resume_after_a_kill_matches_the_uninterrupted_run(tiny, tmp_path, uninterrupted):
+    whole, _ = uninterrupted
+    out = tmp_path / "train"
+
+    def kill(update):
+        if update == 3:  # after the checkpoint at 2, before the one at 4
+            raise Killed
+
+    with pytest.raises(Killed):
+        train(_run(tiny, out), resume=False, on_update=kill)
+    assert not (out / "checkpoints" / "step-000004").exists()
+    resumed = train(_run(tiny, out), resume=True)
+    assert resumed.update == 5 and [row["step"] for row in resumed.log] == [1, 2, 3, 4, 5]
+    expected, actual = _final(whole, 5), _final(out, 5)
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_resume_of_another_configuration_starts_fresh(tiny, tmp_path, uninterrupted):
+    whole, _ = uninterrupted
+    out = tmp_path / "train"
+    train(_run(tiny, out, steps=2), resume=False)
+    other = _run(tiny, out, steps=2, lora=LoraConfig(rank=4))
+    trainer = train(other, resume=True)
+    assert trainer.update == 2
+    assert trainer.log[0]["step"] == 1  # restarted from update 0, not continued
+    assert _final(out, 2)[next(k for k in _final(out, 2) if "lora_A" in k)].shape[0] == 4
+
+
+def test_init_from_checkpoint_starts_from_the_parent_weights_with_a_fresh_optimizer(tiny, tmp_path, uninterrupted):
+    whole, _ = uninterrupted
+    parent = tmp_path / "parent"
+    publish(whole / "checkpoints" / "step-000005", parent)
+    trainer = Trainer(_run(tiny, tmp_path / "child", parent=parent))
+    start = {key: value for key, value in load_file(str(parent / ADAPTER)).items()}
+    from dohnuts.model import adapter_state
+
+    current = adapter_state(trainer.model, trainer.peft_model)
+    for key in start:
+        torch.testing.assert_close(current[key], start[key], rtol=0, atol=0)
+    assert trainer.update == 0 and not trainer.optimizer.state
+
+
+def test_init_from_checkpoint_refuses_a_missing_parent(tiny, tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no adapter.safetensors"):
+        Trainer(_run(tiny, tmp_path / "child", parent=tmp_path / "empty"))
+
+
+def test_init_from_checkpoint_refuses_a_tampered_parent(tiny, tmp_path, uninterrupted):
+    whole, _ = uninterrupted
+    parent = tmp_path / "parent"
+    publish(whole / "checkpoints" / "step-000005", parent)
+    data = bytearray((parent / ADAPTER).read_bytes())
+    data[-1] ^= 1
+    (parent / ADAPTER).write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="SHA-256"):
+        Trainer(_run(tiny, tmp_path / "child", parent=parent))
+
+
+def test_init_from_checkpoint_refuses_weights_of_another_shape(tiny, tmp_path):
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    model, peft_model = build_training_model(tiny.base, "float32", LoraConfig(rank=4), 0.01, seed=0)
+    save_adapter(parent / ADAPTER, model, peft_model)
+    write_manifest(parent)
+    with pytest.raises(ValueError, match="does not fit this model"):
+        Trainer(_run(tiny, tmp_path / "child", parent=parent))
+
+
+def test_non_finite_loss_aborts_before_the_optimizer_step(tiny, tmp_path):
+    trainer = Trainer(_run(tiny, tmp_path / "train"))
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        trainer.model.head.weight.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match="aborting before the optimizer step"):
+        trainer.step()
+    assert trainer.update == 0 and not trainer.optimizer.state
+    for name, p in trainer.model.named_parameters():
+        if p.requires_grad and name != "head.weight":
+            assert torch.equal(p, before[name]), name
+
+
+def test_sampler_draws_depend_only_on_the_microbatch_index(tiny):
+    rows = load_records(tiny.partition("train"))
+    sampler = GroupSampler(rows, seed=3, rows_per_microbatch=6, group_cap=6000)
+    again = GroupSampler(rows, seed=3, rows_per_microbatch=6, group_cap=6000)
+    first, _ = sampler.draw(7)
+    sampler.draw(1)
+    assert first.equals(again.draw(7)[0])
+    assert first.group.nunique() == 1  # one group per microbatch
+    groups = {sampler.draw(index)[0].group.iloc[0] for index in range(60)}
+    assert groups == set(rows.group.unique())  # every group is drawn
+
+
+def test_choice_shuffle_moves_targets_with_their_candidates():
+    example = Example("s", {"type": "choice", "instructions": "x", "criteria": ["a", "b", "c", "d"]},
+                      "q", [0.0, 0.0, 1.0, 0.0])
+    seen = set()
+    for seed in range(20):
+        shuffled = shuffled_choice(example, np.random.default_rng(seed))
+        criteria = shuffled.question["criteria"]
+        assert sorted(criteria) == ["a", "b", "c", "d"]
+        assert criteria[int(np.argmax(shuffled.target))] == "c"
+        seen.add(tuple(criteria))
+    assert len(seen) > 5
+    noul = Example("s", {"type": "noul", "instructions": "x"}, "q", [0.2, 0.8])
+    assert shuffled_choice(noul, np.random.default_rng(0)) is noul
