@@ -253,7 +253,7 @@ def json_ready(value):
 
 
 def read_params(path) -> dict:
-    """The params mapping from a YAML file the caller names (stages pass params.yaml)."""
+    """The params mapping from a YAML file whose path the caller (a stage script) gives."""
     import yaml
 
     with open(path, encoding="utf-8") as handle:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -44,6 +45,13 @@ def write_bytes(path: Path, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
+
+
+def write_parquet(path: Path, table) -> None:
+    """Write a pandas DataFrame as Parquet atomically."""
+    buffer = io.BytesIO()
+    table.to_parquet(buffer, index=False)
+    write_bytes(path, buffer.getvalue())
 
 
 def read_json(path: Path):

@@ -12,6 +12,7 @@ from .base import load_backbone
 from .config import LoraConfig
 from .template import Batch
 
+ADAPTER = "adapter.safetensors"  # unmerged LoRA + head weights in a checkpoint folder
 HEAD_KEY = "head.weight"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -154,3 +155,17 @@ def load_adapter(path: Path, model: DecisionModel, peft_model) -> None:
         raise ValueError(f"{path}: peft rejected keys {result.unexpected_keys[:3]}")
     with torch.no_grad():
         model.head.weight.copy_(loaded[HEAD_KEY])
+
+
+def load_adapter_model(base: Path, dtype: str, lora: LoraConfig, folder: Path, device):
+    """The base with LoRA and head from a checkpoint folder whose manifest is verified first.
+
+    Returns:
+        (DecisionModel in eval mode on `device`, peft model)
+    """
+    from .io import verify_manifest
+
+    verify_manifest(folder, required=(ADAPTER,))
+    model, peft_model = build_training_model(base, dtype, lora, head_std=0.01, seed=0)
+    load_adapter(Path(folder) / ADAPTER, model, peft_model)
+    return model.to(device).eval(), peft_model

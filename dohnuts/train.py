@@ -20,12 +20,11 @@ from .base import load_processors
 from .config import LoraConfig, ModelConfig, TrainConfig, to_dict
 from .data import GroupSampler, RecordReader, encode_examples, load_records, shuffled_choice
 from .io import IntegrityError, atomic_directory, read_json, verify_manifest, write_bytes, write_json, write_manifest
-from .model import build_training_model, default_device, load_adapter, save_adapter
+from .model import ADAPTER, build_training_model, default_device, load_adapter, save_adapter
 from .objective import rlcd_loss
 from .schedule import lr_factor
 from .template import Template
 
-ADAPTER = "adapter.safetensors"
 LOG_FIELDS = ("step", "loss", "reward", "cross_entropy", "accuracy", "lr", "grad_norm", "seconds")
 
 
@@ -94,8 +93,10 @@ class Trainer:
         if run.train.activation_checkpointing:
             language = self.model.backbone.language_model
             # transformers renamed the switch; 5.17 (the GPU machine) only has the old name.
-            enable = getattr(language, "activation_checkpointing_enable", None) or language.gradient_checkpointing_enable
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(language, "activation_checkpointing_enable"):
+                language.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                language.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         tokenizer, processor = load_processors(run.base, run.model)
         self.template = Template(tokenizer, processor, run.model.marker_token)
         self.reader = RecordReader(run.data)

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from dohnuts.config import read_params, section
-from dohnuts.pipeline import merge
+from dohnuts.merge import merge
 
 
 @click.command()

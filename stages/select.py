@@ -12,7 +12,7 @@ import click
 
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json
-from dohnuts.pipeline import select
+from dohnuts.select import select
 
 
 @click.command()

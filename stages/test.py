@@ -11,8 +11,8 @@ from pathlib import Path
 import click
 
 from dohnuts.config import read_params, section
-from dohnuts.io import write_json
-from dohnuts.pipeline import test, write_parquet
+from dohnuts.io import write_json, write_parquet
+from dohnuts.test import test
 
 
 @click.command()

@@ -8,9 +8,10 @@ from safetensors.torch import load_file
 from dohnuts.config import LoraConfig, TrainConfig
 from dohnuts.data import Example, GroupSampler, load_records, shuffled_choice
 from dohnuts.io import IntegrityError, write_manifest
-from dohnuts.model import build_training_model, save_adapter
+from dohnuts.model import adapter_state, build_training_model, save_adapter
 from dohnuts.publish import publish
-from dohnuts.train import ADAPTER, Trainer, TrainRun, train
+from dohnuts.model import ADAPTER
+from dohnuts.train import Trainer, TrainRun, train
 
 
 def _run(tiny, out, steps=5, parent=None, lora=LoraConfig()):
@@ -82,8 +83,6 @@ def test_init_from_checkpoint_starts_from_the_parent_weights_with_a_fresh_optimi
     publish(whole / "checkpoints" / "step-000005", parent)
     trainer = Trainer(_run(tiny, tmp_path / "child", parent=parent))
     start = {key: value for key, value in load_file(str(parent / ADAPTER)).items()}
-    from dohnuts.model import adapter_state
-
     current = adapter_state(trainer.model, trainer.peft_model)
     for key in start:
         torch.testing.assert_close(current[key], start[key], rtol=0, atol=0)
