@@ -101,7 +101,5 @@ def score_table(table: pd.DataFrame, temperatures: dict[str, float] | None = Non
         num_candidates=[len(x) for x in table.logits],
         **{name: value.numpy() for name, value in metrics.items()},
     )
-    signatures = scored.assign(signature=[f"{k}:{'|'.join(labels)}" for k, labels in zip(scored.kind, scored.labels)])
-    shared = signatures.groupby("group").signature.nunique() == 1
-    scored["shared_meaning"] = scored.group.map(shared).astype(bool)
+    scored["family"] = [f"{kind}:{'|'.join(labels)}" for kind, labels in zip(scored.kind, scored.labels)]
     return scored, summarize(scored)

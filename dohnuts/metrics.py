@@ -10,6 +10,7 @@ import torch
 
 PROB_FLOOR = 1e-12
 ECE_BINS = 15
+MIN_FAMILY_ROWS = 8
 
 
 def masked_softmax(logits: torch.Tensor, mask: torch.Tensor, temperature=1.0) -> torch.Tensor:
@@ -118,29 +119,32 @@ def macro_f1(pred, true, num_classes: int) -> float:
     return float(np.mean(2 * np.diag(confusion)[present] / support[present]))
 
 
-def summarize(rows: pd.DataFrame) -> dict:
+def summarize(rows: pd.DataFrame, min_family_rows: int = MIN_FAMILY_ROWS) -> dict:
     """Aggregate per-row metrics into per-group and macro-averaged reports.
 
     Args:
         rows: one row per question with columns group, correct, soft_correct, nll, brier,
             confidence, rps, abs_error (NaN off ordinal rows), pred, label, num_candidates,
-            shared_meaning.
+            family (questions of one family have the same type and candidate labels in
+            the same order, so their candidate indices share meaning).
+        min_family_rows: families smaller than this get no macro-F1.
 
     Returns:
         {"groups": {group: metrics}, "macro": metrics averaged unweighted over the groups
-        that have each key}, with plain floats and ints and no NaN: "rps" and "mae" appear
-        only for groups with ordinal rows, "macro_f1" only for shared-meaning groups.
+        that have each key ("rows" is the total)}, with plain floats and ints and no NaN:
+        "rps" and "mae" appear only for groups with ordinal rows, "macro_f1" (the mean over
+        the group's families of at least `min_family_rows` rows) only where one exists.
     """
-    groups = {name: _group_metrics(group) for name, group in rows.groupby("group", sort=True)}
-    keys = dict.fromkeys(key for metrics in groups.values() for key in metrics)
+    groups = {name: _group_metrics(group, min_family_rows) for name, group in rows.groupby("group", sort=True)}
+    keys = dict.fromkeys(key for metrics in groups.values() for key in metrics if key != "rows")
     macro = {
         key: float(np.mean([metrics[key] for metrics in groups.values() if key in metrics]))
         for key in keys
     }
-    return {"groups": groups, "macro": macro}
+    return {"groups": groups, "macro": {"rows": int(len(rows)), **macro}}
 
 
-def _group_metrics(group: pd.DataFrame) -> dict:
+def _group_metrics(group: pd.DataFrame, min_family_rows: int) -> dict:
     metrics = {
         "rows": len(group),
         "accuracy": float(group["correct"].mean()),
@@ -155,9 +159,10 @@ def _group_metrics(group: pd.DataFrame) -> dict:
     if ordinal.any():
         metrics["rps"] = float(group.loc[ordinal, "rps"].mean())
         metrics["mae"] = float(group.loc[ordinal, "abs_error"].mean())
-    if group["shared_meaning"].all():
-        num_classes = int(group["num_candidates"].max())
-        metrics["macro_f1"] = macro_f1(group["pred"], group["label"], num_classes)
+    scores = [macro_f1(family["pred"], family["label"], int(family["num_candidates"].max()))
+              for _, family in group.groupby("family", sort=True) if len(family) >= min_family_rows]
+    if scores:
+        metrics["macro_f1"] = float(np.mean(scores))
     return metrics
 
 

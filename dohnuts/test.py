@@ -24,5 +24,5 @@ def test(checkpoint: Path, data: Path, config: TestConfig) -> tuple[pd.DataFrame
                      predictor.config.max_tokens, desc="test")
     _, raw = score_table(table)
     scored, calibrated = score_table(table, predictor.temperatures)
-    return scored.drop(columns=["shared_meaning"]), {
+    return scored, {
         "calibrated": calibrated, "raw": raw, "temperatures": predictor.temperatures}

@@ -141,7 +141,7 @@ def test_macro_f1_averages_over_classes_seen_in_labels_or_predictions():
     assert score == pytest.approx(1.3 / 3)
 
 
-def _rows(group, correct, rps, shared_meaning):
+def _rows(group, correct, rps, families):
     count = len(correct)
     return pd.DataFrame(
         {
@@ -156,16 +156,17 @@ def _rows(group, correct, rps, shared_meaning):
             "pred": [0] * count,
             "label": [0 if c else 1 for c in correct],
             "num_candidates": [2] * count,
-            "shared_meaning": shared_meaning,
+            "family": families,
         }
     )
 
 
 @pytest.fixture
 def summary():
-    choice = _rows("choice", [1.0, 1.0], [math.nan, math.nan], shared_meaning=False)
-    score = _rows("score", [1.0, 0.0, 0.0, 0.0], [0.1, 0.3, 0.2, 0.2], shared_meaning=True)
-    return summarize(pd.concat([choice, score], ignore_index=True))
+    # Each choice row has its own candidate list (no shared meaning); the score rows share one.
+    choice = _rows("choice", [1.0, 1.0], [math.nan, math.nan], families=["c:a|b", "c:b|a"])
+    score = _rows("score", [1.0, 0.0, 0.0, 0.0], [0.1, 0.3, 0.2, 0.2], families="s:0|1")
+    return summarize(pd.concat([choice, score], ignore_index=True), min_family_rows=2)
 
 
 def test_summarize_reports_ordinal_and_f1_keys_only_where_they_apply(summary):
@@ -193,3 +194,4 @@ def test_summarize_returns_plain_json_without_nan(summary):
     text = json.dumps(summary, allow_nan=False)
     assert json.loads(text) == summary
     assert type(summary["groups"]["choice"]["rows"]) is int
+    assert summary["macro"]["rows"] == 6  # the total, not a mean
