@@ -157,5 +157,8 @@ def load_processors(folder: Path, config: ModelConfig):
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     # The folder's normalisation and patching, with the pixel count fixed by the policy.
-    pixels = {"shortest_edge": config.image_pixels, "longest_edge": config.image_pixels}
-    return tokenizer, processor_class().from_pretrained(folder, size=pixels)
+    pixels = config.image_pixels
+    # min/max_pixels too: a snapshot's preprocessor_config may carry them, and they win over size.
+    processor = processor_class().from_pretrained(
+        folder, size={"shortest_edge": pixels, "longest_edge": pixels}, min_pixels=pixels, max_pixels=pixels)
+    return tokenizer, processor

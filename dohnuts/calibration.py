@@ -6,7 +6,7 @@ import math
 
 import torch
 
-QUESTION_TYPES = ("choice", "noul", "score")
+from .schema import QUESTION_TYPES
 
 
 def fit_temperatures(

@@ -9,15 +9,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .base import load_backbone, load_processors
-from .config import ModelConfig, build, json_ready
+from .config import ModelConfig, build, json_ready, to_dict
 from .io import read_json, verify_manifest, write_json, write_manifest
 from .model import DTYPES, HEAD_KEY, DecisionModel
+from .schema import QUESTION_TYPES
 from .template import Template
 
 HEAD = "head.safetensors"
 SETTINGS = "dohnuts.json"
 TEMPERATURES = "temperatures.json"
-TYPES = ("choice", "noul", "score")
 
 
 def write_merged(folder: Path, backbone, head: torch.nn.Linear, tokenizer, image_processor,
@@ -31,16 +31,10 @@ def write_merged(folder: Path, backbone, head: torch.nn.Linear, tokenizer, image
     save_file({HEAD_KEY: head.weight.detach().float().cpu().contiguous()}, str(folder / HEAD))
     tokenizer.save_pretrained(folder)
     image_processor.save_pretrained(folder)
-    write_json(folder / SETTINGS, {"model": json_ready(_model_dict(model_config)), "resolved": resolved})
+    write_json(folder / SETTINGS, {"model": to_dict(model_config), "resolved": json_ready(resolved)})
     if temperatures is not None:
-        write_json(folder / TEMPERATURES, {kind: float(temperatures[kind]) for kind in TYPES})
+        write_json(folder / TEMPERATURES, {kind: float(temperatures[kind]) for kind in QUESTION_TYPES})
     write_manifest(folder)
-
-
-def _model_dict(config: ModelConfig) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(config)
 
 
 def load_merged(folder: Path, device: torch.device, need_temperatures: bool = False):
@@ -50,6 +44,9 @@ def load_merged(folder: Path, device: torch.device, need_temperatures: bool = Fa
         (DecisionModel in eval mode on `device`, Template, ModelConfig, temperatures or None)
     """
     folder = Path(folder)
+    if need_temperatures and (folder / SETTINGS).is_file() and not (folder / TEMPERATURES).is_file():
+        raise ValueError(f"{folder} is a merged model without temperatures: run the calibrate stage and "
+                         f"load its output (runs/calibrate/checkpoint)")
     required = (HEAD, SETTINGS) + ((TEMPERATURES,) if need_temperatures else ())
     verify_manifest(folder, required=required)
     settings = read_json(folder / SETTINGS)
@@ -66,7 +63,7 @@ def load_merged(folder: Path, device: torch.device, need_temperatures: bool = Fa
     if (folder / TEMPERATURES).is_file():
         temperatures = {kind: float(value) for kind, value in read_json(folder / TEMPERATURES).items()}
         bad = {kind: value for kind, value in temperatures.items() if not value > 0}
-        if set(temperatures) != set(TYPES) or bad:
+        if set(temperatures) != set(QUESTION_TYPES) or bad:
             raise ValueError(f"{folder}/{TEMPERATURES} must give a positive temperature for each of "
-                             f"{TYPES}, got {json.dumps(temperatures)}")
+                             f"{QUESTION_TYPES}, got {json.dumps(temperatures)}")
     return model, template, model_config, temperatures

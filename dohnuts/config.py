@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 
@@ -158,16 +159,26 @@ class TrainConfig:
         _check(self.lora_lr > 0 and self.head_lr > 0, f"train learning rates must be > 0, got {self.lora_lr}, {self.head_lr}")
         _check(0.0 < self.lr_floor <= 1.0, f"train.lr_floor must be in (0, 1], got {self.lr_floor}")
         _check(self.grad_clip > 0, f"train.grad_clip must be > 0, got {self.grad_clip}")
+        _check(self.group_cap >= 1 and self.max_tokens >= 16,
+               f"train.group_cap must be >= 1 and max_tokens >= 16, got {self.group_cap}, {self.max_tokens}")
 
 
 @dataclass(frozen=True)
 class SelectConfig:
+    """Selection on the dev partition."""
+
     dev_rows_per_group: int = 256
     batch_rows: int = 32
+
+    def __post_init__(self):
+        _check(self.dev_rows_per_group >= 1 and self.batch_rows >= 1,
+               f"select.dev_rows_per_group and batch_rows must be >= 1, got {self.dev_rows_per_group}, {self.batch_rows}")
 
 
 @dataclass(frozen=True)
 class CalibrateConfig:
+    """Per-type temperature fitting."""
+
     min_rows: int = 10
     lr: float = 0.1
     iterations: int = 100
@@ -176,6 +187,9 @@ class CalibrateConfig:
     batch_rows: int = 32
 
     def __post_init__(self):
+        _check(self.min_rows >= 1 and self.iterations >= 1 and self.lr > 0 and self.batch_rows >= 1,
+               f"calibrate.min_rows, iterations and batch_rows must be >= 1 and lr > 0, got "
+               f"{self.min_rows}, {self.iterations}, {self.batch_rows}, {self.lr}")
         _check(0 < self.min_temperature < self.max_temperature,
                f"calibrate temperature bounds must satisfy 0 < min < max, got "
                f"{self.min_temperature}, {self.max_temperature}")
@@ -183,16 +197,24 @@ class CalibrateConfig:
 
 @dataclass(frozen=True)
 class TestConfig:
+    """Evaluation on the test partition."""
+
     batch_rows: int = 32
+
+    def __post_init__(self):
+        _check(self.batch_rows >= 1, f"test.batch_rows must be >= 1, got {self.batch_rows}")
 
 
 @dataclass(frozen=True)
 class BenchmarkConfig:
+    """The latency protocol: cold call, warm-up calls, timed calls."""
+
     warmup: int = 3
     timed: int = 20
 
     def __post_init__(self):
-        _check(self.timed >= 2, f"benchmark.timed must be >= 2, got {self.timed}")
+        _check(self.timed >= 2 and self.warmup >= 0,
+               f"benchmark.timed must be >= 2 and warmup >= 0, got {self.timed}, {self.warmup}")
 
 
 SECTIONS = {
@@ -204,7 +226,7 @@ INIT_CHOICES = ("base", "checkpoint")
 
 
 def build(cls, data, path: str):
-    """Build dataclass `cls` from a mapping, rejecting unknown keys, recursing into sections."""
+    """Build dataclass `cls` from a mapping, rejecting unknown keys and ill-typed values."""
     if data is None:
         data = {}
     _check(isinstance(data, dict), f"{path} must be a mapping, got {data!r}")
@@ -212,19 +234,39 @@ def build(cls, data, path: str):
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(data) - names
     _check(not unknown, f"{path} has unknown keys {sorted(unknown)}; known: {sorted(names)}")
-    values = {}
-    for name, value in data.items():
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            value = build(hint, value, f"{path}.{name}")
-        elif typing.get_origin(hint) is tuple:
-            _check(isinstance(value, (list, tuple)), f"{path}.{name} must be a list, got {value!r}")
-            value = tuple(value)
-        values[name] = value
+    values = {name: _typed(hints[name], value, f"{path}.{name}") for name, value in data.items()}
     try:
         return cls(**values)
     except TypeError as error:
         raise ConfigError(f"{path}: {error}") from None
+
+
+def _typed(hint, value, path: str):
+    """`value` checked (and, for numbers, converted) against a field's type hint."""
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, path)
+    if typing.get_origin(hint) is tuple:
+        _check(isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value),
+               f"{path} must be a list of strings, got {value!r}")
+        return tuple(value)
+    allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    if value is None:
+        _check(type(None) in allowed, f"{path} must not be empty")
+        return None
+    if bool in allowed:
+        _check(isinstance(value, bool), f"{path} must be true or false, got {value!r}")
+    elif float in allowed:
+        # YAML reads 1e-4 (no dot) as a string: say so rather than fail later.
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool),
+               f"{path} must be a number, got {value!r} (write 1.0e-4, not 1e-4)")
+        return float(value)
+    elif int in allowed:
+        _check(isinstance(value, int) and not isinstance(value, bool), f"{path} must be an integer, got {value!r}")
+    elif str in allowed:
+        _check(isinstance(value, str), f"{path} must be a string, got {value!r}")
+    elif dict in allowed:
+        _check(isinstance(value, dict), f"{path} must be a mapping, got {value!r}")
+    return value
 
 
 def section(params: dict, name: str):

@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from PIL import Image
 
-from .io import atomic_directory, verify_manifest, write_bytes, write_manifest
+from .io import atomic_directory, verify_manifest, write_bytes, write_manifest, write_parquet
 from .schema import parse_request
 from .template import EncodedImage, Row, Template
 
@@ -50,9 +50,7 @@ def write_partition(records: list[dict], images: dict[str, bytes], out: Path, pa
     with atomic_directory(out) as tmp:
         for name in sorted({record["image"] for record in records if record["image"]}):
             write_bytes(tmp / name, images[name])
-        buffer = io.BytesIO()
-        table.to_parquet(buffer, index=False)
-        write_bytes(tmp / RECORDS, buffer.getvalue())
+        write_parquet(tmp / RECORDS, table)
         write_manifest(tmp, {"partition": partition, "counts": counts})
     return counts
 

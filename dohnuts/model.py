@@ -9,7 +9,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .base import load_backbone
-from .config import LoraConfig
+from .config import LoraConfig, to_dict
+from .io import read_json, verify_manifest
 from .template import Batch
 
 ADAPTER = "adapter.safetensors"  # unmerged LoRA + head weights in a checkpoint folder
@@ -108,7 +109,12 @@ def with_lora(backbone, lora: LoraConfig, seed: int):
 
 
 def build_training_model(base: Path, dtype: str, lora: LoraConfig, head_std: float, seed: int):
-    """A fresh trainable model: base backbone, new LoRA, new head. Returns (model, peft_model)."""
+    """A fresh trainable model: verified base backbone, new LoRA, new head.
+
+    Returns:
+        (model, peft_model)
+    """
+    verify_manifest(base, required=("config.json",))
     backbone = load_backbone(base, DTYPES[dtype])
     peft_model = with_lora(backbone, lora, seed)
     generator = torch.Generator().manual_seed(seed)
@@ -163,9 +169,28 @@ def load_adapter_model(base: Path, dtype: str, lora: LoraConfig, folder: Path, d
     Returns:
         (DecisionModel in eval mode on `device`, peft model)
     """
-    from .io import verify_manifest
-
     verify_manifest(folder, required=(ADAPTER,))
+    check_adapter_config(folder, lora)
     model, peft_model = build_training_model(base, dtype, lora, head_std=0.01, seed=0)
     load_adapter(Path(folder) / ADAPTER, model, peft_model)
     return model.to(device).eval(), peft_model
+
+
+def check_adapter_config(folder: Path, lora: LoraConfig) -> None:
+    """Refuse a checkpoint trained with other LoRA settings: alpha or dropout differences keep
+    every shape yet change what the weights mean.
+
+    Raises:
+        ValueError: naming each differing setting.
+    """
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return
+    saved = read_json(path).get("lora")
+    if saved is None:
+        return
+    wanted = to_dict(lora)
+    differ = {key: (saved.get(key), wanted[key]) for key in wanted if saved.get(key) != wanted[key]}
+    if differ:
+        details = ", ".join(f"lora.{key}: checkpoint {a!r}, params {b!r}" for key, (a, b) in differ.items())
+        raise ValueError(f"{folder} was trained with other LoRA settings ({details})")

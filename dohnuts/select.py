@@ -39,11 +39,17 @@ def select(checkpoints: Path, base: Path, data: Path, model: ModelConfig, lora: 
         step = read_json(folder / "manifest.json")["step"]
         table.append({"checkpoint": folder.name, "step": step, "macro_accuracy": summary["macro"]["accuracy"],
                       **{f"accuracy/{g}": v["accuracy"] for g, v in summary["groups"].items()}})
-    selection = pd.DataFrame(table).sort_values("step").reset_index(drop=True)
-    # Strictly higher replaces the best: idxmax returns the first (earliest) maximum.
-    best = selection.loc[selection.macro_accuracy.idxmax()]
+    selection = pd.DataFrame(table)
+    best = best_checkpoint(selection)
     with atomic_directory(adapter_out) as tmp:
         shutil.copytree(Path(checkpoints) / best.checkpoint, tmp, dirs_exist_ok=True)
     write_parquet(table_out, selection)
     return {"selected_step": int(best.step), "dev_macro_accuracy": float(best.macro_accuracy),
             "dev_rows": int(len(dev)), "checkpoints": int(len(selection))}
+
+
+def best_checkpoint(selection: pd.DataFrame) -> pd.Series:
+    """The row with the highest macro accuracy; a later checkpoint replaces the best only when
+    strictly higher, so ties go to the earliest step (step 0, the parent, included)."""
+    ordered = selection.sort_values("step").reset_index(drop=True)
+    return ordered.loc[ordered.macro_accuracy.idxmax()]

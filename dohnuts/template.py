@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import IMAGE_PAD, SPATIAL_MERGE, VISION_END, VISION_START, special_tokens
+from .base import SPATIAL_MERGE, special_tokens
 from .schema import Question, Request
 
 
@@ -93,7 +93,8 @@ class Template:
         for question in request.questions:
             texts.append(f"{question.kind} question: {question.instructions}\nOptions:\n")
             texts.extend(f"- {candidate}" for candidate in question.candidates)
-        pieces = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"])
+        # split_special_tokens: user text such as "<|im_start|>" stays text, never a control token.
+        pieces = iter(self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"])
         prefix, grid = [], None
         if request.image is not None:
             thw = image.grid_thw[0].tolist()

@@ -6,6 +6,7 @@ import csv
 import hashlib
 import io
 import json
+import logging
 import random
 import shutil
 import time
@@ -19,12 +20,14 @@ from tqdm import tqdm
 from .base import load_processors
 from .config import LoraConfig, ModelConfig, TrainConfig, to_dict
 from .data import GroupSampler, RecordReader, encode_examples, load_records, shuffled_choice
-from .io import IntegrityError, atomic_directory, read_json, verify_manifest, write_bytes, write_json, write_manifest
-from .model import ADAPTER, build_training_model, default_device, load_adapter, save_adapter
+from .io import (IntegrityError, atomic_directory, read_json, sha256_file, verify_manifest, write_bytes,
+                 write_json, write_manifest)
+from .model import ADAPTER, build_training_model, check_adapter_config, default_device, load_adapter, save_adapter
 from .objective import rlcd_loss
 from .schedule import lr_factor
 from .template import Template
 
+LOG = logging.getLogger(__name__)
 LOG_FIELDS = ("step", "loss", "reward", "cross_entropy", "accuracy", "lr", "grad_norm", "seconds")
 
 
@@ -53,13 +56,16 @@ def resolved_config(run: TrainRun) -> dict:
 
 
 def _fingerprint(run: TrainRun) -> str:
-    """Identity of a run for resuming: everything but the step budget, which may grow."""
+    """Identity of a run for resuming: config but the step budget (which may grow), input
+    manifests, and the package's source, so changed code never continues an old run."""
     config = resolved_config(run)
     config["train"] = {key: value for key, value in config["train"].items() if key != "steps"}
     inputs = [read_json(run.data / "manifest.json")["files"], read_json(run.base / "manifest.json")["files"]]
     if run.parent:
         inputs.append(read_json(run.parent / "manifest.json")["files"])
-    return hashlib.sha256(json.dumps([config, inputs], sort_keys=True).encode()).hexdigest()
+    package = Path(__file__).parent
+    source = {path.name: sha256_file(path) for path in sorted(package.glob("*.py"))}
+    return hashlib.sha256(json.dumps([config, inputs, source], sort_keys=True).encode()).hexdigest()
 
 
 def verify_parent(parent: Path) -> Path:
@@ -88,7 +94,9 @@ class Trainer:
         self.model, self.peft_model = build_training_model(
             run.base, run.model.dtype, run.lora, run.train.head_init_std, run.seed)
         if run.parent:
-            load_adapter(verify_parent(run.parent), self.model, self.peft_model)
+            adapter = verify_parent(run.parent)
+            check_adapter_config(run.parent, run.lora)
+            load_adapter(adapter, self.model, self.peft_model)
         self.model.to(self.device)
         if run.train.activation_checkpointing:
             language = self.model.backbone.language_model
@@ -133,21 +141,26 @@ class Trainer:
             write_json(tmp / "progress.json", {"update": self.update, "fingerprint": self.fingerprint, "log": self.log})
             write_manifest(tmp)
 
-    def try_resume(self) -> bool:
-        """Restore the saved state if it belongs to this run; False when there is none to use."""
+    def try_resume(self) -> str | None:
+        """Restore the saved state if it belongs to this run.
+
+        Returns:
+            None when resumed, else why not (no state, a damaged state, another
+            configuration, or a saved run already past the step budget).
+        """
         state = self.run.out / "state"
         if not (state / "progress.json").is_file():
-            return False
+            return f"no saved state in {state}"
         try:
             verify_manifest(state)
-        except IntegrityError:
-            return False
+        except IntegrityError as error:
+            return f"the saved state is damaged ({error})"
         progress = read_json(state / "progress.json")
         if progress["fingerprint"] != self.fingerprint:
-            return False
+            return "the saved state belongs to another configuration, input or code version"
         if progress["update"] > self.run.train.steps:
-            raise ValueError(f"the saved run reached update {progress['update']}, beyond train.steps = "
-                             f"{self.run.train.steps}; only the step budget may grow on resume")
+            return (f"the saved run reached update {progress['update']}, past train.steps = "
+                    f"{self.run.train.steps} (only the budget may grow on resume)")
         load_adapter(state / ADAPTER, self.model, self.peft_model)
         self.optimizer.load_state_dict(torch.load(state / "optimizer.pt", map_location=self.device))
         rng = torch.load(state / "rng.pt", weights_only=False)
@@ -158,7 +171,7 @@ class Trainer:
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
         self.update, self.log = progress["update"], progress["log"]
-        return True
+        return None
 
     def write_log(self) -> None:
         buffer = io.StringIO()
@@ -207,6 +220,9 @@ class Trainer:
             totals["accuracy"] += (predicted == targets.argmax(-1)).float().mean().item() * share
         parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
+        if not torch.isfinite(grad_norm):
+            raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at update {self.update}: "
+                                     f"aborting before the optimizer step")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.update += 1
@@ -245,8 +261,12 @@ def train(run: TrainRun, resume: bool, on_update=None) -> Trainer:
     A fresh start clears the output folder first, so no checkpoint of another run survives.
     """
     trainer = Trainer(run)
-    if not (resume and trainer.try_resume()):
+    reason = trainer.try_resume() if resume else "resume not asked for"
+    if reason is None:
+        LOG.info("resuming %s at update %d of %d", run.out, trainer.update, run.train.steps)
+    else:
         if run.out.exists():
+            LOG.warning("starting %s afresh and clearing it: %s", run.out, reason)
             shutil.rmtree(run.out)
         run.out.mkdir(parents=True)
     trainer.run_to_budget(on_update)

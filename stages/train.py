@@ -6,6 +6,7 @@ import sys
 # Stage scripts are named like stdlib modules (select, test): keep their folder off sys.path.
 sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
 
+import logging
 from pathlib import Path
 
 import click
@@ -29,6 +30,7 @@ from dohnuts.train import TrainRun, train
               help="Continue from the saved state in --out when it belongs to this configuration.")
 def main(params_path, base, data, parent, out, resume):
     """Train; write checkpoints at step 0, every train.eval_every updates and at the end."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     params = read_params(params_path)
     run = TrainRun(
         model=section(params, "model"), lora=section(params, "lora"), train=section(params, "train"),
@@ -37,7 +39,7 @@ def main(params_path, base, data, parent, out, resume):
     )
     try:
         trainer = train(run, resume=resume)
-    except (FileNotFoundError, ValueError) as error:  # no parent, bad hash, or keys that do not fit
+    except (FileNotFoundError, ValueError, FloatingPointError) as error:  # no parent, bad hash, misfit, NaN
         raise click.ClickException(str(error)) from None
     click.echo(f"trained to update {trainer.update}; checkpoints in {out}/checkpoints")
 

@@ -31,6 +31,12 @@ def test_unknown_keys_are_rejected_with_their_names():
     ({"data": {"partitions": {"train": 1.0}}}, "data.partitions must name train, dev, calibration and test"),
     ({"calibrate": {"min_temperature": 5.0, "max_temperature": 1.0}}, "0 < min < max, got 5.0, 1.0"),
     ({"model": {"embedded": {"layer_types": ["full_attention"]}}}, "must mix linear_attention and full_attention"),
+    ({"train": {"lora_lr": "1e-4"}}, "train.lora_lr must be a number, got '1e-4' (write 1.0e-4"),
+    ({"train": {"activation_checkpointing": "false"}}, "train.activation_checkpointing must be true or false"),
+    ({"train": {"steps": 2.5}}, "train.steps must be an integer, got 2.5"),
+    ({"lora": {"targets": "q_proj"}}, "lora.targets must be a list of strings"),
+    ({"model": {"base": None}}, "model.base must not be empty"),
+    ({"train": {"group_cap": 0}}, "train.group_cap must be >= 1"),
 ])
 def test_invalid_values_are_rejected_with_the_offending_value(params, message):
     with pytest.raises(ConfigError) as caught:

@@ -1,5 +1,7 @@
 """The prompt template: rendered text, marker positions, shared beginnings, M-RoPE, budget."""
 
+import inspect
+
 import pytest
 import torch
 from PIL import Image
@@ -57,6 +59,8 @@ def test_mrope_positions_match_hugging_face(tiny):
     image = template.encode_image(request.image)
     row = template.encode(request, 4096, 0, image)[0]
     ids = torch.tensor([row.input_ids])
-    reference, _ = backbone.get_rope_index(ids, image_grid_thw=image.grid_thw,
-                                           mm_token_type_ids=(ids == template.image_pad_id).int())
+    kwargs = {}
+    if "mm_token_type_ids" in inspect.signature(backbone.get_rope_index).parameters:  # transformers >= 5.23
+        kwargs["mm_token_type_ids"] = (ids == template.image_pad_id).int()
+    reference, _ = backbone.get_rope_index(ids, image_grid_thw=image.grid_thw, **kwargs)
     assert torch.equal(mrope_positions(row, len(row.input_ids), template.image_pad_id), reference[:, 0])

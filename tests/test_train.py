@@ -9,7 +9,9 @@ from dohnuts.config import LoraConfig, TrainConfig
 from dohnuts.data import Example, GroupSampler, load_records, shuffled_choice
 from dohnuts.io import IntegrityError, write_manifest
 from dohnuts.model import adapter_state, build_training_model, save_adapter
+from dohnuts.objective import rlcd_loss
 from dohnuts.publish import publish
+from dohnuts.schedule import lr_factor
 from dohnuts.model import ADAPTER
 from dohnuts.train import Trainer, TrainRun, train
 
@@ -72,8 +74,7 @@ def test_resume_of_another_configuration_starts_fresh(tiny, tmp_path, uninterrup
     train(_run(tiny, out, steps=2), resume=False)
     other = _run(tiny, out, steps=2, lora=LoraConfig(rank=4))
     trainer = train(other, resume=True)
-    assert trainer.update == 2
-    assert trainer.log[0]["step"] == 1  # restarted from update 0, not continued
+    assert trainer.update == 2 and len(trainer.log) == 2
     assert _final(out, 2)[next(k for k in _final(out, 2) if "lora_A" in k)].shape[0] == 4
 
 
@@ -115,6 +116,14 @@ def test_init_from_checkpoint_refuses_weights_of_another_shape(tiny, tmp_path):
         Trainer(_run(tiny, tmp_path / "child", parent=parent))
 
 
+def test_init_from_checkpoint_refuses_other_lora_settings_with_the_same_shapes(tiny, tmp_path, uninterrupted):
+    whole, _ = uninterrupted
+    parent = tmp_path / "parent"
+    publish(whole / "checkpoints" / "step-000005", parent)
+    with pytest.raises(ValueError, match="lora.alpha: checkpoint 16.0, params 32.0"):
+        Trainer(_run(tiny, tmp_path / "child", parent=parent, lora=LoraConfig(alpha=32.0)))
+
+
 def test_non_finite_loss_aborts_before_the_optimizer_step(tiny, tmp_path):
     trainer = Trainer(_run(tiny, tmp_path / "train"))
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
@@ -153,3 +162,30 @@ def test_choice_shuffle_moves_targets_with_their_candidates():
     assert len(seen) > 5
     noul = Example("s", {"type": "noul", "instructions": "x"}, "q", [0.2, 0.8])
     assert shuffled_choice(noul, np.random.default_rng(0)) is noul
+
+
+def test_an_update_averages_its_microbatch_gradients_at_one_snapshot_and_sets_the_scheduled_lr(tiny, tmp_path):
+    run = _run(tiny, tmp_path / "train")
+    run = TrainRun(run.model, run.lora, TrainConfig(**{**vars(run.train), "grad_clip": 1e9}), run.seed,
+                   run.base, run.data, run.out)
+    trainer = Trainer(run)
+    parameters = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    noise = trainer.noise.get_state()
+    trainer.model.train()
+    separate = []
+    for micro in range(run.train.microbatches_per_update):
+        batch, targets, ordinal = trainer.microbatch(micro)
+        loss = rlcd_loss(trainer.model(batch), batch.candidate_mask, targets, ordinal, run.train.objective,
+                         trainer.noise).loss
+        separate.append(torch.autograd.grad(loss, parameters))
+    trainer.noise.set_state(noise)
+    captured = []
+    trainer.optimizer.step = lambda: captured.append([p.grad.clone() for p in parameters])
+    trainer.step()
+    assert len(captured) == 1  # one optimizer step per update
+    for index, grad in enumerate(captured[0]):
+        mean = sum(grads[index] for grads in separate) / len(separate)
+        torch.testing.assert_close(grad, mean, rtol=1e-5, atol=1e-7)
+    factor = lr_factor(0, run.train.steps, run.train.horizon_cap, run.train.warmup_fraction, run.train.lr_floor)
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx(
+        [run.train.lora_lr * factor, run.train.head_lr * factor])
