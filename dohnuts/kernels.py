@@ -1,0 +1,215 @@
+"""Compute kernels: flash-linear-attention's fused Triton kernels on CUDA, plain PyTorch elsewhere.
+
+This is the only module that imports `fla`. Each public function chooses the fused kernel for
+CUDA tensors when FLA is importable and otherwise runs the plain-PyTorch reference of the
+same math, which is also the test oracle for the fused path (FLA keeps a naive.py beside
+every kernel for the same reason). Argument names follow FLA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _fla():
+    """The FLA functions, or None when FLA (or a GPU for it) is not there."""
+    try:
+        from fla.modules.activations import swiglu
+        from fla.modules.causal_conv1d.ops import causal_conv1d
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        from fla.modules.norm.layernorm import rms_norm
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return {"swiglu": swiglu, "causal_conv1d": causal_conv1d, "rms_norm_gated": rms_norm_gated,
+            "rms_norm": rms_norm, "chunk_gated_delta_rule": chunk_gated_delta_rule}
+
+
+def fused(x: torch.Tensor):
+    """The FLA functions when `x` lives on a CUDA device and FLA is installed, else None."""
+    return _fla() if x.is_cuda else None
+
+
+# -- normalisation and activation -------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5 RMSNorm: x / rms(x) * (1 + weight), computed in float32.
+
+    The `1 + weight` is the Qwen3.5 convention (weights are stored centred on zero).
+    Args: x [..., D], weight [D]. Returns: [..., D] in x's dtype.
+    """
+    kernels = fused(x)
+    if kernels is not None:
+        return kernels["rms_norm"](x, (1.0 + weight.float()).to(x.dtype), None, eps=eps)
+    return rms_norm_reference(x, weight, eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated RMSNorm of the delta-rule output: rms-normalise x, scale by `weight` (not 1 + weight),
+    multiply by silu(gate). Args: x, gate [..., V], weight [V]. Returns [..., V] in x's dtype."""
+    kernels = fused(x)
+    if kernels is not None:
+        return kernels["rms_norm_gated"](x, gate, weight, None, activation="swish", eps=eps)
+    return rms_norm_gated_reference(x, gate, weight, eps)
+
+
+def rms_norm_gated_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up."""
+    kernels = fused(gate)
+    if kernels is not None:
+        return kernels["swiglu"](gate, up)
+    return swiglu_reference(gate, up)
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+# -- packed sequences -------------------------------------------------------------------------
+
+
+def _segments(cu_seqlens: torch.Tensor, total: int):
+    """Packed-to-padded index maps: (index [N, L] into the packed axis, valid [N, L])."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    width = int(lengths.max()) if len(lengths) else 0
+    offsets = torch.arange(width, device=cu_seqlens.device)
+    valid = offsets[None, :] < lengths[:, None]
+    index = (cu_seqlens[:-1, None] + offsets[None, :]).clamp(max=max(total - 1, 0))
+    return index, valid
+
+
+def _unpack(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[1, T, ...] packed (or [B, T, ...] when cu_seqlens is None) -> [N, L, ...] padded with 0."""
+    if cu_seqlens is None:
+        return x, None
+    index, valid = _segments(cu_seqlens, x.shape[1])
+    padded = x[0][index]
+    mask = valid.view(*valid.shape, *([1] * (padded.dim() - 2)))
+    return padded * mask, valid
+
+
+def _pack(y: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    return y if valid is None else y[valid].unsqueeze(0)
+
+
+# -- causal convolution -----------------------------------------------------------------------
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None = None,
+                  output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+                  activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Depthwise causal convolution with optional carried state, per packed sequence.
+
+    Args:
+        x: [B, T, D], or [1, T, D] packed with `cu_seqlens` [N + 1].
+        weight: [D, W].
+        initial_state: [N, D, W], the W inputs before each sequence (last one most recent).
+        output_final_state: also return the last W inputs of each sequence, [N, D, W].
+        activation: "silu" or None.
+
+    Returns:
+        ([B, T, D] output, final state or None)
+    """
+    kernels = fused(x)
+    if kernels is not None:
+        return kernels["causal_conv1d"](x, weight, None, None, initial_state, output_final_state,
+                                        "swish" if activation == "silu" else activation, cu_seqlens=cu_seqlens)
+    return causal_conv1d_reference(x, weight, initial_state, output_final_state, cu_seqlens, activation)
+
+
+def causal_conv1d_reference(x, weight, initial_state=None, output_final_state=False, cu_seqlens=None,
+                            activation="silu"):
+    padded, valid = _unpack(x, cu_seqlens)
+    count, length, dim = padded.shape
+    width = weight.shape[-1]
+    history = (initial_state.transpose(1, 2).to(x.dtype) if initial_state is not None
+               else padded.new_zeros(count, width, dim))
+    full = torch.cat([history, padded], dim=1)  # [N, W + L, D]
+    # y[t] = sum_i weight[:, i] * full[t + 1 + i]: the kernel's last tap is the current input.
+    windows = full[:, 1:].unfold(1, width, 1)  # [N, L, D, W]
+    out = (windows.float() * weight.float()).sum(-1).to(x.dtype)
+    if activation == "silu":
+        out = F.silu(out)
+    final = None
+    if output_final_state:
+        lengths = (valid.sum(-1) if valid is not None else torch.full((count,), length, device=x.device))
+        # The last W entries of [history, sequence] end at W + length.
+        picks = lengths[:, None] + torch.arange(width, device=x.device)[None, :]  # [N, W]
+        final = torch.gather(full, 1, picks[..., None].expand(-1, -1, dim)).transpose(1, 2).contiguous()
+    return _pack(out, valid), final
+
+
+# -- gated delta rule -------------------------------------------------------------------------
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, initial_state: torch.Tensor | None = None,
+                           output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+                           use_qk_l2norm_in_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule: S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,
+    o_t = S_t^T q_t / sqrt(K).
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, HV, V] (HV a multiple of H); g (log decay), beta: [B, T, HV].
+            With `cu_seqlens` [N + 1], B is 1 and the sequences are packed along T.
+        initial_state: [N, HV, K, V] float32 states before each sequence.
+        output_final_state: also return the [N, HV, K, V] float32 states after each sequence.
+        use_qk_l2norm_in_kernel: L2-normalise q and k first (Qwen3.5 does).
+
+    Returns:
+        ([B, T, HV, V] output in v's dtype, final states or None)
+    """
+    kernels = fused(q)
+    if kernels is not None:
+        return kernels["chunk_gated_delta_rule"](
+            q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return gated_delta_rule_reference(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                                      use_qk_l2norm_in_kernel)
+
+
+def gated_delta_rule_reference(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
+                               normalise=True):
+    """The token-by-token recurrence in float32, all sequences side by side."""
+    dtype = v.dtype
+    repeat = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
+    if normalise:
+        q, k = l2norm(q.float()), l2norm(k.float())
+    q = q.float() * q.shape[-1] ** -0.5
+    (q, valid), (k, _), (v, _) = _unpack(q, cu_seqlens), _unpack(k.float(), cu_seqlens), _unpack(v.float(), cu_seqlens)
+    (g, _), (beta, _) = _unpack(g.float(), cu_seqlens), _unpack(beta.float(), cu_seqlens)
+    count, length, heads, key_dim = k.shape
+    state = (initial_state.float() if initial_state is not None
+             else k.new_zeros(count, heads, key_dim, v.shape[-1]))
+    outputs = []
+    for t in range(length):
+        # Padding steps (past a sequence's end) must leave its state unchanged.
+        live = valid[:, t, None, None, None] if valid is not None else None
+        decayed = state * g[:, t, :, None, None].exp()
+        memory = (decayed * k[:, t, :, :, None]).sum(-2)  # [N, HV, V]
+        delta = (v[:, t] - memory) * beta[:, t, :, None]
+        updated = decayed + k[:, t, :, :, None] * delta[:, :, None, :]
+        state = updated if live is None else torch.where(live, updated, state)
+        outputs.append((state * q[:, t, :, :, None]).sum(-2))
+    out = torch.stack(outputs, dim=1) if outputs else v.new_zeros(count, 0, heads, v.shape[-1])
+    return _pack(out, valid).to(dtype), (state if output_final_state else None)

@@ -1,0 +1,132 @@
+"""Kernel references against independent formulas (CPU) and fused kernels against references (GPU)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dohnuts import kernels
+
+LENGTHS = [63, 1, 17, 64]  # odd sizes, a single token, exactly one 64-token chunk
+
+
+def _cu(lengths, device="cpu"):
+    return torch.tensor([0] + lengths, device=device).cumsum(0)
+
+
+def _naive_delta_rule(q, k, v, g, beta, state):
+    """Per-token, per-head delta rule written with explicit matrices. q, k [T, H, K]; v [T, H, V]."""
+    q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12) * q.shape[-1] ** -0.5
+    k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    out = torch.zeros(v.shape)
+    for t in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            decayed = state[h] * torch.exp(g[t, h])
+            error = v[t, h] - decayed.T @ k[t, h]
+            state[h] = decayed + torch.outer(k[t, h], beta[t, h] * error)
+            out[t, h] = state[h].T @ q[t, h]
+    return out, state
+
+
+def _delta_inputs(total, heads=2, value_heads=4, key_dim=8, value_dim=6, device="cpu", dtype=torch.float32):
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype)  # noqa: E731
+    q, k, v = make(1, total, heads, key_dim), make(1, total, heads, key_dim), make(1, total, value_heads, value_dim)
+    g = -F.softplus(make(1, total, value_heads)).float()
+    beta = torch.sigmoid(make(1, total, value_heads))
+    return q, k, v, g, beta
+
+
+def test_delta_rule_reference_matches_explicit_per_head_recurrence_on_packed_sequences():
+    total = sum(LENGTHS)
+    q, k, v, g, beta = _delta_inputs(total)
+    start = torch.randn(len(LENGTHS), 4, 8, 6)
+    out, final = kernels.gated_delta_rule_reference(q, k, v, g, beta, start.clone(), True, _cu(LENGTHS))
+    for index, (begin, end) in enumerate(zip(_cu(LENGTHS)[:-1].tolist(), _cu(LENGTHS)[1:].tolist())):
+        # Grouped values: key head h serves value heads 2h and 2h + 1.
+        expected, state = _naive_delta_rule(q[0, begin:end].repeat_interleave(2, 1), k[0, begin:end].repeat_interleave(2, 1),
+                                             v[0, begin:end], g[0, begin:end], beta[0, begin:end], start[index].clone())
+        torch.testing.assert_close(out[0, begin:end], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final[index], state, rtol=1e-5, atol=1e-5)
+
+
+def test_delta_rule_state_carries_a_sequence_across_a_split():
+    q, k, v, g, beta = _delta_inputs(40)
+    whole, whole_state = kernels.gated_delta_rule_reference(q, k, v, g, beta, None, True)
+    first, state = kernels.gated_delta_rule_reference(q[:, :25], k[:, :25], v[:, :25], g[:, :25], beta[:, :25], None, True)
+    second, final = kernels.gated_delta_rule_reference(q[:, 25:], k[:, 25:], v[:, 25:], g[:, 25:], beta[:, 25:], state, True)
+    torch.testing.assert_close(torch.cat([first, second], 1), whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(final, whole_state, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_conv_reference_matches_conv1d_per_sequence_with_carried_state():
+    dim, width = 5, 4
+    x = torch.randn(1, sum(LENGTHS), dim)
+    weight = torch.randn(dim, width)
+    start = torch.randn(len(LENGTHS), dim, width)
+    out, final = kernels.causal_conv1d_reference(x, weight, start, True, _cu(LENGTHS))
+    for index, (begin, end) in enumerate(zip(_cu(LENGTHS)[:-1].tolist(), _cu(LENGTHS)[1:].tolist())):
+        sequence = torch.cat([start[index], x[0, begin:end].T], dim=1)  # [D, W + L]
+        expected = F.silu(F.conv1d(sequence[None], weight[:, None, :], groups=dim)[0, :, 1:]).T
+        torch.testing.assert_close(out[0, begin:end], expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(final[index], sequence[:, -width:])
+
+
+def test_norms_follow_the_qwen3_5_conventions():
+    x, gate, weight = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
+    rms = x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+    torch.testing.assert_close(kernels.rms_norm_reference(x, weight, 1e-6), rms * (1 + weight))
+    torch.testing.assert_close(kernels.rms_norm_gated_reference(x, gate, weight, 1e-6), rms * weight * F.silu(gate))
+
+
+# -- fused kernels on the GPU, against the references, in bf16 tolerance ----------------------
+
+BF16 = {"rtol": 2e-2, "atol": 2e-2}
+
+
+def _relative_error(actual, expected):
+    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-6)).item()
+
+
+@pytest.mark.gpu
+def test_fused_kernels_are_installed_on_cuda():
+    assert kernels.fused(torch.zeros(1, device="cuda")) is not None, "flash-linear-attention is not importable"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [63, 128, 1024])
+def test_fused_norms_and_swiglu_match_references(width):
+    x, gate = torch.randn(2, 63, width, device="cuda", dtype=torch.bfloat16), torch.randn(2, 63, width, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), kernels.rms_norm_reference(x, weight, 1e-6), **BF16)
+    torch.testing.assert_close(kernels.rms_norm_gated(x, gate, weight + 1, 1e-6),
+                               kernels.rms_norm_gated_reference(x, gate, weight + 1, 1e-6), **BF16)
+    torch.testing.assert_close(kernels.swiglu(x, gate), kernels.swiglu_reference(x, gate), **BF16)
+
+
+@pytest.mark.gpu
+def test_fused_causal_conv_matches_reference_on_packed_sequences_with_state():
+    dim, width = 96, 4
+    x = torch.randn(1, sum(LENGTHS), dim, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(dim, width, device="cuda", dtype=torch.bfloat16)
+    start = torch.randn(len(LENGTHS), dim, width, device="cuda", dtype=torch.bfloat16)
+    cu = _cu(LENGTHS, "cuda").to(torch.int32)
+    out, final = kernels.causal_conv1d(x, weight, start, True, cu)
+    ref, ref_final = kernels.causal_conv1d_reference(x, weight, start, True, cu.long())
+    torch.testing.assert_close(out, ref, **BF16)
+    torch.testing.assert_close(final, ref_final, **BF16)
+
+
+@pytest.mark.gpu
+def test_fused_gated_delta_rule_matches_reference_forward_and_gradients():
+    total = sum(LENGTHS)
+    inputs = [t.requires_grad_() for t in _delta_inputs(total, heads=2, value_heads=4, key_dim=64, value_dim=64,
+                                                         device="cuda", dtype=torch.bfloat16)]
+    start = torch.randn(len(LENGTHS), 4, 64, 64, device="cuda") * 0.1
+    cu = _cu(LENGTHS, "cuda").to(torch.int32)
+    out, final = kernels.chunk_gated_delta_rule(*inputs, start, True, cu)
+    ref, ref_final = kernels.gated_delta_rule_reference(*inputs, start, True, cu.long())
+    assert _relative_error(out, ref) < 1e-2 and _relative_error(final, ref_final) < 1e-2
+    grads = torch.autograd.grad(out.float().square().sum(), inputs)
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), inputs)
+    for name, grad, expected in zip("q k v g beta".split(), grads, ref_grads):
+        assert _relative_error(grad, expected) < 2e-2, name
