@@ -183,21 +183,73 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         return kernels["chunk_gated_delta_rule"](
             q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    return gated_delta_rule_reference(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
-                                      use_qk_l2norm_in_kernel)
+    return gated_delta_rule_chunked(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
+                                    use_qk_l2norm_in_kernel)
+
+
+def _prepare(q, k, v, g, beta, cu_seqlens, normalise):
+    """Float32, grouped heads expanded, q scaled, everything unpacked to [N, L, ...]."""
+    repeat = v.shape[2] // q.shape[2]
+    q, k = q.repeat_interleave(repeat, dim=2).float(), k.repeat_interleave(repeat, dim=2).float()
+    if normalise:
+        q, k = l2norm(q), l2norm(k)
+    q = q * q.shape[-1] ** -0.5
+    (q, valid), (k, _), (v, _) = _unpack(q, cu_seqlens), _unpack(k, cu_seqlens), _unpack(v.float(), cu_seqlens)
+    (g, _), (beta, _) = _unpack(g.float(), cu_seqlens), _unpack(beta.float(), cu_seqlens)
+    return q, k, v, g, beta, valid
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
+                             normalise=True, chunk_size=64):
+    """The same recurrence, a chunk of tokens at a time (the CPU path: a few large ops instead of
+    a Python step per token).
+
+    Within a chunk with cumulative log decay G and S0 the state before it, the pseudo-values
+    U solve the unit lower-triangular system
+        U_i + beta_i sum_{j<i} exp(G_i - G_j) (k_i . k_j) U_j = beta_i (v_i - exp(G_i) S0^T k_i),
+    then o_i = exp(G_i) S0^T q_i + sum_{j<=i} exp(G_i - G_j) (q_i . k_j) U_j and
+    S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j U_j^T. Padding has k = v = beta = g = 0, which
+    leaves the state unchanged.
+    """
+    dtype = v.dtype
+    q, k, v, g, beta, valid = _prepare(q, k, v, g, beta, cu_seqlens, normalise)
+    if valid is not None:
+        live = valid[..., None].float()
+        k, v, beta, g = k * live[..., None], v * live[..., None], beta * live, g * live
+    count, length, heads, key_dim = k.shape
+    state = (initial_state.float() if initial_state is not None
+             else k.new_zeros(count, heads, key_dim, v.shape[-1]))
+    # [N, H, L, ...] so each chunk is a batch of matrices per sequence and head.
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    g, beta = g.transpose(1, 2), beta.transpose(1, 2)
+    outputs = []
+    for start in range(0, length, chunk_size):
+        end = min(start + chunk_size, length)
+        qc, kc, vc, bc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], beta[:, :, start:end]
+        cumulative = g[:, :, start:end].cumsum(-1)  # [N, H, C]
+        size = end - start
+        lower = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
+        gap = cumulative[..., :, None] - cumulative[..., None, :]
+        # exp only where j <= i: the masked entries would overflow.
+        decay = torch.where(lower, gap, torch.full_like(gap, -torch.inf)).exp()  # [N, H, C, C]
+        strict = decay.masked_fill(torch.eye(size, dtype=torch.bool, device=k.device), 0.0)
+        system = bc[..., None] * strict * (kc @ kc.transpose(-1, -2))
+        eye = torch.eye(size, device=k.device)
+        grow = cumulative.exp()[..., None]
+        rhs = bc[..., None] * (vc - grow * (kc @ state))
+        pseudo = torch.linalg.solve_triangular(eye + system, rhs, upper=False, unitriangular=True)
+        outputs.append(grow * (qc @ state) + (decay * (qc @ kc.transpose(-1, -2))) @ pseudo)
+        tail = (cumulative[..., -1:] - cumulative).exp()[..., None]  # [N, H, C, 1]
+        state = cumulative[..., -1, None, None].exp() * state + (kc * tail).transpose(-1, -2) @ pseudo
+    out = torch.cat(outputs, dim=2).transpose(1, 2) if outputs else v.transpose(1, 2)
+    return _pack(out, valid).to(dtype), (state if output_final_state else None)
 
 
 def gated_delta_rule_reference(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
                                normalise=True):
-    """The token-by-token recurrence in float32, all sequences side by side."""
+    """The token-by-token recurrence in float32, all sequences side by side: the oracle."""
     dtype = v.dtype
-    repeat = v.shape[2] // q.shape[2]
-    q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
-    if normalise:
-        q, k = l2norm(q.float()), l2norm(k.float())
-    q = q.float() * q.shape[-1] ** -0.5
-    (q, valid), (k, _), (v, _) = _unpack(q, cu_seqlens), _unpack(k.float(), cu_seqlens), _unpack(v.float(), cu_seqlens)
-    (g, _), (beta, _) = _unpack(g.float(), cu_seqlens), _unpack(beta.float(), cu_seqlens)
+    q, k, v, g, beta, valid = _prepare(q, k, v, g, beta, cu_seqlens, normalise)
     count, length, heads, key_dim = k.shape
     state = (initial_state.float() if initial_state is not None
              else k.new_zeros(count, heads, key_dim, v.shape[-1]))

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+import torch.nn.functional as F
 from torch import nn
 
 from .base import load_backbone
+from .decoder import packed_forward
 from .config import LoraConfig, to_dict
 from .io import read_json, verify_manifest
 from .template import Batch
@@ -21,16 +23,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def default_device() -> torch.device:
     """CUDA when present, else the CPU: the one execution policy picks the device, not a flag."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def language_forward(language_model, inputs_embeds, position_ids, attention_mask) -> torch.Tensor:
-    """The language forward: [B, T, D] embeddings -> [B, T, D] final (normed) hidden states.
-
-    Kept behind this one function so a faster runtime can replace it everywhere at once.
-    """
-    output = language_model(inputs_embeds=inputs_embeds, position_ids=position_ids,
-                            attention_mask=attention_mask, use_cache=False)
-    return output.last_hidden_state
 
 
 def image_features(visual, pixel_values, grid_thw) -> list[torch.Tensor]:
@@ -50,10 +42,11 @@ class DecisionModel(nn.Module):
     model); `head` is Linear(hidden, 1) in float32.
     """
 
-    def __init__(self, backbone, head: nn.Linear):
+    def __init__(self, backbone, head: nn.Linear, activation_checkpointing: bool = False):
         super().__init__()
         self.backbone = backbone
         self.head = head
+        self.activation_checkpointing = activation_checkpointing  # recompute layers in training
         self.backbone.visual.requires_grad_(False)
 
     def train(self, mode: bool = True):
@@ -65,8 +58,12 @@ class DecisionModel(nn.Module):
     def device(self) -> torch.device:
         return self.head.weight.device
 
-    def hidden_states(self, batch: Batch) -> torch.Tensor:
-        """Final hidden states [B, T, D] of a batch on the model's device."""
+    def hidden_states(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states of a batch on the model's device, its rows packed.
+
+        Returns:
+            ([N, D] hidden states of the rows' tokens, one row after another; [B + 1] offsets)
+        """
         language = self.backbone.language_model
         embeds = language.get_input_embeddings()(batch.input_ids)
         if batch.pixel_values is not None:
@@ -75,12 +72,16 @@ class DecisionModel(nn.Module):
             rows = torch.cat([per_image[index] for index in with_image]).to(embeds.dtype)
             slots = (batch.input_ids == self.backbone.config.image_token_id).unsqueeze(-1)
             embeds = embeds.masked_scatter(slots, rows)
-        return language_forward(language, embeds, batch.position_ids, batch.attention_mask)
+        valid = batch.attention_mask.bool()
+        offsets = F.pad(valid.sum(1).cumsum(0), (1, 0))
+        hidden = packed_forward(language, embeds[valid], batch.position_ids[:, valid], offsets,
+                                self.activation_checkpointing and self.training)
+        return hidden, offsets
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Args: batch on the model's device. Returns: logits [B, K] float32 (0 where masked)."""
-        hidden = self.hidden_states(batch)
-        picked = torch.gather(hidden, 1, batch.markers.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+        hidden, offsets = self.hidden_states(batch)
+        picked = hidden[offsets[:-1, None] + batch.markers]  # [B, K, D]
         logits = self.head(picked.float()).squeeze(-1)  # [B, K]
         return logits.masked_fill(~batch.candidate_mask, 0.0)
 

@@ -98,13 +98,7 @@ class Trainer:
             check_adapter_config(run.parent, run.lora)
             load_adapter(adapter, self.model, self.peft_model)
         self.model.to(self.device)
-        if run.train.activation_checkpointing:
-            language = self.model.backbone.language_model
-            # transformers renamed the switch; 5.17 (the GPU machine) only has the old name.
-            if hasattr(language, "activation_checkpointing_enable"):
-                language.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                language.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.activation_checkpointing = run.train.activation_checkpointing
         tokenizer, processor = load_processors(run.base, run.model)
         self.template = Template(tokenizer, processor, run.model.marker_token)
         self.reader = RecordReader(run.data)

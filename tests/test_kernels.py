@@ -49,6 +49,23 @@ def test_delta_rule_reference_matches_explicit_per_head_recurrence_on_packed_seq
         torch.testing.assert_close(final[index], state, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_size", [64, 16, 5])
+def test_chunked_delta_rule_equals_the_recurrence_in_outputs_states_and_gradients(chunk_size):
+    inputs = [t.double().requires_grad_() for t in _delta_inputs(sum(LENGTHS))]
+    start = torch.randn(len(LENGTHS), 4, 8, 6, dtype=torch.float64)
+    cu = _cu(LENGTHS)
+    # float64 inputs are computed in float32 inside; compare at float32 precision.
+    out, final = kernels.gated_delta_rule_chunked(*inputs, start, True, cu, chunk_size=chunk_size)
+    ref, ref_final = kernels.gated_delta_rule_reference(*inputs, start, True, cu)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, ref_final, rtol=1e-5, atol=1e-5)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), inputs)
+    for name, grad, expected in zip("q k v g beta".split(), grads, ref_grads):
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_delta_rule_state_carries_a_sequence_across_a_split():
     q, k, v, g, beta = _delta_inputs(40)
     whole, whole_state = kernels.gated_delta_rule_reference(q, k, v, g, beta, None, True)
