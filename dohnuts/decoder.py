@@ -47,14 +47,23 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([rotated, rest], dim=-1)
 
 
-def segment_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """[T, T] bool: token i may attend to token j when both are in one sequence and j <= i."""
-    positions = torch.arange(total, device=cu_seqlens.device)
-    segment = torch.bucketize(positions, cu_seqlens[1:], right=True)
-    return (segment[:, None] == segment[None, :]) & (positions[None, :] <= positions[:, None])
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Causal attention within each packed sequence. query, key, value: [T, H, D] -> [T, H, D].
+
+    Sequences are attended side by side, padded to the longest, so the work grows with
+    N * L^2 rather than T^2.
+    """
+    (query, valid), (key, _), (value, _) = (kernels.unpack(x[None], cu_seqlens) for x in (query, key, value))
+    length = query.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+    mask = causal[None, None] & valid[:, None, None, :]  # [N, 1, L, L]: past keys of the same row
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                         attn_mask=mask, scale=scale)
+    return kernels.pack(out.transpose(1, 2), valid)[0]
 
 
-def _attention(module, config, hidden: torch.Tensor, cos, sin, mask: torch.Tensor) -> torch.Tensor:
+def _attention(module, config, hidden: torch.Tensor, cos, sin, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Gated, partially rotary, grouped-query attention of packed tokens. hidden: [T, D]."""
     head_dim = config.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -67,9 +76,8 @@ def _attention(module, config, hidden: torch.Tensor, cos, sin, mask: torch.Tenso
     query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
     groups = heads // kv_heads
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-                                         attn_mask=mask, scale=head_dim**-0.5)  # [H, T, D]
-    out = out.transpose(0, 1).reshape(total, heads * head_dim) * torch.sigmoid(gate.reshape(total, -1))
+    out = causal_attention(query, key, value, cu_seqlens, head_dim**-0.5)
+    out = out.reshape(total, heads * head_dim) * torch.sigmoid(gate.reshape(total, -1))
     return module.o_proj(out)
 
 
@@ -93,12 +101,12 @@ def _delta_rule(module, config, hidden: torch.Tensor, cu_seqlens: torch.Tensor) 
     return module.out_proj(out.reshape(total, value_heads * value_dim))
 
 
-def _layer(layer, kind: str, config, hidden, cos, sin, mask, cu_seqlens) -> torch.Tensor:
+def _layer(layer, kind: str, config, hidden, cos, sin, cu_seqlens) -> torch.Tensor:
     normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
     if kind == "linear_attention":
         mixed = _delta_rule(layer.linear_attn, config, normed, cu_seqlens)
     else:
-        mixed = _attention(layer.self_attn, config, normed, cos, sin, mask)
+        mixed = _attention(layer.self_attn, config, normed, cos, sin, cu_seqlens)
     hidden = hidden + mixed
     normed = kernels.rms_norm(hidden, layer.post_attention_layernorm.weight, config.rms_norm_eps)
     mlp = layer.mlp
@@ -121,11 +129,10 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
     """
     config = language_model.config
     cos, sin = rotary_tables(config, position_ids, inputs_embeds.dtype)
-    mask = segment_mask(cu_seqlens, inputs_embeds.shape[0])
     hidden = inputs_embeds
     for layer, kind in zip(language_model.layers, config.layer_types):
         if activation_checkpointing and torch.is_grad_enabled():
-            hidden = checkpoint(_layer, layer, kind, config, hidden, cos, sin, mask, cu_seqlens, use_reentrant=False)
+            hidden = checkpoint(_layer, layer, kind, config, hidden, cos, sin, cu_seqlens, use_reentrant=False)
         else:
-            hidden = _layer(layer, kind, config, hidden, cos, sin, mask, cu_seqlens)
+            hidden = _layer(layer, kind, config, hidden, cos, sin, cu_seqlens)
     return kernels.rms_norm(hidden, language_model.norm.weight, config.rms_norm_eps)

@@ -93,8 +93,9 @@ def _segments(cu_seqlens: torch.Tensor, total: int):
     return index, valid
 
 
-def _unpack(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[1, T, ...] packed (or [B, T, ...] when cu_seqlens is None) -> [N, L, ...] padded with 0."""
+def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[1, T, ...] packed (or [B, T, ...] when cu_seqlens is None) -> ([N, L, ...] padded with 0,
+    [N, L] valid mask or None)."""
     if cu_seqlens is None:
         return x, None
     index, valid = _segments(cu_seqlens, x.shape[1])
@@ -103,7 +104,8 @@ def _unpack(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Ten
     return padded * mask, valid
 
 
-def _pack(y: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+def pack(y: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """The inverse of `unpack`: [N, L, ...] -> [1, T, ...]."""
     return y if valid is None else y[valid].unsqueeze(0)
 
 
@@ -134,7 +136,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Te
 
 def causal_conv1d_reference(x, weight, initial_state=None, output_final_state=False, cu_seqlens=None,
                             activation="silu"):
-    padded, valid = _unpack(x, cu_seqlens)
+    padded, valid = unpack(x, cu_seqlens)
     count, length, dim = padded.shape
     width = weight.shape[-1]
     history = (initial_state.transpose(1, 2).to(x.dtype) if initial_state is not None
@@ -151,7 +153,7 @@ def causal_conv1d_reference(x, weight, initial_state=None, output_final_state=Fa
         # The last W entries of [history, sequence] end at W + length.
         picks = lengths[:, None] + torch.arange(width, device=x.device)[None, :]  # [N, W]
         final = torch.gather(full, 1, picks[..., None].expand(-1, -1, dim)).transpose(1, 2).contiguous()
-    return _pack(out, valid), final
+    return pack(out, valid), final
 
 
 # -- gated delta rule -------------------------------------------------------------------------
@@ -194,8 +196,8 @@ def _prepare(q, k, v, g, beta, cu_seqlens, normalise):
     if normalise:
         q, k = l2norm(q), l2norm(k)
     q = q * q.shape[-1] ** -0.5
-    (q, valid), (k, _), (v, _) = _unpack(q, cu_seqlens), _unpack(k, cu_seqlens), _unpack(v.float(), cu_seqlens)
-    (g, _), (beta, _) = _unpack(g.float(), cu_seqlens), _unpack(beta.float(), cu_seqlens)
+    (q, valid), (k, _), (v, _) = unpack(q, cu_seqlens), unpack(k, cu_seqlens), unpack(v.float(), cu_seqlens)
+    (g, _), (beta, _) = unpack(g.float(), cu_seqlens), unpack(beta.float(), cu_seqlens)
     return q, k, v, g, beta, valid
 
 
@@ -242,7 +244,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, output_final_
         tail = (cumulative[..., -1:] - cumulative).exp()[..., None]  # [N, H, C, 1]
         state = cumulative[..., -1, None, None].exp() * state + (kc * tail).transpose(-1, -2) @ pseudo
     out = torch.cat(outputs, dim=2).transpose(1, 2) if outputs else v.transpose(1, 2)
-    return _pack(out, valid).to(dtype), (state if output_final_state else None)
+    return pack(out, valid).to(dtype), (state if output_final_state else None)
 
 
 def gated_delta_rule_reference(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -264,4 +266,4 @@ def gated_delta_rule_reference(q, k, v, g, beta, initial_state=None, output_fina
         state = updated if live is None else torch.where(live, updated, state)
         outputs.append((state * q[:, t, :, :, None]).sum(-2))
     out = torch.stack(outputs, dim=1) if outputs else v.new_zeros(count, 0, heads, v.shape[-1])
-    return _pack(out, valid).to(dtype), (state if output_final_state else None)
+    return pack(out, valid).to(dtype), (state if output_final_state else None)

@@ -5,7 +5,7 @@ import torch
 
 from dohnuts.base import load_backbone
 from dohnuts.config import LoraConfig
-from dohnuts.decoder import packed_forward, segment_mask
+from dohnuts.decoder import causal_attention, packed_forward
 from dohnuts.model import build_training_model
 from dohnuts.schema import parse_request
 
@@ -75,16 +75,15 @@ def test_packed_forward_gradients_match_hugging_face_with_lora_and_checkpointing
         assert ((ours_grad - reference_grad).abs().max() / scale).item() <= GRADIENT_TOLERANCE
 
 
-def test_segment_mask_is_causal_within_each_row_only():
-    mask = segment_mask(torch.tensor([0, 2, 5]), 5)
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0],
-        [0, 0, 1, 0, 0],
-        [0, 0, 1, 1, 0],
-        [0, 0, 1, 1, 1],
-    ], dtype=torch.bool)
-    assert torch.equal(mask, expected)
+def test_packed_attention_equals_causal_attention_of_each_row_alone():
+    lengths = [5, 1, 9]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    query, key, value = (torch.randn(sum(lengths), 2, 4) for _ in range(3))
+    out = causal_attention(query, key, value, cu, 0.5)
+    for begin, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        q, k, v = (x[begin:end].transpose(0, 1) for x in (query, key, value))
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+        torch.testing.assert_close(out[begin:end], expected.transpose(0, 1))
 
 
 @pytest.mark.gpu

@@ -48,12 +48,17 @@ def _hugging_face_hidden(backbone, row, image):
     return backbone(input_ids=ids, use_cache=False, **kwargs).last_hidden_state[0]
 
 
-def test_forward_matches_hugging_face_with_images_and_padding(tiny):
+def _model_and_batch(tiny):
     template = tiny.template()
     backbone = load_backbone(tiny.base, torch.float32).eval()
     model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
     rows, images = _rows(template)
-    batch = template.collate(rows, images)
+    return model, rows, images, template.collate(rows, images)
+
+
+def test_forward_matches_hugging_face_with_images_and_padding(tiny):
+    model, rows, images, batch = _model_and_batch(tiny)
+    backbone = model.backbone
     lengths = batch.attention_mask.sum(-1)
     assert lengths.min() < lengths.max()  # padding is exercised
     with torch.no_grad():
@@ -65,11 +70,7 @@ def test_forward_matches_hugging_face_with_images_and_padding(tiny):
 
 
 def test_logits_are_read_at_the_markers(tiny):
-    template = tiny.template()
-    backbone = load_backbone(tiny.base, torch.float32).eval()
-    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
-    rows, images = _rows(template)
-    batch = template.collate(rows, images)
+    model, rows, _, batch = _model_and_batch(tiny)
     with torch.no_grad():
         hidden, offsets = model.hidden_states(batch)
         logits = model(batch)
