@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw
 
-from dohnuts.schema import NOUL_DEFAULTS
+from .schema import NOUL_DEFAULTS
 
 
 @dataclass(frozen=True)
