@@ -29,6 +29,11 @@ def _fla():
             "rms_norm": rms_norm, "chunk_gated_delta_rule": chunk_gated_delta_rule}
 
 
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """x in at least float32: half precisions widen, float64 stays (so tests can be exact)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def fused(x: torch.Tensor):
     """The FLA functions when `x` lives on a CUDA device and FLA is installed, else None."""
     return _fla() if x.is_cuda else None
@@ -50,8 +55,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (1.0 + weight.float())).to(x.dtype)
+    normed = wide(x) * torch.rsqrt(wide(x).pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + wide(weight))).to(x.dtype)
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,8 +69,8 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 def rms_norm_gated_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+    normed = wide(x) * torch.rsqrt(wide(x).pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * normed.to(x.dtype) * F.silu(wide(gate))).to(x.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -144,7 +149,7 @@ def causal_conv1d_reference(x, weight, initial_state=None, output_final_state=Fa
     full = torch.cat([history, padded], dim=1)  # [N, W + L, D]
     # y[t] = sum_i weight[:, i] * full[t + 1 + i]: the kernel's last tap is the current input.
     windows = full[:, 1:].unfold(1, width, 1)  # [N, L, D, W]
-    out = (windows.float() * weight.float()).sum(-1).to(x.dtype)
+    out = (wide(windows) * wide(weight)).sum(-1).to(x.dtype)
     if activation == "silu":
         out = F.silu(out)
     final = None
@@ -192,12 +197,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 def _prepare(q, k, v, g, beta, cu_seqlens, normalise):
     """Float32, grouped heads expanded, q scaled, everything unpacked to [N, L, ...]."""
     repeat = v.shape[2] // q.shape[2]
-    q, k = q.repeat_interleave(repeat, dim=2).float(), k.repeat_interleave(repeat, dim=2).float()
+    q, k = wide(q.repeat_interleave(repeat, dim=2)), wide(k.repeat_interleave(repeat, dim=2))
     if normalise:
         q, k = l2norm(q), l2norm(k)
     q = q * q.shape[-1] ** -0.5
-    (q, valid), (k, _), (v, _) = unpack(q, cu_seqlens), unpack(k, cu_seqlens), unpack(v.float(), cu_seqlens)
-    (g, _), (beta, _) = unpack(g.float(), cu_seqlens), unpack(beta.float(), cu_seqlens)
+    (q, valid), (k, _), (v, _) = unpack(q, cu_seqlens), unpack(k, cu_seqlens), unpack(wide(v), cu_seqlens)
+    (g, _), (beta, _) = unpack(wide(g), cu_seqlens), unpack(wide(beta), cu_seqlens)
     return q, k, v, g, beta, valid
 
 
@@ -216,10 +221,10 @@ def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, output_final_
     dtype = v.dtype
     q, k, v, g, beta, valid = _prepare(q, k, v, g, beta, cu_seqlens, normalise)
     if valid is not None:
-        live = valid[..., None].float()
+        live = valid[..., None].to(k.dtype)
         k, v, beta, g = k * live[..., None], v * live[..., None], beta * live, g * live
     count, length, heads, key_dim = k.shape
-    state = (initial_state.float() if initial_state is not None
+    state = (wide(initial_state) if initial_state is not None
              else k.new_zeros(count, heads, key_dim, v.shape[-1]))
     # [N, H, L, ...] so each chunk is a batch of matrices per sequence and head.
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
@@ -236,7 +241,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, output_final_
         decay = torch.where(lower, gap, torch.full_like(gap, -torch.inf)).exp()  # [N, H, C, C]
         strict = decay.masked_fill(torch.eye(size, dtype=torch.bool, device=k.device), 0.0)
         system = bc[..., None] * strict * (kc @ kc.transpose(-1, -2))
-        eye = torch.eye(size, device=k.device)
+        eye = torch.eye(size, device=k.device, dtype=k.dtype)
         grow = cumulative.exp()[..., None]
         rhs = bc[..., None] * (vc - grow * (kc @ state))
         pseudo = torch.linalg.solve_triangular(eye + system, rhs, upper=False, unitriangular=True)
@@ -253,7 +258,7 @@ def gated_delta_rule_reference(q, k, v, g, beta, initial_state=None, output_fina
     dtype = v.dtype
     q, k, v, g, beta, valid = _prepare(q, k, v, g, beta, cu_seqlens, normalise)
     count, length, heads, key_dim = k.shape
-    state = (initial_state.float() if initial_state is not None
+    state = (wide(initial_state) if initial_state is not None
              else k.new_zeros(count, heads, key_dim, v.shape[-1]))
     outputs = []
     for t in range(length):

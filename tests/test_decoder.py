@@ -5,7 +5,7 @@ import torch
 
 from dohnuts.base import load_backbone
 from dohnuts.config import LoraConfig
-from dohnuts.decoder import causal_attention, packed_forward
+from dohnuts.decoder import SharedPrefix, causal_attention, packed_forward
 from dohnuts.model import build_training_model
 from dohnuts.schema import parse_request
 
@@ -96,3 +96,68 @@ def test_packed_forward_matches_hugging_face_on_cuda(tiny):
         ours = packed_forward(language_model, embeds, positions.cuda(), cu.cuda())
         reference = _hugging_face(language_model, rows, device="cuda")
     assert (ours - reference).abs().max().item() <= 2e-3  # TF32 matmuls and chunked kernels
+
+
+def _shared_case(tiny, language_model):
+    """Two requests (3 and 2 questions) as full rows and as shared prefixes plus suffixes."""
+    template = tiny.template()
+    first = parse_request({"customer": "Mina", "plan": "business", "note": "billed twice"}, {
+        "plan": {"type": "choice", "instructions": "Which plan?", "criteria": ["free", "business", "enterprise"]},
+        "angry": {"type": "noul", "instructions": "Is the customer angry?"},
+        "urgent": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "mid", "high"]},
+    }, template.reserved)
+    second = parse_request("Customer: the app crashes at login.", {
+        "topic": {"type": "choice", "instructions": "Topic?", "criteria": ["login", "billing"]},
+        "angry": {"type": "noul", "instructions": "Is the customer angry?"},
+    }, template.reserved)
+    groups = [template.encode(first, 4096), template.encode(second, 4096)]
+    embed = language_model.get_input_embeddings()
+    full, prefixes, suffixes, parents = [], [], [], []
+    for parent, rows in enumerate(groups):
+        split = min(next(i for i, (a, b) in enumerate(zip(rows[0].input_ids, rows[1].input_ids)) if a != b),
+                    min(row.markers[0] for row in rows))
+        prefixes.append(torch.tensor(rows[0].input_ids[:split]))
+        for row in rows:
+            full.append(torch.tensor(row.input_ids))
+            suffixes.append(torch.tensor(row.input_ids[split:]))
+            parents.append(parent)
+        assert all(row.input_ids[:split] == rows[0].input_ids[:split] for row in rows)
+
+    def packed(sequences, offsets=None):
+        ids = torch.cat(sequences)
+        starts = offsets or [0] * len(sequences)
+        positions = torch.cat([torch.arange(len(s)) + start for s, start in zip(sequences, starts)]).expand(3, -1)
+        cu = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0)
+        return embed(ids), positions, cu
+
+    split_of = [len(prefixes[p]) for p in parents]
+    return packed(full), packed(prefixes), packed(suffixes, split_of), torch.tensor(parents), split_of
+
+
+def test_shared_prefixes_match_unshared_rows_in_outputs_and_gradients(tiny):
+    # float64 so that the comparison sees the algorithm, not float32 rounding, at 1e-5 relative.
+    model, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
+    model.double()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.05)
+    language_model = model.backbone.language_model.train()
+    lora = [p for name, p in language_model.named_parameters() if "lora_" in name]
+    full, prefixes, suffixes, parents, split_of = _shared_case(tiny, language_model)
+
+    unshared = packed_forward(language_model, *full, activation_checkpointing=True)
+    # The suffix tokens of each full row, in row order.
+    keep = torch.cat([torch.arange(start + split, end) for start, end, split
+                      in zip(full[2][:-1].tolist(), full[2][1:].tolist(), split_of)])
+    unshared = unshared[keep]
+    prefix = SharedPrefix.compute(language_model, *prefixes, activation_checkpointing=True)
+    shared = packed_forward(language_model, *suffixes, activation_checkpointing=True, prefix=prefix.fork(parents))
+    scale = unshared.abs().max()
+    assert ((shared - unshared).abs().max() / scale).item() <= 1e-5
+
+    weights = torch.randn(unshared.shape, dtype=unshared.dtype)
+    expected = torch.autograd.grad((unshared * weights).sum(), lora, retain_graph=True)
+    actual = torch.autograd.grad((shared * weights).sum(), lora)
+    for ours, reference in zip(actual, expected):
+        assert ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-12)).item() <= 1e-5
