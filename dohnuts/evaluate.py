@@ -8,6 +8,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
+from .calibration import apply_temperatures
 from .data import RecordReader
 from .metrics import masked_softmax, row_metrics, summarize
 from .schema import parse_request
@@ -90,8 +91,9 @@ def score_table(table: pd.DataFrame, temperatures: dict[str, float] | None = Non
         (table with probabilities, prediction and per-row metrics added, summary dict)
     """
     logits, mask, targets = padded(table)
-    scale = torch.tensor([(temperatures or {}).get(kind, 1.0) for kind in table.kind], dtype=logits.dtype)
-    probs = masked_softmax(logits, mask, scale)
+    if temperatures is not None:
+        logits = apply_temperatures(logits, list(table.kind), temperatures)
+    probs = masked_softmax(logits, mask)
     ordinal = torch.tensor([kind == "score" for kind in table.kind])
     metrics = row_metrics(probs, mask, targets, ordinal)
     scored = table.assign(

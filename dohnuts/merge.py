@@ -11,7 +11,7 @@ from .base import load_processors
 from .checkpoint import write_merged
 from .config import LoraConfig, ModelConfig
 from .io import atomic_directory, read_json
-from .model import DecisionModel, load_adapter_model
+from .model import DecisionModel, load_adapter_model, verify_base
 from .schema import parse_request
 from .template import Template
 
@@ -41,6 +41,7 @@ def merge(base: Path, adapter: Path, model: ModelConfig, lora: LoraConfig, out: 
     Raises:
         ArithmeticError: the difference exceeds the dtype's tolerance (nothing is written).
     """
+    verify_base(base)
     decision, peft_model = load_adapter_model(base, model.dtype, lora, adapter, torch.device("cpu"))
     tokenizer, processor = load_processors(base, model)
     batch = _probe(Template(tokenizer, processor, model.marker_token), model.max_tokens)

@@ -62,16 +62,21 @@ def row_metrics(
     }
 
 
-def _ordinal_errors(probs, mask, targets) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ranked probability score and expected-level error, computed for every row."""
+def ranked_probability_score(probs: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean over the first K_valid - 1 levels of squared CDF differences. Shapes [..., K] -> [...]."""
     levels = torch.arange(probs.shape[-1], device=probs.device)
     num_valid = mask.sum(dim=-1, keepdim=True)
     # The last valid level's cumulative sums are both 1, so it is left out of the mean.
     scored_levels = levels < num_valid - 1
     cumulative_gap = (probs.cumsum(dim=-1) - targets.cumsum(dim=-1)) ** 2
-    rps = (cumulative_gap * scored_levels).sum(dim=-1) / (num_valid.squeeze(-1) - 1)
+    return (cumulative_gap * scored_levels).sum(dim=-1) / (num_valid.squeeze(-1) - 1).clamp(min=1)
+
+
+def _ordinal_errors(probs, mask, targets) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ranked probability score and expected-level error, computed for every row."""
+    levels = torch.arange(probs.shape[-1], device=probs.device)
     expected_gap = ((probs - targets) * levels.to(probs.dtype)).sum(dim=-1)
-    return rps, expected_gap.abs()
+    return ranked_probability_score(probs, mask, targets), expected_gap.abs()
 
 
 def ece(confidence, correct, bins: int = ECE_BINS) -> float:

@@ -110,12 +110,12 @@ def with_lora(backbone, lora: LoraConfig, seed: int):
 
 
 def build_training_model(base: Path, dtype: str, lora: LoraConfig, head_std: float, seed: int):
-    """A fresh trainable model: verified base backbone, new LoRA, new head.
+    """A fresh trainable model: base backbone (verify it once per run with `verify_base`), new
+    LoRA, new head.
 
     Returns:
         (model, peft_model)
     """
-    verify_manifest(base, required=("config.json",))
     backbone = load_backbone(base, DTYPES[dtype])
     peft_model = with_lora(backbone, lora, seed)
     generator = torch.Generator().manual_seed(seed)
@@ -175,6 +175,11 @@ def load_adapter_model(base: Path, dtype: str, lora: LoraConfig, folder: Path, d
     model, peft_model = build_training_model(base, dtype, lora, head_std=0.01, seed=0)
     load_adapter(Path(folder) / ADAPTER, model, peft_model)
     return model.to(device).eval(), peft_model
+
+
+def verify_base(base: Path) -> None:
+    """Check the base folder against the SHA-256 manifest prepare wrote."""
+    verify_manifest(base, required=("config.json",))
 
 
 def check_adapter_config(folder: Path, lora: LoraConfig) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ObjectiveConfig
+from .metrics import ranked_probability_score
 
 
 @dataclass
@@ -53,7 +54,7 @@ def rlcd_loss(logits: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, o
         log_score = (targets * log_p.clamp(min=config.log_floor)).sum(-1)
         spherical = (targets * p).sum(-1) / p.norm(dim=-1)
         reward = config.log_weight * log_score + config.spherical_weight * spherical
-        reward = reward - config.ordinal_weight * ordinal.to(logits.dtype) * _rps(p, targets, mask)
+        reward = reward - config.ordinal_weight * ordinal.to(logits.dtype) * ranked_probability_score(p, mask, targets)
         advantage = reward - reward.mean(0, keepdim=True)
         advantage = advantage / (advantage.std() + 1e-6)
 
@@ -63,10 +64,3 @@ def rlcd_loss(logits: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, o
     loss = policy + config.ce_weight * cross_entropy
     return ObjectiveOutput(loss, reward.mean(), cross_entropy.detach())
 
-
-def _rps(p: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Ranked probability score: mean over the first K-1 levels of squared CDF differences."""
-    levels = mask.sum(-1)  # [B]
-    cdf_gap = (p.cumsum(-1) - targets.cumsum(-1)) ** 2
-    inner = torch.arange(mask.shape[-1], device=mask.device) < (levels - 1).unsqueeze(-1)  # [B, K]
-    return (cdf_gap * inner).sum(-1) / (levels - 1).clamp(min=1)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from .calibration import apply_temperatures
 from .checkpoint import load_merged
 from .metrics import masked_softmax
 from .schema import answer, parse_request
@@ -54,9 +55,8 @@ class Predictor:
         """
         batch, request = self.encode(state, questions)
         logits = self.model(batch.to(self.model.device)).double()
-        scale = torch.tensor([self.temperatures[q.kind] for q in request.questions],
-                             dtype=logits.dtype, device=logits.device)
-        probs = masked_softmax(logits, batch.candidate_mask.to(logits.device), scale).cpu()
+        logits = apply_temperatures(logits, [q.kind for q in request.questions], self.temperatures)
+        probs = masked_softmax(logits, batch.candidate_mask.to(logits.device)).cpu()
         answers = {q.qid: answer(q, probs[index, : len(q.labels)].tolist())
                    for index, q in enumerate(request.questions)}
         usage = {"input_tokens": int(batch.attention_mask.sum()), "images": int(request.image is not None)}

@@ -12,7 +12,7 @@ from .config import LoraConfig, ModelConfig, SelectConfig
 from .data import RecordReader, hash_order, load_records
 from .evaluate import evaluate, score_table
 from .io import atomic_directory, read_json, write_parquet
-from .model import default_device, load_adapter_model
+from .model import default_device, load_adapter_model, verify_base
 from .template import Template
 
 
@@ -26,6 +26,7 @@ def select(checkpoints: Path, base: Path, data: Path, model: ModelConfig, lora: 
     folders = sorted(Path(checkpoints).glob("step-*"))
     if not folders:
         raise FileNotFoundError(f"no step-* checkpoints in {checkpoints}: run the train stage first")
+    verify_base(base)
     device = default_device()
     tokenizer, processor = load_processors(base, model)
     template = Template(tokenizer, processor, model.marker_token)

@@ -71,6 +71,7 @@ class Template:
             raise ValueError(f"the tokenizer lacks the special tokens {unknown}")
         self.marker_id, self.vision_start_id, self.vision_end_id, self.image_pad_id = ids[:4]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ids[-1]
+        self.newline_ids = tokenizer("\n", add_special_tokens=False)["input_ids"]
 
     def encode_image(self, image) -> EncodedImage:
         out = self.image_processor(images=[image], return_tensors="pt")
@@ -99,8 +100,8 @@ class Template:
         if request.image is not None:
             thw = image.grid_thw[0].tolist()
             grid = (thw[1] // SPATIAL_MERGE, thw[2] // SPATIAL_MERGE)
-            newline = self.tokenizer("\n", add_special_tokens=False)["input_ids"]
-            prefix = [self.vision_start_id] + [self.image_pad_id] * (grid[0] * grid[1]) + [self.vision_end_id] + newline
+            prefix = [self.vision_start_id] + [self.image_pad_id] * (grid[0] * grid[1]) + [self.vision_end_id]
+            prefix = prefix + self.newline_ids
         prefix = prefix + next(pieces)
         rows = []
         for question in request.questions:

@@ -22,7 +22,8 @@ from .config import LoraConfig, ModelConfig, TrainConfig, to_dict
 from .data import GroupSampler, RecordReader, encode_examples, load_records, shuffled_choice
 from .io import (IntegrityError, atomic_directory, read_json, sha256_file, verify_manifest, write_bytes,
                  write_json, write_manifest)
-from .model import ADAPTER, build_training_model, check_adapter_config, default_device, load_adapter, save_adapter
+from .model import (ADAPTER, build_training_model, check_adapter_config, default_device, load_adapter, save_adapter,
+                    verify_base)
 from .objective import rlcd_loss
 from .schedule import lr_factor
 from .template import Template
@@ -91,6 +92,7 @@ class Trainer:
         self.run = run
         self.device = default_device()
         torch.manual_seed(run.seed)
+        verify_base(run.base)
         self.model, self.peft_model = build_training_model(
             run.base, run.model.dtype, run.lora, run.train.head_init_std, run.seed)
         if run.parent:
