@@ -115,7 +115,8 @@ def run_workload(predictor, name: str, state, questions, warmup: int, timed: int
         "workload": name, "questions": len(questions), "cold_ms": cold_ms,
         "p50_ms": percentile(samples, 0.5), "p95_ms": percentile(samples, 0.95), "mean_ms": mean,
         "decisions_per_second": 1000.0 * len(questions) / mean,
-        "input_shape": list(batch.input_ids.shape), "input_tokens": result["usage"]["input_tokens"],
+        "input_tokens": result["usage"]["input_tokens"], "computed_tokens": batch.computed_tokens,
+        "shared_prefixes": 0 if batch.fork is None else len(batch.prefix_cu_seqlens) - 1,
         "image_grid_thw": None if batch.image_grid_thw is None else batch.image_grid_thw.tolist(),
         "samples_ms": samples, "memory": memory,
     }

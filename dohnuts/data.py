@@ -155,12 +155,17 @@ def encode_examples(template: Template, examples: list[Example], max_tokens: int
     """Encode examples (one question each) into rows, images and a [B, K] target tensor."""
     rows: list[Row] = []
     images: list[EncodedImage] = []
+    seen: dict[tuple, int] = {}  # identical images are encoded once, so their rows can share a prefix
     for example in examples:
         request = parse_request(example.state, {example.qid: example.question}, template.reserved)
-        encoded = template.encode_image(request.image) if request.image is not None else None
-        rows.extend(template.encode(request, max_tokens, len(images), encoded))
-        if encoded is not None:
-            images.append(encoded)
+        index = None
+        if request.image is not None:
+            key = (request.image.size, request.image.tobytes())
+            if key not in seen:
+                seen[key] = len(images)
+                images.append(template.encode_image(request.image))
+            index = seen[key]
+        rows.extend(template.encode(request, max_tokens, index, images[index] if index is not None else None))
     width = max(len(row.markers) for row in rows)
     targets = torch.zeros((len(rows), width))
     for index, example in enumerate(examples):

@@ -9,6 +9,8 @@ oracle.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -47,30 +49,49 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat([rotated, rest], dim=-1)
 
 
-def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
-                     scale: float, prefix=None) -> torch.Tensor:
-    """Causal attention within each packed sequence. query, key, value: [T, H, D] -> [T, H, D].
+@dataclass(frozen=True)
+class Fork:
+    """How packed rows continue shared prefixes; planned on the host by `plan_fork`.
 
-    Sequences are attended side by side, padded to the longest, so the work grows with
-    N * L^2 rather than T^2. With `prefix` = (key [N, P, H, D], value, valid [N, P]) every
-    token also sees its sequence's whole shared prefix.
+    parents: [N] the prefix each row continues, -1 for none.
+    key_index: [Tk] each row's attention keys (its prefix's tokens, then its own) as indices
+        into the prefix tokens followed by the rows' tokens.
+    cu_seqlens_k: [N + 1] int32 cumulative key counts; max_seqlen_k: the largest (host int).
     """
-    (query, valid), (key, _), (value, _) = (kernels.unpack(x[None], cu_seqlens) for x in (query, key, value))
-    length = query.shape[1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
-    mask = causal[None, None] & valid[:, None, None, :]  # [N, 1, L, L]: past keys of the same row
-    if prefix is not None:
-        prefix_key, prefix_value, prefix_valid = prefix
-        key, value = torch.cat([prefix_key, key], dim=1), torch.cat([prefix_value, value], dim=1)
-        seen = prefix_valid[:, None, None, :].expand(-1, 1, length, -1)
-        mask = torch.cat([seen, mask], dim=-1)
-    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                         attn_mask=mask, scale=scale)
-    return kernels.pack(out.transpose(1, 2), valid)[0]
+
+    parents: torch.Tensor
+    key_index: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_k: int
+
+    def to(self, device) -> Fork:
+        return Fork(self.parents.to(device, non_blocking=True), self.key_index.to(device, non_blocking=True),
+                    self.cu_seqlens_k.to(device, non_blocking=True), self.max_seqlen_k)
 
 
-def _attention(module, config, hidden: torch.Tensor, cos, sin, cu_seqlens: torch.Tensor, context=None):
-    """Gated, partially rotary, grouped-query attention of packed tokens. hidden: [T, D]."""
+def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[int]) -> Fork:
+    """The `Fork` of rows (own lengths `row_lengths`) continuing prefixes of `prefix_lengths`."""
+    prefix_starts = [0]
+    for length in prefix_lengths:
+        prefix_starts.append(prefix_starts[-1] + length)
+    row_start, indices, counts = prefix_starts[-1], [], []
+    for length, parent in zip(row_lengths, parents):
+        if parent >= 0:
+            indices.append(torch.arange(prefix_starts[parent], prefix_starts[parent + 1]))
+        indices.append(torch.arange(row_start, row_start + length))
+        counts.append(length + (prefix_lengths[parent] if parent >= 0 else 0))
+        row_start += length
+    cu = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    key_index = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.long)
+    return Fork(torch.tensor(parents, dtype=torch.long), key_index, cu, max(counts, default=0))
+
+
+def _attention(module, config, hidden: torch.Tensor, cos, sin, segments, context=None):
+    """Gated, partially rotary, grouped-query attention of packed tokens. hidden: [T, D].
+
+    Returns (output [T, D], this pass's (key, value) [T, HKV, D] for rows that will fork it).
+    """
+    cu_seqlens, max_seqlen = segments
     head_dim = config.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     total = hidden.shape[0]
@@ -80,21 +101,25 @@ def _attention(module, config, hidden: torch.Tensor, cos, sin, cu_seqlens: torch
                            config.rms_norm_eps)
     value = module.v_proj(hidden).view(total, kv_heads, head_dim)
     query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-    groups = heads // kv_heads
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    out = causal_attention(query, key, value, cu_seqlens, head_dim**-0.5, context)
+    keys, values, cu_seqlens_k, max_seqlen_k = key, value, cu_seqlens, max_seqlen
+    if context is not None:
+        prefix_key, prefix_value, fork = context
+        keys, values = torch.cat([prefix_key, key])[fork.key_index], torch.cat([prefix_value, value])[fork.key_index]
+        cu_seqlens_k, max_seqlen_k = fork.cu_seqlens_k, fork.max_seqlen_k
+    out = kernels.attention(query, keys, values, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, head_dim**-0.5)
     out = out.reshape(total, heads * head_dim) * torch.sigmoid(gate.reshape(total, -1))
     return module.o_proj(out), (key, value)
 
 
-def _delta_rule(module, config, hidden: torch.Tensor, cu_seqlens: torch.Tensor, context=None):
-    """Gated delta-rule token mixer of packed tokens. hidden: [T, D]."""
+def _delta_rule(module, config, hidden: torch.Tensor, cu_seqlens: torch.Tensor, context=None, keep_states=False):
+    """Gated delta-rule token mixer of packed tokens. hidden: [T, D]. With `keep_states`, also
+    the (conv, recurrent) final states of each sequence."""
     total = hidden.shape[0]
     key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
     key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
     mixed = module.in_proj_qkv(hidden)[None]  # [1, T, 2 * Hk * K + Hv * V]
     conv_state, recurrent_state = context if context is not None else (None, None)
-    mixed, conv_final = kernels.causal_conv1d(mixed, module.conv1d.weight.squeeze(1), conv_state, True,
+    mixed, conv_final = kernels.causal_conv1d(mixed, module.conv1d.weight.squeeze(1), conv_state, keep_states,
                                               cu_seqlens=cu_seqlens)
     query, key, value = mixed[0].split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], -1)
     beta = torch.sigmoid(module.in_proj_b(hidden))
@@ -102,28 +127,29 @@ def _delta_rule(module, config, hidden: torch.Tensor, cu_seqlens: torch.Tensor, 
     g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(hidden).float() + module.dt_bias.float())
     out, recurrent_final = kernels.chunk_gated_delta_rule(
         query.reshape(1, total, key_heads, key_dim), key.reshape(1, total, key_heads, key_dim),
-        value.reshape(1, total, value_heads, value_dim), g[None], beta[None], recurrent_state, True,
+        value.reshape(1, total, value_heads, value_dim), g[None], beta[None], recurrent_state, keep_states,
         cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
     gate = module.in_proj_z(hidden).view(total, value_heads, value_dim)
     out = kernels.rms_norm_gated(out[0], gate, module.norm.weight, config.rms_norm_eps)
     return module.out_proj(out.reshape(total, value_heads * value_dim)), (conv_final, recurrent_final)
 
 
-def _layer(layer, kind: str, config, hidden, cos, sin, cu_seqlens, context=None):
+def _layer(layer, kind: str, config, hidden, cos, sin, segments, context=None, keep_states=False):
     """One decoder layer. Returns (hidden [T, D], state): the delta rule's (conv, recurrent)
     final states per sequence, or attention's packed (key, value)."""
     normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
     if kind == "linear_attention":
-        mixed, state = _delta_rule(layer.linear_attn, config, normed, cu_seqlens, context)
+        mixed, state = _delta_rule(layer.linear_attn, config, normed, segments[0], context, keep_states)
     else:
-        mixed, state = _attention(layer.self_attn, config, normed, cos, sin, cu_seqlens, context)
+        mixed, state = _attention(layer.self_attn, config, normed, cos, sin, segments, context)
     hidden = hidden + mixed
     normed = kernels.rms_norm(hidden, layer.post_attention_layernorm.weight, config.rms_norm_eps)
     mlp = layer.mlp
     return hidden + mlp.down_proj(kernels.swiglu(mlp.gate_proj(normed), mlp.up_proj(normed))), state
 
 
-def _run_layers(language_model, inputs_embeds, position_ids, cu_seqlens, activation_checkpointing, contexts):
+def _run_layers(language_model, inputs_embeds, position_ids, segments, activation_checkpointing, contexts,
+                keep_states=False):
     """All layers over packed sequences. Returns (last hidden [T, D] before the final norm,
     per-layer states)."""
     config = language_model.config
@@ -132,60 +158,81 @@ def _run_layers(language_model, inputs_embeds, position_ids, cu_seqlens, activat
     for index, (layer, kind) in enumerate(zip(language_model.layers, config.layer_types)):
         context = contexts[index] if contexts is not None else None
         if activation_checkpointing and torch.is_grad_enabled():
-            hidden, state = checkpoint(_layer, layer, kind, config, hidden, cos, sin, cu_seqlens, context,
-                                       use_reentrant=False)
+            hidden, state = checkpoint(_layer, layer, kind, config, hidden, cos, sin, segments, context,
+                                       keep_states, use_reentrant=False)
         else:
-            hidden, state = _layer(layer, kind, config, hidden, cos, sin, cu_seqlens, context)
+            hidden, state = _layer(layer, kind, config, hidden, cos, sin, segments, context, keep_states)
         states.append(state)
     return hidden, states
 
 
+def _segments(cu_seqlens: torch.Tensor, max_seqlen: int | None):
+    if max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if len(cu_seqlens) > 1 else 0
+    return cu_seqlens, max_seqlen
+
+
 def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
-                   cu_seqlens: torch.Tensor, activation_checkpointing: bool = False, prefix=None) -> torch.Tensor:
+                   cu_seqlens: torch.Tensor, activation_checkpointing: bool = False, prefix: Forked | None = None,
+                   max_seqlen: int | None = None) -> torch.Tensor:
     """Final (normed) hidden states of packed rows.
 
     Args:
         language_model: a Hugging Face Qwen3_5TextModel (LoRA may be injected).
         inputs_embeds: [T, D] the rows' embeddings, concatenated.
         position_ids: [3, T] M-RoPE positions (a row continuing a prefix continues its count).
-        cu_seqlens: [N + 1] int64 cumulative row lengths, cu_seqlens[-1] = T.
+        cu_seqlens: [N + 1] cumulative row lengths, cu_seqlens[-1] = T.
         activation_checkpointing: recompute each layer in the backward pass.
-        prefix: optional `SharedPrefix` the rows continue (one per row, see `fork`).
+        prefix: the shared prefixes the rows continue (`SharedPrefix.fork`), or None.
+        max_seqlen: the longest row, when the caller knows it (saves a device sync).
 
     Returns:
         [T, D] hidden states.
     """
     contexts = prefix.contexts if prefix is not None else None
-    hidden, _ = _run_layers(language_model, inputs_embeds, position_ids, cu_seqlens, activation_checkpointing,
-                            contexts)
+    hidden, _ = _run_layers(language_model, inputs_embeds, position_ids, _segments(cu_seqlens, max_seqlen),
+                            activation_checkpointing, contexts)
     return kernels.rms_norm(hidden, language_model.norm.weight, language_model.config.rms_norm_eps)
+
+
+@dataclass(frozen=True)
+class Forked:
+    """Per-layer contexts of rows continuing shared prefixes: delta-rule (conv, recurrent)
+    initial states per row, attention (prefix keys, prefix values, fork)."""
+
+    contexts: list
 
 
 class SharedPrefix:
     """Per-layer states at the end of each of several prefixes, computed in one packed pass.
 
-    Delta-rule layers keep (conv [P, D, W], recurrent [P, H, K, V]) states; attention layers
-    keep the prefixes' keys and values padded to [P, L, H, D] with a [P, L] valid mask. The
-    states are ordinary tensors of the autograd graph: gradients of every branch that forks
-    them flow back into the prefix pass.
+    Delta-rule layers keep (conv [P, D, W], recurrent [P, H, K, V]) final states; attention
+    layers keep the prefixes' packed keys and values [T, HKV, D]. The states are ordinary
+    tensors of the autograd graph: the gradients of every row that forks them flow back into
+    the prefix pass, and nothing outlives the forward that made them.
     """
 
-    def __init__(self, contexts):
-        self.contexts = contexts
+    def __init__(self, kinds, states):
+        self.kinds = kinds
+        self.states = states
 
     @classmethod
-    def compute(cls, language_model, inputs_embeds, position_ids, cu_seqlens, activation_checkpointing=False):
-        _, states = _run_layers(language_model, inputs_embeds, position_ids, cu_seqlens, activation_checkpointing,
-                                None)
-        contexts = []
-        for kind, state in zip(language_model.config.layer_types, states):
-            if kind == "linear_attention":
-                contexts.append(state)
-            else:
-                (key, valid), (value, _) = (kernels.unpack(x[None], cu_seqlens) for x in state)
-                contexts.append((key, value, valid))
-        return cls(contexts)
+    def compute(cls, language_model, inputs_embeds, position_ids, cu_seqlens, activation_checkpointing=False,
+                max_seqlen: int | None = None) -> SharedPrefix:
+        """Args as `packed_forward`, for the prefixes: inputs_embeds [P, D], cu_seqlens [G + 1]."""
+        _, states = _run_layers(language_model, inputs_embeds, position_ids, _segments(cu_seqlens, max_seqlen),
+                                activation_checkpointing, None, keep_states=True)
+        return cls(language_model.config.layer_types, states)
 
-    def fork(self, parents: torch.Tensor) -> SharedPrefix:
-        """The states each row continues: row i continues prefix parents[i]."""
-        return SharedPrefix([tuple(part[parents] for part in context) for context in self.contexts])
+    def fork(self, fork: Fork) -> Forked:
+        """The contexts the rows continue: row i continues prefix fork.parents[i] (-1: none,
+        which is a zero state and no prefix keys)."""
+        contexts = []
+        for kind, state in zip(self.kinds, self.states):
+            if kind == "linear_attention":
+                # An appended zero state serves the rows without a prefix (index -1).
+                contexts.append(tuple(torch.cat([part, part.new_zeros(1, *part.shape[1:])])[fork.parents]
+                                      for part in state))
+            else:
+                contexts.append((*state, fork))
+        return Forked(contexts)

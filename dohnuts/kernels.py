@@ -114,6 +114,46 @@ def pack(y: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     return y if valid is None else y[valid].unsqueeze(0)
 
 
+# -- attention --------------------------------------------------------------------------------
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float) -> torch.Tensor:
+    """Causal attention per packed sequence, aligned bottom-right: a sequence with Lq queries and
+    Lk keys (its shared prefix first) lets query i see keys 0 .. Lk - Lq + i.
+
+    Args:
+        q: [Tq, H, D]; k, v: [Tk, HKV, D] with H a multiple of HKV (grouped-query heads).
+        cu_seqlens_q, cu_seqlens_k: [N + 1] int32 cumulative lengths of queries and keys.
+        max_seqlen_q, max_seqlen_k: the longest sequences (host integers: no device sync).
+
+    Returns:
+        [Tq, H, D]
+    """
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        # Flash attention's variable-length kernel: no padding, bottom-right causal mask.
+        from torch.nn.attention.varlen import varlen_attn
+
+        return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
+                           window_size=(-1, 0), enable_gqa=True)
+    return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+
+
+def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
+    """Each sequence padded to the longest and masked: work grows with N * Lq * Lk, not T^2."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    (query, valid_q), (key, valid_k), (value, _) = unpack(q[None], cu_seqlens_q), unpack(k[None], cu_seqlens_k), \
+        unpack(v[None], cu_seqlens_k)
+    lead = (valid_k.sum(-1) - valid_q.sum(-1))[:, None, None]  # [N, 1, 1] keys before the first query
+    rows = torch.arange(query.shape[1], device=q.device)[:, None]
+    columns = torch.arange(key.shape[1], device=q.device)[None, :]
+    mask = (columns <= rows + lead) & valid_k[:, None, :]  # [N, Lq, Lk]
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                         attn_mask=mask[:, None], scale=scale)
+    return pack(out.transpose(1, 2), valid_q)[0]
+
+
 # -- causal convolution -----------------------------------------------------------------------
 
 

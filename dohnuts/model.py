@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import load_backbone
-from .decoder import packed_forward
+from .decoder import SharedPrefix, packed_forward
 from .config import LoraConfig, to_dict
 from .io import read_json, verify_manifest
-from .template import Batch
+from .batch import Batch
 
 ADAPTER = "adapter.safetensors"  # unmerged LoRA + head weights in a checkpoint folder
 HEAD_KEY = "head.weight"
@@ -25,14 +25,12 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def image_features(visual, pixel_values, grid_thw) -> list[torch.Tensor]:
-    """Frozen vision tower: merged features per image, each [tokens, D]."""
+def image_features(visual, pixel_values, grid_thw) -> torch.Tensor:
+    """Frozen vision tower: the merged features of every image, concatenated [tokens, D]."""
     with torch.no_grad():
         output = visual(pixel_values.to(visual.dtype), grid_thw=grid_thw)
     # transformers >= 5 returns a model output whose pooler_output holds the merged features.
-    merged = getattr(output, "pooler_output", output)
-    sizes = (grid_thw.prod(-1) // visual.spatial_merge_size**2).tolist()
-    return list(torch.split(merged, sizes))
+    return getattr(output, "pooler_output", output)
 
 
 class DecisionModel(nn.Module):
@@ -58,31 +56,31 @@ class DecisionModel(nn.Module):
     def device(self) -> torch.device:
         return self.head.weight.device
 
-    def hidden_states(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final hidden states of a batch on the model's device, its rows packed.
+    def hidden_states(self, batch: Batch) -> torch.Tensor:
+        """Final hidden states of the rows' own tokens [S, D], packed one row after another.
 
-        Returns:
-            ([N, D] hidden states of the rows' tokens, one row after another; [B + 1] offsets)
+        Shared prefixes (`batch.fork`) run once, in one packed pass of their own, and every
+        row continues its prefix's states.
         """
         language = self.backbone.language_model
         embeds = language.get_input_embeddings()(batch.input_ids)
         if batch.pixel_values is not None:
-            per_image = image_features(self.backbone.visual, batch.pixel_values, batch.image_grid_thw)
-            with_image = [index for index in batch.row_images.tolist() if index >= 0]
-            rows = torch.cat([per_image[index] for index in with_image]).to(embeds.dtype)
-            slots = (batch.input_ids == self.backbone.config.image_token_id).unsqueeze(-1)
-            embeds = embeds.masked_scatter(slots, rows)
-        valid = batch.attention_mask.bool()
-        offsets = F.pad(valid.sum(1).cumsum(0), (1, 0))
-        hidden = packed_forward(language, embeds[valid], batch.position_ids[:, valid], offsets,
-                                self.activation_checkpointing and self.training)
-        return hidden, offsets
+            features = image_features(self.backbone.visual, batch.pixel_values, batch.image_grid_thw)
+            embeds = embeds.index_put((batch.image_slots,), features[batch.image_sources].to(embeds.dtype))
+        checkpointing = self.activation_checkpointing and self.training
+        split = batch.prefix_tokens
+        prefix = None
+        if batch.fork is not None:
+            prefix = SharedPrefix.compute(language, embeds[:split], batch.position_ids[:, :split],
+                                          batch.prefix_cu_seqlens, checkpointing, batch.prefix_max_seqlen)
+            prefix = prefix.fork(batch.fork)
+        return packed_forward(language, embeds[split:], batch.position_ids[:, split:], batch.cu_seqlens,
+                              checkpointing, prefix, batch.max_seqlen)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Args: batch on the model's device. Returns: logits [B, K] float32 (0 where masked)."""
-        hidden, offsets = self.hidden_states(batch)
-        picked = hidden[offsets[:-1, None] + batch.markers]  # [B, K, D]
-        logits = self.head(picked.float()).squeeze(-1)  # [B, K]
+        picked = self.hidden_states(batch)[batch.markers]  # [B, K, D]
+        logits = self.head(picked.to(self.head.weight.dtype)).squeeze(-1)  # [B, K], the head in float32
         return logits.masked_fill(~batch.candidate_mask, 0.0)
 
 

@@ -59,5 +59,5 @@ class Predictor:
         probs = masked_softmax(logits, batch.candidate_mask.to(logits.device)).cpu()
         answers = {q.qid: answer(q, probs[index, : len(q.labels)].tolist())
                    for index, q in enumerate(request.questions)}
-        usage = {"input_tokens": int(batch.attention_mask.sum()), "images": int(request.image is not None)}
+        usage = {"input_tokens": batch.input_tokens, "images": int(request.image is not None)}
         return {"answers": answers, "usage": usage}

@@ -2,52 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
-
 from .base import SPATIAL_MERGE, special_tokens
+from .batch import Batch, EncodedImage, Row, pack_rows
 from .schema import Question, Request
-
-
-@dataclass(frozen=True)
-class Row:
-    """One question of one request as token ids.
-
-    `image` indexes the encoded images of the batch this row goes into (None: no image);
-    `image_grid` is the merged (height, width) token grid of that image.
-    """
-
-    input_ids: tuple[int, ...]
-    markers: tuple[int, ...]
-    question: Question
-    image: int | None = None
-    image_grid: tuple[int, int] | None = None
-
-
-@dataclass
-class EncodedImage:
-    pixel_values: torch.Tensor  # [patches, C * temporal * patch * patch]
-    grid_thw: torch.Tensor  # [1, 3]
-
-
-@dataclass
-class Batch:
-    """Right-padded rows ready for the model."""
-
-    input_ids: torch.Tensor  # [B, T]
-    attention_mask: torch.Tensor  # [B, T]
-    position_ids: torch.Tensor  # [3, B, T] M-RoPE (temporal, height, width)
-    markers: torch.Tensor  # [B, K] marker positions, 0 where the candidate is absent
-    candidate_mask: torch.Tensor  # [B, K] bool
-    pixel_values: torch.Tensor | None  # [patches, D] of the batch's distinct images
-    image_grid_thw: torch.Tensor | None  # [images, 3]
-    row_images: torch.Tensor  # [B] index into the batch's images, -1 for none
-
-    def to(self, device) -> Batch:
-        moved = {name: None if value is None else value.to(device, non_blocking=True)
-                 for name, value in vars(self).items()}
-        return Batch(**moved)
 
 
 class Template:
@@ -115,48 +72,10 @@ class Template:
                     f"question {question.qid!r}: the input is {len(ids)} tokens, over the budget of "
                     f"{max_tokens}; inputs are rejected, never truncated"
                 )
-            rows.append(Row(tuple(ids), tuple(markers), question,
+            rows.append(Row(tuple(ids), tuple(markers), question, len(prefix),
                             image_index if request.image is not None else None, grid))
         return rows
 
     def collate(self, rows: list[Row], images: list[EncodedImage]) -> Batch:
-        """Right-pad rows into one batch; `images` are those the rows' `image` indices name."""
-        length = max(len(row.input_ids) for row in rows)
-        width = max(len(row.markers) for row in rows)
-        input_ids = torch.full((len(rows), length), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
-        position_ids = torch.zeros((3, len(rows), length), dtype=torch.long)
-        markers = torch.zeros((len(rows), width), dtype=torch.long)
-        candidate_mask = torch.zeros((len(rows), width), dtype=torch.bool)
-        for index, row in enumerate(rows):
-            n = len(row.input_ids)
-            input_ids[index, :n] = torch.tensor(row.input_ids)
-            attention_mask[index, :n] = 1
-            position_ids[:, index, :] = mrope_positions(row, length, self.image_pad_id)
-            markers[index, : len(row.markers)] = torch.tensor(row.markers)
-            candidate_mask[index, : len(row.markers)] = True
-        row_images = torch.tensor([-1 if row.image is None else row.image for row in rows])
-        pixel_values = torch.cat([image.pixel_values for image in images]) if images else None
-        grid_thw = torch.cat([image.grid_thw for image in images]) if images else None
-        return Batch(input_ids, attention_mask, position_ids, markers, candidate_mask,
-                     pixel_values, grid_thw, row_images)
-
-
-def mrope_positions(row: Row, length: int, image_pad_id: int) -> torch.Tensor:
-    """[3, length] M-RoPE positions: text advances all three axes together; image tokens take
-    (start, start + h, start + w) and the text after them resumes at start + max(H, W).
-    Padding positions continue the count (they are masked out)."""
-    positions = torch.arange(length).expand(3, length).clone()
-    if row.image_grid is None:
-        return positions
-    start = row.input_ids.index(image_pad_id)
-    height, width = row.image_grid
-    grid_h = torch.arange(height).repeat_interleave(width)
-    grid_w = torch.arange(width).repeat(height)
-    count = height * width
-    positions[0, start:start + count] = start
-    positions[1, start:start + count] = start + grid_h
-    positions[2, start:start + count] = start + grid_w
-    after = start + count
-    positions[:, after:] = torch.arange(length - after) + start + max(height, width)
-    return positions
+        """Pack rows into one batch; `images` are those the rows' `image` indices name."""
+        return pack_rows(rows, images, self.image_pad_id)

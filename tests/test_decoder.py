@@ -5,7 +5,8 @@ import torch
 
 from dohnuts.base import load_backbone
 from dohnuts.config import LoraConfig
-from dohnuts.decoder import SharedPrefix, causal_attention, packed_forward
+from dohnuts import kernels
+from dohnuts.decoder import SharedPrefix, packed_forward, plan_fork
 from dohnuts.model import build_training_model
 from dohnuts.schema import parse_request
 
@@ -75,15 +76,22 @@ def test_packed_forward_gradients_match_hugging_face_with_lora_and_checkpointing
         assert ((ours_grad - reference_grad).abs().max() / scale).item() <= GRADIENT_TOLERANCE
 
 
-def test_packed_attention_equals_causal_attention_of_each_row_alone():
-    lengths = [5, 1, 9]
-    cu = torch.tensor([0] + lengths).cumsum(0)
-    query, key, value = (torch.randn(sum(lengths), 2, 4) for _ in range(3))
-    out = causal_attention(query, key, value, cu, 0.5)
-    for begin, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        q, k, v = (x[begin:end].transpose(0, 1) for x in (query, key, value))
-        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
-        torch.testing.assert_close(out[begin:end], expected.transpose(0, 1))
+def test_packed_attention_with_prefix_keys_equals_attention_of_each_row_alone():
+    """Bottom-right causal attention: queries [5, 1, 9] after [3, 0, 4] prefix keys, 4 query heads
+    on 2 key heads, against per-row SDPA with an explicit mask."""
+    queries, prefixes = [5, 1, 9], [3, 0, 4]
+    keys = [q + p for q, p in zip(queries, prefixes)]
+    cu_q = torch.tensor([0] + queries).cumsum(0).int()
+    cu_k = torch.tensor([0] + keys).cumsum(0).int()
+    query = torch.randn(sum(queries), 4, 8)
+    key, value = torch.randn(sum(keys), 2, 8), torch.randn(sum(keys), 2, 8)
+    out = kernels.attention(query, key, value, cu_q, cu_k, max(queries), max(keys), 0.5)
+    for index, (count, lead) in enumerate(zip(queries, prefixes)):
+        q = query[cu_q[index]:cu_q[index + 1]].transpose(0, 1)
+        k, v = (x[cu_k[index]:cu_k[index + 1]].repeat_interleave(2, dim=1).transpose(0, 1) for x in (key, value))
+        mask = torch.ones(count, count + lead, dtype=torch.bool).tril(diagonal=lead)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5)
+        torch.testing.assert_close(out[cu_q[index]:cu_q[index + 1]], expected.transpose(0, 1))
 
 
 @pytest.mark.gpu
@@ -131,7 +139,8 @@ def _shared_case(tiny, language_model):
         return embed(ids), positions, cu
 
     split_of = [len(prefixes[p]) for p in parents]
-    return packed(full), packed(prefixes), packed(suffixes, split_of), torch.tensor(parents), split_of
+    fork = plan_fork([len(p) for p in prefixes], [len(s) for s in suffixes], parents)
+    return packed(full), packed(prefixes), packed(suffixes, split_of), fork, split_of
 
 
 def test_shared_prefixes_match_unshared_rows_in_outputs_and_gradients(tiny):
@@ -144,7 +153,7 @@ def test_shared_prefixes_match_unshared_rows_in_outputs_and_gradients(tiny):
                 parameter.normal_(0.0, 0.05)
     language_model = model.backbone.language_model.train()
     lora = [p for name, p in language_model.named_parameters() if "lora_" in name]
-    full, prefixes, suffixes, parents, split_of = _shared_case(tiny, language_model)
+    full, prefixes, suffixes, fork, split_of = _shared_case(tiny, language_model)
 
     unshared = packed_forward(language_model, *full, activation_checkpointing=True)
     # The suffix tokens of each full row, in row order.
@@ -152,7 +161,7 @@ def test_shared_prefixes_match_unshared_rows_in_outputs_and_gradients(tiny):
                       in zip(full[2][:-1].tolist(), full[2][1:].tolist(), split_of)])
     unshared = unshared[keep]
     prefix = SharedPrefix.compute(language_model, *prefixes, activation_checkpointing=True)
-    shared = packed_forward(language_model, *suffixes, activation_checkpointing=True, prefix=prefix.fork(parents))
+    shared = packed_forward(language_model, *suffixes, activation_checkpointing=True, prefix=prefix.fork(fork))
     scale = unshared.abs().max()
     assert ((shared - unshared).abs().max() / scale).item() <= 1e-5
 

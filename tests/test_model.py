@@ -22,12 +22,15 @@ def _image() -> Image.Image:
 
 
 def _rows(template):
-    """One image request with two questions and one text request: three rows of unequal length."""
+    """An image request with two questions whose shared beginning (image block and a long state)
+    exceeds 64 tokens, and a text request with one question: rows of unequal length, one shared
+    prefix and one row without."""
     questions = {
         "colour": {"type": "choice", "instructions": "What colour is the square?", "criteria": ["red", "green", "blue"]},
         "big": {"type": "noul", "instructions": "Is it big?"},
     }
-    image_request = parse_request({"note": "a square", "image": _image()}, questions, template.reserved)
+    note = "a red square on a white page, drawn by hand for the test " * 3
+    image_request = parse_request({"note": note, "image": _image()}, questions, template.reserved)
     encoded = template.encode_image(image_request.image)
     rows = template.encode(image_request, 4096, 0, encoded)
     text_request = parse_request("Customer: I was billed twice.", {
@@ -56,26 +59,32 @@ def _model_and_batch(tiny):
     return model, rows, images, template.collate(rows, images)
 
 
-def test_forward_matches_hugging_face_with_images_and_padding(tiny):
+def _own_tokens(batch, index):
+    """The slice of the packed rows' part that holds row `index`'s own tokens."""
+    return slice(int(batch.cu_seqlens[index]), int(batch.cu_seqlens[index + 1]))
+
+
+def test_forward_matches_hugging_face_with_images_shared_prefix_and_unequal_rows(tiny):
     model, rows, images, batch = _model_and_batch(tiny)
+    assert batch.fork is not None and batch.fork.parents.tolist() == [0, 0, -1]  # shared, and a row without
     backbone = model.backbone
-    lengths = batch.attention_mask.sum(-1)
-    assert lengths.min() < lengths.max()  # padding is exercised
     with torch.no_grad():
-        ours, offsets = model.hidden_states(batch)
+        ours = model.hidden_states(batch)
         for index, row in enumerate(rows):
             reference = _hugging_face_hidden(backbone, row, images[0])
-            error = (ours[offsets[index] : offsets[index + 1]] - reference).abs().max().item()
+            own = ours[_own_tokens(batch, index)]
+            error = (own - reference[len(row.input_ids) - len(own):]).abs().max().item()
             assert error <= TOLERANCE, f"row {index}: max abs error {error}"
 
 
 def test_logits_are_read_at_the_markers(tiny):
     model, rows, _, batch = _model_and_batch(tiny)
     with torch.no_grad():
-        hidden, offsets = model.hidden_states(batch)
+        hidden = model.hidden_states(batch)
         logits = model(batch)
     for index, row in enumerate(rows):
-        expected = model.head(hidden[offsets[index] + torch.tensor(row.markers)]).squeeze(-1)
+        own = hidden[_own_tokens(batch, index)]
+        expected = model.head(own[torch.tensor(row.markers) - (len(row.input_ids) - len(own))]).squeeze(-1)
         torch.testing.assert_close(logits[index, : len(row.markers)], expected)
         assert (logits[index, len(row.markers):] == 0).all()
 

@@ -58,7 +58,9 @@ def test_calibrate_writes_temperatures_that_predict_applies(deployable):
     assert score["score"] == pytest.approx(sum(i * p for i, p in enumerate(score["probabilities"].values())))
     warm = result["answers"]["warm"]
     assert warm["noul"] == pytest.approx(warm["probabilities"]["true"])
-    assert result["usage"] == {"input_tokens": int(batch.attention_mask.sum()), "images": 1}
+    template = predictor.template
+    rows = template.encode(request, 4096, 0, template.encode_image(request.image))
+    assert result["usage"] == {"input_tokens": sum(len(row.input_ids) for row in rows), "images": 1}
 
 
 def test_calibration_lowers_each_types_nll_on_the_calibration_partition(deployable):

@@ -8,7 +8,7 @@ from PIL import Image
 
 from dohnuts.base import load_backbone
 from dohnuts.schema import parse_request
-from dohnuts.template import mrope_positions
+from dohnuts.batch import mrope_positions
 
 QUESTIONS = {
     "colour": {"type": "choice", "instructions": "Which colour?", "criteria": {"r": "red", "g": ""}},

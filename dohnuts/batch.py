@@ -1,0 +1,196 @@
+"""Token rows and their packed batches: shared prefixes planned once on the host.
+
+A batch packs every row along one token axis. Rows of one request begin alike (image block
+and state); when at least two rows share that beginning, its first multiple of 64 tokens is a
+prefix computed once and forked into the rows, which then carry only their remaining tokens.
+All the index arithmetic happens here, on the host, so the model's forward needs no device
+synchronisation to find its way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .base import SPATIAL_MERGE
+from .decoder import Fork, plan_fork
+from .schema import Question
+
+PREFIX_ALIGN = 64  # prefixes end on a multiple of the delta-rule chunk size
+
+
+@dataclass(frozen=True)
+class Row:
+    """One question of one request as token ids.
+
+    `shared` is the length of the request's common beginning (image block and state);
+    `image` indexes the encoded images of the batch this row goes into (None: no image);
+    `image_grid` is the merged (height, width) token grid of that image.
+    """
+
+    input_ids: tuple[int, ...]
+    markers: tuple[int, ...]
+    question: Question
+    shared: int = 0
+    image: int | None = None
+    image_grid: tuple[int, int] | None = None
+
+
+@dataclass
+class EncodedImage:
+    pixel_values: torch.Tensor  # [patches, C * temporal * patch * patch]
+    grid_thw: torch.Tensor  # [1, 3]
+
+    @property
+    def tokens(self) -> int:
+        """Merged image tokens: one per 2x2 patches."""
+        return int(self.grid_thw.prod()) // SPATIAL_MERGE**2
+
+
+@dataclass
+class Batch:
+    """Packed rows: the prefixes' tokens first (P of them), then each row's own tokens.
+
+    input_ids [P + S], position_ids [3, P + S] M-RoPE (temporal, height, width);
+    prefix_cu_seqlens [G + 1] and cu_seqlens [B + 1] (int32) segment the two parts;
+    fork says which prefix each row continues (None: no shared prefix in this batch);
+    markers [B, K] index the rows' part, candidate_mask [B, K];
+    image_slots [I] are the image-token positions in input_ids and image_sources [I] their
+    rows in the concatenated features of the batch's images (pixel_values, image_grid_thw).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    prefix_tokens: int
+    prefix_cu_seqlens: torch.Tensor
+    prefix_max_seqlen: int
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    fork: Fork | None
+    markers: torch.Tensor
+    candidate_mask: torch.Tensor
+    image_slots: torch.Tensor
+    image_sources: torch.Tensor
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    input_tokens: int  # tokens of the rows as written, prefix counted in every row
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens the language model runs: each prefix once, then the rows' own tokens."""
+        return int(self.input_ids.shape[0])
+
+    def to(self, device) -> Batch:
+        """The batch on `device`; copies from pinned memory do not block the host."""
+        values = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, torch.Tensor):
+                value = value.to(device, non_blocking=True)
+            elif isinstance(value, Fork):
+                value = value.to(device)
+            values[field.name] = value
+        return Batch(**values)
+
+
+def prefix_groups(rows: list[Row]) -> list[tuple[int, list[int]]]:
+    """(split, row indices) of each prefix worth sharing.
+
+    Rows share a prefix when they have the same image and the same first `split` tokens,
+    where split is the row's common beginning aligned down to 64 and never past its first
+    candidate marker (every candidate stays in the row's own part). A prefix serves at
+    least two rows and is at least 64 tokens long; other rows run whole.
+    """
+    by_key: dict[tuple, list[int]] = {}
+    for index, row in enumerate(rows):
+        split = min(row.shared, row.markers[0] if row.markers else 0) // PREFIX_ALIGN * PREFIX_ALIGN
+        if split > 0:
+            by_key.setdefault((row.image, row.input_ids[:split]), []).append(index)
+    return [(len(key[1]), members) for key, members in by_key.items() if len(members) > 1]
+
+
+def _image_tokens(row: Row, begin: int, end: int, feature_offset: int, image_pad_id: int):
+    """Image-token positions of row[begin:end] (relative to begin) and their feature rows."""
+    if row.image is None:
+        return []
+    start = row.input_ids.index(image_pad_id)
+    count = row.image_grid[0] * row.image_grid[1]
+    first, last = max(begin, start), min(end, start + count)
+    return [(position - begin, feature_offset + position - start) for position in range(first, last)]
+
+
+def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) -> Batch:
+    """Pack rows into one batch, planning shared prefixes; `images` are those the rows'
+    `image` indices name."""
+    if not rows:
+        raise ValueError("a batch needs at least one row")
+    feature_offsets = [0]
+    for image in images:
+        feature_offsets.append(feature_offsets[-1] + image.tokens)
+    groups = prefix_groups(rows)
+    parents, splits = [-1] * len(rows), [0] * len(rows)
+    for group, (split, members) in enumerate(groups):
+        for index in members:
+            parents[index], splits[index] = group, split
+
+    ids, positions, slots = [], [], []
+    offset = 0
+
+    def add(row: Row, begin: int, end: int) -> None:
+        nonlocal offset
+        ids.append(torch.tensor(row.input_ids[begin:end], dtype=torch.long))
+        positions.append(mrope_positions(row, len(row.input_ids), image_pad_id)[:, begin:end])
+        if row.image is not None:
+            slots.extend((offset + slot, source) for slot, source
+                         in _image_tokens(row, begin, end, feature_offsets[row.image], image_pad_id))
+        offset += end - begin
+
+    for split, members in groups:
+        add(rows[members[0]], 0, split)
+    prefix_tokens = offset
+    prefix_lengths = [split for split, _ in groups]
+    own_lengths = [len(row.input_ids) - split for row, split in zip(rows, splits)]
+    width = max(len(row.markers) for row in rows)
+    markers = torch.zeros((len(rows), width), dtype=torch.long)
+    candidate_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for index, (row, split) in enumerate(zip(rows, splits)):
+        start = offset - prefix_tokens
+        add(row, split, len(row.input_ids))
+        markers[index, : len(row.markers)] = torch.tensor(row.markers) - split + start
+        candidate_mask[index, : len(row.markers)] = True
+
+    pairs = torch.tensor(slots, dtype=torch.long).reshape(-1, 2)
+    return Batch(
+        input_ids=torch.cat(ids), position_ids=torch.cat(positions, dim=1), prefix_tokens=prefix_tokens,
+        prefix_cu_seqlens=_cumulative(prefix_lengths), prefix_max_seqlen=max(prefix_lengths, default=0),
+        cu_seqlens=_cumulative(own_lengths), max_seqlen=max(own_lengths),
+        fork=plan_fork(prefix_lengths, own_lengths, parents) if groups else None,
+        markers=markers, candidate_mask=candidate_mask, image_slots=pairs[:, 0], image_sources=pairs[:, 1],
+        pixel_values=torch.cat([image.pixel_values for image in images]) if images else None,
+        image_grid_thw=torch.cat([image.grid_thw for image in images]) if images else None,
+        input_tokens=sum(len(row.input_ids) for row in rows),
+    )
+
+
+def _cumulative(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def mrope_positions(row: Row, length: int, image_pad_id: int) -> torch.Tensor:
+    """[3, length] M-RoPE positions: text advances all three axes together; image tokens take
+    (start, start + h, start + w) and the text after them resumes at start + max(H, W)."""
+    positions = torch.arange(length).expand(3, length).clone()
+    if row.image_grid is None:
+        return positions
+    start = row.input_ids.index(image_pad_id)
+    height, width = row.image_grid
+    grid_h = torch.arange(height).repeat_interleave(width)
+    grid_w = torch.arange(width).repeat(height)
+    count = height * width
+    positions[0, start:start + count] = start
+    positions[1, start:start + count] = start + grid_h
+    positions[2, start:start + count] = start + grid_w
+    after = start + count
+    positions[:, after:] = torch.arange(length - after) + start + max(height, width)
+    return positions
