@@ -53,7 +53,8 @@ class Batch:
     """Packed rows: the prefixes' tokens first (P of them), then each row's own tokens.
 
     input_ids [P + S], position_ids [3, P + S] M-RoPE (temporal, height, width);
-    prefix_cu_seqlens [G + 1] and cu_seqlens [B + 1] (int32) segment the two parts;
+    prefix_cu_seqlens [G + 1] and cu_seqlens [B + 1] (int32) segment the two parts; their
+    *_cpu copies stay on the host, so kernels plan their work without a device sync;
     fork says which prefix each row continues (None: no shared prefix in this batch);
     markers [B, K] index the rows' part, candidate_mask [B, K];
     image_slots [I] are the image-token positions in input_ids and image_sources [I] their
@@ -64,9 +65,9 @@ class Batch:
     position_ids: torch.Tensor
     prefix_tokens: int
     prefix_cu_seqlens: torch.Tensor
-    prefix_max_seqlen: int
+    prefix_cu_seqlens_cpu: torch.Tensor
     cu_seqlens: torch.Tensor
-    max_seqlen: int
+    cu_seqlens_cpu: torch.Tensor
     fork: Fork | None
     markers: torch.Tensor
     candidate_mask: torch.Tensor
@@ -86,7 +87,7 @@ class Batch:
         values = {}
         for field in fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and not field.name.endswith("_cpu"):
                 value = value.to(device, non_blocking=True)
             elif isinstance(value, Fork):
                 value = value.to(device)
@@ -163,8 +164,8 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     pairs = torch.tensor(slots, dtype=torch.long).reshape(-1, 2)
     return Batch(
         input_ids=torch.cat(ids), position_ids=torch.cat(positions, dim=1), prefix_tokens=prefix_tokens,
-        prefix_cu_seqlens=_cumulative(prefix_lengths), prefix_max_seqlen=max(prefix_lengths, default=0),
-        cu_seqlens=_cumulative(own_lengths), max_seqlen=max(own_lengths),
+        prefix_cu_seqlens=_cumulative(prefix_lengths), prefix_cu_seqlens_cpu=_cumulative(prefix_lengths),
+        cu_seqlens=_cumulative(own_lengths), cu_seqlens_cpu=_cumulative(own_lengths),
         fork=plan_fork(prefix_lengths, own_lengths, parents) if groups else None,
         markers=markers, candidate_mask=candidate_mask, image_slots=pairs[:, 0], image_sources=pairs[:, 1],
         pixel_values=torch.cat([image.pixel_values for image in images]) if images else None,

@@ -205,16 +205,23 @@ class TestConfig:
         _check(self.batch_rows >= 1, f"test.batch_rows must be >= 1, got {self.batch_rows}")
 
 
+SHAPE_NAMES = ("qwen3_5-0.8b",)  # the shapes dohnuts.shapes can build
+
+
 @dataclass(frozen=True)
 class BenchmarkConfig:
-    """The latency protocol: cold call, warm-up calls, timed calls."""
+    """The latency protocol: cold call, warm-up calls, timed calls; `shape` names a model shape
+    to benchmark with random weights instead of the checkpoint (records say shape-only)."""
 
     warmup: int = 3
     timed: int = 20
+    shape: str | None = None
 
     def __post_init__(self):
         _check(self.timed >= 2 and self.warmup >= 0,
                f"benchmark.timed must be >= 2 and warmup >= 0, got {self.timed}, {self.warmup}")
+        _check(self.shape is None or self.shape in SHAPE_NAMES,
+               f"benchmark.shape must be null or one of {SHAPE_NAMES}, got {self.shape!r}")
 
 
 SECTIONS = {

@@ -91,7 +91,7 @@ def _attention(module, config, hidden: torch.Tensor, cos, sin, segments, context
 
     Returns (output [T, D], this pass's (key, value) [T, HKV, D] for rows that will fork it).
     """
-    cu_seqlens, max_seqlen = segments
+    cu_seqlens, max_seqlen, _ = segments
     head_dim = config.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     total = hidden.shape[0]
@@ -111,7 +111,7 @@ def _attention(module, config, hidden: torch.Tensor, cos, sin, segments, context
     return module.o_proj(out), (key, value)
 
 
-def _delta_rule(module, config, hidden: torch.Tensor, cu_seqlens: torch.Tensor, context=None, keep_states=False):
+def _delta_rule(module, config, hidden: torch.Tensor, segments, context=None, keep_states=False):
     """Gated delta-rule token mixer of packed tokens. hidden: [T, D]. With `keep_states`, also
     the (conv, recurrent) final states of each sequence."""
     total = hidden.shape[0]
@@ -119,8 +119,9 @@ def _delta_rule(module, config, hidden: torch.Tensor, cu_seqlens: torch.Tensor, 
     key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
     mixed = module.in_proj_qkv(hidden)[None]  # [1, T, 2 * Hk * K + Hv * V]
     conv_state, recurrent_state = context if context is not None else (None, None)
+    cu_seqlens, cu_seqlens_cpu = segments[0], segments[2]
     mixed, conv_final = kernels.causal_conv1d(mixed, module.conv1d.weight.squeeze(1), conv_state, keep_states,
-                                              cu_seqlens=cu_seqlens)
+                                              cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     query, key, value = mixed[0].split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], -1)
     beta = torch.sigmoid(module.in_proj_b(hidden))
     # Qwen3.5's decay: g = -exp(A_log) * softplus(a + dt_bias), in float32 (A may overflow in bf16).
@@ -128,7 +129,7 @@ def _delta_rule(module, config, hidden: torch.Tensor, cu_seqlens: torch.Tensor, 
     out, recurrent_final = kernels.chunk_gated_delta_rule(
         query.reshape(1, total, key_heads, key_dim), key.reshape(1, total, key_heads, key_dim),
         value.reshape(1, total, value_heads, value_dim), g[None], beta[None], recurrent_state, keep_states,
-        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
+        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, cu_seqlens_cpu=cu_seqlens_cpu)
     gate = module.in_proj_z(hidden).view(total, value_heads, value_dim)
     out = kernels.rms_norm_gated(out[0], gate, module.norm.weight, config.rms_norm_eps)
     return module.out_proj(out.reshape(total, value_heads * value_dim)), (conv_final, recurrent_final)
@@ -139,7 +140,7 @@ def _layer(layer, kind: str, config, hidden, cos, sin, segments, context=None, k
     final states per sequence, or attention's packed (key, value)."""
     normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
     if kind == "linear_attention":
-        mixed, state = _delta_rule(layer.linear_attn, config, normed, segments[0], context, keep_states)
+        mixed, state = _delta_rule(layer.linear_attn, config, normed, segments, context, keep_states)
     else:
         mixed, state = _attention(layer.self_attn, config, normed, cos, sin, segments, context)
     hidden = hidden + mixed
@@ -166,15 +167,18 @@ def _run_layers(language_model, inputs_embeds, position_ids, segments, activatio
     return hidden, states
 
 
-def _segments(cu_seqlens: torch.Tensor, max_seqlen: int | None):
-    if max_seqlen is None:
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if len(cu_seqlens) > 1 else 0
-    return cu_seqlens, max_seqlen
+def _segments(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None):
+    """(cu_seqlens, longest sequence, host copy of cu_seqlens): one host copy serves every
+    layer (FLA caches its chunk plan by tensor identity)."""
+    if cu_seqlens_cpu is None:
+        cu_seqlens_cpu = cu_seqlens.cpu()  # one synchronisation for the whole pass
+    max_seqlen = int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max()) if len(cu_seqlens_cpu) > 1 else 0
+    return cu_seqlens, max_seqlen, cu_seqlens_cpu
 
 
 def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
                    cu_seqlens: torch.Tensor, activation_checkpointing: bool = False, prefix: Forked | None = None,
-                   max_seqlen: int | None = None) -> torch.Tensor:
+                   cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
     """Final (normed) hidden states of packed rows.
 
     Args:
@@ -184,13 +188,13 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
         cu_seqlens: [N + 1] cumulative row lengths, cu_seqlens[-1] = T.
         activation_checkpointing: recompute each layer in the backward pass.
         prefix: the shared prefixes the rows continue (`SharedPrefix.fork`), or None.
-        max_seqlen: the longest row, when the caller knows it (saves a device sync).
+        cu_seqlens_cpu: a host copy of cu_seqlens, when the caller has one (saves a device sync).
 
     Returns:
         [T, D] hidden states.
     """
     contexts = prefix.contexts if prefix is not None else None
-    hidden, _ = _run_layers(language_model, inputs_embeds, position_ids, _segments(cu_seqlens, max_seqlen),
+    hidden, _ = _run_layers(language_model, inputs_embeds, position_ids, _segments(cu_seqlens, cu_seqlens_cpu),
                             activation_checkpointing, contexts)
     return kernels.rms_norm(hidden, language_model.norm.weight, language_model.config.rms_norm_eps)
 
@@ -218,9 +222,9 @@ class SharedPrefix:
 
     @classmethod
     def compute(cls, language_model, inputs_embeds, position_ids, cu_seqlens, activation_checkpointing=False,
-                max_seqlen: int | None = None) -> SharedPrefix:
+                cu_seqlens_cpu: torch.Tensor | None = None) -> SharedPrefix:
         """Args as `packed_forward`, for the prefixes: inputs_embeds [P, D], cu_seqlens [G + 1]."""
-        _, states = _run_layers(language_model, inputs_embeds, position_ids, _segments(cu_seqlens, max_seqlen),
+        _, states = _run_layers(language_model, inputs_embeds, position_ids, _segments(cu_seqlens, cu_seqlens_cpu),
                                 activation_checkpointing, None, keep_states=True)
         return cls(language_model.config.layer_types, states)
 

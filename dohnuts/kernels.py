@@ -132,11 +132,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
     """
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         # Flash attention's variable-length kernel: no padding, bottom-right causal mask.
-        from torch.nn.attention.varlen import varlen_attn
-
+        varlen_attn, options = _varlen()
+        if "enable_gqa" not in options:  # torch < 2.12 wants as many key heads as query heads
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
-                           window_size=(-1, 0), enable_gqa=True)
+                           **options)
     return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+
+
+@functools.cache
+def _varlen():
+    """torch's varlen_attn and the keyword arguments for causal grouped-query attention, which
+    changed between torch releases (is_causal, then window_size; enable_gqa from 2.12)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    parameters = inspect.signature(varlen_attn).parameters
+    options = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+    if "enable_gqa" in parameters:
+        options["enable_gqa"] = True
+    return varlen_attn, options
 
 
 def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
@@ -159,7 +176,8 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None = None,
                   output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                  activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor | None]:
+                  activation: str = "silu", cu_seqlens_cpu: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Depthwise causal convolution with optional carried state, per packed sequence.
 
     Args:
@@ -168,6 +186,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Te
         initial_state: [N, D, W], the W inputs before each sequence (last one most recent).
         output_final_state: also return the last W inputs of each sequence, [N, D, W].
         activation: "silu" or None.
+        cu_seqlens_cpu: a host copy of cu_seqlens, so the fused kernel plans its chunks
+            without a device synchronisation.
 
     Returns:
         ([B, T, D] output, final state or None)
@@ -175,7 +195,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Te
     kernels = fused(x)
     if kernels is not None:
         return kernels["causal_conv1d"](x, weight, None, None, initial_state, output_final_state,
-                                        "swish" if activation == "silu" else activation, cu_seqlens=cu_seqlens)
+                                        "swish" if activation == "silu" else activation, cu_seqlens=cu_seqlens,
+                                        cu_seqlens_cpu=cu_seqlens_cpu)
     return causal_conv1d_reference(x, weight, initial_state, output_final_state, cu_seqlens, activation)
 
 
@@ -211,7 +232,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, initial_state: torch.Tensor | None = None,
                            output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                           use_qk_l2norm_in_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           use_qk_l2norm_in_kernel: bool = True, cu_seqlens_cpu: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule: S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,
     o_t = S_t^T q_t / sqrt(K).
 
@@ -221,6 +243,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         initial_state: [N, HV, K, V] float32 states before each sequence.
         output_final_state: also return the [N, HV, K, V] float32 states after each sequence.
         use_qk_l2norm_in_kernel: L2-normalise q and k first (Qwen3.5 does).
+        cu_seqlens_cpu: a host copy of cu_seqlens (no device synchronisation to plan chunks).
 
     Returns:
         ([B, T, HV, V] output in v's dtype, final states or None)
@@ -229,7 +252,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     if kernels is not None:
         return kernels["chunk_gated_delta_rule"](
             q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     return gated_delta_rule_chunked(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
                                     use_qk_l2norm_in_kernel)
 

@@ -72,10 +72,10 @@ class DecisionModel(nn.Module):
         prefix = None
         if batch.fork is not None:
             prefix = SharedPrefix.compute(language, embeds[:split], batch.position_ids[:, :split],
-                                          batch.prefix_cu_seqlens, checkpointing, batch.prefix_max_seqlen)
+                                          batch.prefix_cu_seqlens, checkpointing, batch.prefix_cu_seqlens_cpu)
             prefix = prefix.fork(batch.fork)
         return packed_forward(language, embeds[split:], batch.position_ids[:, split:], batch.cu_seqlens,
-                              checkpointing, prefix, batch.max_seqlen)
+                              checkpointing, prefix, batch.cu_seqlens_cpu)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Args: batch on the model's device. Returns: logits [B, K] float32 (0 where masked)."""

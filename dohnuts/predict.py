@@ -29,6 +29,16 @@ class Predictor:
         model, template, config, temperatures = load_merged(Path(path), device, need_temperatures=True)
         return cls(model, template, config, temperatures)
 
+    @classmethod
+    def shape_only(cls, name: str, device: str | torch.device | None = None) -> Predictor:
+        """A random-weight model of a named shape (see `dohnuts.shapes`), temperatures 1: for
+        timing only, its answers mean nothing."""
+        from .shapes import shape_only_parts
+
+        device = torch.device(device) if device is not None else default_device()
+        model, template, config = shape_only_parts(name, device)
+        return cls(model, template, config, {"choice": 1.0, "noul": 1.0, "score": 1.0})
+
     def encode(self, state, questions):
         """Validate and encode a request into a batch. Returns (batch, request)."""
         request = parse_request(state, questions, self.template.reserved)

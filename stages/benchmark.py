@@ -20,7 +20,7 @@ from dohnuts.predict import Predictor
 @click.command()
 @click.option("--params", "params_path", type=click.Path(exists=True, dir_okay=False), default="params.yaml",
               show_default=True, help="Parameters file.")
-@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False), default="runs/calibrate/checkpoint",
+@click.option("--checkpoint", type=click.Path(file_okay=False), default="runs/calibrate/checkpoint",
               show_default=True, help="Deployable checkpoint folder.")
 @click.option("--records", type=click.Path(dir_okay=False), default="runs/benchmark/benchmarks/dohnuts.jsonl",
               show_default=True, help="Raw per-workload records with per-call samples (JSON lines).")
@@ -28,12 +28,21 @@ from dohnuts.predict import Predictor
 def main(params_path, checkpoint, records, summary):
     """Cold call, warm-up calls, then timed calls per workload; p50/p95/mean and decisions/s."""
     config = section(read_params(params_path), "benchmark")
-    predictor = Predictor.from_checkpoint(checkpoint)
-    raw, result = benchmark(predictor, config.warmup, config.timed, progress=lambda name: click.echo(f"  {name}"))
-    write_bytes(Path(records), "".join(json.dumps(record) + "\n" for record in raw).encode())
+    if config.shape is not None:
+        predictor = Predictor.shape_only(config.shape)
+        click.echo(f"shape-only: random weights of {config.shape}, not the checkpoint")
+    else:
+        predictor = Predictor.from_checkpoint(checkpoint)
+
+    def progress(done):
+        # Records so far are kept (atomically rewritten), so a killed run loses nothing finished.
+        write_bytes(Path(records), "".join(json.dumps(record) + "\n" for record in done).encode())
+        last = done[-1]
+        baseline = f"  Hugging Face {last['hugging_face_p50_ms']:8.2f} ms" if "hugging_face_p50_ms" in last else ""
+        click.echo(f"{last['workload']:28s} p50 {last['p50_ms']:8.2f} ms{baseline}", err=True)
+
+    _, result = benchmark(predictor, config.warmup, config.timed, progress=progress)
     write_json(Path(summary), result)
-    for name, row in result["workloads"].items():
-        click.echo(f"{name:28s} p50 {row['p50_ms']:8.2f} ms  {row['decisions_per_second']:9.1f} decisions/s")
 
 
 if __name__ == "__main__":

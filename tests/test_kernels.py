@@ -147,3 +147,22 @@ def test_fused_gated_delta_rule_matches_reference_forward_and_gradients():
     ref_grads = torch.autograd.grad(ref.float().square().sum(), inputs)
     for name, grad, expected in zip("q k v g beta".split(), grads, ref_grads):
         assert _relative_error(grad, expected) < 2e-2, name
+
+
+@pytest.mark.gpu
+def test_varlen_attention_matches_reference_with_prefix_keys_and_grouped_heads():
+    """Flash varlen attention (bf16) against the padded reference: queries [63, 1, 17, 64] after
+    [64, 0, 5, 128] prefix keys, 8 query heads on 2 key heads, forward and gradients."""
+    queries, prefixes = LENGTHS, [64, 0, 5, 128]
+    keys = [q + p for q, p in zip(queries, prefixes)]
+    cu_q, cu_k = _cu(queries, "cuda").to(torch.int32), _cu(keys, "cuda").to(torch.int32)
+    q = torch.randn(sum(queries), 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(sum(keys), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(sum(keys), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = kernels.attention(q, k, v, cu_q, cu_k, max(queries), max(keys), 0.125)
+    ref = kernels.attention_reference(q.float(), k.float(), v.float(), cu_q, cu_k, 0.125)
+    assert _relative_error(out, ref) < 1e-2
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for name, grad, expected in zip("q k v".split(), grads, ref_grads):
+        assert _relative_error(grad, expected) < 2e-2, name
