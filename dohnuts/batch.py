@@ -41,6 +41,7 @@ class Row:
 class EncodedImage:
     pixel_values: torch.Tensor  # [patches, C * temporal * patch * patch]
     grid_thw: torch.Tensor  # [1, 3]
+    key: str = ""  # SHA-256 of the decoded RGB content (dohnuts.features.image_key)
 
     @property
     def tokens(self) -> int:
@@ -58,7 +59,8 @@ class Batch:
     fork says which prefix each row continues (None: no shared prefix in this batch);
     markers [B, K] index the rows' part, candidate_mask [B, K];
     image_slots [I] are the image-token positions in input_ids and image_sources [I] their
-    rows in the concatenated features of the batch's images (pixel_values, image_grid_thw).
+    rows in the concatenated features of the batch's images (pixel_values, image_grid_thw,
+    image_keys for the feature cache).
     """
 
     input_ids: torch.Tensor
@@ -75,6 +77,8 @@ class Batch:
     image_sources: torch.Tensor
     pixel_values: torch.Tensor | None
     image_grid_thw: torch.Tensor | None
+    image_grid_thw_cpu: torch.Tensor | None
+    image_keys: tuple[str, ...]
     input_tokens: int  # tokens of the rows as written, prefix counted in every row
 
     @property
@@ -170,6 +174,8 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         markers=markers, candidate_mask=candidate_mask, image_slots=pairs[:, 0], image_sources=pairs[:, 1],
         pixel_values=torch.cat([image.pixel_values for image in images]) if images else None,
         image_grid_thw=torch.cat([image.grid_thw for image in images]) if images else None,
+        image_grid_thw_cpu=torch.cat([image.grid_thw for image in images]) if images else None,
+        image_keys=tuple(image.key for image in images),
         input_tokens=sum(len(row.input_ids) for row in rows),
     )
 

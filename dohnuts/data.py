@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from .io import atomic_directory, verify_manifest, write_bytes, write_manifest, write_parquet
+from .features import image_key
 from .schema import parse_request
 from .template import EncodedImage, Row, Template
 
@@ -155,15 +156,15 @@ def encode_examples(template: Template, examples: list[Example], max_tokens: int
     """Encode examples (one question each) into rows, images and a [B, K] target tensor."""
     rows: list[Row] = []
     images: list[EncodedImage] = []
-    seen: dict[tuple, int] = {}  # identical images are encoded once, so their rows can share a prefix
+    seen: dict[str, int] = {}  # identical images are encoded once, so their rows can share a prefix
     for example in examples:
         request = parse_request(example.state, {example.qid: example.question}, template.reserved)
         index = None
         if request.image is not None:
-            key = (request.image.size, request.image.tobytes())
+            key = image_key(request.image)
             if key not in seen:
                 seen[key] = len(images)
-                images.append(template.encode_image(request.image))
+                images.append(template.encode_image(request.image, key))
             index = seen[key]
         rows.extend(template.encode(request, max_tokens, index, images[index] if index is not None else None))
     width = max(len(row.markers) for row in rows)

@@ -11,6 +11,7 @@ from torch import nn
 
 from .base import load_backbone
 from .decoder import SharedPrefix, packed_forward
+from .features import ImageFeatureCache
 from .config import LoraConfig, to_dict
 from .io import read_json, verify_manifest
 from .batch import Batch
@@ -46,6 +47,12 @@ class DecisionModel(nn.Module):
         self.head = head
         self.activation_checkpointing = activation_checkpointing  # recompute layers in training
         self.backbone.visual.requires_grad_(False)
+        self.image_cache = ImageFeatureCache()  # new and empty for every model
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .double(), .cuda() change the tower's device or dtype: cached features go stale.
+        self.image_cache.clear()
+        return super()._apply(fn, *args, **kwargs)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -65,7 +72,10 @@ class DecisionModel(nn.Module):
         language = self.backbone.language_model
         embeds = language.get_input_embeddings()(batch.input_ids)
         if batch.pixel_values is not None:
-            features = image_features(self.backbone.visual, batch.pixel_values, batch.image_grid_thw)
+            visual = self.backbone.visual
+            features = self.image_cache.features(batch.image_keys, batch.pixel_values, batch.image_grid_thw_cpu,
+                                                 lambda pixels, grid: image_features(visual, pixels, grid),
+                                                 visual.spatial_merge_size**2)
             embeds = embeds.index_put((batch.image_slots,), features[batch.image_sources].to(embeds.dtype))
         checkpointing = self.activation_checkpointing and self.training
         split = batch.prefix_tokens

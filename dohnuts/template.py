@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .base import SPATIAL_MERGE, special_tokens
 from .batch import Batch, EncodedImage, Row, pack_rows
+from .features import image_key
 from .schema import Question, Request
 
 
@@ -30,9 +31,10 @@ class Template:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ids[-1]
         self.newline_ids = tokenizer("\n", add_special_tokens=False)["input_ids"]
 
-    def encode_image(self, image) -> EncodedImage:
+    def encode_image(self, image, key: str | None = None) -> EncodedImage:
+        """Pixels and patch grid of a decoded image; `key` is its `image_key` when known."""
         out = self.image_processor(images=[image], return_tensors="pt")
-        return EncodedImage(out["pixel_values"], out["image_grid_thw"])
+        return EncodedImage(out["pixel_values"], out["image_grid_thw"], key or image_key(image))
 
     def encode(self, request: Request, max_tokens: int, image_index: int | None = None,
                image: EncodedImage | None = None) -> list[Row]:

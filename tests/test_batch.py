@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from dohnuts.batch import Row, mrope_positions, pack_rows, prefix_groups
+from dohnuts.batch import EncodedImage, Row, mrope_positions, pack_rows, prefix_groups
 from dohnuts.config import LoraConfig
 from dohnuts.model import build_training_model
 from dohnuts.schema import parse_request
@@ -70,7 +70,7 @@ def test_image_block_cut_by_the_split_feeds_each_part_its_features():
     """An image of 4 tokens at positions 62..65: the prefix holds 2 of them, each row 2."""
     ids = [9] * 61 + [50] + [77] * 4 + [51] + list(range(10, 20))
     rows = [_row(ids + [1, 0], len(ids), [len(ids) + 1], image=0), _row(ids + [0], len(ids), [len(ids)], image=0)]
-    image = type("Image", (), {"tokens": 4, "pixel_values": torch.zeros(16, 3), "grid_thw": torch.tensor([[1, 4, 4]])})
+    image = EncodedImage(torch.zeros(16, 3), torch.tensor([[1, 4, 4]]), "one image")
     batch = pack_rows(rows, [image], image_pad_id=77)
     assert batch.image_slots.tolist() == [62, 63, 64 + 0, 64 + 1, 64 + 15, 64 + 16]
     assert batch.image_sources.tolist() == [0, 1, 2, 3, 2, 3]
