@@ -86,17 +86,30 @@ class Batch:
         """Tokens the language model runs: each prefix once, then the rows' own tokens."""
         return int(self.input_ids.shape[0])
 
-    def to(self, device) -> Batch:
-        """The batch on `device`; copies from pinned memory do not block the host."""
+    def _map(self, move) -> Batch:
+        """`move` applied to every tensor bound for the device (the *_cpu copies stay)."""
         values = {}
         for field in fields(self):
             value = getattr(self, field.name)
             if isinstance(value, torch.Tensor) and not field.name.endswith("_cpu"):
-                value = value.to(device, non_blocking=True)
+                value = move(value)
             elif isinstance(value, Fork):
-                value = value.to(device)
+                value = value.map(move)
             values[field.name] = value
         return Batch(**values)
+
+    def to(self, device) -> Batch:
+        """The batch on `device`; copies from pinned memory do not block the host."""
+        return self._map(lambda tensor: tensor.to(device, non_blocking=True))
+
+    def pin_memory(self) -> Batch:
+        return self._map(torch.Tensor.pin_memory)
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The tensors `to` moves."""
+        found = []
+        self._map(lambda tensor: found.append(tensor) or tensor)
+        return found
 
 
 def prefix_groups(rows: list[Row]) -> list[tuple[int, list[int]]]:

@@ -64,9 +64,9 @@ class Fork:
     cu_seqlens_k: torch.Tensor
     max_seqlen_k: int
 
-    def to(self, device) -> Fork:
-        return Fork(self.parents.to(device, non_blocking=True), self.key_index.to(device, non_blocking=True),
-                    self.cu_seqlens_k.to(device, non_blocking=True), self.max_seqlen_k)
+    def map(self, move) -> Fork:
+        """The same fork with `move` applied to its tensors (device copies, pinning)."""
+        return Fork(move(self.parents), move(self.key_index), move(self.cu_seqlens_k), self.max_seqlen_k)
 
 
 def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[int]) -> Fork:

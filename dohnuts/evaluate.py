@@ -10,61 +10,106 @@ from tqdm import tqdm
 
 from .calibration import apply_temperatures
 from .data import RecordReader
+from .loader import Item, prefetch, worker_batches
 from .metrics import masked_softmax, row_metrics, summarize
 from .schema import parse_request
 from .template import Template
 
 
-def _requests(rows: pd.DataFrame, reader: RecordReader):
-    """(state, questions, targets, record rows) per state, in order of first appearance."""
-    for _, table in rows.groupby("state_id", sort=False):
-        first = table.iloc[0]
-        questions = {qid: json.loads(question) for qid, question in zip(table.qid, table.question)}
-        yield reader.state(first), questions, list(table.target), table
+def _requests(rows: pd.DataFrame) -> list[pd.DataFrame]:
+    """The records of each state, in order of first appearance: one request per state."""
+    return [table for _, table in rows.groupby("state_id", sort=False)]
+
+
+def plan_batches(rows: pd.DataFrame, batch_rows: int) -> list[list[pd.DataFrame]]:
+    """Whole requests per batch, closing a batch once it holds at least `batch_rows` rows."""
+    batches, current, count = [], [], 0
+    for table in _requests(rows):
+        current.append(table)
+        count += len(table)
+        if count >= batch_rows:
+            batches.append(current)
+            current, count = [], 0
+    if current:
+        batches.append(current)
+    return batches
+
+
+class EvaluationBatches:
+    """Builds one evaluation batch from its requests (runs in loader workers)."""
+
+    def __init__(self, template: Template, reader: RecordReader, max_tokens: int):
+        self.template, self.reader, self.max_tokens = template, reader, max_tokens
+
+    def __call__(self, tables: list[pd.DataFrame]) -> Item:
+        template = self.template
+        encoded_rows, images, meta = [], [], []
+        for table in tables:
+            questions = {qid: json.loads(question) for qid, question in zip(table.qid, table.question)}
+            request = parse_request(self.reader.state(table.iloc[0]), questions, template.reserved)
+            image = template.encode_image(request.image) if request.image is not None else None
+            rows = template.encode(request, self.max_tokens, len(images), image)
+            if image is not None:
+                images.append(image)
+            encoded_rows.extend(rows)
+            for row, record, target in zip(rows, table.itertuples(), table.target):
+                meta.append({"group": record.group, "state_id": record.state_id, "qid": record.qid,
+                             "kind": row.question.kind, "labels": list(row.question.labels),
+                             "candidates": len(row.markers), "target": [float(x) for x in target]})
+        return Item(template.collate(encoded_rows, images), meta=meta)
+
+
+def _to_host(logits: torch.Tensor):
+    """Start copying logits to (pinned) host memory without waiting. Returns (host, event)."""
+    if not logits.is_cuda:
+        return logits, None
+    host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+    host.copy_(logits, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def _results(host: torch.Tensor, done, meta: list[dict]) -> list[dict]:
+    if done is not None:
+        done.synchronize()
+    records = []
+    for index, row in enumerate(meta):
+        row = dict(row)
+        count = row.pop("candidates")
+        records.append({**row, "logits": host[index, :count].tolist()})
+    return records
 
 
 @torch.no_grad()
 def evaluate(model, template: Template, reader: RecordReader, rows: pd.DataFrame, batch_rows: int,
-             max_tokens: int, desc: str = "evaluate") -> pd.DataFrame:
+             max_tokens: int, desc: str = "evaluate", workers: int | None = None) -> pd.DataFrame:
     """Logits of every row; all questions of a state go into one request.
+
+    Batches are built by loader workers and prefetched; each batch's logits are copied to
+    the host without blocking, and its result rows are made while the next batch runs.
 
     Returns:
         One row per record: group, state_id, qid, kind, labels, logits, target.
     """
     model.eval()
-    results = []
-    pending: list = []
+    results: list[dict] = []
     bar = tqdm(total=len(rows), desc=desc, unit="row", dynamic_ncols=True)
-
-    def flush():
-        encoded_rows, images, metas = [], [], []
-        for state, questions, targets, table in pending:
-            request = parse_request(state, questions, template.reserved)
-            image = template.encode_image(request.image) if request.image is not None else None
-            encoded_rows.extend(template.encode(request, max_tokens, len(images), image))
-            if image is not None:
-                images.append(image)
-            metas.extend(zip(table.itertuples(), targets))
-        batch = template.collate(encoded_rows, images).to(model.device)
-        logits = model(batch).cpu()
-        for index, (row, (record, target)) in enumerate(zip(encoded_rows, metas)):
-            count = len(row.markers)
-            results.append({
-                "group": record.group, "state_id": record.state_id, "qid": record.qid,
-                "kind": row.question.kind, "labels": list(row.question.labels),
-                "logits": logits[index, :count].tolist(), "target": [float(x) for x in target],
-            })
-        bar.update(len(encoded_rows))
-        pending.clear()
-
-    for item in _requests(rows, reader):
-        pending.append(item)
-        if sum(len(entry[1]) for entry in pending) >= batch_rows:
-            flush()
-    if pending:
-        flush()
+    plan = plan_batches(rows, batch_rows)
+    batches = worker_batches(EvaluationBatches(template, reader, max_tokens), plan, model.device, workers)
+    previous = None
+    for item in prefetch(batches, model.device):
+        current = (*_to_host(model(item.batch)), item.meta)
+        if previous is not None:
+            results.extend(_results(*previous))
+            bar.update(len(previous[2]))
+        previous = current
+    if previous is not None:
+        results.extend(_results(*previous))
+        bar.update(len(previous[2]))
     bar.close()
-    return pd.DataFrame.from_records(results)
+    columns = ["group", "state_id", "qid", "kind", "labels", "logits", "target"]
+    return pd.DataFrame.from_records(results, columns=columns)
 
 
 def padded(table: pd.DataFrame) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from .base import load_processors
 from .config import LoraConfig, ModelConfig, TrainConfig, to_dict
 from .data import GroupSampler, RecordReader, encode_examples, load_records, shuffled_choice
+from .loader import Item, prefetch, worker_batches
 from .io import (IntegrityError, atomic_directory, read_json, sha256_file, verify_manifest, write_bytes,
                  write_json, write_manifest)
 from .model import (ADAPTER, build_training_model, check_adapter_config, default_device, load_adapter, save_adapter,
@@ -44,6 +45,20 @@ class TrainRun:
     data: Path
     out: Path
     parent: Path | None = None  # verified unmerged LoRA/head weights to start from
+
+
+class TrainingBatches:
+    """Builds microbatch `index` (runs in loader workers): a pure function of the index."""
+
+    def __init__(self, template: Template, reader: RecordReader, sampler: GroupSampler, max_tokens: int):
+        self.template, self.reader, self.sampler, self.max_tokens = template, reader, sampler, max_tokens
+
+    def __call__(self, index: int) -> Item:
+        records, rng = self.sampler.draw(index)
+        examples = [shuffled_choice(self.reader.example(row), rng) for _, row in records.iterrows()]
+        rows, images, targets = encode_examples(self.template, examples, self.max_tokens)
+        ordinal = torch.tensor([row.question.kind == "score" for row in rows])
+        return Item(self.template.collate(rows, images), (targets, ordinal))
 
 
 def checkpoint_name(step: int) -> str:
@@ -106,6 +121,8 @@ class Trainer:
         self.reader = RecordReader(run.data)
         self.sampler = GroupSampler(load_records(run.data), run.seed,
                                     run.train.rows_per_microbatch, run.train.group_cap)
+        self.builder = TrainingBatches(self.template, self.reader, self.sampler, run.train.max_tokens)
+        self.stream = None  # microbatches from loader workers, opened at the first update
         lora_params = [p for n, p in self.model.backbone.named_parameters() if p.requires_grad]
         config = run.train
         self.optimizer = torch.optim.AdamW(
@@ -186,12 +203,18 @@ class Trainer:
         return factor
 
     def microbatch(self, index: int):
-        records, rng = self.sampler.draw(index)
-        examples = [shuffled_choice(self.reader.example(row), rng) for _, row in records.iterrows()]
-        rows, images, targets = encode_examples(self.template, examples, self.run.train.max_tokens)
-        batch = self.template.collate(rows, images).to(self.device)
-        ordinal = torch.tensor([row.question.kind == "score" for row in rows], device=self.device)
-        return batch, targets.to(self.device), ordinal
+        """Microbatch `index` on the device, built here: (batch, targets [B, K], ordinal [B])."""
+        item = self.builder(index).to(self.device)
+        return item.batch, *item.tensors
+
+    def next_microbatch(self):
+        """The next microbatch of the run, built by loader workers and prefetched."""
+        if self.stream is None:
+            first = self.update * self.run.train.microbatches_per_update
+            indices = range(first, first + 2**40)  # as many as the run asks for
+            self.stream = prefetch(worker_batches(self.builder, indices, self.device), self.device)
+        item = next(self.stream)
+        return item.batch, *item.tensors
 
     def step(self) -> dict:
         """One update: several microbatches at one parameter snapshot, averaged, clipped once."""
@@ -201,7 +224,7 @@ class Trainer:
         self.model.train()
         totals = {"loss": 0.0, "reward": 0.0, "cross_entropy": 0.0, "accuracy": 0.0}
         for micro in range(config.microbatches_per_update):
-            batch, targets, ordinal = self.microbatch(self.update * config.microbatches_per_update + micro)
+            batch, targets, ordinal = self.next_microbatch()
             logits = self.model(batch)
             out = rlcd_loss(logits, batch.candidate_mask, targets, ordinal, config.objective, self.noise)
             if not torch.isfinite(out.loss):
