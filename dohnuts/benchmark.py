@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import inspect
 import platform
-import resource
 import statistics
 import time
 
 import torch
 from PIL import Image, ImageDraw
 
+from .roofline import DEVICES, bounds, efficiency, geometry_from_batch, useful_work
 from .schema import parse_request
+from .telemetry import Telemetry, measure_ceilings
 
 TEXT_STATE = "Customer: I was billed twice."
 ONE_QUESTION = {"is_red": {"type": "noul", "instructions": "Is the square red?"}}
@@ -138,29 +139,81 @@ def hugging_face_logits(predictor, state, questions) -> torch.Tensor:
     return predictor.model.head(picked.to(predictor.model.head.weight.dtype)).squeeze(-1)
 
 
-def run_workload(predictor, name: str, state, questions, warmup: int, timed: int) -> dict:
-    """Our predict() and the Hugging Face baseline on one workload, under the same protocol."""
-    device = predictor.model.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    cold_ms, samples, result = _measure(lambda: predictor.predict(state, questions), device, warmup, timed)
-    memory = {"max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    if device.type == "cuda":
-        memory["peak_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
-        memory["peak_reserved_mib"] = torch.cuda.max_memory_reserved(device) / 2**20
+def _padded_baseline(rows) -> dict:
+    """Tokens the padded, unshared baseline computes beyond the useful ones."""
+    lengths = [len(row.input_ids) for row in rows]
+    computed = len(rows) * max(lengths)
+    return {"computed_tokens": computed, "padding_tokens": computed - sum(lengths),
+            "repeated_prefix_tokens": sum(lengths)}
+
+
+def roofline_record(model, batch, vision_encoded: bool, p50_ms: float, ceilings: dict, device_name: str,
+                    scale: int = 1) -> dict:
+    """The useful work of `batch` (times `scale`), its bounds under the measured ceilings and
+    under the datasheet of the device present (absent when that device is not in the table),
+    and efficiency t_lower / p50 against each."""
+    config = model.backbone.config
+    geometry = geometry_from_batch(batch, vision_encoded)
+    work = useful_work(config.text_config.to_dict(), config.vision_config.to_dict(), geometry,
+                       torch.finfo(model.backbone.dtype).bits // 8)
+    if scale != 1:
+        work = {"flops": {k: v * scale for k, v in work["flops"].items()},
+                "bytes": {k: v * scale for k, v in work["bytes"].items()}, "tokens": work["tokens"]}
+    transfer = sum(tensor.numel() * tensor.element_size() for tensor in batch.device_tensors())
+    record = {"work": work, "transfer_bytes": transfer, "bounds": {}, "efficiency": {}}
+    sheets = {"measured": ceilings}
+    sheet = DEVICES.get(device_name)
+    if sheet is not None:
+        sheets["datasheet"] = sheet
+    else:
+        record["efficiency"]["datasheet"] = {"absent": f"no datasheet entry for {device_name!r}"}
+    for label, limits in sheets.items():
+        # A CPU run has no host-device link to cross.
+        bound = bounds(work, limits, transfer if device_name != "CPU" else None)
+        record["bounds"][label] = bound
+        record["efficiency"][label] = efficiency(bound["t_lower_seconds"], p50_ms / 1000.0)
+    return record
+
+
+def run_workload(predictor, name: str, state, questions, warmup: int, timed: int, ceilings: dict,
+                 cache_miss: bool = False) -> dict:
+    """Our predict() and the Hugging Face baseline on one workload, under the same protocol.
+
+    With `cache_miss`, the image-feature cache is emptied before every call, so each call
+    encodes its image; otherwise warm calls hit the cache.
+    """
+    model, device = predictor.model, predictor.model.device
+
+    def call():
+        if cache_miss:
+            model.image_cache.clear()
+        return predictor.predict(state, questions)
+
+    with Telemetry(device) as telemetry:
+        cold_ms, samples, result = _measure(call, device, warmup, timed)
     _, baseline, _ = _measure(lambda: hugging_face_logits(predictor, state, questions), device, warmup, timed)
-    batch, _ = predictor.encode(state, questions)
-    mean = statistics.fmean(samples)
+    batch, request = predictor.encode(state, questions)
+    rows = predictor.template.encode(request, predictor.config.max_tokens, 0,
+                                     predictor.template.encode_image(request.image) if request.image else None)
+    mean, p50 = statistics.fmean(samples), percentile(samples, 0.5)
+    encoded = request.image is not None and cache_miss
     return {
-        "workload": name, "questions": len(questions), "cold_ms": cold_ms,
-        "p50_ms": percentile(samples, 0.5), "p95_ms": percentile(samples, 0.95), "mean_ms": mean,
+        "workload": name + ("_cache_miss" if cache_miss else ""), "questions": len(questions), "cold_ms": cold_ms,
+        "p50_ms": p50, "p95_ms": percentile(samples, 0.95), "mean_ms": mean,
         "decisions_per_second": 1000.0 * len(questions) / mean,
-        "hugging_face_p50_ms": percentile(baseline, 0.5),
+        "hugging_face_p50_ms": percentile(baseline, 0.5), "hugging_face": _padded_baseline(rows),
         "input_tokens": result["usage"]["input_tokens"], "computed_tokens": batch.computed_tokens,
         "shared_prefixes": 0 if batch.fork is None else len(batch.prefix_cu_seqlens) - 1,
         "image_grid_thw": None if batch.image_grid_thw is None else batch.image_grid_thw.tolist(),
-        "samples_ms": samples, "hugging_face_samples_ms": baseline, "memory": memory,
+        "vision_encoded": encoded,
+        "roofline": roofline_record(model, batch, encoded, p50, ceilings, _device_name(device)),
+        "telemetry": telemetry.summary(),
+        "samples_ms": samples, "hugging_face_samples_ms": baseline,
     }
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
 
 
 def training_requests(template, microbatch: int, rows: int, questions_per_state: int = 4):
@@ -176,10 +229,15 @@ def training_requests(template, microbatch: int, rows: int, questions_per_state:
     return out
 
 
-def training_update_record(model, template, microbatches: int = 4, rows: int = 8, timed: int = 5) -> dict:
+def training_update_record(model, template, ceilings: dict, microbatches: int = 4, rows: int = 8,
+                           timed: int = 5) -> dict:
     """Seconds per training update on the shared-prefix path: fresh LoRA injected into `model`
     (in place), activation checkpointing, `microbatches` of `rows` rows at one snapshot, RLCD +
-    cross-entropy, clipping, one AdamW step."""
+    cross-entropy, clipping, one AdamW step.
+
+    Useful work of an update: 3 forward passes' worth per microbatch (the forward, its
+    recomputation under activation checkpointing, and the backward's input gradients; the
+    frozen base needs no weight gradients, and LoRA's are negligible)."""
     from .config import LoraConfig, ObjectiveConfig
     from .model import with_lora
     from .objective import rlcd_loss
@@ -197,10 +255,10 @@ def training_update_record(model, template, microbatches: int = 4, rows: int = 8
             encoded += template.encode(parse_request(state, questions, template.reserved), 2048)
         batch = template.collate(encoded, [])
         targets = torch.nn.functional.one_hot(torch.arange(len(encoded)) % 4, batch.markers.shape[1]).float()
-        batches.append((batch, targets))
+        batches.append((batch, targets, encoded))
 
     def update():
-        for batch, targets in batches:
+        for batch, targets, _ in batches:
             batch = batch.to(device)
             logits = model(batch)
             out = rlcd_loss(logits, batch.candidate_mask, targets.to(device),
@@ -210,19 +268,20 @@ def training_update_record(model, template, microbatches: int = 4, rows: int = 8
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    cold_ms, samples, _ = _measure(update, device, 1, timed)
+    with Telemetry(device) as telemetry:
+        cold_ms, samples, _ = _measure(update, device, 1, timed)
+    model.eval()
+    p50 = percentile(samples, 0.5)
+    # One batch of all the update's rows has the same useful work as its microbatches together.
+    whole = template.collate([row for _, _, rows_ in batches for row in rows_], [])
     record = {
         "workload": "training_update", "microbatches": microbatches, "rows_per_microbatch": rows,
-        "input_tokens": sum(batch.input_tokens for batch, _ in batches),
-        "computed_tokens": sum(batch.computed_tokens for batch, _ in batches),
-        "cold_ms": cold_ms, "p50_ms": percentile(samples, 0.5), "samples_ms": samples,
+        "input_tokens": sum(batch.input_tokens for batch, _, _ in batches),
+        "computed_tokens": sum(batch.computed_tokens for batch, _, _ in batches),
+        "cold_ms": cold_ms, "p50_ms": p50, "samples_ms": samples, "telemetry": telemetry.summary(),
+        "roofline": roofline_record(model, whole, False, p50, ceilings, _device_name(device), scale=3),
     }
-    record["tokens_per_second"] = 1000.0 * record["input_tokens"] / record["p50_ms"]
-    if device.type == "cuda":
-        record["peak_allocated_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
-    model.eval()
+    record["tokens_per_second"] = 1000.0 * record["input_tokens"] / p50
     return record
 
 
@@ -236,21 +295,52 @@ def environment(predictor) -> dict:
     }
 
 
-def benchmark(predictor, warmup: int, timed: int, progress=None) -> tuple[list[dict], dict]:
-    """Run every workload, then one training-update record (which injects fresh LoRA into the
-    predictor's model, so it comes last). `progress(records so far)` follows each record.
-    Returns (raw records, summary for DVC metrics)."""
+# Published upstream p50 latencies (ms), from shared/reference/benchmark-workloads.json.
+PUBLISHED_P50_MS = {
+    "Dohnuts-0.1.0-0.8B on AMD RX 7900 XTX (upstream, bf16, merged LoRA)": {
+        "distinct_text_1q": 15.07, "distinct_text_50q": 112.51, "vision_protocol_image_1q": 24.43,
+        "vision_protocol_image_3q": 35.84},
+    "Linnaeus-0.1.0-2B on NVIDIA RTX 4090 (fork, bf16, merged LoRA)": {
+        "vision_protocol_text_1q": 44.53, "vision_protocol_text_3q": 47.81, "vision_protocol_image_1q": 49.88,
+        "vision_protocol_image_3q": 100.83, "distinct_text_1q": 46.83, "distinct_text_5q": 94.32,
+        "distinct_text_10q": 94.83, "distinct_text_50q": 122.42},
+}
+
+
+def benchmark(predictor, warmup: int, timed: int, progress=None) -> tuple[list[dict], dict, list[dict]]:
+    """Run every workload (image workloads also with a cold image-feature cache), then one
+    training-update record (which injects fresh LoRA into the predictor's model, so it comes
+    last). Ceilings are measured first, in the same process. `progress(records so far)`
+    follows each record.
+
+    Returns:
+        (raw records, summary for DVC metrics, plot rows: one per workload)
+    """
     env = environment(predictor)
+    device = predictor.model.device
+    ceilings = measure_ceilings(device)
     records = []
     for name, (state, questions) in workloads().items():
-        records.append({**run_workload(predictor, name, state, questions, warmup, timed), "environment": env})
-        if progress is not None:
-            progress(records)
-    training = {**training_update_record(predictor.model, predictor.template), "environment": env}
+        variants = (False, True) if isinstance(state, dict) and "image" in state else (False,)
+        for cache_miss in variants:
+            record = run_workload(predictor, name, state, questions, warmup, timed, ceilings, cache_miss)
+            records.append({**record, "environment": env})
+            if progress is not None:
+                progress(records)
+    training = {**training_update_record(predictor.model, predictor.template, ceilings), "environment": env}
     if progress is not None:
         progress(records + [training])
-    keys = ("p50_ms", "p95_ms", "mean_ms", "cold_ms", "decisions_per_second", "hugging_face_p50_ms")
-    summary = {"environment": env,
-               "workloads": {record["workload"]: {key: record[key] for key in keys} for record in records},
-               "training_update": {key: training[key] for key in ("p50_ms", "tokens_per_second")}}
-    return records + [training], summary
+    keys = ("p50_ms", "p95_ms", "cold_ms", "decisions_per_second", "hugging_face_p50_ms")
+    summary = {
+        "environment": env, "ceilings": ceilings,
+        "workloads": {record["workload"]: {**{key: record[key] for key in keys},
+                                           "efficiency": record["roofline"]["efficiency"]["measured"]}
+                      for record in records},
+        "training_update": {"p50_ms": training["p50_ms"], "tokens_per_second": training["tokens_per_second"],
+                            "efficiency": training["roofline"]["efficiency"]["measured"]},
+        "published_p50_ms": PUBLISHED_P50_MS,
+    }
+    plots = [{"workload": record["workload"], "p50_ms": record["p50_ms"],
+              "hugging_face_p50_ms": record["hugging_face_p50_ms"],
+              "efficiency": record["roofline"]["efficiency"]["measured"]} for record in records]
+    return records + [training], summary, plots

@@ -24,8 +24,11 @@ from dohnuts.predict import Predictor
               show_default=True, help="Deployable checkpoint folder.")
 @click.option("--records", type=click.Path(dir_okay=False), default="runs/benchmark/benchmarks/dohnuts.jsonl",
               show_default=True, help="Raw per-workload records with per-call samples (JSON lines).")
-@click.option("--summary", type=click.Path(dir_okay=False), default="runs/benchmark/summary.json", show_default=True)
-def main(params_path, checkpoint, records, summary):
+@click.option("--summary", type=click.Path(dir_okay=False), default="runs/benchmark/summary.json", show_default=True,
+              help="DVC metrics: p50, decisions/s and efficiency per workload.")
+@click.option("--plots", type=click.Path(dir_okay=False), default="runs/benchmark/plots.json", show_default=True,
+              help="DVC plots data: latency and efficiency per workload.")
+def main(params_path, checkpoint, records, summary, plots):
     """Cold call, warm-up calls, then timed calls per workload; p50/p95/mean and decisions/s."""
     config = section(read_params(params_path), "benchmark")
     if config.shape is not None:
@@ -39,10 +42,13 @@ def main(params_path, checkpoint, records, summary):
         write_bytes(Path(records), "".join(json.dumps(record) + "\n" for record in done).encode())
         last = done[-1]
         baseline = f"  Hugging Face {last['hugging_face_p50_ms']:8.2f} ms" if "hugging_face_p50_ms" in last else ""
-        click.echo(f"{last['workload']:28s} p50 {last['p50_ms']:8.2f} ms{baseline}", err=True)
+        share = last["roofline"]["efficiency"]["measured"]
+        share = f"  efficiency {share:.2e}" if share is not None else ""
+        click.echo(f"{last['workload']:36s} p50 {last['p50_ms']:8.2f} ms{baseline}{share}", err=True)
 
-    _, result = benchmark(predictor, config.warmup, config.timed, progress=progress)
+    _, result, rows = benchmark(predictor, config.warmup, config.timed, progress=progress)
     write_json(Path(summary), result)
+    write_json(Path(plots), rows)
 
 
 if __name__ == "__main__":

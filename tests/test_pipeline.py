@@ -66,7 +66,23 @@ def test_repro_produces_every_stage_output_and_then_is_up_to_date(project):
     assert set(metrics["calibrated"]["groups"]) == set(metrics["raw"]["groups"])
     assert len(metrics["calibrated"]["groups"]) >= 6
     summary = json.loads((project / "runs/benchmark/summary.json").read_text())
-    assert set(summary["workloads"]) >= {"distinct_text_50q", "vision_protocol_image_1q"}
+    assert set(summary["workloads"]) >= {"distinct_text_50q", "vision_protocol_image_1q",
+                                         "vision_protocol_image_1q_cache_miss"}
+    assert summary["ceilings"]["method"].startswith("CPU-measured")
+    records = [json.loads(line) for line in
+               (project / "runs/benchmark/benchmarks/dohnuts.jsonl").read_text().splitlines()]
+    for record in records:  # every record carries its useful work, bounds and efficiency
+        roofline = record["roofline"]
+        assert roofline["work"]["flops"]["total"] > 0 and roofline["work"]["bytes"]["total"] > 0
+        bound = roofline["bounds"]["measured"]
+        assert bound["max_seconds"] <= bound["critical_path_seconds"] <= bound["sum_seconds"]
+        assert 0 < roofline["efficiency"]["measured"] == bound["t_lower_seconds"] / (record["p50_ms"] / 1000)
+        assert "absent" in roofline["efficiency"]["datasheet"]  # no datasheet for this CPU
+    hit, miss = (next(r for r in records if r["workload"] == name)
+                 for name in ("vision_protocol_image_1q", "vision_protocol_image_1q_cache_miss"))
+    assert miss["roofline"]["work"]["flops"]["vision"] > 0 == hit["roofline"]["work"]["flops"]["vision"]
+    plots = json.loads((project / "runs/benchmark/plots.json").read_text())
+    assert {row["workload"] for row in plots} == set(summary["workloads"])
     again = _run(project, "dvc", "repro")
     assert "Data and pipelines are up to date" in again.stdout
 
