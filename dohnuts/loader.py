@@ -17,12 +17,16 @@ import torch
 from .batch import Batch
 
 
-def loader_workers() -> int:
-    """Worker processes for batch building: the cores left after the main process, up to 4.
+def loader_workers(device: torch.device) -> int:
+    """Worker processes for batch building: with a GPU, the cores left after the main process,
+    up to 4; with the CPU as the device, none (workers would take cores from the compute:
+    on 2 cores, evaluation ran at 127 rows/s with one worker and 147 without).
 
     The policy depends on the machine, never on the results: every batch is a pure function
     of its index.
     """
+    if device.type != "cuda":
+        return 0
     return max(0, min(4, (os.cpu_count() or 1) - 1))
 
 
@@ -58,7 +62,7 @@ def worker_batches(build: Callable[[object], Item], keys: Sequence, device: torc
                    workers: int | None = None) -> Iterable[Item]:
     """`build(key)` for every key, in order, run by worker processes; pinned when the device is
     CUDA. `build` must be a picklable callable (a module-level function or an object)."""
-    workers = loader_workers() if workers is None else workers
+    workers = loader_workers(device) if workers is None else workers
     return torch.utils.data.DataLoader(
         _Built(build, keys), batch_size=None, shuffle=False, num_workers=workers,
         pin_memory=device.type == "cuda", prefetch_factor=2 if workers else None,

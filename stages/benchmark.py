@@ -41,6 +41,10 @@ def main(params_path, checkpoint, records, summary, plots):
         # Records so far are kept (atomically rewritten), so a killed run loses nothing finished.
         write_bytes(Path(records), "".join(json.dumps(record) + "\n" for record in done).encode())
         last = done[-1]
+        if "p50_ms" not in last:
+            click.echo(f"{last['workload']:36s} {json.dumps({k: v for k, v in last.items() if k != 'environment'})}",
+                       err=True)
+            return
         baseline = f"  Hugging Face {last['hugging_face_p50_ms']:8.2f} ms" if "hugging_face_p50_ms" in last else ""
         share = last["roofline"]["efficiency"]["measured"]
         share = f"  efficiency {share:.2e}" if share is not None else ""

@@ -89,3 +89,17 @@ def test_prefetch_on_cuda_matches_synchronous_copies_and_pins_worker_batches(eva
     for ours, tables in zip(received, plan):
         assert ours.batch.input_ids.is_cuda
         _same_item(ours, build(tables))
+
+
+def test_training_microbatches_from_workers_equal_the_ones_built_in_process(tiny):
+    from dohnuts.data import GroupSampler
+    from dohnuts.train import TrainingBatches
+
+    folder = tiny.partition("train")
+    build = TrainingBatches(tiny.template(), RecordReader(folder), GroupSampler(load_records(folder), 0, 8, 100), 2048)
+    indices = range(5, 11)
+    device = torch.device("cpu")
+    received = list(prefetch(worker_batches(build, indices, device, 2), device))
+    assert len(received) == len(indices)
+    for item, index in zip(received, indices):
+        _same_item(item, build(index))
