@@ -86,7 +86,7 @@ class Batch:
         """Tokens the language model runs: each prefix once, then the rows' own tokens."""
         return int(self.input_ids.shape[0])
 
-    def _map(self, move) -> Batch:
+    def map_tensors(self, move) -> Batch:
         """`move` applied to every tensor bound for the device (the *_cpu copies stay)."""
         values = {}
         for field in fields(self):
@@ -100,15 +100,15 @@ class Batch:
 
     def to(self, device) -> Batch:
         """The batch on `device`; copies from pinned memory do not block the host."""
-        return self._map(lambda tensor: tensor.to(device, non_blocking=True))
+        return self.map_tensors(lambda tensor: tensor.to(device, non_blocking=True))
 
     def pin_memory(self) -> Batch:
-        return self._map(torch.Tensor.pin_memory)
+        return self.map_tensors(torch.Tensor.pin_memory)
 
     def device_tensors(self) -> list[torch.Tensor]:
         """The tensors `to` moves."""
         found = []
-        self._map(lambda tensor: found.append(tensor) or tensor)
+        self.map_tensors(lambda tensor: found.append(tensor) or tensor)
         return found
 
 

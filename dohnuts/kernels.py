@@ -9,6 +9,7 @@ every kernel for the same reason). Argument names follow FLA.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,10 @@ import torch.nn.functional as F
 @functools.cache
 def _fla():
     """The FLA functions, or None when FLA (or a GPU for it) is not there."""
+    # FLA memoises its chunk plans per cu_seqlens tensor in a small identity cache (4 entries
+    # by default). A forward with a shared prefix uses two cu_seqlens, each at several chunk
+    # sizes; a larger cache keeps every plan of a captured CUDA graph's layout warm.
+    os.environ.setdefault("FLA_TENSOR_CACHE_SIZE", "64")
     try:
         from fla.modules.activations import swiglu
         from fla.modules.causal_conv1d.ops import causal_conv1d
@@ -88,22 +93,25 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 # -- packed sequences -------------------------------------------------------------------------
 
 
-def _segments(cu_seqlens: torch.Tensor, total: int):
-    """Packed-to-padded index maps: (index [N, L] into the packed axis, valid [N, L])."""
+def _segments(cu_seqlens: torch.Tensor, total: int, width: int | None = None):
+    """Packed-to-padded index maps: (index [N, L] into the packed axis, valid [N, L]); L is
+    `width` when the caller knows the longest sequence (no device synchronisation)."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    width = int(lengths.max()) if len(lengths) else 0
+    if width is None:
+        width = int(lengths.max()) if len(lengths) else 0
     offsets = torch.arange(width, device=cu_seqlens.device)
     valid = offsets[None, :] < lengths[:, None]
     index = (cu_seqlens[:-1, None] + offsets[None, :]).clamp(max=max(total - 1, 0))
     return index, valid
 
 
-def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor | None,
+           width: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[1, T, ...] packed (or [B, T, ...] when cu_seqlens is None) -> ([N, L, ...] padded with 0,
-    [N, L] valid mask or None)."""
+    [N, L] valid mask or None); `width` is the longest sequence when known."""
     if cu_seqlens is None:
         return x, None
-    index, valid = _segments(cu_seqlens, x.shape[1])
+    index, valid = _segments(cu_seqlens, x.shape[1], width)
     padded = x[0][index]
     mask = valid.view(*valid.shape, *([1] * (padded.dim() - 2)))
     return padded * mask, valid
@@ -138,7 +146,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
                            **options)
-    return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+    return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k)
 
 
 @functools.cache
@@ -156,19 +164,22 @@ def _varlen():
     return varlen_attn, options
 
 
-def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale):
+def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q=None, max_seqlen_k=None):
     """Each sequence padded to the longest and masked: work grows with N * Lq * Lk, not T^2."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    (query, valid_q), (key, valid_k), (value, _) = unpack(q[None], cu_seqlens_q), unpack(k[None], cu_seqlens_k), \
-        unpack(v[None], cu_seqlens_k)
+    query, valid_q = unpack(q[None], cu_seqlens_q, max_seqlen_q)
+    (key, valid_k), (value, _) = unpack(k[None], cu_seqlens_k, max_seqlen_k), unpack(v[None], cu_seqlens_k, max_seqlen_k)
     lead = (valid_k.sum(-1) - valid_q.sum(-1))[:, None, None]  # [N, 1, 1] keys before the first query
     rows = torch.arange(query.shape[1], device=q.device)[:, None]
     columns = torch.arange(key.shape[1], device=q.device)[None, :]
     mask = (columns <= rows + lead) & valid_k[:, None, :]  # [N, Lq, Lk]
     out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                         attn_mask=mask[:, None], scale=scale)
-    return pack(out.transpose(1, 2), valid_q)[0]
+                                         attn_mask=mask[:, None], scale=scale).transpose(1, 2)
+    # Back to packed order by index, not by boolean mask (which would wait on the device).
+    tokens = torch.arange(q.shape[0], device=q.device)
+    row = torch.searchsorted(cu_seqlens_q[1:].to(tokens.dtype), tokens, right=True)
+    return out[row, tokens - cu_seqlens_q[row].to(tokens.dtype)]
 
 
 # -- causal convolution -----------------------------------------------------------------------

@@ -63,20 +63,25 @@ class DecisionModel(nn.Module):
     def device(self) -> torch.device:
         return self.head.weight.device
 
-    def hidden_states(self, batch: Batch) -> torch.Tensor:
+    def embeddings(self, batch: Batch) -> torch.Tensor:
+        """Input embeddings [P + S, D] of the batch's tokens, image features in place (through
+        the frozen image-feature cache)."""
+        embeds = self.backbone.language_model.get_input_embeddings()(batch.input_ids)
+        if batch.pixel_values is None:
+            return embeds
+        visual = self.backbone.visual
+        features = self.image_cache.features(batch.image_keys, batch.pixel_values, batch.image_grid_thw_cpu,
+                                             lambda pixels, grid: image_features(visual, pixels, grid),
+                                             visual.spatial_merge_size**2)
+        return embeds.index_put((batch.image_slots,), features[batch.image_sources].to(embeds.dtype))
+
+    def language(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Final hidden states of the rows' own tokens [S, D], packed one row after another.
 
         Shared prefixes (`batch.fork`) run once, in one packed pass of their own, and every
         row continues its prefix's states.
         """
         language = self.backbone.language_model
-        embeds = language.get_input_embeddings()(batch.input_ids)
-        if batch.pixel_values is not None:
-            visual = self.backbone.visual
-            features = self.image_cache.features(batch.image_keys, batch.pixel_values, batch.image_grid_thw_cpu,
-                                                 lambda pixels, grid: image_features(visual, pixels, grid),
-                                                 visual.spatial_merge_size**2)
-            embeds = embeds.index_put((batch.image_slots,), features[batch.image_sources].to(embeds.dtype))
         checkpointing = self.activation_checkpointing and self.training
         split = batch.prefix_tokens
         prefix = None
@@ -87,11 +92,20 @@ class DecisionModel(nn.Module):
         return packed_forward(language, embeds[split:], batch.position_ids[:, split:], batch.cu_seqlens,
                               checkpointing, prefix, batch.cu_seqlens_cpu)
 
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Args: batch on the model's device. Returns: logits [B, K] float32 (0 where masked)."""
-        picked = self.hidden_states(batch)[batch.markers]  # [B, K, D]
+    def hidden_states(self, batch: Batch) -> torch.Tensor:
+        """Final hidden states of the rows' own tokens [S, D] (see `language`)."""
+        return self.language(self.embeddings(batch), batch)
+
+    def scores(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Logits [B, K] float32 (0 where masked) from the input embeddings: the part of the
+        forward with no host-side decisions, which a CUDA graph can replay."""
+        picked = self.language(embeds, batch)[batch.markers]  # [B, K, D]
         logits = self.head(picked.to(self.head.weight.dtype)).squeeze(-1)  # [B, K], the head in float32
         return logits.masked_fill(~batch.candidate_mask, 0.0)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Args: batch on the model's device. Returns: logits [B, K] float32 (0 where masked)."""
+        return self.scores(self.embeddings(batch), batch)
 
 
 def new_head(hidden_size: int, std: float, generator: torch.Generator | None = None) -> nn.Linear:

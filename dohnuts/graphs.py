@@ -1,0 +1,117 @@
+"""CUDA graphs of the inference forward: a request layout seen again replays a captured graph.
+
+On the H200 the language forward of a small request is launch-bound: the GPU works for about
+3 ms while the host spends 50 ms or more issuing kernels, most of it in flash-linear-
+attention's Python wrappers (docs/runtime.md). A captured graph replays every kernel of the
+forward with one launch. Everything that decides on the host (the image-feature cache,
+FLA's chunk planning from the host `cu_seqlens` copies, attention's longest sequences)
+depends only on the batch layout, so one graph per layout serves every request of that
+layout: a replay copies the new embeddings and index tensors into the graph's inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import fields
+
+import torch
+
+from .batch import Batch
+
+LOG = logging.getLogger(__name__)
+
+
+def layout_key(batch: Batch) -> tuple:
+    """Everything the captured work depends on besides tensor contents: the shape of every
+    device tensor and the values of the host-side plan."""
+    key = [batch.prefix_tokens, tuple(batch.prefix_cu_seqlens_cpu.tolist()), tuple(batch.cu_seqlens_cpu.tolist())]
+    for field in fields(batch):
+        value = getattr(batch, field.name)
+        if isinstance(value, torch.Tensor) and not field.name.endswith("_cpu"):
+            key.append((field.name, tuple(value.shape), value.dtype))
+    if batch.fork is not None:
+        key.append(("fork", tuple(batch.fork.key_index.shape), batch.fork.max_seqlen_k))
+    return tuple(key)
+
+
+class _Graph:
+    """One captured `scores` call with its static inputs and output."""
+
+    def __init__(self, model, embeds: torch.Tensor, batch: Batch, pool):
+        self.embeds = embeds.clone()
+        self.batch = batch.map_tensors(torch.clone)  # static copies; the *_cpu plan is shared and constant
+        side = torch.cuda.Stream(embeds.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            # Warm-up on the static tensors: kernels autotune and FLA caches its chunk plans for
+            # exactly these tensor objects, so the capture itself only launches kernels.
+            for _ in range(2):
+                model.scores(self.embeds, self.batch)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = model.scores(self.embeds, self.batch)
+
+    def replay(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
+        self.embeds.copy_(embeds)
+        for static, value in zip(self.batch.device_tensors(), batch.device_tensors()):
+            static.copy_(value)
+        self.graph.replay()
+        return self.output.clone()  # graphs share a memory pool: the next replay may reuse it
+
+
+class GraphedScores:
+    """`model.scores` through CUDA graphs for inference on CUDA; any other call runs eagerly.
+
+    A layout is captured the second time it is seen (a one-off layout never pays for a
+    capture) and kept in an LRU of `capacity` graphs sharing one memory pool. A layout whose
+    capture fails runs eagerly from then on, and the failure is logged once.
+    """
+
+    def __init__(self, model, capacity: int = 8):
+        self.model = model
+        self.capacity = capacity
+        self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.seen: set[tuple] = set()
+        self.failed: set[tuple] = set()
+        self.pool = None
+        self.stats = {"eager": 0, "captures": 0, "replays": 0}
+
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        model = self.model
+        embeds = model.embeddings(batch)
+        if not embeds.is_cuda or model.training or torch.is_grad_enabled():
+            self.stats["eager"] += 1
+            return model.scores(embeds, batch)
+        key = layout_key(batch)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+            self.stats["replays"] += 1
+            return graph.replay(embeds, batch)
+        if key in self.seen and key not in self.failed:
+            graph = self._capture(key, embeds, batch)
+            if graph is not None:
+                self.stats["replays"] += 1
+                return graph.replay(embeds, batch)
+        self.seen.add(key)
+        self.stats["eager"] += 1
+        return model.scores(embeds, batch)
+
+    def _capture(self, key: tuple, embeds: torch.Tensor, batch: Batch) -> _Graph | None:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        try:
+            graph = _Graph(self.model, embeds, batch, self.pool)
+        except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager
+            self.failed.add(key)
+            LOG.warning("CUDA graph capture failed for a layout of %d tokens; it runs eagerly (%s: %s)",
+                        int(batch.input_ids.shape[0]), type(error).__name__, error)
+            torch.cuda.synchronize()
+            return None
+        self.stats["captures"] += 1
+        self.graphs[key] = graph
+        if len(self.graphs) > self.capacity:
+            self.graphs.popitem(last=False)
+        return graph
