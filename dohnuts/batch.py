@@ -39,7 +39,10 @@ class Row:
 
 @dataclass
 class EncodedImage:
-    pixel_values: torch.Tensor  # [patches, C * temporal * patch * patch]
+    """An image ready for a batch. `pixel_values` is None when its features were cached when
+    it was encoded (the model then reads the cache and skips preprocessing entirely)."""
+
+    pixel_values: torch.Tensor | None  # [patches, C * temporal * patch * patch]
     grid_thw: torch.Tensor  # [1, 3]
     key: str = ""  # SHA-256 of the decoded RGB content (dohnuts.features.image_key)
 
@@ -59,8 +62,9 @@ class Batch:
     fork says which prefix each row continues (None: no shared prefix in this batch);
     markers [B, K] index the rows' part, candidate_mask [B, K];
     image_slots [I] are the image-token positions in input_ids and image_sources [I] their
-    rows in the concatenated features of the batch's images (pixel_values, image_grid_thw,
-    image_keys for the feature cache).
+    rows in the concatenated features of the batch's images (image_grid_thw, image_keys for
+    the feature cache; pixel_values of the images with image_has_pixels, the others being
+    cache hits known when the batch was built).
     """
 
     input_ids: torch.Tensor
@@ -79,6 +83,7 @@ class Batch:
     image_grid_thw: torch.Tensor | None
     image_grid_thw_cpu: torch.Tensor | None
     image_keys: tuple[str, ...]
+    image_has_pixels: tuple[bool, ...]
     input_tokens: int  # tokens of the rows as written, prefix counted in every row
 
     @property
@@ -185,10 +190,12 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         cu_seqlens=_cumulative(own_lengths), cu_seqlens_cpu=_cumulative(own_lengths),
         fork=plan_fork(prefix_lengths, own_lengths, parents) if groups else None,
         markers=markers, candidate_mask=candidate_mask, image_slots=pairs[:, 0], image_sources=pairs[:, 1],
-        pixel_values=torch.cat([image.pixel_values for image in images]) if images else None,
+        pixel_values=torch.cat(pixels) if (pixels := [i.pixel_values for i in images if i.pixel_values is not None])
+        else None,
         image_grid_thw=torch.cat([image.grid_thw for image in images]) if images else None,
         image_grid_thw_cpu=torch.cat([image.grid_thw for image in images]) if images else None,
         image_keys=tuple(image.key for image in images),
+        image_has_pixels=tuple(image.pixel_values is not None for image in images),
         input_tokens=sum(len(row.input_ids) for row in rows),
     )
 

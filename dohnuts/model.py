@@ -67,10 +67,11 @@ class DecisionModel(nn.Module):
         """Input embeddings [P + S, D] of the batch's tokens, image features in place (through
         the frozen image-feature cache)."""
         embeds = self.backbone.language_model.get_input_embeddings()(batch.input_ids)
-        if batch.pixel_values is None:
+        if not batch.image_keys:
             return embeds
         visual = self.backbone.visual
         features = self.image_cache.features(batch.image_keys, batch.pixel_values, batch.image_grid_thw_cpu,
+                                             batch.image_has_pixels,
                                              lambda pixels, grid: image_features(visual, pixels, grid),
                                              visual.spatial_merge_size**2)
         return embeds.index_put((batch.image_slots,), features[batch.image_sources].to(embeds.dtype))

@@ -7,7 +7,9 @@ from pathlib import Path
 import torch
 
 from .calibration import apply_temperatures
+from .batch import EncodedImage
 from .checkpoint import load_merged
+from .features import image_key
 from .graphs import GraphedScores
 from .metrics import masked_softmax
 from .schema import answer, parse_request
@@ -44,7 +46,12 @@ class Predictor:
     def encode(self, state, questions):
         """Validate and encode a request into a batch. Returns (batch, request)."""
         request = parse_request(state, questions, self.template.reserved)
-        image = self.template.encode_image(request.image) if request.image is not None else None
+        image = None
+        if request.image is not None:
+            key = image_key(request.image)
+            grid = self.model.image_cache.grid(key)
+            # A cached image needs no preprocessing: its features and grid are known.
+            image = EncodedImage(None, grid, key) if grid is not None else self.template.encode_image(request.image, key)
         rows = self.template.encode(request, self.config.max_tokens, 0, image)
         batch = self.template.collate(rows, [image] if image is not None else [])
         return batch, request

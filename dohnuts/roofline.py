@@ -76,8 +76,8 @@ class Geometry:
 def geometry_from_batch(batch, vision_encoded: bool = True) -> Geometry:
     """The `Geometry` of a packed `dohnuts.batch.Batch`.
 
-    Read it from the batch as packed on the host (before `Batch.to`): the fork's parents, the
-    candidate mask and the image grid are then host tensors and nothing waits on the device.
+    Read it from the batch as packed on the host (before `Batch.to`): the fork's parents and
+    the candidate mask are then host tensors and nothing waits on the device.
     Image patches are summed over the batch's images, and `useful_work` takes them as one image
     (every patch attending to all), which overcounts the vision attention of several images.
 
@@ -93,8 +93,10 @@ def geometry_from_batch(batch, vision_encoded: bool = True) -> Geometry:
     row_lengths = tuple(end - start for start, end in zip(rows, rows[1:]))
     parents = tuple(batch.fork.parents.tolist()) if batch.fork is not None else (-1,) * len(row_lengths)
     patches = 0
-    if batch.pixel_values is not None and vision_encoded:
-        patches = int(batch.image_grid_thw.prod(dim=-1).sum())
+    if vision_encoded and batch.image_keys:
+        # Only images that carry pixels can be encoded; the others were cache hits when built.
+        counts = batch.image_grid_thw_cpu.prod(dim=-1).tolist()
+        patches = sum(count for count, present in zip(counts, batch.image_has_pixels) if present)
     return Geometry(prefix_lengths=tuple(end - start for start, end in zip(prefix, prefix[1:])),
                     row_lengths=row_lengths, parents=parents, candidates=int(batch.candidate_mask.sum()),
                     image_patches=patches)

@@ -32,8 +32,8 @@ class Tower:
 def test_a_miss_encodes_and_a_hit_skips_the_tower():
     cache, tower = ImageFeatureCache(), Tower()
     pixels, grids = _pixels((1, 4, 4))
-    cold = cache.features(("a",), pixels, grids, tower, MERGE)
-    warm = cache.features(("a",), pixels, grids, tower, MERGE)
+    cold = cache.features(("a",), pixels, grids, (True,), tower, MERGE)
+    warm = cache.features(("a",), pixels, grids, (True,), tower, MERGE)
     assert torch.equal(cold, warm) and cold.shape == (4, 2)
     assert len(tower.calls) == 1
     assert cache.stats == {"hits": 1, "misses": 1, "vision_calls": 1, "evictions": 0}
@@ -41,9 +41,9 @@ def test_a_miss_encodes_and_a_hit_skips_the_tower():
 
 def test_misses_of_a_batch_are_encoded_together_and_duplicates_once():
     cache, tower = ImageFeatureCache(), Tower()
-    cache.features(("b",), *_pixels((1, 2, 2)), tower, MERGE)
+    cache.features(("b",), *_pixels((1, 2, 2)), (True,), tower, MERGE)
     pixels, grids = _pixels((1, 4, 4), (1, 2, 2), (1, 4, 4), (1, 2, 4))
-    out = cache.features(("a", "b", "a", "c"), pixels, grids, tower, MERGE)
+    out = cache.features(("a", "b", "a", "c"), pixels, grids, (True,) * 4, tower, MERGE)
     # "b" hits; "a" (twice in the batch) and "c" go to the tower together, "a" once.
     assert tower.calls == [[[1, 2, 2]], [[1, 4, 4], [1, 2, 4]]]
     assert out.shape == (4 + 1 + 4 + 2, 2)
@@ -56,19 +56,33 @@ def test_eviction_is_least_recently_used_within_the_byte_bound():
     cache, tower = ImageFeatureCache(capacity=2 * entry), Tower()
     pixels, grids = _pixels((1, 4, 4))
     for key in ("a", "b"):
-        cache.features((key,), pixels, grids, tower, MERGE)
-    cache.features(("a",), pixels, grids, tower, MERGE)  # "a" is now the most recent
-    cache.features(("c",), pixels, grids, tower, MERGE)  # evicts "b", the least recent
+        cache.features((key,), pixels, grids, (True,), tower, MERGE)
+    cache.features(("a",), pixels, grids, (True,), tower, MERGE)  # "a" is now the most recent
+    cache.features(("c",), pixels, grids, (True,), tower, MERGE)  # evicts "b", the least recent
     assert list(cache.entries) == ["a", "c"] and cache.size == 2 * entry
     assert cache.stats["evictions"] == 1
     calls = len(tower.calls)
-    cache.features(("b",), pixels, grids, tower, MERGE)
+    cache.features(("b",), pixels, grids, (True,), tower, MERGE)
     assert len(tower.calls) == calls + 1  # "b" was gone
+
+
+def test_an_image_built_as_a_hit_reads_the_cache_and_fails_clearly_once_evicted():
+    cache, tower = ImageFeatureCache(), Tower()
+    pixels, grids = _pixels((1, 4, 4))
+    cold = cache.features(("a",), pixels, grids, (True,), tower, MERGE)
+    assert torch.equal(cache.grid("a"), grids[0:1]) and cache.grid("b") is None
+    # A batch whose first image was a hit when built carries only the second image's pixels.
+    second, second_grid = _pixels((1, 2, 2))
+    out = cache.features(("a", "b"), second, torch.cat([grids, second_grid]), (False, True), tower, MERGE)
+    assert torch.equal(out[:4], cold) and tower.calls[-1] == [[1, 2, 2]]
+    cache.clear()
+    with pytest.raises(RuntimeError, match="no longer cached"):
+        cache.features(("a",), None, grids, (False,), tower, MERGE)
 
 
 def test_an_entry_larger_than_the_cache_is_used_but_not_kept():
     cache, tower = ImageFeatureCache(capacity=8), Tower()
-    out = cache.features(("a",), *_pixels((1, 4, 4)), tower, MERGE)
+    out = cache.features(("a",), *_pixels((1, 4, 4)), (True,), tower, MERGE)
     assert out.shape == (4, 2) and len(cache) == 0 and cache.size == 0
 
 

@@ -84,3 +84,16 @@ def test_invalid_requests_reach_the_caller_as_value_errors(deployable):
         predictor.predict("state", {})
     with pytest.raises(ValueError, match="over the budget of 4096"):
         predictor.predict("word " * 5000, QUESTIONS)
+
+
+def test_a_cached_image_skips_preprocessing_and_the_vision_tower(deployable):
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    processor, preprocessed, encoded = predictor.template.image_processor, [], []
+    predictor.template.image_processor = lambda *args, **kwargs: preprocessed.append(1) or processor(*args, **kwargs)
+    predictor.model.backbone.visual.register_forward_hook(lambda *args: encoded.append(1))
+    state = {"note": "a square", "image": Image.new("RGB", (64, 64), (220, 20, 20))}
+    first = predictor.predict(state, QUESTIONS)
+    second = predictor.predict(state, QUESTIONS)
+    assert first == second
+    assert preprocessed == [1] and encoded == [1]  # the second call did neither
