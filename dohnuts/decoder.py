@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -77,12 +78,12 @@ def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[i
     row_start, indices, counts = prefix_starts[-1], [], []
     for length, parent in zip(row_lengths, parents):
         if parent >= 0:
-            indices.append(torch.arange(prefix_starts[parent], prefix_starts[parent + 1]))
-        indices.append(torch.arange(row_start, row_start + length))
+            indices.extend(range(prefix_starts[parent], prefix_starts[parent + 1]))
+        indices.extend(range(row_start, row_start + length))
         counts.append(length + (prefix_lengths[parent] if parent >= 0 else 0))
         row_start += length
     cu = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    key_index = torch.cat(indices) if indices else torch.zeros(0, dtype=torch.long)
+    key_index = torch.from_numpy(np.asarray(indices, dtype=np.int64))
     return Fork(torch.tensor(parents, dtype=torch.long), key_index, cu, max(counts, default=0))
 
 

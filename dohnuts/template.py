@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from .base import SPATIAL_MERGE, special_tokens
 from .batch import Batch, EncodedImage, Row, pack_rows
 from .features import image_key
 from .schema import Question, Request
+
+
+PIECE_CACHE_CHARS = 4 * 2**20  # characters of recently tokenised text kept
 
 
 class Template:
@@ -30,6 +35,28 @@ class Template:
         self.marker_id, self.vision_start_id, self.vision_end_id, self.image_pad_id = ids[:4]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ids[-1]
         self.newline_ids = tokenizer("\n", add_special_tokens=False)["input_ids"]
+        self.pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self.piece_chars = 0
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text on its own, through an LRU of recent pieces (questions and
+        candidates recur across requests; the tokenizer runs once on the new ones). The lists
+        are shared with the cache: read them, never modify them."""
+        new = [text for text in dict.fromkeys(texts) if text not in self.pieces]
+        if new:
+            # split_special_tokens: user text such as "<|im_start|>" stays text, never a control token.
+            encoded = self.tokenizer(new, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            for text, ids in zip(new, encoded):
+                self.pieces[text] = ids
+                self.piece_chars += len(text)
+            while self.piece_chars > PIECE_CACHE_CHARS and len(self.pieces) > len(new):
+                text, _ = self.pieces.popitem(last=False)
+                self.piece_chars -= len(text)
+        out = []
+        for text in texts:
+            self.pieces.move_to_end(text)
+            out.append(self.pieces[text])
+        return out
 
     def encode_image(self, image, key: str | None = None) -> EncodedImage:
         """Pixels and patch grid of a decoded image; `key` is its `image_key` when known."""
@@ -53,8 +80,7 @@ class Template:
         for question in request.questions:
             texts.append(f"{question.kind} question: {question.instructions}\nOptions:\n")
             texts.extend(f"- {candidate}" for candidate in question.candidates)
-        # split_special_tokens: user text such as "<|im_start|>" stays text, never a control token.
-        pieces = iter(self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        pieces = iter(self.tokenize(texts))
         prefix, grid = [], None
         if request.image is not None:
             thw = image.grid_thw[0].tolist()
@@ -67,7 +93,8 @@ class Template:
             ids = prefix + next(pieces)
             markers = []
             for _ in question.candidates:
-                ids = ids + next(pieces) + [self.marker_id]
+                ids.extend(next(pieces))
+                ids.append(self.marker_id)
                 markers.append(len(ids) - 1)
             if len(ids) > max_tokens:
                 raise ValueError(

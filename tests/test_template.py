@@ -64,3 +64,18 @@ def test_mrope_positions_match_hugging_face(tiny):
         kwargs["mm_token_type_ids"] = (ids == template.image_pad_id).int()
     reference, _ = backbone.get_rope_index(ids, image_grid_thw=image.grid_thw, **kwargs)
     assert torch.equal(mrope_positions(row, len(row.input_ids), template.image_pad_id), reference[:, 0])
+
+
+def test_tokenized_pieces_are_cached_and_equal_the_tokenizer(tiny, monkeypatch):
+    template = tiny.template()
+    texts = ["State: hello\n", "- red", "- blue", "- red"]
+    direct = template.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert template.tokenize(texts) == direct
+    calls = []
+    tokenizer = template.tokenizer
+    monkeypatch.setattr(template, "tokenizer", lambda new, **kwargs: calls.append(new) or tokenizer(new, **kwargs))
+    assert template.tokenize(texts + ["- green"]) == direct + [tokenizer("- green", add_special_tokens=False)["input_ids"]]
+    assert calls == [["- green"]]  # only the new piece went to the tokenizer
+    monkeypatch.setattr("dohnuts.template.PIECE_CACHE_CHARS", 12)
+    template.tokenize(["a long new piece of text"])
+    assert list(template.pieces) == ["a long new piece of text"]  # older pieces evicted, the new one kept
