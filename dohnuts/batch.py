@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .base import SPATIAL_MERGE
-from .decoder import Fork, plan_fork
+from .decoder import Fork, chunk_plan, plan_fork
 from .schema import Question
 
 PREFIX_ALIGN = 64  # prefixes end on a multiple of the delta-rule chunk size
@@ -59,7 +59,8 @@ class Batch:
 
     input_ids [P + S], position_ids [3, P + S] M-RoPE (temporal, height, width);
     prefix_cu_seqlens [G + 1] and cu_seqlens [B + 1] (int32) segment the two parts; their
-    *_cpu copies stay on the host, so kernels plan their work without a device sync;
+    *_cpu copies stay on the host, so kernels plan their work without a device sync, and
+    prefix_chunk_indices and chunk_indices are those plans (`dohnuts.decoder.chunk_plan`);
     fork says which prefix each row continues (None: no shared prefix in this batch);
     markers [B, K] index the rows' part, candidate_mask [B, K];
     image_slots [I] are the image-token positions in input_ids and image_sources [I] their
@@ -75,6 +76,8 @@ class Batch:
     prefix_cu_seqlens_cpu: torch.Tensor
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
+    prefix_chunk_indices: torch.Tensor
+    chunk_indices: torch.Tensor
     fork: Fork | None
     markers: torch.Tensor
     candidate_mask: torch.Tensor
@@ -196,6 +199,7 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         prefix_tokens=prefix_tokens,
         prefix_cu_seqlens=_cumulative(prefix_lengths), prefix_cu_seqlens_cpu=_cumulative(prefix_lengths),
         cu_seqlens=_cumulative(own_lengths), cu_seqlens_cpu=_cumulative(own_lengths),
+        prefix_chunk_indices=chunk_plan(prefix_lengths), chunk_indices=chunk_plan(own_lengths),
         fork=plan_fork(prefix_lengths, own_lengths, parents) if groups else None,
         markers=markers, candidate_mask=candidate_mask, image_slots=pairs[:, 0], image_sources=pairs[:, 1],
         pixel_values=torch.cat(pixels) if (pixels := [i.pixel_values for i in images if i.pixel_values is not None])

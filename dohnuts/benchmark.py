@@ -153,19 +153,19 @@ def _padded_baseline(rows) -> dict:
             "repeated_prefix_tokens": sum(lengths)}
 
 
-def roofline_record(model, batch, vision_encoded: bool, p50_ms: float, ceilings: dict, device_name: str,
-                    scale: int = 1) -> dict:
-    """The useful work of `batch` (times `scale`), its bounds under the measured ceilings and
-    under the datasheet of the device present (absent when that device is not in the table),
-    and efficiency t_lower / p50 against each."""
+def roofline_record(model, batches: list, vision_encoded: bool, p50_ms: float, ceilings: dict, device_name: str,
+                    passes: int = 1) -> dict:
+    """The useful work of `batches` (each run `passes` times), its bounds under the measured
+    ceilings and under the datasheet of the device present (absent when that device is not in
+    the table), and efficiency t_lower / p50 against each."""
     config = model.backbone.config
-    geometry = geometry_from_batch(batch, vision_encoded)
-    work = useful_work(config.text_config.to_dict(), config.vision_config.to_dict(), geometry,
-                       torch.finfo(model.backbone.dtype).bits // 8)
-    if scale != 1:
-        work = {"flops": {k: v * scale for k, v in work["flops"].items()},
-                "bytes": {k: v * scale for k, v in work["bytes"].items()}, "tokens": work["tokens"]}
-    transfer = sum(tensor.numel() * tensor.element_size() for tensor in batch.device_tensors())
+    text, vision = config.text_config.to_dict(), config.vision_config.to_dict()
+    dtype_bytes = torch.finfo(model.backbone.dtype).bits // 8
+    works = [useful_work(text, vision, geometry_from_batch(batch, vision_encoded), dtype_bytes) for batch in batches]
+    work = {part: {name: passes * sum(w[part][name] for w in works) for name in works[0][part]}
+            for part in ("flops", "bytes")}
+    work["tokens"] = {name: sum(w["tokens"][name] for w in works) for name in works[0]["tokens"]}
+    transfer = sum(tensor.numel() * tensor.element_size() for batch in batches for tensor in batch.device_tensors())
     record = {"work": work, "transfer_bytes": transfer, "bounds": {}, "efficiency": {}}
     sheets = {"measured": ceilings}
     sheet = DEVICES.get(device_name)
@@ -198,6 +198,8 @@ def run_workload(predictor, name: str, state, questions, warmup: int, timed: int
     with Telemetry(device) as telemetry:
         cold_ms, samples, result = _measure(call, device, warmup, timed)
     _, baseline, _ = _measure(lambda: hugging_face_logits(predictor, state, questions), device, warmup, timed)
+    if cache_miss:
+        model.image_cache.clear()  # the batch as the timed calls built it: pixels included
     batch, request = predictor.encode(state, questions)
     rows = predictor.template.encode(request, predictor.config.max_tokens, 0,
                                      predictor.template.encode_image(request.image) if request.image else None)
@@ -212,7 +214,7 @@ def run_workload(predictor, name: str, state, questions, warmup: int, timed: int
         "shared_prefixes": 0 if batch.fork is None else len(batch.prefix_cu_seqlens) - 1,
         "image_grid_thw": None if batch.image_grid_thw is None else batch.image_grid_thw.tolist(),
         "vision_encoded": encoded,
-        "roofline": roofline_record(model, batch, encoded, p50, ceilings, _device_name(device)),
+        "roofline": roofline_record(model, [batch], encoded, p50, ceilings, _device_name(device)),
         "telemetry": telemetry.summary(),
         "samples_ms": samples, "hugging_face_samples_ms": baseline,
     }
@@ -241,14 +243,15 @@ def training_update_record(model, template, ceilings: dict, microbatches: int = 
     (in place), activation checkpointing, `microbatches` of `rows` rows at one snapshot, RLCD +
     cross-entropy, clipping, one AdamW step.
 
-    Useful work of an update: 3 forward passes' worth per microbatch (the forward, its
-    recomputation under activation checkpointing, and the backward's input gradients; the
-    frozen base needs no weight gradients, and LoRA's are negligible)."""
+    Useful work of an update: 3 forward passes' worth per microbatch, FLOPs and bytes (the
+    forward, its recomputation under activation checkpointing, and the backward's input
+    gradients; the frozen base needs no weight gradients, and LoRA's are negligible)."""
     from .config import LoraConfig, ObjectiveConfig
     from .model import with_lora
     from .objective import rlcd_loss
 
     with_lora(model.backbone, LoraConfig(), seed=0)
+    model.changed()  # modules were replaced: no captured graph of the merged model applies
     model.activation_checkpointing = True
     model.train()
     device = model.device
@@ -278,14 +281,13 @@ def training_update_record(model, template, ceilings: dict, microbatches: int = 
         cold_ms, samples, _ = _measure(update, device, 1, timed)
     model.eval()
     p50 = percentile(samples, 0.5)
-    # One batch of all the update's rows has the same useful work as its microbatches together.
-    whole = template.collate([row for _, _, rows_ in batches for row in rows_], [])
     record = {
         "workload": "training_update", "microbatches": microbatches, "rows_per_microbatch": rows,
         "input_tokens": sum(batch.input_tokens for batch, _, _ in batches),
         "computed_tokens": sum(batch.computed_tokens for batch, _, _ in batches),
         "cold_ms": cold_ms, "p50_ms": p50, "samples_ms": samples, "telemetry": telemetry.summary(),
-        "roofline": roofline_record(model, whole, False, p50, ceilings, _device_name(device), scale=3),
+        "roofline": roofline_record(model, [batch for batch, _, _ in batches], False, p50, ceilings,
+                                    _device_name(device), passes=3),
     }
     record["tokens_per_second"] = 1000.0 * record["input_tokens"] / p50
     return record

@@ -70,6 +70,14 @@ class Fork:
         return Fork(move(self.parents), move(self.key_index), move(self.cu_seqlens_k), self.max_seqlen_k)
 
 
+def chunk_plan(lengths: list[int], chunk_size: int = 64) -> torch.Tensor:
+    """[chunks, 2] int32 (sequence, chunk within it) of every chunk of packed sequences: the
+    plan flash-linear-attention's varlen kernels walk, made on the host."""
+    plan = [(sequence, chunk) for sequence, length in enumerate(lengths)
+            for chunk in range(-(-length // chunk_size))]
+    return torch.tensor(plan, dtype=torch.int32).reshape(-1, 2)
+
+
 def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[int]) -> Fork:
     """The `Fork` of rows (own lengths `row_lengths`) continuing prefixes of `prefix_lengths`."""
     prefix_starts = [0]
@@ -92,7 +100,7 @@ def _attention(module, config, hidden: torch.Tensor, cos, sin, segments, context
 
     Returns (output [T, D], this pass's (key, value) [T, HKV, D] for rows that will fork it).
     """
-    cu_seqlens, max_seqlen, _ = segments
+    cu_seqlens, max_seqlen, _, _ = segments
     head_dim = config.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     total = hidden.shape[0]
@@ -120,9 +128,10 @@ def _delta_rule(module, config, hidden: torch.Tensor, segments, context=None, ke
     key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
     mixed = module.in_proj_qkv(hidden)[None]  # [1, T, 2 * Hk * K + Hv * V]
     conv_state, recurrent_state = context if context is not None else (None, None)
-    cu_seqlens, cu_seqlens_cpu = segments[0], segments[2]
+    cu_seqlens, _, cu_seqlens_cpu, chunk_indices = segments
     mixed, conv_final = kernels.causal_conv1d(mixed, module.conv1d.weight.squeeze(1), conv_state, keep_states,
-                                              cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+                                              cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                                              chunk_indices=chunk_indices)
     query, key, value = mixed[0].split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], -1)
     beta = torch.sigmoid(module.in_proj_b(hidden))
     # Qwen3.5's decay: g = -exp(A_log) * softplus(a + dt_bias), in float32 (A may overflow in bf16).
@@ -130,7 +139,8 @@ def _delta_rule(module, config, hidden: torch.Tensor, segments, context=None, ke
     out, recurrent_final = kernels.chunk_gated_delta_rule(
         query.reshape(1, total, key_heads, key_dim), key.reshape(1, total, key_heads, key_dim),
         value.reshape(1, total, value_heads, value_dim), g[None], beta[None], recurrent_state, keep_states,
-        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, cu_seqlens_cpu=cu_seqlens_cpu)
+        cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_indices=chunk_indices)
     gate = module.in_proj_z(hidden).view(total, value_heads, value_dim)
     out = kernels.rms_norm_gated(out[0], gate, module.norm.weight, config.rms_norm_eps)
     return module.out_proj(out.reshape(total, value_heads * value_dim)), (conv_final, recurrent_final)
@@ -168,18 +178,19 @@ def _run_layers(language_model, inputs_embeds, position_ids, segments, activatio
     return hidden, states
 
 
-def _segments(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None):
-    """(cu_seqlens, longest sequence, host copy of cu_seqlens): one host copy serves every
-    layer (FLA caches its chunk plan by tensor identity)."""
+def _segments(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, chunk_indices: torch.Tensor | None):
+    """(cu_seqlens, longest sequence, host copy of cu_seqlens, 64-token chunk indices or None):
+    one of each serves every layer of a pass."""
     if cu_seqlens_cpu is None:
         cu_seqlens_cpu = cu_seqlens.cpu()  # one synchronisation for the whole pass
     max_seqlen = int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max()) if len(cu_seqlens_cpu) > 1 else 0
-    return cu_seqlens, max_seqlen, cu_seqlens_cpu
+    return cu_seqlens, max_seqlen, cu_seqlens_cpu, chunk_indices
 
 
 def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
                    cu_seqlens: torch.Tensor, activation_checkpointing: bool = False, prefix: Forked | None = None,
-                   cu_seqlens_cpu: torch.Tensor | None = None) -> torch.Tensor:
+                   cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """Final (normed) hidden states of packed rows.
 
     Args:
@@ -190,12 +201,14 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
         activation_checkpointing: recompute each layer in the backward pass.
         prefix: the shared prefixes the rows continue (`SharedPrefix.fork`), or None.
         cu_seqlens_cpu: a host copy of cu_seqlens, when the caller has one (saves a device sync).
+        chunk_indices: [chunks, 2] (sequence, chunk) of every 64-token chunk (`chunk_plan`), so
+            the fused kernels need not plan; a CUDA graph then owns the plan it replays.
 
     Returns:
         [T, D] hidden states.
     """
     contexts = prefix.contexts if prefix is not None else None
-    hidden, _ = _run_layers(language_model, inputs_embeds, position_ids, _segments(cu_seqlens, cu_seqlens_cpu),
+    hidden, _ = _run_layers(language_model, inputs_embeds, position_ids, _segments(cu_seqlens, cu_seqlens_cpu, chunk_indices),
                             activation_checkpointing, contexts)
     return kernels.rms_norm(hidden, language_model.norm.weight, language_model.config.rms_norm_eps)
 
@@ -223,9 +236,10 @@ class SharedPrefix:
 
     @classmethod
     def compute(cls, language_model, inputs_embeds, position_ids, cu_seqlens, activation_checkpointing=False,
-                cu_seqlens_cpu: torch.Tensor | None = None) -> SharedPrefix:
+                cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None
+                ) -> SharedPrefix:
         """Args as `packed_forward`, for the prefixes: inputs_embeds [P, D], cu_seqlens [G + 1]."""
-        _, states = _run_layers(language_model, inputs_embeds, position_ids, _segments(cu_seqlens, cu_seqlens_cpu),
+        _, states = _run_layers(language_model, inputs_embeds, position_ids, _segments(cu_seqlens, cu_seqlens_cpu, chunk_indices),
                                 activation_checkpointing, None, keep_states=True)
         return cls(language_model.config.layer_types, states)
 

@@ -55,7 +55,8 @@ class ImageFeatureCache:
         nbytes = features.numel() * features.element_size()
         if nbytes > self.capacity:
             return  # larger than the whole cache: used once, never kept
-        self.entries[key] = (features, grid.reshape(1, 3).cpu())
+        # A copy: a view would keep the whole batch's vision output alive behind `size`.
+        self.entries[key] = (features.clone(), grid.reshape(1, 3).cpu())
         self.size += nbytes
         while self.size > self.capacity:
             _, (evicted, _) = self.entries.popitem(last=False)

@@ -13,23 +13,35 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import fields
+import dataclasses
 
 import torch
 
+from . import kernels
 from .batch import Batch
 
 LOG = logging.getLogger(__name__)
 
 
+# The batch fields `DecisionModel.scores` reads on the device (plus the fork): a replay copies
+# these; the others (token ids, pixels, image slots) only feed the eager embeddings.
+GRAPH_FIELDS = ("position_ids", "prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices", "chunk_indices",
+                "markers", "candidate_mask")
+
+
+def _inputs(embeds: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+    tensors = [embeds] + [getattr(batch, name) for name in GRAPH_FIELDS]
+    if batch.fork is not None:
+        tensors += [batch.fork.parents, batch.fork.key_index, batch.fork.cu_seqlens_k]
+    return tensors
+
+
 def layout_key(batch: Batch) -> tuple:
-    """Everything the captured work depends on besides tensor contents: the shape of every
-    device tensor and the values of the host-side plan."""
-    key = [batch.prefix_tokens, tuple(batch.prefix_cu_seqlens_cpu.tolist()), tuple(batch.cu_seqlens_cpu.tolist())]
-    for field in fields(batch):
-        value = getattr(batch, field.name)
-        if isinstance(value, torch.Tensor) and not field.name.endswith("_cpu"):
-            key.append((field.name, tuple(value.shape), value.dtype))
+    """Everything the captured work depends on besides tensor contents: the shapes of the
+    graph's inputs and the values of the host-side plan."""
+    key = [batch.prefix_tokens, tuple(batch.prefix_cu_seqlens_cpu.tolist()), tuple(batch.cu_seqlens_cpu.tolist()),
+           tuple(batch.input_ids.shape)]
+    key += [(name, tuple(getattr(batch, name).shape)) for name in GRAPH_FIELDS]
     if batch.fork is not None:
         key.append(("fork", tuple(batch.fork.key_index.shape), batch.fork.max_seqlen_k))
     return tuple(key)
@@ -40,22 +52,24 @@ class _Graph:
 
     def __init__(self, model, embeds: torch.Tensor, batch: Batch, pool):
         self.embeds = embeds.clone()
-        self.batch = batch.map_tensors(torch.clone)  # static copies; the *_cpu plan is shared and constant
+        static = {name: getattr(batch, name).clone() for name in GRAPH_FIELDS}
+        if batch.fork is not None:
+            static["fork"] = batch.fork.map(torch.clone)
+        self.batch = dataclasses.replace(batch, **static)  # the *_cpu plan is shared and constant
         side = torch.cuda.Stream(embeds.device)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            # Warm-up on the static tensors: kernels autotune and FLA caches its chunk plans for
-            # exactly these tensor objects, so the capture itself only launches kernels.
-            for _ in range(2):
-                model.scores(self.embeds, self.batch)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.output = model.scores(self.embeds, self.batch)
+        # Plans computed afresh (not from FLA's memo), so the captured graph owns every tensor it reads.
+        with kernels.uncached_plans():
+            with torch.cuda.stream(side):
+                for _ in range(2):  # kernels autotune and compile outside the capture
+                    model.scores(self.embeds, self.batch)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.output = model.scores(self.embeds, self.batch)
 
     def replay(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
-        self.embeds.copy_(embeds)
-        for static, value in zip(self.batch.device_tensors(), batch.device_tensors()):
+        for static, value in zip(_inputs(self.embeds, self.batch), _inputs(embeds, batch)):
             static.copy_(value)
         self.graph.replay()
         return self.output.clone()  # graphs share a memory pool: the next replay may reuse it
@@ -66,16 +80,20 @@ class GraphedScores:
 
     A layout is captured the second time it is seen (a one-off layout never pays for a
     capture) and kept in an LRU of `capacity` graphs sharing one memory pool. A layout whose
-    capture fails runs eagerly from then on, and the failure is logged once.
+    capture fails runs eagerly from then on, and the failure is logged once. Graphs are
+    dropped when the model's `generation` changes (a device or dtype move, or modules
+    replaced, e.g. LoRA injected).
     """
 
-    def __init__(self, model, capacity: int = 8):
+    def __init__(self, model, capacity: int = 8, remembered: int = 1024):
         self.model = model
         self.capacity = capacity
+        self.remembered = remembered
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self.seen: set[tuple] = set()
+        self.seen: OrderedDict[tuple, None] = OrderedDict()
         self.failed: set[tuple] = set()
         self.pool = None
+        self.generation = model.generation
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
 
     def __call__(self, batch: Batch) -> torch.Tensor:
@@ -84,18 +102,23 @@ class GraphedScores:
         if not embeds.is_cuda or model.training or torch.is_grad_enabled():
             self.stats["eager"] += 1
             return model.scores(embeds, batch)
+        if model.generation != self.generation:
+            self.graphs.clear()
+            self.seen.clear()
+            self.failed.clear()
+            self.generation = model.generation
         key = layout_key(batch)
         graph = self.graphs.get(key)
+        if graph is None and key in self.seen and key not in self.failed:
+            graph = self._capture(key, embeds, batch)
         if graph is not None:
             self.graphs.move_to_end(key)
             self.stats["replays"] += 1
             return graph.replay(embeds, batch)
-        if key in self.seen and key not in self.failed:
-            graph = self._capture(key, embeds, batch)
-            if graph is not None:
-                self.stats["replays"] += 1
-                return graph.replay(embeds, batch)
-        self.seen.add(key)
+        self.seen[key] = None
+        self.seen.move_to_end(key)
+        if len(self.seen) > self.remembered:
+            self.seen.popitem(last=False)
         self.stats["eager"] += 1
         return model.scores(embeds, batch)
 

@@ -8,8 +8,9 @@ every kernel for the same reason). Argument names follow FLA.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +19,6 @@ import torch.nn.functional as F
 @functools.cache
 def _fla():
     """The FLA functions, or None when FLA (or a GPU for it) is not there."""
-    # FLA memoises its chunk plans per cu_seqlens tensor in a small identity cache (4 entries
-    # by default). A forward with a shared prefix uses two cu_seqlens, each at several chunk
-    # sizes; a larger cache keeps every plan of a captured CUDA graph's layout warm.
-    os.environ.setdefault("FLA_TENSOR_CACHE_SIZE", "64")
     try:
         from fla.modules.activations import swiglu
         from fla.modules.causal_conv1d.ops import causal_conv1d
@@ -32,6 +29,28 @@ def _fla():
         return None
     return {"swiglu": swiglu, "causal_conv1d": causal_conv1d, "rms_norm_gated": rms_norm_gated,
             "rms_norm": rms_norm, "chunk_gated_delta_rule": chunk_gated_delta_rule}
+
+
+@contextlib.contextmanager
+def uncached_plans():
+    """FLA without its memo of derived plans (chunk offsets and the like) for the duration.
+
+    FLA memoises such tensors by the identity of the cu_seqlens they came from, in a small
+    cache that later calls evict. A CUDA graph captured while a plan came from that memo would
+    keep a pointer to memory freed at eviction; computed afresh inside the capture, the plan
+    belongs to the graph. FLA reads this switch (its FLA_DISABLE_TENSOR_CACHE setting) on
+    every call.
+    """
+    utils = sys.modules.get("fla.utils") if _fla() is not None else None
+    if utils is None:
+        yield
+        return
+    before = getattr(utils, "FLA_DISABLE_TENSOR_CACHE", False)
+    utils.FLA_DISABLE_TENSOR_CACHE = True
+    try:
+        yield
+    finally:
+        utils.FLA_DISABLE_TENSOR_CACHE = before
 
 
 def wide(x: torch.Tensor) -> torch.Tensor:
@@ -187,8 +206,8 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None = None,
                   output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                  activation: str = "silu", cu_seqlens_cpu: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  activation: str = "silu", cu_seqlens_cpu: torch.Tensor | None = None,
+                  chunk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Depthwise causal convolution with optional carried state, per packed sequence.
 
     Args:
@@ -199,6 +218,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Te
         activation: "silu" or None.
         cu_seqlens_cpu: a host copy of cu_seqlens, so the fused kernel plans its chunks
             without a device synchronisation.
+        chunk_indices: the plan itself, [chunks, 2] (sequence, 64-token chunk), when known.
 
     Returns:
         ([B, T, D] output, final state or None)
@@ -207,7 +227,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Te
     if kernels is not None:
         return kernels["causal_conv1d"](x, weight, None, None, initial_state, output_final_state,
                                         "swish" if activation == "silu" else activation, cu_seqlens=cu_seqlens,
-                                        cu_seqlens_cpu=cu_seqlens_cpu)
+                                        cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
     return causal_conv1d_reference(x, weight, initial_state, output_final_state, cu_seqlens, activation)
 
 
@@ -243,8 +263,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, initial_state: torch.Tensor | None = None,
                            output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                           use_qk_l2norm_in_kernel: bool = True, cu_seqlens_cpu: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           use_qk_l2norm_in_kernel: bool = True, cu_seqlens_cpu: torch.Tensor | None = None,
+                           chunk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule: S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,
     o_t = S_t^T q_t / sqrt(K).
 
@@ -255,6 +275,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         output_final_state: also return the [N, HV, K, V] float32 states after each sequence.
         use_qk_l2norm_in_kernel: L2-normalise q and k first (Qwen3.5 does).
         cu_seqlens_cpu: a host copy of cu_seqlens (no device synchronisation to plan chunks).
+        chunk_indices: the plan itself, [chunks, 2] (sequence, 64-token chunk), when known.
 
     Returns:
         ([B, T, HV, V] output in v's dtype, final states or None)
@@ -263,7 +284,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     if kernels is not None:
         return kernels["chunk_gated_delta_rule"](
             q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
     return gated_delta_rule_chunked(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
                                     use_qk_l2norm_in_kernel)
 

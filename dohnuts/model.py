@@ -48,10 +48,17 @@ class DecisionModel(nn.Module):
         self.activation_checkpointing = activation_checkpointing  # recompute layers in training
         self.backbone.visual.requires_grad_(False)
         self.image_cache = ImageFeatureCache()  # new and empty for every model
+        self.generation = 0  # bumped whenever parameters may have moved (see `changed`)
+
+    def changed(self) -> None:
+        """Say that parameters moved or modules were replaced (e.g. LoRA injected): captured
+        CUDA graphs and cached image features no longer apply."""
+        self.image_cache.clear()
+        self.generation += 1
 
     def _apply(self, fn, *args, **kwargs):
-        # .to(), .double(), .cuda() change the tower's device or dtype: cached features go stale.
-        self.image_cache.clear()
+        # .to(), .double(), .cuda() give parameters new storage or dtype.
+        self.changed()
         return super()._apply(fn, *args, **kwargs)
 
     def train(self, mode: bool = True):
@@ -88,10 +95,11 @@ class DecisionModel(nn.Module):
         prefix = None
         if batch.fork is not None:
             prefix = SharedPrefix.compute(language, embeds[:split], batch.position_ids[:, :split],
-                                          batch.prefix_cu_seqlens, checkpointing, batch.prefix_cu_seqlens_cpu)
+                                          batch.prefix_cu_seqlens, checkpointing, batch.prefix_cu_seqlens_cpu,
+                                          batch.prefix_chunk_indices)
             prefix = prefix.fork(batch.fork)
         return packed_forward(language, embeds[split:], batch.position_ids[:, split:], batch.cu_seqlens,
-                              checkpointing, prefix, batch.cu_seqlens_cpu)
+                              checkpointing, prefix, batch.cu_seqlens_cpu, batch.chunk_indices)
 
     def hidden_states(self, batch: Batch) -> torch.Tensor:
         """Final hidden states of the rows' own tokens [S, D] (see `language`)."""

@@ -8,6 +8,7 @@ import torch
 
 from dohnuts.batch import EncodedImage, Row, mrope_positions, pack_rows, prefix_groups
 from dohnuts.config import LoraConfig
+from dohnuts.decoder import chunk_plan
 from dohnuts.model import build_training_model
 from dohnuts.schema import parse_request
 
@@ -129,3 +130,17 @@ def test_shared_prefixes_of_64_and_127_tokens_match_unshared_logits_and_gradient
     for ours, reference in zip(grads, expected_grads):
         assert ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-12)).item() <= 1e-5
 
+
+
+def test_chunk_plan_lists_every_64_token_chunk_of_every_sequence():
+    assert chunk_plan([63, 1, 130, 64]).tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [2, 2], [3, 0]]
+    assert chunk_plan([]).shape == (0, 2)
+
+
+@pytest.mark.gpu
+def test_chunk_plan_equals_flash_linear_attentions_own():
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    lengths = [63, 1, 130, 64, 200]
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    assert torch.equal(chunk_plan(lengths).cuda(), prepare_chunk_indices(cu, 64).to(torch.int32))

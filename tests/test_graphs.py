@@ -63,3 +63,40 @@ def test_replayed_graphs_equal_the_eager_forward_for_new_contents(tiny, dtype):
     # First sight eager, second captures, then replays with other images (same layout).
     assert graphed.stats == {"eager": 1, "captures": 1, "replays": 3}
     assert not graphed.failed
+
+
+@pytest.mark.gpu
+def test_a_graph_replayed_after_many_other_layouts_still_equals_eager(tiny):
+    """Eager calls of other layouts churn flash-linear-attention's plan memo; the captured graph
+    owns its plans, so its replay stays right."""
+    template = tiny.template()
+    backbone = load_backbone(tiny.base, torch.bfloat16).cuda().eval()
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01).cuda()).eval()
+    graphed = GraphedScores(model)
+    with torch.no_grad():
+        for _ in range(2):
+            graphed(_batch(template, (220, 20, 20)).to("cuda"))
+        for index in range(12):
+            graphed(_batch(template, (20, 220, 20), note="another note " * (index + 1)).to("cuda"))
+        batch = _batch(template, (20, 20, 220)).to("cuda")
+        torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
+    assert graphed.stats["captures"] == 1 and not graphed.failed
+
+
+@pytest.mark.gpu
+def test_graphs_are_dropped_when_the_model_changes(tiny):
+    template = tiny.template()
+    backbone = load_backbone(tiny.base, torch.bfloat16).cuda().eval()
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01).cuda()).eval()
+    graphed = GraphedScores(model)
+    with torch.no_grad():
+        for _ in range(2):
+            graphed(_batch(template, (220, 20, 20)).to("cuda"))
+        assert len(graphed.graphs) == 1
+        with torch.no_grad():
+            model.head.weight.mul_(2.0)  # in place: the graph reads the new values
+        batch = _batch(template, (220, 20, 20)).to("cuda")
+        torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
+        model.changed()
+        graphed(batch)
+        assert graphed.stats["captures"] == 1 and len(graphed.graphs) == 0  # seen again from scratch
