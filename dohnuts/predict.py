@@ -17,7 +17,10 @@ from .model import default_device
 
 
 class Predictor:
-    """Answers `predict(state, questions)` with calibrated probabilities in one forward pass."""
+    """Answers `predict(state, questions)` with calibrated probabilities in one forward pass.
+
+    One Predictor serves one caller at a time: its image-feature cache and CUDA graphs are
+    not shared safely between threads (use one Predictor per thread)."""
 
     def __init__(self, model, template, model_config, temperatures: dict[str, float]):
         self.model = model

@@ -211,7 +211,8 @@ class Trainer:
         """The next microbatch of the run, built by loader workers and prefetched."""
         if self.stream is None:
             first = self.update * self.run.train.microbatches_per_update
-            indices = range(first, first + 2**40)  # as many as the run asks for
+            # As many as the run asks for: the workers run a few microbatches ahead, no more.
+            indices = range(first, first + 2**40)
             self.stream = prefetch(worker_batches(self.builder, indices, self.device), self.device)
         item = next(self.stream)
         return item.batch, *item.tensors
@@ -272,6 +273,13 @@ class Trainer:
                 on_update(self.update)
         bar.close()
         self.write_log()
+        self.close()
+
+    def close(self) -> None:
+        """Stop the loader workers (a later `step` opens a new stream from the current update)."""
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
 
 
 def train(run: TrainRun, resume: bool, on_update=None) -> Trainer:
