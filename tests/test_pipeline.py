@@ -71,7 +71,9 @@ def test_repro_produces_every_stage_output_and_then_is_up_to_date(project):
     assert summary["ceilings"]["method"].startswith("CPU-measured")
     records = [json.loads(line) for line in
                (project / "runs/benchmark/benchmarks/dohnuts.jsonl").read_text().splitlines()]
-    for record in records:  # every record carries its useful work, bounds and efficiency
+    timed = [record for record in records if "p50_ms" in record]
+    assert {record["workload"] for record in timed} == set(summary["workloads"]) | {"training_update"}
+    for record in timed:  # every timed record carries its useful work, bounds and efficiency
         roofline = record["roofline"]
         assert roofline["work"]["flops"]["total"] > 0 and roofline["work"]["bytes"]["total"] > 0
         bound = roofline["bounds"]["measured"]
@@ -81,6 +83,8 @@ def test_repro_produces_every_stage_output_and_then_is_up_to_date(project):
     hit, miss = (next(r for r in records if r["workload"] == name)
                  for name in ("vision_protocol_image_1q", "vision_protocol_image_1q_cache_miss"))
     assert miss["roofline"]["work"]["flops"]["vision"] > 0 == hit["roofline"]["work"]["flops"]["vision"]
+    throughput = next(record for record in records if record["workload"] == "evaluation_throughput")
+    assert throughput["overlapped_rows_per_second"] > 0 and throughput["synchronous_rows_per_second"] > 0
     plots = json.loads((project / "runs/benchmark/plots.json").read_text())
     assert {row["workload"] for row in plots} == set(summary["workloads"])
     again = _run(project, "dvc", "repro")
