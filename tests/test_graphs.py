@@ -48,13 +48,17 @@ def test_eager_on_the_cpu_equals_the_model(tiny):
     assert graphed.stats == {"eager": 3, "captures": 0, "replays": 0}
 
 
+def _on_cuda(tiny, dtype):
+    """(template, the tiny model on CUDA, its GraphedScores)."""
+    backbone = load_backbone(tiny.base, dtype).cuda().eval()
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01).cuda()).eval()
+    return tiny.template(), model, GraphedScores(model)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_replayed_graphs_equal_the_eager_forward_for_new_contents(tiny, dtype):
-    template = tiny.template()
-    backbone = load_backbone(tiny.base, dtype).cuda().eval()
-    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01).cuda()).eval()
-    graphed = GraphedScores(model)
+    template, model, graphed = _on_cuda(tiny, dtype)
     colours = [(220, 20, 20), (220, 20, 20), (20, 220, 20), (20, 20, 220)]
     with torch.no_grad():
         for colour in colours:
@@ -69,10 +73,7 @@ def test_replayed_graphs_equal_the_eager_forward_for_new_contents(tiny, dtype):
 def test_a_graph_replayed_after_many_other_layouts_still_equals_eager(tiny):
     """Eager calls of other layouts churn flash-linear-attention's plan memo; the captured graph
     owns its plans, so its replay stays right."""
-    template = tiny.template()
-    backbone = load_backbone(tiny.base, torch.bfloat16).cuda().eval()
-    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01).cuda()).eval()
-    graphed = GraphedScores(model)
+    template, model, graphed = _on_cuda(tiny, torch.bfloat16)
     with torch.no_grad():
         for _ in range(2):
             graphed(_batch(template, (220, 20, 20)).to("cuda"))
@@ -85,10 +86,7 @@ def test_a_graph_replayed_after_many_other_layouts_still_equals_eager(tiny):
 
 @pytest.mark.gpu
 def test_graphs_are_dropped_when_the_model_changes(tiny):
-    template = tiny.template()
-    backbone = load_backbone(tiny.base, torch.bfloat16).cuda().eval()
-    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01).cuda()).eval()
-    graphed = GraphedScores(model)
+    template, model, graphed = _on_cuda(tiny, torch.bfloat16)
     with torch.no_grad():
         for _ in range(2):
             graphed(_batch(template, (220, 20, 20)).to("cuda"))
