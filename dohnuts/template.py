@@ -42,20 +42,22 @@ class Template:
         """Token ids of each text on its own, through an LRU of recent pieces (questions and
         candidates recur across requests; the tokenizer runs once on the new ones). The lists
         are shared with the cache: read them, never modify them."""
-        new = [text for text in dict.fromkeys(texts) if text not in self.pieces]
+        distinct = list(dict.fromkeys(texts))
+        new = [text for text in distinct if text not in self.pieces]
+        for text in distinct:
+            if text in self.pieces:
+                self.pieces.move_to_end(text)  # this call's pieces are the most recent
         if new:
             # split_special_tokens: user text such as "<|im_start|>" stays text, never a control token.
             encoded = self.tokenizer(new, add_special_tokens=False, split_special_tokens=True)["input_ids"]
             for text, ids in zip(new, encoded):
                 self.pieces[text] = ids
                 self.piece_chars += len(text)
-            while self.piece_chars > PIECE_CACHE_CHARS and len(self.pieces) > len(new):
-                text, _ = self.pieces.popitem(last=False)
-                self.piece_chars -= len(text)
-        out = []
-        for text in texts:
-            self.pieces.move_to_end(text)
-            out.append(self.pieces[text])
+        out = [self.pieces[text] for text in texts]
+        # Evict the least recent, never a piece of this call (they sit at the end).
+        while self.piece_chars > PIECE_CACHE_CHARS and len(self.pieces) > len(distinct):
+            text, _ = self.pieces.popitem(last=False)
+            self.piece_chars -= len(text)
         return out
 
     def encode_image(self, image, key: str | None = None) -> EncodedImage:

@@ -77,5 +77,7 @@ def test_tokenized_pieces_are_cached_and_equal_the_tokenizer(tiny, monkeypatch):
     assert template.tokenize(texts + ["- green"]) == direct + [tokenizer("- green", add_special_tokens=False)["input_ids"]]
     assert calls == [["- green"]]  # only the new piece went to the tokenizer
     monkeypatch.setattr("dohnuts.template.PIECE_CACHE_CHARS", 12)
-    template.tokenize(["a long new piece of text"])
-    assert list(template.pieces) == ["a long new piece of text"]  # older pieces evicted, the new one kept
+    pieces = template.tokenize(["- red", "a long new piece of text"])
+    assert pieces[0] == direct[1]
+    # Older pieces are evicted; those of the call stay, even over the bound.
+    assert list(template.pieces) == ["- red", "a long new piece of text"]
