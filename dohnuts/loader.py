@@ -47,6 +47,11 @@ class Item:
         return Item(self.batch.to(device), tuple(t.to(device, non_blocking=True) for t in self.tensors), self.meta)
 
 
+def _as_built(item: Item) -> Item:
+    """No conversion: items are built as they should arrive (the default would walk `meta`)."""
+    return item
+
+
 class _Built(torch.utils.data.Dataset):
     def __init__(self, build: Callable[[object], Item], keys: Sequence):
         self.build, self.keys = build, keys
@@ -64,7 +69,7 @@ def worker_batches(build: Callable[[object], Item], keys: Sequence, device: torc
     CUDA. `build` must be a picklable callable (a module-level function or an object)."""
     workers = loader_workers(device) if workers is None else workers
     return torch.utils.data.DataLoader(
-        _Built(build, keys), batch_size=None, shuffle=False, num_workers=workers,
+        _Built(build, keys), batch_size=None, shuffle=False, num_workers=workers, collate_fn=_as_built,
         pin_memory=device.type == "cuda", prefetch_factor=2 if workers else None,
         multiprocessing_context="fork" if workers else None)
 
