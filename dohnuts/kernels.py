@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import sys
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,11 @@ import torch.nn.functional as F
 @functools.cache
 def _fla():
     """The FLA functions, or None when FLA (or a GPU for it) is not there."""
+    # FLA may dispatch the delta rule to other backends (FlashQLA, intra-card context
+    # parallelism) that ignore the chunk plan we pass; keep its own Triton kernels, which
+    # honour it (FLA reads these settings on every call; a user's own setting wins).
+    os.environ.setdefault("FLA_FLASH_QLA", "0")
+    os.environ.setdefault("FLA_INTRACARD_CP", "0")
     try:
         from fla.modules.activations import swiglu
         from fla.modules.causal_conv1d.ops import causal_conv1d
@@ -31,6 +38,11 @@ def _fla():
             "rms_norm": rms_norm, "chunk_gated_delta_rule": chunk_gated_delta_rule}
 
 
+_PLANS_LOCK = threading.Lock()
+_plans_depth = 0
+_plans_before = False
+
+
 @contextlib.contextmanager
 def uncached_plans():
     """FLA without its memo of derived plans (chunk offsets and the like) for the duration.
@@ -39,18 +51,26 @@ def uncached_plans():
     cache that later calls evict. A CUDA graph captured while a plan came from that memo would
     keep a pointer to memory freed at eviction; computed afresh inside the capture, the plan
     belongs to the graph. FLA reads this switch (its FLA_DISABLE_TENSOR_CACHE setting) on
-    every call.
+    every call. The switch is process-wide: nested or concurrent users share it, and the
+    first to enter and the last to leave set and restore it.
     """
+    global _plans_depth, _plans_before
     utils = sys.modules.get("fla.utils") if _fla() is not None else None
     if utils is None:
         yield
         return
-    before = getattr(utils, "FLA_DISABLE_TENSOR_CACHE", False)
-    utils.FLA_DISABLE_TENSOR_CACHE = True
+    with _PLANS_LOCK:
+        if _plans_depth == 0:
+            _plans_before = getattr(utils, "FLA_DISABLE_TENSOR_CACHE", False)
+            utils.FLA_DISABLE_TENSOR_CACHE = True
+        _plans_depth += 1
     try:
         yield
     finally:
-        utils.FLA_DISABLE_TENSOR_CACHE = before
+        with _PLANS_LOCK:
+            _plans_depth -= 1
+            if _plans_depth == 0:
+                utils.FLA_DISABLE_TENSOR_CACHE = _plans_before
 
 
 def wide(x: torch.Tensor) -> torch.Tensor:

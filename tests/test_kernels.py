@@ -1,5 +1,8 @@
 """Kernel references against independent formulas (CPU) and fused kernels against references (GPU)."""
 
+import sys
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,3 +169,15 @@ def test_varlen_attention_matches_reference_with_prefix_keys_and_grouped_heads()
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
     for name, grad, expected in zip("q k v".split(), grads, ref_grads):
         assert _relative_error(grad, expected) < 2e-2, name
+
+
+def test_uncached_plans_sets_flas_switch_for_nested_users_and_restores_it(monkeypatch):
+    utils = types.ModuleType("fla.utils")
+    utils.FLA_DISABLE_TENSOR_CACHE = False
+    monkeypatch.setitem(sys.modules, "fla.utils", utils)
+    monkeypatch.setattr(kernels, "_fla", lambda: {})
+    with kernels.uncached_plans():
+        with kernels.uncached_plans():
+            assert utils.FLA_DISABLE_TENSOR_CACHE is True
+        assert utils.FLA_DISABLE_TENSOR_CACHE is True  # the outer user still needs it
+    assert utils.FLA_DISABLE_TENSOR_CACHE is False
