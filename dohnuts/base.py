@@ -40,7 +40,7 @@ def _build_embedded(config: ModelConfig, out: Path, corpus: list[str]) -> None:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     shape = config.embedded
-    tokenizer = _train_tokenizer(corpus, special_tokens(config.marker_token), shape.vocab_size)
+    tokenizer = train_tokenizer(corpus, special_tokens(config.marker_token), shape.vocab_size)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in special_tokens(config.marker_token)}
     rotary = 0.5
     # M-RoPE splits the rotary half-dimension into temporal, height and width sections.
@@ -89,13 +89,10 @@ def _build_embedded(config: ModelConfig, out: Path, corpus: list[str]) -> None:
     model = Qwen3_5ForConditionalGeneration(model_config)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    processor_class()(
-        patch_size=shape.patch_size, merge_size=SPATIAL_MERGE, temporal_patch_size=TEMPORAL_PATCH,
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-    ).save_pretrained(out)
+    new_image_processor(shape.patch_size).save_pretrained(out)
 
 
-def _train_tokenizer(corpus: list[str], specials: list[str], vocab_size: int):
+def train_tokenizer(corpus: list[str], specials: list[str], vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -112,6 +109,15 @@ def _train_tokenizer(corpus: list[str], specials: list[str], vocab_size: int):
         tokenizer_object=backend, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT,
         additional_special_tokens=[token for token in specials if token != END_OF_TEXT],
     )
+
+
+def new_image_processor(patch_size: int, pixels: int | None = None):
+    """A Qwen2-VL image processor for a base the project builds (merge 2, temporal patch 2,
+    normalised to [-1, 1]); `pixels` fixes the pixel count of every image."""
+    sizes = {} if pixels is None else {
+        "size": {"shortest_edge": pixels, "longest_edge": pixels}, "min_pixels": pixels, "max_pixels": pixels}
+    return processor_class()(patch_size=patch_size, merge_size=SPATIAL_MERGE, temporal_patch_size=TEMPORAL_PATCH,
+                             image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], **sizes)
 
 
 def processor_class():

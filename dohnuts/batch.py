@@ -194,18 +194,19 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     candidate_mask = torch.arange(width)[None, :] < torch.tensor([len(row.markers) for row in rows])[:, None]
 
     pairs = torch.tensor(slots, dtype=torch.long).reshape(-1, 2)
+    prefix_cu, row_cu = _cumulative(prefix_lengths), _cumulative(own_lengths)
+    grid = torch.cat([image.grid_thw for image in images]) if images else None
     return Batch(
         input_ids=_longs(ids), position_ids=_longs(positions),
         prefix_tokens=prefix_tokens,
-        prefix_cu_seqlens=_cumulative(prefix_lengths), prefix_cu_seqlens_cpu=_cumulative(prefix_lengths),
-        cu_seqlens=_cumulative(own_lengths), cu_seqlens_cpu=_cumulative(own_lengths),
+        # The *_cpu fields are the same host tensors: `to` moves the others, never these.
+        prefix_cu_seqlens=prefix_cu, prefix_cu_seqlens_cpu=prefix_cu, cu_seqlens=row_cu, cu_seqlens_cpu=row_cu,
         prefix_chunk_indices=chunk_plan(prefix_lengths), chunk_indices=chunk_plan(own_lengths),
         fork=plan_fork(prefix_lengths, own_lengths, parents) if groups else None,
         markers=markers, candidate_mask=candidate_mask, image_slots=pairs[:, 0], image_sources=pairs[:, 1],
         pixel_values=torch.cat(pixels) if (pixels := [i.pixel_values for i in images if i.pixel_values is not None])
         else None,
-        image_grid_thw=torch.cat([image.grid_thw for image in images]) if images else None,
-        image_grid_thw_cpu=torch.cat([image.grid_thw for image in images]) if images else None,
+        image_grid_thw=grid, image_grid_thw_cpu=grid,
         image_keys=tuple(image.key for image in images),
         image_has_pixels=tuple(image.pixel_values is not None for image in images),
         input_tokens=sum(len(row.input_ids) for row in rows),

@@ -14,11 +14,11 @@ from PIL import Image, ImageDraw
 
 from . import synthetic
 from .data import RecordReader, load_records, write_mixture
-from .evaluate import EvaluationBatches, evaluate, plan_batches
+from .evaluate import EvaluationBatches, evaluate, plan_batches, result_rows
 from .loader import loader_workers
 from .roofline import DEVICES, bounds, efficiency, geometry_from_batch, useful_work
 from .schema import parse_request
-from .telemetry import Telemetry, measure_ceilings
+from .telemetry import Telemetry, measure_ceilings, synchronize
 
 TEXT_STATE = "Customer: I was billed twice."
 ONE_QUESTION = {"is_red": {"type": "noul", "instructions": "Is the square red?"}}
@@ -93,20 +93,15 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _measure(call, device: torch.device, warmup: int, timed: int) -> tuple[float, list[float], object]:
     """One cold call, `warmup` warm-up calls, then `timed` calls, each bracketed by syncs.
 
     Returns (cold ms, timed samples in ms, the cold call's result)."""
     def once():
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         result = call()
-        _synchronize(device)
+        synchronize(device)
         return (time.perf_counter() - start) * 1000.0, result
 
     cold_ms, result = once()
@@ -115,15 +110,21 @@ def _measure(call, device: torch.device, warmup: int, timed: int) -> tuple[float
     return cold_ms, [once()[0] for _ in range(timed)], result
 
 
+def _baseline_rows(predictor, state, questions):
+    """(encoded image or None, rows) of a request, always preprocessed (no feature cache)."""
+    template = predictor.template
+    request = parse_request(state, questions, template.reserved)
+    image = template.encode_image(request.image) if request.image is not None else None
+    return image, template.encode(request, predictor.config.max_tokens, 0, image)
+
+
 @torch.no_grad()
 def hugging_face_logits(predictor, state, questions) -> torch.Tensor:
     """The baseline on the same inputs: Hugging Face's own `Qwen3_5Model` forward over the
     request's rows padded to the longest (no packing, no shared prefix), then the same
     marker gather and head. Returns logits [B, K]."""
     template, backbone, device = predictor.template, predictor.model.backbone, predictor.model.device
-    request = parse_request(state, questions, template.reserved)
-    image = template.encode_image(request.image) if request.image is not None else None
-    rows = template.encode(request, predictor.config.max_tokens, 0, image)
+    image, rows = _baseline_rows(predictor, state, questions)
     length = max(len(row.input_ids) for row in rows)
     ids = torch.full((len(rows), length), template.pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -201,8 +202,7 @@ def run_workload(predictor, name: str, state, questions, warmup: int, timed: int
     if cache_miss:
         model.image_cache.clear()  # the batch as the timed calls built it: pixels included
     batch, request = predictor.encode(state, questions)
-    rows = predictor.template.encode(request, predictor.config.max_tokens, 0,
-                                     predictor.template.encode_image(request.image) if request.image else None)
+    _, rows = _baseline_rows(predictor, state, questions)
     mean, p50 = statistics.fmean(samples), percentile(samples, 0.5)
     encoded = request.image is not None and cache_miss
     return {
@@ -309,10 +309,7 @@ def synchronous_evaluation(model, build, plan) -> list[dict]:
     results = []
     for tables in plan:
         item = build(tables)
-        logits = model(item.batch.to(model.device)).cpu()
-        for index, meta in enumerate(item.meta):
-            row = {key: value for key, value in meta.items() if key != "candidates"}
-            results.append({**row, "logits": logits[index, : meta["candidates"]].tolist()})
+        results.extend(result_rows(model(item.batch.to(model.device)).cpu(), item.meta))
     return results
 
 
@@ -335,10 +332,10 @@ def evaluation_throughput_record(model, template, max_tokens: int, root: Path, s
     for name, run in passes.items():
         run()
         model.image_cache.clear()
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         run()
-        _synchronize(device)
+        synchronize(device)
         seconds[name] = time.perf_counter() - start
         model.image_cache.clear()
     record = {"workload": "evaluation_throughput", "rows": len(rows), "batches": len(plan),

@@ -70,15 +70,20 @@ def _to_host(logits: torch.Tensor):
     return host, done
 
 
-def _results(host: torch.Tensor, done, meta: list[dict]) -> list[dict]:
-    if done is not None:
-        done.synchronize()
+def result_rows(logits: torch.Tensor, meta: list[dict]) -> list[dict]:
+    """One result row per batch row: its metadata and its candidates' logits [K] (host)."""
     records = []
     for index, row in enumerate(meta):
         row = dict(row)
         count = row.pop("candidates")
-        records.append({**row, "logits": host[index, :count].tolist()})
+        records.append({**row, "logits": logits[index, :count].tolist()})
     return records
+
+
+def _results(host: torch.Tensor, done, meta: list[dict]) -> list[dict]:
+    if done is not None:
+        done.synchronize()
+    return result_rows(host, meta)
 
 
 @torch.no_grad()

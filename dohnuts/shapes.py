@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from . import synthetic
-from .base import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, _train_tokenizer, processor_class, special_tokens
+from .base import (IMAGE_PAD, SPATIAL_MERGE, TEMPORAL_PATCH, VIDEO_PAD, VISION_END, VISION_START, new_image_processor,
+                   special_tokens, train_tokenizer)
 from .config import SHAPE_NAMES, ModelConfig
 from .model import DTYPES, DecisionModel, new_head
 from .template import Template
@@ -58,7 +59,7 @@ def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0):
     model_config = ModelConfig(base=f"shape-only:{name}", revision="random-weights", dtype=dtype,
                                image_pixels=IMAGE_PIXELS, seed=seed)
     specials = special_tokens(model_config.marker_token)
-    tokenizer = _train_tokenizer(synthetic.corpus(seed), specials, 4096)
+    tokenizer = train_tokenizer(synthetic.corpus(seed), specials, 4096)
     ids = dict(zip(specials, tokenizer.convert_tokens_to_ids(specials)))
     config = Qwen3_5Config(
         text_config={**shape["text_config"], "eos_token_id": tokenizer.eos_token_id,
@@ -70,10 +71,8 @@ def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0):
         backbone = Qwen3_5Model(config).to(DTYPES[dtype])
     head = new_head(config.text_config.hidden_size, 0.01, torch.Generator().manual_seed(seed)).to(device)
     vision = shape["vision_config"]
-    processor = processor_class()(
-        patch_size=vision["patch_size"], merge_size=vision["spatial_merge_size"],
-        temporal_patch_size=vision["temporal_patch_size"], image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-        size={"shortest_edge": IMAGE_PIXELS, "longest_edge": IMAGE_PIXELS}, min_pixels=IMAGE_PIXELS,
-        max_pixels=IMAGE_PIXELS)
+    if (vision["spatial_merge_size"], vision["temporal_patch_size"]) != (SPATIAL_MERGE, TEMPORAL_PATCH):
+        raise ValueError(f"shape {name!r}: only merge {SPATIAL_MERGE} and temporal patch {TEMPORAL_PATCH} are supported")
+    processor = new_image_processor(vision["patch_size"], IMAGE_PIXELS)
     template = Template(tokenizer, processor, model_config.marker_token)
     return DecisionModel(backbone, head).eval(), template, model_config

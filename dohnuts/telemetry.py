@@ -9,7 +9,8 @@ import time
 import torch
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device (no-op off CUDA): timings bracket the work they measure."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -18,11 +19,11 @@ def _rate(call, work: float, device: torch.device, repeats: int) -> float:
     """work / second of `call`, timed over `repeats` back-to-back calls after two warm-ups."""
     for _ in range(2):
         call()
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
         call()
-    _synchronize(device)
+    synchronize(device)
     return work * repeats / (time.perf_counter() - start)
 
 
