@@ -237,15 +237,10 @@ def training_requests(template, microbatch: int, rows: int, questions_per_state:
     return out
 
 
-def training_update_record(model, template, ceilings: dict, microbatches: int = 4, rows: int = 8,
-                           timed: int = 5) -> dict:
-    """Seconds per training update on the shared-prefix path: fresh LoRA injected into `model`
-    (in place), activation checkpointing, `microbatches` of `rows` rows at one snapshot, RLCD +
-    cross-entropy, clipping, one AdamW step.
-
-    Useful work of an update: 3 forward passes' worth per microbatch, FLOPs and bytes (the
-    forward, its recomputation under activation checkpointing, and the backward's input
-    gradients; the frozen base needs no weight gradients, and LoRA's are negligible)."""
+def training_update(model, template, microbatches: int = 4, rows: int = 8):
+    """One training update on the shared-prefix path as a callable: fresh LoRA injected into
+    `model` (in place), activation checkpointing, `microbatches` of `rows` rows at one snapshot,
+    RLCD + cross-entropy, clipping, one AdamW step. Returns (update, the microbatches' batches)."""
     from .config import LoraConfig, ObjectiveConfig
     from .model import with_lora
     from .objective import rlcd_loss
@@ -264,10 +259,10 @@ def training_update_record(model, template, ceilings: dict, microbatches: int = 
             encoded += template.encode(parse_request(state, questions, template.reserved), 2048)
         batch = template.collate(encoded, [])
         targets = torch.nn.functional.one_hot(torch.arange(len(encoded)) % 4, batch.markers.shape[1]).float()
-        batches.append((batch, targets, encoded))
+        batches.append((batch, targets))
 
     def update():
-        for batch, targets, _ in batches:
+        for batch, targets in batches:
             batch = batch.to(device)
             logits = model(batch)
             out = rlcd_loss(logits, batch.candidate_mask, targets.to(device),
@@ -277,17 +272,28 @@ def training_update_record(model, template, ceilings: dict, microbatches: int = 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return update, [batch for batch, _ in batches]
+
+
+def training_update_record(model, template, ceilings: dict, microbatches: int = 4, rows: int = 8,
+                           timed: int = 5) -> dict:
+    """Seconds per `training_update` (which injects fresh LoRA into `model`), with its roofline.
+
+    Useful work of an update: 3 forward passes' worth per microbatch, FLOPs and bytes (the
+    forward, its recomputation under activation checkpointing, and the backward's input
+    gradients; the frozen base needs no weight gradients, and LoRA's are negligible)."""
+    update, batches = training_update(model, template, microbatches, rows)
+    device = model.device
     with Telemetry(device) as telemetry:
         cold_ms, samples, _ = _measure(update, device, 1, timed)
     model.eval()
     p50 = percentile(samples, 0.5)
     record = {
         "workload": "training_update", "microbatches": microbatches, "rows_per_microbatch": rows,
-        "input_tokens": sum(batch.input_tokens for batch, _, _ in batches),
-        "computed_tokens": sum(batch.computed_tokens for batch, _, _ in batches),
+        "input_tokens": sum(batch.input_tokens for batch in batches),
+        "computed_tokens": sum(batch.computed_tokens for batch in batches),
         "cold_ms": cold_ms, "p50_ms": p50, "samples_ms": samples, "telemetry": telemetry.summary(),
-        "roofline": roofline_record(model, [batch for batch, _, _ in batches], False, p50, ceilings,
-                                    _device_name(device), passes=3),
+        "roofline": roofline_record(model, batches, False, p50, ceilings, _device_name(device), passes=3),
     }
     record["tokens_per_second"] = 1000.0 * record["input_tokens"] / p50
     return record

@@ -135,7 +135,9 @@ def _delta_rule(module, config, hidden: torch.Tensor, segments, context=None, ke
     query, key, value = mixed[0].split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], -1)
     beta = torch.sigmoid(module.in_proj_b(hidden))
     # Qwen3.5's decay: g = -exp(A_log) * softplus(a + dt_bias), in float32 (A may overflow in bf16).
-    g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(hidden).float() + module.dt_bias.float())
+    rate = kernels.derived(module.A_log, "-exp", lambda a: -a.float().exp())
+    bias = kernels.derived(module.dt_bias, "float", torch.Tensor.float)
+    g = rate * F.softplus(module.in_proj_a(hidden).float() + bias)
     out, recurrent_final = kernels.chunk_gated_delta_rule(
         query.reshape(1, total, key_heads, key_dim), key.reshape(1, total, key_heads, key_dim),
         value.reshape(1, total, value_heads, value_dim), g[None], beta[None], recurrent_state, keep_states,

@@ -82,7 +82,8 @@ class GraphedScores:
     capture) and kept in an LRU of `capacity` graphs sharing one memory pool. A layout whose
     capture fails runs eagerly from then on, and the failure is logged once. Graphs are
     dropped when the model's `generation` changes (a device or dtype move, or modules
-    replaced, e.g. LoRA injected).
+    replaced, e.g. LoRA injected) and when any parameter changes in place (a graph reads the
+    weights themselves, but also constants `kernels.derived` made from them).
     """
 
     def __init__(self, model, capacity: int = 8, remembered: int = 1024):
@@ -93,7 +94,7 @@ class GraphedScores:
         self.seen: OrderedDict[tuple, None] = OrderedDict()
         self.failed: set[tuple] = set()
         self.pool = None
-        self.generation = model.generation
+        self.generation, self.parameters, self.versions = None, [], None
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
 
     def __call__(self, batch: Batch) -> torch.Tensor:
@@ -103,10 +104,13 @@ class GraphedScores:
             self.stats["eager"] += 1
             return model.scores(embeds, batch)
         if model.generation != self.generation:
+            self.generation, self.parameters, self.versions = model.generation, list(model.parameters()), None
+        versions = tuple(parameter._version for parameter in self.parameters)
+        if versions != self.versions:
             self.graphs.clear()
             self.seen.clear()
             self.failed.clear()
-            self.generation = model.generation
+            self.versions = versions
         key = layout_key(batch)
         graph = self.graphs.get(key)
         if graph is None and key in self.seen and key not in self.failed:

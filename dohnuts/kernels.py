@@ -16,6 +16,7 @@ import threading
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 @functools.cache
@@ -73,6 +74,30 @@ def uncached_plans():
                 utils.FLA_DISABLE_TENSOR_CACHE = _plans_before
 
 
+_DERIVED = WeakIdKeyDictionary()
+
+
+def derived(parameter: torch.Tensor, tag: str, make) -> torch.Tensor:
+    """`make(parameter)`, kept while the parameter keeps its storage, dtype and version.
+
+    Constants derived from frozen weights (RMSNorm's `1 + weight` in the input dtype, the delta
+    rule's `-exp(A_log)`) would otherwise cost two or three small kernels per layer per pass,
+    about a third of the launches of a forward on the GPU. An in-place change of the parameter
+    bumps its version and recomputes. A parameter that takes gradients, or a call inside a CUDA
+    graph capture (whose kernels only run at replay), computes afresh without caching.
+    `tag` names the derivation, including anything else `make` depends on (such as a dtype).
+    """
+    if (parameter.requires_grad and torch.is_grad_enabled()) or (
+            parameter.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return make(parameter)
+    stamp = (parameter._version, parameter.data_ptr(), parameter.dtype, parameter.device)
+    entries = _DERIVED.setdefault(parameter, {})
+    entry = entries.get(tag)
+    if entry is None or entry[0] != stamp:
+        entry = entries[tag] = (stamp, make(parameter))
+    return entry[1]
+
+
 def wide(x: torch.Tensor) -> torch.Tensor:
     """x in at least float32: half precisions widen, float64 stays (so tests can be exact)."""
     return x if x.dtype == torch.float64 else x.float()
@@ -94,7 +119,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """
     kernels = fused(x)
     if kernels is not None:
-        return kernels["rms_norm"](x, (1.0 + weight.float()).to(x.dtype), None, eps=eps)
+        scale = derived(weight, f"1+w:{x.dtype}", lambda w: (1.0 + w.float()).to(x.dtype))
+        return kernels["rms_norm"](x, scale, None, eps=eps)
     return rms_norm_reference(x, weight, eps)
 
 

@@ -87,14 +87,18 @@ def test_a_graph_replayed_after_many_other_layouts_still_equals_eager(tiny):
 @pytest.mark.gpu
 def test_graphs_are_dropped_when_the_model_changes(tiny):
     template, model, graphed = _on_cuda(tiny, torch.bfloat16)
+    batch = _batch(template, (220, 20, 20)).to("cuda")
     with torch.no_grad():
         for _ in range(2):
-            graphed(_batch(template, (220, 20, 20)).to("cuda"))
+            graphed(batch)
         assert len(graphed.graphs) == 1
-        with torch.no_grad():
-            model.head.weight.mul_(2.0)  # in place: the graph reads the new values
-        batch = _batch(template, (220, 20, 20)).to("cuda")
+        # In place, on a weight the forward derives a cached constant from (RMSNorm's 1 + weight).
+        model.backbone.language_model.layers[0].input_layernorm.weight.add_(0.5)
         torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
+        assert len(graphed.graphs) == 0
+        graphed(batch)  # seen twice again: captured with the new constant
+        torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
+        assert graphed.stats["captures"] == 2 and len(graphed.graphs) == 1
         model.changed()
         graphed(batch)
-        assert graphed.stats["captures"] == 1 and len(graphed.graphs) == 0  # seen again from scratch
+        assert graphed.stats["captures"] == 2 and len(graphed.graphs) == 0  # seen again from scratch

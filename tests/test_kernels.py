@@ -39,6 +39,30 @@ def _delta_inputs(total, heads=2, value_heads=4, key_dim=8, value_dim=6, device=
     return q, k, v, g, beta
 
 
+def test_derived_constants_are_kept_per_version_and_never_cut_gradients():
+    weight = torch.nn.Parameter(torch.randn(5), requires_grad=False)
+    calls = []
+
+    def plus_one(w):
+        calls.append(1)
+        return 1.0 + w.float()
+
+    first = kernels.derived(weight, "1+w", plus_one)
+    assert kernels.derived(weight, "1+w", plus_one) is first and len(calls) == 1
+    assert kernels.derived(weight, "other", plus_one) is not first and len(calls) == 2  # tags are separate
+    with torch.no_grad():
+        weight.mul_(3.0)  # in place: a new version
+    torch.testing.assert_close(kernels.derived(weight, "1+w", plus_one), 1.0 + weight, rtol=0, atol=0)
+    assert len(calls) == 3
+    weight.data = torch.randn(5, dtype=torch.float64)  # new storage and dtype
+    torch.testing.assert_close(kernels.derived(weight, "1+w", plus_one), 1.0 + weight.float(), rtol=0, atol=0)
+    trained = torch.nn.Parameter(torch.randn(5))
+    out = kernels.derived(trained, "1+w", plus_one)
+    out.sum().backward()
+    torch.testing.assert_close(trained.grad, torch.ones(5))  # computed afresh, in the autograd graph
+    assert kernels.derived(trained, "1+w", plus_one) is not out
+
+
 def test_delta_rule_reference_matches_explicit_per_head_recurrence_on_packed_sequences():
     total = sum(LENGTHS)
     q, k, v, g, beta = _delta_inputs(total)
