@@ -83,17 +83,20 @@ def derived(parameter: torch.Tensor, tag: str, make) -> torch.Tensor:
     Constants derived from frozen weights (RMSNorm's `1 + weight` in the input dtype, the delta
     rule's `-exp(A_log)`) would otherwise cost two or three small kernels per layer per pass,
     about a third of the launches of a forward on the GPU. An in-place change of the parameter
-    bumps its version and recomputes. A parameter that takes gradients, or a call inside a CUDA
-    graph capture (whose kernels only run at replay), computes afresh without caching.
+    bumps its version and recomputes. A parameter that takes gradients computes afresh. Inside a
+    CUDA graph capture a kept constant is read (the graph then reads its memory, which stays
+    while the parameter is unchanged; `GraphedScores` drops graphs when a parameter changes),
+    but a missing one is computed without being kept: a capture's kernels only run at replay.
     `tag` names the derivation, including anything else `make` depends on (such as a dtype).
     """
-    if (parameter.requires_grad and torch.is_grad_enabled()) or (
-            parameter.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if parameter.requires_grad and torch.is_grad_enabled():
         return make(parameter)
     stamp = (parameter._version, parameter.data_ptr(), parameter.dtype, parameter.device)
     entries = _DERIVED.setdefault(parameter, {})
     entry = entries.get(tag)
     if entry is None or entry[0] != stamp:
+        if parameter.is_cuda and torch.cuda.is_current_stream_capturing():
+            return make(parameter)
         entry = entries[tag] = (stamp, make(parameter))
     return entry[1]
 
