@@ -238,12 +238,15 @@ def training_requests(template, microbatch: int, rows: int, questions_per_state:
 
 
 def training_update(model, template, microbatches: int = 4, rows: int = 8):
-    """One training update on the shared-prefix path as a callable: fresh LoRA injected into
-    `model` (in place), activation checkpointing, `microbatches` of `rows` rows at one snapshot,
-    RLCD + cross-entropy, clipping, one AdamW step. Returns (update, the microbatches' batches)."""
+    """One training update as the trainer runs it, as a callable: fresh LoRA injected into
+    `model` (in place), activation checkpointing, `microbatches` of `rows` rows at one snapshot
+    packed into one forward and backward (`dohnuts.train.TrainingUpdates`), RLCD +
+    cross-entropy per microbatch, averaged, clipping, one AdamW step.
+
+    Returns (update, the packed batch)."""
     from .config import LoraConfig, ObjectiveConfig
     from .model import with_lora
-    from .objective import rlcd_loss
+    from .objective import microbatch_losses
 
     with_lora(model.backbone, LoraConfig(), seed=0)
     model.changed()  # modules were replaced: no captured graph of the merged model applies
@@ -252,37 +255,40 @@ def training_update(model, template, microbatches: int = 4, rows: int = 8):
     device = model.device
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=1e-4, weight_decay=0.01)
-    batches = []
+    encoded, targets, sizes = [], [], []
     for micro in range(microbatches):
-        encoded = []
+        own = []
         for state, questions in training_requests(template, micro, rows):
-            encoded += template.encode(parse_request(state, questions, template.reserved), 2048)
-        batch = template.collate(encoded, [])
-        targets = torch.nn.functional.one_hot(torch.arange(len(encoded)) % 4, batch.markers.shape[1]).float()
-        batches.append((batch, targets))
+            own += template.encode(parse_request(state, questions, template.reserved), 2048)
+        width = max(len(row.markers) for row in own)
+        targets.append(torch.nn.functional.one_hot(torch.arange(len(own)) % 4, width).float())
+        sizes.append((len(own), width))
+        encoded += own
+    batch = template.collate(encoded, [])
+    width = max(size[1] for size in sizes)
+    targets = torch.cat([torch.nn.functional.pad(target, (0, width - target.shape[1])) for target in targets])
+    ordinal = torch.zeros(len(encoded), dtype=torch.bool)
 
     def update():
-        for batch, targets in batches:
-            batch = batch.to(device)
-            logits = model(batch)
-            out = rlcd_loss(logits, batch.candidate_mask, targets.to(device),
-                            torch.zeros(len(targets), dtype=torch.bool, device=device), ObjectiveConfig())
-            (out.loss / microbatches).backward()
+        on_device = batch.to(device)
+        outputs = microbatch_losses(model(on_device), on_device.candidate_mask, targets.to(device),
+                                    ordinal.to(device), sizes, ObjectiveConfig())
+        torch.stack([out.loss for out in outputs]).mean().backward()
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return update, [batch for batch, _ in batches]
+    return update, batch
 
 
 def training_update_record(model, template, ceilings: dict, microbatches: int = 4, rows: int = 8,
                            timed: int = 5) -> dict:
     """Seconds per `training_update` (which injects fresh LoRA into `model`), with its roofline.
 
-    Useful work of an update: 3 forward passes' worth per microbatch, FLOPs and bytes (the
+    Useful work of an update: 3 forward passes' worth of its packed batch, FLOPs and bytes (the
     forward, its recomputation under activation checkpointing, and the backward's input
     gradients; the frozen base needs no weight gradients, and LoRA's are negligible)."""
-    update, batches = training_update(model, template, microbatches, rows)
+    update, batch = training_update(model, template, microbatches, rows)
     device = model.device
     with Telemetry(device) as telemetry:
         cold_ms, samples, _ = _measure(update, device, 1, timed)
@@ -290,10 +296,9 @@ def training_update_record(model, template, ceilings: dict, microbatches: int = 
     p50 = percentile(samples, 0.5)
     record = {
         "workload": "training_update", "microbatches": microbatches, "rows_per_microbatch": rows,
-        "input_tokens": sum(batch.input_tokens for batch in batches),
-        "computed_tokens": sum(batch.computed_tokens for batch in batches),
+        "input_tokens": batch.input_tokens, "computed_tokens": batch.computed_tokens,
         "cold_ms": cold_ms, "p50_ms": p50, "samples_ms": samples, "telemetry": telemetry.summary(),
-        "roofline": roofline_record(model, batches, False, p50, ceilings, _device_name(device), passes=3),
+        "roofline": roofline_record(model, [batch], False, p50, ceilings, _device_name(device), passes=3),
     }
     record["tokens_per_second"] = 1000.0 * record["input_tokens"] / p50
     return record

@@ -64,3 +64,17 @@ def rlcd_loss(logits: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, o
     loss = policy + config.ce_weight * cross_entropy
     return ObjectiveOutput(loss, reward.mean(), cross_entropy.detach())
 
+
+def microbatch_losses(logits: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, ordinal: torch.Tensor,
+                      sizes: list[tuple[int, int]], objective: ObjectiveConfig,
+                      generator: torch.Generator | None = None) -> list[ObjectiveOutput]:
+    """The objective of each microbatch of a packed update, in order: rows `sizes[i][0]` at a
+    time, each cut to its own candidate width `sizes[i][1]`, so the noise drawn is exactly the
+    draw of that microbatch run alone."""
+    outputs, start = [], 0
+    for count, width in sizes:
+        rows = slice(start, start + count)
+        outputs.append(rlcd_loss(logits[rows, :width], mask[rows, :width], targets[rows, :width], ordinal[rows],
+                                 objective, generator))
+        start += count
+    return outputs

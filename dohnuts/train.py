@@ -10,7 +10,7 @@ import logging
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +25,7 @@ from .io import (IntegrityError, atomic_directory, read_json, sha256_file, verif
                  write_json, write_manifest)
 from .model import (ADAPTER, build_training_model, check_adapter_config, default_device, load_adapter, save_adapter,
                     verify_base)
-from .objective import rlcd_loss
+from .objective import microbatch_losses
 from .schedule import lr_factor
 from .template import Template
 
@@ -53,12 +53,54 @@ class TrainingBatches:
     def __init__(self, template: Template, reader: RecordReader, sampler: GroupSampler, max_tokens: int):
         self.template, self.reader, self.sampler, self.max_tokens = template, reader, sampler, max_tokens
 
-    def __call__(self, index: int) -> Item:
+    def parts(self, index: int):
+        """Microbatch `index` before packing: (rows, images, targets [B, K], ordinal [B])."""
         records, rng = self.sampler.draw(index)
         examples = [shuffled_choice(self.reader.example(row), rng) for _, row in records.iterrows()]
         rows, images, targets = encode_examples(self.template, examples, self.max_tokens)
-        ordinal = torch.tensor([row.question.kind == "score" for row in rows])
+        return rows, images, targets, torch.tensor([row.question.kind == "score" for row in rows])
+
+    def __call__(self, index: int) -> Item:
+        rows, images, targets, ordinal = self.parts(index)
         return Item(self.template.collate(rows, images), (targets, ordinal))
+
+
+class TrainingUpdates:
+    """Builds update `index` (runs in loader workers): its microbatches' rows packed into one
+    batch, so the update runs one forward and one backward instead of one per microbatch.
+
+    Each microbatch stays one unit of the objective (its own exploration noise and advantage
+    normalisation; see `microbatch_losses`), so the gradient is the one of running them one
+    after another; only the number of launches changes (a quarter with four microbatches,
+    which is what bounds a training step on a GPU: docs/runtime.md). Memory grows with the
+    update's tokens instead of a microbatch's.
+
+    Returns Item(batch, (targets [R, K], ordinal [R]), sizes): `sizes` holds each microbatch's
+    (rows, candidate width) in order; an image seen in several microbatches is encoded once.
+    """
+
+    def __init__(self, microbatches: TrainingBatches, per_update: int):
+        self.microbatches, self.per_update = microbatches, per_update
+
+    def __call__(self, index: int) -> Item:
+        rows, images, targets, ordinals, sizes = [], [], [], [], []
+        slots: dict[object, int] = {}  # image key -> its index among the update's images
+        for micro in range(index * self.per_update, (index + 1) * self.per_update):
+            own_rows, own_images, own_targets, ordinal = self.microbatches.parts(micro)
+            remap = []
+            for image in own_images:
+                key = image.key if image.key is not None else id(image)
+                if key not in slots:
+                    slots[key] = len(images)
+                    images.append(image)
+                remap.append(slots[key])
+            rows += [row if row.image is None else replace(row, image=remap[row.image]) for row in own_rows]
+            targets.append(own_targets)
+            ordinals.append(ordinal)
+            sizes.append((len(own_rows), own_targets.shape[1]))
+        width = max(target.shape[1] for target in targets)
+        padded = torch.cat([torch.nn.functional.pad(target, (0, width - target.shape[1])) for target in targets])
+        return Item(self.microbatches.template.collate(rows, images), (padded, torch.cat(ordinals)), sizes)
 
 
 def checkpoint_name(step: int) -> str:
@@ -122,7 +164,8 @@ class Trainer:
         self.sampler = GroupSampler(load_records(run.data), run.seed,
                                     run.train.rows_per_microbatch, run.train.group_cap)
         self.builder = TrainingBatches(self.template, self.reader, self.sampler, run.train.max_tokens)
-        self.stream = None  # microbatches from loader workers, opened at the first update
+        self.updates = TrainingUpdates(self.builder, run.train.microbatches_per_update)
+        self.stream = None  # updates from loader workers, opened at the first update
         lora_params = [p for n, p in self.model.backbone.named_parameters() if p.requires_grad]
         config = run.train
         self.optimizer = torch.optim.AdamW(
@@ -207,37 +250,43 @@ class Trainer:
         item = self.builder(index).to(self.device)
         return item.batch, *item.tensors
 
-    def next_microbatch(self):
-        """The next microbatch of the run, built by loader workers and prefetched."""
+    def next_update(self):
+        """The batch of this update (all its microbatches), built by loader workers and
+        prefetched: (batch, targets [R, K], ordinal [R], sizes)."""
         if self.stream is None:
-            first = self.update * self.run.train.microbatches_per_update
-            # As many as the run asks for: the workers run a few microbatches ahead, no more.
-            indices = range(first, first + 2**40)
-            self.stream = prefetch(worker_batches(self.builder, indices, self.device), self.device)
+            # As many as the run asks for: the workers run a few updates ahead, no more.
+            indices = range(self.update, self.update + 2**40)
+            self.stream = prefetch(worker_batches(self.updates, indices, self.device), self.device)
         item = next(self.stream)
-        return item.batch, *item.tensors
+        return item.batch, *item.tensors, item.meta
 
     def step(self) -> dict:
-        """One update: several microbatches at one parameter snapshot, averaged, clipped once."""
+        """One update: several microbatches at one parameter snapshot, averaged, clipped once;
+        run in one packed forward and backward (`TrainingUpdates`)."""
         started = time.perf_counter()
         config = self.run.train
         factor = self.set_lr()
         self.model.train()
-        totals = {"loss": 0.0, "reward": 0.0, "cross_entropy": 0.0, "accuracy": 0.0}
-        for micro in range(config.microbatches_per_update):
-            batch, targets, ordinal = self.next_microbatch()
-            logits = self.model(batch)
-            out = rlcd_loss(logits, batch.candidate_mask, targets, ordinal, config.objective, self.noise)
-            if not torch.isfinite(out.loss):
-                raise FloatingPointError(f"non-finite loss {out.loss.item()} at update {self.update}, "
-                                         f"microbatch {micro}: aborting before the optimizer step")
-            (out.loss / config.microbatches_per_update).backward()
-            predicted = logits.detach().masked_fill(~batch.candidate_mask, float("-inf")).argmax(-1)
-            share = 1.0 / config.microbatches_per_update
-            totals["loss"] += out.loss.item() * share
-            totals["reward"] += out.reward_mean.item() * share
-            totals["cross_entropy"] += out.cross_entropy.item() * share
-            totals["accuracy"] += (predicted == targets.argmax(-1)).float().mean().item() * share
+        batch, targets, ordinal, sizes = self.next_update()
+        logits = self.model(batch)
+        outputs = microbatch_losses(logits, batch.candidate_mask, targets, ordinal, sizes, config.objective, self.noise)
+        losses = torch.stack([out.loss for out in outputs])
+        finite = torch.isfinite(losses).tolist()
+        if not all(finite):
+            micro = finite.index(False)
+            raise FloatingPointError(f"non-finite loss {losses[micro].item()} at update {self.update}, "
+                                     f"microbatch {micro}: aborting before the optimizer step")
+        losses.mean().backward()
+        with torch.no_grad():
+            accuracy, start = [], 0
+            for count, width in sizes:
+                rows = slice(start, start + count)
+                predicted = logits[rows, :width].masked_fill(~batch.candidate_mask[rows, :width], float("-inf")).argmax(-1)
+                accuracy.append((predicted == targets[rows, :width].argmax(-1)).float().mean())
+                start += count
+            means = torch.stack([losses, torch.stack([out.reward_mean for out in outputs]),
+                                 torch.stack([out.cross_entropy for out in outputs]), torch.stack(accuracy)]).mean(1)
+        totals = dict(zip(("loss", "reward", "cross_entropy", "accuracy"), means.tolist()))
         parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
         if not torch.isfinite(grad_norm):

@@ -91,13 +91,14 @@ def test_prefetch_on_cuda_matches_synchronous_copies_and_pins_worker_batches(eva
         _same_item(ours, build(tables))
 
 
-def test_training_microbatches_from_workers_equal_the_ones_built_in_process(tiny):
+def test_training_updates_from_workers_equal_the_ones_built_in_process(tiny):
     from dohnuts.data import GroupSampler
-    from dohnuts.train import TrainingBatches
+    from dohnuts.train import TrainingBatches, TrainingUpdates
 
     folder = tiny.partition("train")
-    build = TrainingBatches(tiny.template(), RecordReader(folder), GroupSampler(load_records(folder), 0, 8, 100), 2048)
-    indices = range(5, 11)
+    build = TrainingUpdates(TrainingBatches(tiny.template(), RecordReader(folder),
+                                            GroupSampler(load_records(folder), 0, 8, 100), 2048), 2)
+    indices = range(5, 9)
     device = torch.device("cpu")
     received = list(prefetch(worker_batches(build, indices, device, 2), device))
     assert len(received) == len(indices)

@@ -189,3 +189,39 @@ def test_an_update_averages_its_microbatch_gradients_at_one_snapshot_and_sets_th
     factor = lr_factor(0, run.train.steps, run.train.horizon_cap, run.train.warmup_fraction, run.train.lr_floor)
     assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx(
         [run.train.lora_lr * factor, run.train.head_lr * factor])
+
+
+def test_an_update_packs_its_microbatches_rows_in_order_with_each_ones_targets_and_width(tiny):
+    from dohnuts.data import GroupSampler, RecordReader, load_records
+    from dohnuts.train import TrainingBatches, TrainingUpdates
+
+    folder = tiny.partition("train")
+    template = tiny.template()
+    microbatches = TrainingBatches(template, RecordReader(folder), GroupSampler(load_records(folder), 0, 8, 100), 2048)
+    item = TrainingUpdates(microbatches, 3)(1)  # update 1: microbatches 3, 4 and 5
+    targets, ordinal = item.tensors
+    start, keys = 0, []
+    for micro, (count, width) in zip(range(3, 6), item.meta):
+        rows, images, own_targets, own_ordinal = microbatches.parts(micro)
+        assert (count, width) == (len(rows), own_targets.shape[1])
+        torch.testing.assert_close(targets[start:start + count, :width], own_targets, rtol=0, atol=0)
+        assert not targets[start:start + count, width:].any()
+        assert torch.equal(ordinal[start:start + count], own_ordinal)
+        # Each row, rebuilt from the packed batch, is that microbatch's row.
+        alone = template.collate(rows, images)
+        for index in range(count):
+            assert _row_tokens(item.batch, start + index) == _row_tokens(alone, index)
+        keys += [image.key for image in images]
+        start += count
+    assert start == len(targets)
+    assert len(keys) > len(set(keys)) == len(item.batch.image_keys)  # an image of several microbatches: once
+
+
+def _row_tokens(batch, index):
+    """Row `index` of a packed batch: its shared prefix's tokens (if any), then its own."""
+    own = batch.input_ids[batch.prefix_tokens:][batch.cu_seqlens[index]:batch.cu_seqlens[index + 1]].tolist()
+    if batch.fork is None or batch.fork.parents[index] < 0:
+        return own
+    parent = int(batch.fork.parents[index])
+    begin, end = batch.prefix_cu_seqlens[parent], batch.prefix_cu_seqlens[parent + 1]
+    return batch.input_ids[begin:end].tolist() + own
