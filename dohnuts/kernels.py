@@ -95,9 +95,12 @@ def derived(parameter: torch.Tensor, tag: str, make) -> torch.Tensor:
     entries = _DERIVED.setdefault(parameter, {})
     entry = entries.get(tag)
     if entry is None or entry[0] != stamp:
+        value = make(parameter)
+        if value is parameter or value._base is parameter:
+            return value  # nothing to save, and keeping it would keep the parameter alive
         if parameter.is_cuda and torch.cuda.is_current_stream_capturing():
-            return make(parameter)
-        entry = entries[tag] = (stamp, make(parameter))
+            return value
+        entry = entries[tag] = (stamp, value)
     return entry[1]
 
 

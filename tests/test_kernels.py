@@ -61,6 +61,11 @@ def test_derived_constants_are_kept_per_version_and_never_cut_gradients():
     out.sum().backward()
     torch.testing.assert_close(trained.grad, torch.ones(5))  # computed afresh, in the autograd graph
     assert kernels.derived(trained, "1+w", plus_one) is not out
+    # A derivation that gives the parameter back (float() of a float32 weight) is not kept:
+    # the entry would keep its own weak key alive.
+    plain = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    assert kernels.derived(plain, "float", torch.Tensor.float) is plain
+    assert "float" not in kernels._DERIVED.get(plain, {})
 
 
 def test_delta_rule_reference_matches_explicit_per_head_recurrence_on_packed_sequences():
