@@ -71,9 +71,9 @@ class TrainingUpdates:
 
     Each microbatch stays one unit of the objective (its own exploration noise and advantage
     normalisation; see `microbatch_losses`), so the gradient is the one of running them one
-    after another; only the number of launches changes (a quarter with four microbatches,
-    which is what bounds a training step on a GPU: docs/runtime.md). Memory grows with the
-    update's tokens instead of a microbatch's.
+    after another (LoRA dropout aside, whose masks are drawn differently); only the number of
+    launches changes (a quarter with four microbatches, which is what bounds a training step on
+    a GPU: docs/runtime.md). Memory grows with the update's tokens instead of a microbatch's.
 
     Returns Item(batch, (targets [R, K], ordinal [R]), sizes): `sizes` holds each microbatch's
     (rows, candidate width) in order; an image seen in several microbatches is encoded once.
