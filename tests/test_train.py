@@ -225,3 +225,46 @@ def _row_tokens(batch, index):
     parent = int(batch.fork.parents[index])
     begin, end = batch.prefix_cu_seqlens[parent], batch.prefix_cu_seqlens[parent + 1]
     return batch.input_ids[begin:end].tolist() + own
+
+
+class _OneStateMicrobatches:
+    """Microbatches whose rows all continue one 127-token state, with their own questions and
+    candidate widths, so an update's prefix groups span its microbatches."""
+
+    def __init__(self, template, state):
+        self.template, self.state = template, state
+
+    def parts(self, index):
+        from dohnuts.schema import parse_request
+
+        questions = {f"q{index}-{n}": {"type": "choice", "instructions": f"Question {n} of microbatch {index}?",
+                                       "criteria": [f"c{c}" for c in range(2 + (index + n) % 3)]} for n in range(3)}
+        rows = self.template.encode(parse_request(self.state, questions, self.template.reserved), 4096)
+        width = max(len(row.markers) for row in rows)
+        targets = torch.nn.functional.one_hot(torch.arange(len(rows)) % 2, width).float()
+        return rows, [], targets, torch.zeros(len(rows), dtype=torch.bool)
+
+
+def test_prefixes_shared_across_an_updates_microbatches_give_each_rows_own_logits(tiny):
+    """Rows of different microbatches with the same beginning share one prefix in the packed
+    update; each microbatch's logits equal those of the microbatch run alone (float64, 1e-9)."""
+    from test_batch import _state_of_tokens
+
+    from dohnuts.train import TrainingUpdates
+
+    template = tiny.template()
+    source = _OneStateMicrobatches(template, _state_of_tokens(template, 127))
+    item = TrainingUpdates(source, 3)(0)
+    batch = item.batch
+    assert batch.fork is not None and batch.fork.parents.tolist() == [0] * 9  # one prefix, all 9 rows
+    model, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
+    model.double().eval()
+    start = 0
+    with torch.no_grad():
+        logits = model(batch)
+        for micro, (count, width) in enumerate(item.meta):
+            rows, images, targets, _ = source.parts(micro)
+            alone = model(template.collate(rows, images))
+            assert width == targets.shape[1] == alone.shape[1]
+            torch.testing.assert_close(logits[start:start + count, :width], alone, rtol=1e-9, atol=1e-9)
+            start += count
