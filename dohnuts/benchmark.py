@@ -246,7 +246,7 @@ def training_update(model, template, microbatches: int = 4, rows: int = 8):
     Returns (update, the packed batch)."""
     from .config import LoraConfig, ObjectiveConfig
     from .model import with_lora
-    from .objective import microbatch_losses
+    from .objective import microbatch_losses, pack_targets
 
     with_lora(model.backbone, LoraConfig(), seed=0)
     model.changed()  # modules were replaced: no captured graph of the merged model applies
@@ -255,18 +255,16 @@ def training_update(model, template, microbatches: int = 4, rows: int = 8):
     device = model.device
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=1e-4, weight_decay=0.01)
-    encoded, targets, sizes = [], [], []
+    encoded, targets = [], []
     for micro in range(microbatches):
         own = []
         for state, questions in training_requests(template, micro, rows):
             own += template.encode(parse_request(state, questions, template.reserved), 2048)
         width = max(len(row.markers) for row in own)
         targets.append(torch.nn.functional.one_hot(torch.arange(len(own)) % 4, width).float())
-        sizes.append((len(own), width))
         encoded += own
     batch = template.collate(encoded, [])
-    width = max(size[1] for size in sizes)
-    targets = torch.cat([torch.nn.functional.pad(target, (0, width - target.shape[1])) for target in targets])
+    targets, sizes = pack_targets(targets)
     ordinal = torch.zeros(len(encoded), dtype=torch.bool)
 
     def update():

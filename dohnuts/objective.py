@@ -65,16 +65,27 @@ def rlcd_loss(logits: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, o
     return ObjectiveOutput(loss, reward.mean(), cross_entropy.detach())
 
 
+def pack_targets(targets: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """Per-microbatch targets [B_i, K_i] as one [sum B_i, max K_i] tensor (zero-padded), with
+    each microbatch's (rows, candidate width): the `sizes` of `microbatch_slices`."""
+    width = max(target.shape[1] for target in targets)
+    padded = torch.cat([torch.nn.functional.pad(target, (0, width - target.shape[1])) for target in targets])
+    return padded, [tuple(target.shape) for target in targets]
+
+
+def microbatch_slices(sizes: list[tuple[int, int]]):
+    """(rows, width) of each microbatch of a packed update: its slice of the rows, in order,
+    and its own candidate width."""
+    start = 0
+    for count, width in sizes:
+        yield slice(start, start + count), width
+        start += count
+
+
 def microbatch_losses(logits: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, ordinal: torch.Tensor,
                       sizes: list[tuple[int, int]], objective: ObjectiveConfig,
                       generator: torch.Generator | None = None) -> list[ObjectiveOutput]:
-    """The objective of each microbatch of a packed update, in order: rows `sizes[i][0]` at a
-    time, each cut to its own candidate width `sizes[i][1]`, so the noise drawn is exactly the
-    draw of that microbatch run alone."""
-    outputs, start = [], 0
-    for count, width in sizes:
-        rows = slice(start, start + count)
-        outputs.append(rlcd_loss(logits[rows, :width], mask[rows, :width], targets[rows, :width], ordinal[rows],
-                                 objective, generator))
-        start += count
-    return outputs
+    """The objective of each microbatch of a packed update, in order, each cut to its own rows
+    and candidate width, so the noise drawn is exactly the draw of that microbatch run alone."""
+    return [rlcd_loss(logits[rows, :width], mask[rows, :width], targets[rows, :width], ordinal[rows], objective,
+                      generator) for rows, width in microbatch_slices(sizes)]

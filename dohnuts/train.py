@@ -25,7 +25,7 @@ from .io import (IntegrityError, atomic_directory, read_json, sha256_file, verif
                  write_json, write_manifest)
 from .model import (ADAPTER, build_training_model, check_adapter_config, default_device, load_adapter, save_adapter,
                     verify_base)
-from .objective import microbatch_losses
+from .objective import microbatch_losses, microbatch_slices, pack_targets
 from .schedule import lr_factor
 from .template import Template
 
@@ -83,23 +83,19 @@ class TrainingUpdates:
         self.microbatches, self.per_update = microbatches, per_update
 
     def __call__(self, index: int) -> Item:
-        rows, images, targets, ordinals, sizes = [], [], [], [], []
-        slots: dict[object, int] = {}  # image key -> its index among the update's images
+        rows, images, targets, ordinals = [], [], [], []
+        slots: dict[str, int] = {}  # image key -> its index among the update's images
         for micro in range(index * self.per_update, (index + 1) * self.per_update):
             own_rows, own_images, own_targets, ordinal = self.microbatches.parts(micro)
-            remap = []
             for image in own_images:
-                key = image.key if image.key is not None else id(image)
-                if key not in slots:
-                    slots[key] = len(images)
+                if image.key not in slots:
+                    slots[image.key] = len(images)
                     images.append(image)
-                remap.append(slots[key])
+            remap = [slots[image.key] for image in own_images]
             rows += [row if row.image is None else replace(row, image=remap[row.image]) for row in own_rows]
             targets.append(own_targets)
             ordinals.append(ordinal)
-            sizes.append((len(own_rows), own_targets.shape[1]))
-        width = max(target.shape[1] for target in targets)
-        padded = torch.cat([torch.nn.functional.pad(target, (0, width - target.shape[1])) for target in targets])
+        padded, sizes = pack_targets(targets)
         return Item(self.microbatches.template.collate(rows, images), (padded, torch.cat(ordinals)), sizes)
 
 
@@ -278,12 +274,11 @@ class Trainer:
                                      f"microbatch {micro}: aborting before the optimizer step")
         losses.mean().backward()
         with torch.no_grad():
-            accuracy, start = [], 0
-            for count, width in sizes:
-                rows = slice(start, start + count)
-                predicted = logits[rows, :width].masked_fill(~batch.candidate_mask[rows, :width], float("-inf")).argmax(-1)
+            accuracy = []
+            for rows, width in microbatch_slices(sizes):
+                mask = batch.candidate_mask[rows, :width]
+                predicted = logits[rows, :width].masked_fill(~mask, float("-inf")).argmax(-1)
                 accuracy.append((predicted == targets[rows, :width].argmax(-1)).float().mean())
-                start += count
             means = torch.stack([losses, torch.stack([out.reward_mean for out in outputs]),
                                  torch.stack([out.cross_entropy for out in outputs]), torch.stack(accuracy)]).mean(1)
         totals = dict(zip(("loss", "reward", "cross_entropy", "accuracy"), means.tolist()))
