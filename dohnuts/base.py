@@ -111,11 +111,16 @@ def train_tokenizer(corpus: list[str], specials: list[str], vocab_size: int):
     )
 
 
+def fixed_pixels(pixels: int) -> dict:
+    """Image-processor settings that give every image `pixels` pixels. min/max_pixels too: a
+    snapshot's preprocessor_config may carry them, and they win over size."""
+    return {"size": {"shortest_edge": pixels, "longest_edge": pixels}, "min_pixels": pixels, "max_pixels": pixels}
+
+
 def new_image_processor(patch_size: int, pixels: int | None = None):
     """A Qwen2-VL image processor for a base the project builds (merge 2, temporal patch 2,
     normalised to [-1, 1]); `pixels` fixes the pixel count of every image."""
-    sizes = {} if pixels is None else {
-        "size": {"shortest_edge": pixels, "longest_edge": pixels}, "min_pixels": pixels, "max_pixels": pixels}
+    sizes = {} if pixels is None else fixed_pixels(pixels)
     return processor_class()(patch_size=patch_size, merge_size=SPATIAL_MERGE, temporal_patch_size=TEMPORAL_PATCH,
                              image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], **sizes)
 
@@ -163,8 +168,5 @@ def load_processors(folder: Path, config: ModelConfig):
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     # The folder's normalisation and patching, with the pixel count fixed by the policy.
-    pixels = config.image_pixels
-    # min/max_pixels too: a snapshot's preprocessor_config may carry them, and they win over size.
-    processor = processor_class().from_pretrained(
-        folder, size={"shortest_edge": pixels, "longest_edge": pixels}, min_pixels=pixels, max_pixels=pixels)
+    processor = processor_class().from_pretrained(folder, **fixed_pixels(config.image_pixels))
     return tokenizer, processor

@@ -64,7 +64,7 @@ class Batch:
     fork says which prefix each row continues (None: no shared prefix in this batch);
     markers [B, K] index the rows' part, candidate_mask [B, K];
     image_slots [I] are the image-token positions in input_ids and image_sources [I] their
-    rows in the concatenated features of the batch's images (image_grid_thw, image_keys for
+    rows in the concatenated features of the batch's images (image_grid_thw_cpu, image_keys for
     the feature cache; pixel_values of the images with image_has_pixels, the others being
     cache hits known when the batch was built).
     """
@@ -84,7 +84,6 @@ class Batch:
     image_slots: torch.Tensor
     image_sources: torch.Tensor
     pixel_values: torch.Tensor | None
-    image_grid_thw: torch.Tensor | None
     image_grid_thw_cpu: torch.Tensor | None
     image_keys: tuple[str, ...]
     image_has_pixels: tuple[bool, ...]
@@ -172,12 +171,19 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         if row.image_grid is None:
             for axis in positions:
                 axis.extend(range(begin, end))
-        else:
-            full = mrope_positions(row, len(row.input_ids), image_pad_id)[:, begin:end].tolist()
-            for axis, values in zip(positions, full):
-                axis.extend(values)
-            slots.extend((offset + slot, source) for slot, source
-                         in _image_tokens(row, begin, end, feature_offsets[row.image], image_pad_id))
+            return
+        start = row.input_ids.index(image_pad_id)
+        height, width = row.image_grid
+        if begin >= start + height * width:  # all after the image: text positions, shifted as it leaves them
+            shift = max(height, width) - height * width
+            for axis in positions:
+                axis.extend(range(begin + shift, end + shift))
+            return
+        full = mrope_positions(row, len(row.input_ids), image_pad_id)[:, begin:end].tolist()
+        for axis, values in zip(positions, full):
+            axis.extend(values)
+        slots.extend((offset + slot, source) for slot, source
+                     in _image_tokens(row, begin, end, feature_offsets[row.image], image_pad_id))
 
     for split, members in groups:
         add(rows[members[0]], 0, split)
@@ -206,7 +212,7 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         markers=markers, candidate_mask=candidate_mask, image_slots=pairs[:, 0], image_sources=pairs[:, 1],
         pixel_values=torch.cat(pixels) if (pixels := [i.pixel_values for i in images if i.pixel_values is not None])
         else None,
-        image_grid_thw=grid, image_grid_thw_cpu=grid,
+        image_grid_thw_cpu=grid,
         image_keys=tuple(image.key for image in images),
         image_has_pixels=tuple(image.pixel_values is not None for image in images),
         input_tokens=sum(len(row.input_ids) for row in rows),

@@ -154,20 +154,20 @@ def _padded_baseline(rows) -> dict:
             "repeated_prefix_tokens": sum(lengths)}
 
 
-def roofline_record(model, batches: list, vision_encoded: bool, p50_ms: float, ceilings: dict, device_name: str,
-                    passes: int = 1) -> dict:
-    """The useful work of `batches` (each run `passes` times), its bounds under the measured
-    ceilings and under the datasheet of the device present (absent when that device is not in
-    the table), and efficiency t_lower / p50 against each."""
+def roofline_record(model, batch, p50_ms: float, ceilings: dict, passes: int = 1) -> dict:
+    """The useful work of `batch` (run `passes` times; vision only for the images it carries
+    pixels of), its bounds under the measured `ceilings` (`measure_ceilings`) and under the
+    datasheet of the device they were measured on (absent when that device is not in the
+    table), and efficiency t_lower / p50 against each."""
     config = model.backbone.config
-    text, vision = config.text_config.to_dict(), config.vision_config.to_dict()
     dtype_bytes = torch.finfo(model.backbone.dtype).bits // 8
-    works = [useful_work(text, vision, geometry_from_batch(batch, vision_encoded), dtype_bytes) for batch in batches]
-    work = {part: {name: passes * sum(w[part][name] for w in works) for name in works[0][part]}
-            for part in ("flops", "bytes")}
-    work["tokens"] = {name: sum(w["tokens"][name] for w in works) for name in works[0]["tokens"]}
-    transfer = sum(tensor.numel() * tensor.element_size() for batch in batches for tensor in batch.device_tensors())
+    work = useful_work(config.text_config.to_dict(), config.vision_config.to_dict(), geometry_from_batch(batch),
+                       dtype_bytes)
+    for part in ("flops", "bytes"):
+        work[part] = {name: passes * value for name, value in work[part].items()}
+    transfer = sum(tensor.numel() * tensor.element_size() for tensor in batch.device_tensors())
     record = {"work": work, "transfer_bytes": transfer, "bounds": {}, "efficiency": {}}
+    device_name = ceilings["device"]
     sheets = {"measured": ceilings}
     sheet = DEVICES.get(device_name)
     if sheet is not None:
@@ -201,10 +201,9 @@ def run_workload(predictor, name: str, state, questions, warmup: int, timed: int
     _, baseline, _ = _measure(lambda: hugging_face_logits(predictor, state, questions), device, warmup, timed)
     if cache_miss:
         model.image_cache.clear()  # the batch as the timed calls built it: pixels included
-    batch, request = predictor.encode(state, questions)
+    batch, _ = predictor.encode(state, questions)
     _, rows = _baseline_rows(predictor, state, questions)
     mean, p50 = statistics.fmean(samples), percentile(samples, 0.5)
-    encoded = request.image is not None and cache_miss
     return {
         "workload": name + ("_cache_miss" if cache_miss else ""), "questions": len(questions), "cold_ms": cold_ms,
         "p50_ms": p50, "p95_ms": percentile(samples, 0.95), "mean_ms": mean,
@@ -212,19 +211,15 @@ def run_workload(predictor, name: str, state, questions, warmup: int, timed: int
         "hugging_face_p50_ms": percentile(baseline, 0.5), "hugging_face": _padded_baseline(rows),
         "input_tokens": result["usage"]["input_tokens"], "computed_tokens": batch.computed_tokens,
         "shared_prefixes": 0 if batch.fork is None else len(batch.prefix_cu_seqlens) - 1,
-        "image_grid_thw": None if batch.image_grid_thw is None else batch.image_grid_thw.tolist(),
-        "vision_encoded": encoded,
-        "roofline": roofline_record(model, [batch], encoded, p50, ceilings, _device_name(device)),
+        "image_grid_thw": None if batch.image_grid_thw_cpu is None else batch.image_grid_thw_cpu.tolist(),
+        "vision_encoded": any(batch.image_has_pixels),
+        "roofline": roofline_record(model, batch, p50, ceilings),
         "telemetry": telemetry.summary(),
         "samples_ms": samples, "hugging_face_samples_ms": baseline,
     }
 
 
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-
-
-def training_requests(template, microbatch: int, rows: int, questions_per_state: int = 4):
+def training_requests(microbatch: int, rows: int, questions_per_state: int = 4):
     """`rows` rows of about 300 tokens: states of about 250 tokens, `questions_per_state`
     questions each, so the rows of a state share a prefix."""
     names = list(distinct_questions(50).items())
@@ -258,7 +253,7 @@ def training_update(model, template, microbatches: int = 4, rows: int = 8):
     encoded, targets = [], []
     for micro in range(microbatches):
         own = []
-        for state, questions in training_requests(template, micro, rows):
+        for state, questions in training_requests(micro, rows):
             own += template.encode(parse_request(state, questions, template.reserved), 2048)
         width = max(len(row.markers) for row in own)
         targets.append(torch.nn.functional.one_hot(torch.arange(len(own)) % 4, width).float())
@@ -296,7 +291,7 @@ def training_update_record(model, template, ceilings: dict, microbatches: int = 
         "workload": "training_update", "microbatches": microbatches, "rows_per_microbatch": rows,
         "input_tokens": batch.input_tokens, "computed_tokens": batch.computed_tokens,
         "cold_ms": cold_ms, "p50_ms": p50, "samples_ms": samples, "telemetry": telemetry.summary(),
-        "roofline": roofline_record(model, [batch], False, p50, ceilings, _device_name(device), passes=3),
+        "roofline": roofline_record(model, batch, p50, ceilings, passes=3),
     }
     record["tokens_per_second"] = 1000.0 * record["input_tokens"] / p50
     return record

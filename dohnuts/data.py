@@ -152,11 +152,17 @@ def shuffled_choice(example: Example, rng: np.random.Generator) -> Example:
                    [example.target[i] for i in order])
 
 
-def encode_examples(template: Template, examples: list[Example], max_tokens: int):
-    """Encode examples (one question each) into rows, images and a [B, K] target tensor."""
+def encode_examples(template: Template, examples: list[Example], max_tokens: int,
+                    images: list[EncodedImage] | None = None, seen: dict[str, int] | None = None):
+    """Encode examples (one question each) into rows, images and a [B, K] target tensor.
+
+    Identical images are encoded once, so their rows can share a prefix. Pass `images` and
+    `seen` (image key -> index in `images`) to extend those of an earlier call: the rows then
+    index the joint list, and an image already there is not preprocessed again.
+    """
     rows: list[Row] = []
-    images: list[EncodedImage] = []
-    seen: dict[str, int] = {}  # identical images are encoded once, so their rows can share a prefix
+    images = [] if images is None else images
+    seen = {} if seen is None else seen
     for example in examples:
         request = parse_request(example.state, {example.qid: example.question}, template.reserved)
         index = None

@@ -165,7 +165,7 @@ def _layer(layer, kind: str, config, hidden, cos, sin, segments, context=None, k
 def _run_layers(language_model, inputs_embeds, position_ids, segments, activation_checkpointing, contexts,
                 keep_states=False):
     """All layers over packed sequences. Returns (last hidden [T, D] before the final norm,
-    per-layer states)."""
+    per-layer states, or Nones without `keep_states`)."""
     config = language_model.config
     cos, sin = rotary_tables(config, position_ids, inputs_embeds.dtype)
     hidden, states = inputs_embeds, []
@@ -176,7 +176,7 @@ def _run_layers(language_model, inputs_embeds, position_ids, segments, activatio
                                        keep_states, use_reentrant=False)
         else:
             hidden, state = _layer(layer, kind, config, hidden, cos, sin, segments, context, keep_states)
-        states.append(state)
+        states.append(state if keep_states else None)  # else each attention layer's K/V is freed at once
     return hidden, states
 
 
@@ -190,7 +190,7 @@ def _segments(cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None, chu
 
 
 def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
-                   cu_seqlens: torch.Tensor, activation_checkpointing: bool = False, prefix: Forked | None = None,
+                   cu_seqlens: torch.Tensor, activation_checkpointing: bool = False, prefix: list | None = None,
                    cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None
                    ) -> torch.Tensor:
     """Final (normed) hidden states of packed rows.
@@ -201,7 +201,8 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
         position_ids: [3, T] M-RoPE positions (a row continuing a prefix continues its count).
         cu_seqlens: [N + 1] cumulative row lengths, cu_seqlens[-1] = T.
         activation_checkpointing: recompute each layer in the backward pass.
-        prefix: the shared prefixes the rows continue (`SharedPrefix.fork`), or None.
+        prefix: the per-layer contexts of the shared prefixes the rows continue
+            (`SharedPrefix.fork`), or None.
         cu_seqlens_cpu: a host copy of cu_seqlens, when the caller has one (saves a device sync).
         chunk_indices: [chunks, 2] (sequence, chunk) of every 64-token chunk (`chunk_plan`), so
             the fused kernels need not plan; a CUDA graph then owns the plan it replays.
@@ -209,18 +210,9 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
     Returns:
         [T, D] hidden states.
     """
-    contexts = prefix.contexts if prefix is not None else None
     hidden, _ = _run_layers(language_model, inputs_embeds, position_ids, _segments(cu_seqlens, cu_seqlens_cpu, chunk_indices),
-                            activation_checkpointing, contexts)
+                            activation_checkpointing, prefix)
     return kernels.rms_norm(hidden, language_model.norm.weight, language_model.config.rms_norm_eps)
-
-
-@dataclass(frozen=True)
-class Forked:
-    """Per-layer contexts of rows continuing shared prefixes: delta-rule (conv, recurrent)
-    initial states per row, attention (prefix keys, prefix values, fork)."""
-
-    contexts: list
 
 
 class SharedPrefix:
@@ -245,9 +237,10 @@ class SharedPrefix:
                                 activation_checkpointing, None, keep_states=True)
         return cls(language_model.config.layer_types, states)
 
-    def fork(self, fork: Fork) -> Forked:
-        """The contexts the rows continue: row i continues prefix fork.parents[i] (-1: none,
-        which is a zero state and no prefix keys)."""
+    def fork(self, fork: Fork) -> list:
+        """The per-layer contexts the rows continue: delta-rule (conv, recurrent) initial states
+        per row, attention (prefix keys, prefix values, fork). Row i continues prefix
+        fork.parents[i] (-1: none, which is a zero state and no prefix keys)."""
         contexts = []
         for kind, state in zip(self.kinds, self.states):
             if kind == "linear_attention":
@@ -256,4 +249,4 @@ class SharedPrefix:
                                       for part in state))
             else:
                 contexts.append((*state, fork))
-        return Forked(contexts)
+        return contexts

@@ -23,14 +23,17 @@ from .batch import Batch
 LOG = logging.getLogger(__name__)
 
 
-# The batch fields `DecisionModel.scores` reads on the device (plus the fork): a replay copies
-# these; the others (token ids, pixels, image slots) only feed the eager embeddings.
-GRAPH_FIELDS = ("position_ids", "prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices", "chunk_indices",
-                "markers", "candidate_mask")
+# The batch fields `DecisionModel.scores` reads on the device (plus the fork); the others
+# (token ids, pixels, image slots) only feed the eager embeddings. The plan fields hold values
+# `layout_key` fixes (the cu_seqlens and the chunks made from them), so a graph keeps its own;
+# a replay copies the rest.
+PLAN_FIELDS = ("prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices", "chunk_indices")
+GRAPH_FIELDS = ("position_ids", "markers", "candidate_mask") + PLAN_FIELDS
 
 
 def _inputs(embeds: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
-    tensors = [embeds] + [getattr(batch, name) for name in GRAPH_FIELDS]
+    """What a replay copies into the graph: everything it reads but the plan."""
+    tensors = [embeds] + [getattr(batch, name) for name in GRAPH_FIELDS if name not in PLAN_FIELDS]
     if batch.fork is not None:
         tensors += [batch.fork.parents, batch.fork.key_index, batch.fork.cu_seqlens_k]
     return tensors

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-import torch.nn.functional as F
 from torch import nn
 
 from .base import load_backbone

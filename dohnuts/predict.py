@@ -36,16 +36,6 @@ class Predictor:
         model, template, config, temperatures = load_merged(Path(path), device, need_temperatures=True)
         return cls(model, template, config, temperatures)
 
-    @classmethod
-    def shape_only(cls, name: str, device: str | torch.device | None = None) -> Predictor:
-        """A random-weight model of a named shape (see `dohnuts.shapes`), temperatures 1: for
-        timing only, its answers mean nothing."""
-        from .shapes import shape_only_parts
-
-        device = torch.device(device) if device is not None else default_device()
-        model, template, config = shape_only_parts(name, device)
-        return cls(model, template, config, {"choice": 1.0, "noul": 1.0, "score": 1.0})
-
     def encode(self, state, questions):
         """Validate and encode a request into a batch. Returns (batch, request)."""
         request = parse_request(state, questions, self.template.reserved)
@@ -76,9 +66,10 @@ class Predictor:
             TypeError, ValueError: invalid request (see `dohnuts.schema.parse_request`).
         """
         batch, request = self.encode(state, questions)
-        logits = self.scores(batch.to(self.model.device)).double()
-        logits = apply_temperatures(logits, [q.kind for q in request.questions], self.temperatures)
-        probs = masked_softmax(logits, batch.candidate_mask.to(logits.device)).cpu()
+        moved = batch.to(self.model.device)
+        logits = apply_temperatures(self.scores(moved).double(), [q.kind for q in request.questions],
+                                    self.temperatures)
+        probs = masked_softmax(logits, moved.candidate_mask).cpu()
         answers = {q.qid: answer(q, probs[index, : len(q.labels)].tolist())
                    for index, q in enumerate(request.questions)}
         usage = {"input_tokens": batch.input_tokens, "images": int(request.image is not None)}

@@ -285,8 +285,8 @@ def bounds(work: dict, ceilings: dict, transfer_bytes: int | None = None) -> dic
 
     Terms: matrix (MATRIX_CATEGORIES at matrix_flops_per_s), vector (at vector_flops_per_s),
     recurrence (at recurrence_flops_per_s, else vector_flops_per_s), memory (bytes total at
-    bandwidth_bytes_per_s) and, when transfer bytes are given (argument, else
-    work["transfer_bytes"]), transfer (at transfer_bytes_per_s). They combine as `sum` (no
+    bandwidth_bytes_per_s) and, when `transfer_bytes` is given, transfer (at
+    transfer_bytes_per_s). They combine as `sum` (no
     overlap), `max` (ideal overlap) and `critical_path`: the compute terms one after another,
     overlapped with memory traffic, then the transfer, max(matrix + vector + recurrence, memory)
     + transfer, which lies between max and sum by construction. t_lower = max(all FLOPs at the
@@ -305,7 +305,6 @@ def bounds(work: dict, ceilings: dict, transfer_bytes: int | None = None) -> dic
          "t_lower_seconds", "terms": names of the terms combined}.
     """
     flops = work["flops"]
-    transfer_bytes = transfer_bytes if transfer_bytes is not None else work.get("transfer_bytes")
     transfer_rate = ceilings.get("transfer_bytes_per_s")
     vector_rate = ceilings.get("vector_flops_per_s")
     recurrence_rate = ceilings.get("recurrence_flops_per_s") or vector_rate

@@ -14,7 +14,8 @@ from . import synthetic
 from .base import (IMAGE_PAD, SPATIAL_MERGE, TEMPORAL_PATCH, VIDEO_PAD, VISION_END, VISION_START, new_image_processor,
                    special_tokens, train_tokenizer)
 from .config import SHAPE_NAMES, ModelConfig
-from .model import DTYPES, DecisionModel, new_head
+from .model import DTYPES, DecisionModel, default_device, new_head
+from .predict import Predictor
 from .template import Template
 
 # The config.json of Qwen/Qwen3.5-0.8B (text and vision parts, no LM head), as recorded in
@@ -56,6 +57,9 @@ def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0):
     if name not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}; known: {sorted(SHAPES)}")
     shape = SHAPES[name]
+    vision = shape["vision_config"]
+    if (vision["spatial_merge_size"], vision["temporal_patch_size"]) != (SPATIAL_MERGE, TEMPORAL_PATCH):
+        raise ValueError(f"shape {name!r}: only merge {SPATIAL_MERGE} and temporal patch {TEMPORAL_PATCH} are supported")
     model_config = ModelConfig(base=f"shape-only:{name}", revision="random-weights", dtype=dtype,
                                image_pixels=IMAGE_PIXELS, seed=seed)
     specials = special_tokens(model_config.marker_token)
@@ -70,9 +74,14 @@ def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0):
     with torch.device(device):
         backbone = Qwen3_5Model(config).to(DTYPES[dtype])
     head = new_head(config.text_config.hidden_size, 0.01, torch.Generator().manual_seed(seed)).to(device)
-    vision = shape["vision_config"]
-    if (vision["spatial_merge_size"], vision["temporal_patch_size"]) != (SPATIAL_MERGE, TEMPORAL_PATCH):
-        raise ValueError(f"shape {name!r}: only merge {SPATIAL_MERGE} and temporal patch {TEMPORAL_PATCH} are supported")
     processor = new_image_processor(vision["patch_size"], IMAGE_PIXELS)
     template = Template(tokenizer, processor, model_config.marker_token)
     return DecisionModel(backbone, head).eval(), template, model_config
+
+
+def shape_only_predictor(name: str, device: str | torch.device | None = None):
+    """A `Predictor` over a random-weight model of a named shape, temperatures 1: for timing
+    only, its answers mean nothing."""
+    device = torch.device(device) if device is not None else default_device()
+    model, template, config = shape_only_parts(name, device)
+    return Predictor(model, template, config, {"choice": 1.0, "noul": 1.0, "score": 1.0})

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from .base import SPATIAL_MERGE, special_tokens
 from .batch import Batch, EncodedImage, Row, pack_rows
 from .features import image_key
-from .schema import Question, Request
+from .schema import Request
 
 
 PIECE_CACHE_CHARS = 4 * 2**20  # characters of recently tokenised text kept

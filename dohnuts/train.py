@@ -10,7 +10,7 @@ import logging
 import random
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -53,11 +53,12 @@ class TrainingBatches:
     def __init__(self, template: Template, reader: RecordReader, sampler: GroupSampler, max_tokens: int):
         self.template, self.reader, self.sampler, self.max_tokens = template, reader, sampler, max_tokens
 
-    def parts(self, index: int):
-        """Microbatch `index` before packing: (rows, images, targets [B, K], ordinal [B])."""
+    def parts(self, index: int, images: list | None = None, seen: dict | None = None):
+        """Microbatch `index` before packing: (rows, images, targets [B, K], ordinal [B]);
+        `images` and `seen` extend those of other microbatches (see `encode_examples`)."""
         records, rng = self.sampler.draw(index)
         examples = [shuffled_choice(self.reader.example(row), rng) for _, row in records.iterrows()]
-        rows, images, targets = encode_examples(self.template, examples, self.max_tokens)
+        rows, images, targets = encode_examples(self.template, examples, self.max_tokens, images, seen)
         return rows, images, targets, torch.tensor([row.question.kind == "score" for row in rows])
 
     def __call__(self, index: int) -> Item:
@@ -83,16 +84,10 @@ class TrainingUpdates:
         self.microbatches, self.per_update = microbatches, per_update
 
     def __call__(self, index: int) -> Item:
-        rows, images, targets, ordinals = [], [], [], []
-        slots: dict[str, int] = {}  # image key -> its index among the update's images
+        rows, images, seen, targets, ordinals = [], [], {}, [], []
         for micro in range(index * self.per_update, (index + 1) * self.per_update):
-            own_rows, own_images, own_targets, ordinal = self.microbatches.parts(micro)
-            for image in own_images:
-                if image.key not in slots:
-                    slots[image.key] = len(images)
-                    images.append(image)
-            remap = [slots[image.key] for image in own_images]
-            rows += [row if row.image is None else replace(row, image=remap[row.image]) for row in own_rows]
+            own_rows, images, own_targets, ordinal = self.microbatches.parts(micro, images, seen)
+            rows += own_rows
             targets.append(own_targets)
             ordinals.append(ordinal)
         padded, sizes = pack_targets(targets)

@@ -15,6 +15,7 @@ from dohnuts.benchmark import benchmark
 from dohnuts.config import read_params, section
 from dohnuts.io import write_bytes, write_json
 from dohnuts.predict import Predictor
+from dohnuts.shapes import shape_only_predictor
 
 
 @click.command()
@@ -32,7 +33,7 @@ def main(params_path, checkpoint, records, summary, plots):
     """Cold call, warm-up calls, then timed calls per workload; p50/p95/mean and decisions/s."""
     config = section(read_params(params_path), "benchmark")
     if config.shape is not None:
-        predictor = Predictor.shape_only(config.shape)
+        predictor = shape_only_predictor(config.shape)
         click.echo(f"shape-only: random weights of {config.shape}, not the checkpoint")
     else:
         predictor = Predictor.from_checkpoint(checkpoint)

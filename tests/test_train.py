@@ -234,7 +234,7 @@ class _OneStateMicrobatches:
     def __init__(self, template, state):
         self.template, self.state = template, state
 
-    def parts(self, index):
+    def parts(self, index, images=None, seen=None):  # text only: `images` stays as given
         from dohnuts.schema import parse_request
 
         questions = {f"q{index}-{n}": {"type": "choice", "instructions": f"Question {n} of microbatch {index}?",
@@ -242,7 +242,7 @@ class _OneStateMicrobatches:
         rows = self.template.encode(parse_request(self.state, questions, self.template.reserved), 4096)
         width = max(len(row.markers) for row in rows)
         targets = torch.nn.functional.one_hot(torch.arange(len(rows)) % 2, width).float()
-        return rows, [], targets, torch.zeros(len(rows), dtype=torch.bool)
+        return rows, [] if images is None else images, targets, torch.zeros(len(rows), dtype=torch.bool)
 
 
 def test_prefixes_shared_across_an_updates_microbatches_give_each_rows_own_logits(tiny):
