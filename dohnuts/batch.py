@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .base import SPATIAL_MERGE
-from .decoder import Fork, chunk_plan, plan_fork
+from .decoder import Fork, chunk_plan, cumulative, plan_fork
 from .schema import Question
 
 PREFIX_ALIGN = 64  # prefixes end on a multiple of the delta-rule chunk size
@@ -200,7 +200,7 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     candidate_mask = torch.arange(width)[None, :] < torch.tensor([len(row.markers) for row in rows])[:, None]
 
     pairs = torch.tensor(slots, dtype=torch.long).reshape(-1, 2)
-    prefix_cu, row_cu = _cumulative(prefix_lengths), _cumulative(own_lengths)
+    prefix_cu, row_cu = cumulative(prefix_lengths), cumulative(own_lengths)
     grid = torch.cat([image.grid_thw for image in images]) if images else None
     return Batch(
         input_ids=_longs(ids), position_ids=_longs(positions),
@@ -222,10 +222,6 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
 def _longs(values: list) -> torch.Tensor:
     """int64 tensor of (nested) integer lists; numpy converts long lists several times faster."""
     return torch.from_numpy(np.asarray(values, dtype=np.int64))
-
-
-def _cumulative(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
 def mrope_positions(row: Row, length: int, image_pad_id: int) -> torch.Tensor:

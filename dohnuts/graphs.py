@@ -35,7 +35,7 @@ def _inputs(embeds: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
     """What a replay copies into the graph: everything it reads but the plan."""
     tensors = [embeds] + [getattr(batch, name) for name in GRAPH_FIELDS if name not in PLAN_FIELDS]
     if batch.fork is not None:
-        tensors += [batch.fork.parents, batch.fork.key_index, batch.fork.cu_seqlens_k]
+        tensors += batch.fork.tensors()
     return tensors
 
 
@@ -46,7 +46,7 @@ def layout_key(batch: Batch) -> tuple:
            tuple(batch.input_ids.shape)]
     key += [(name, tuple(getattr(batch, name).shape)) for name in GRAPH_FIELDS]
     if batch.fork is not None:
-        key.append(("fork", tuple(batch.fork.key_index.shape), batch.fork.max_seqlen_k))
+        key.append(("fork", tuple(batch.fork.key_index.shape), batch.fork.max_seqlen_q, batch.fork.max_seqlen_k))
     return tuple(key)
 
 

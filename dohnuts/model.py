@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .base import load_backbone
-from .decoder import SharedPrefix, packed_forward
+from .decoder import Prefixes, Segments, packed_forward
 from .features import ImageFeatureCache
 from .config import LoraConfig, to_dict
 from .io import read_json, verify_manifest
@@ -85,20 +85,16 @@ class DecisionModel(nn.Module):
     def language(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Final hidden states of the rows' own tokens [S, D], packed one row after another.
 
-        Shared prefixes (`batch.fork`) run once, in one packed pass of their own, and every
-        row continues its prefix's states.
+        Shared prefixes (`batch.fork`) run once, in the same pass as the rows, and every row
+        continues its prefix's states.
         """
-        language = self.backbone.language_model
-        checkpointing = self.activation_checkpointing and self.training
-        split = batch.prefix_tokens
-        prefix = None
+        prefixes = None
         if batch.fork is not None:
-            prefix = SharedPrefix.compute(language, embeds[:split], batch.position_ids[:, :split],
-                                          batch.prefix_cu_seqlens, checkpointing, batch.prefix_cu_seqlens_cpu,
-                                          batch.prefix_chunk_indices)
-            prefix = prefix.fork(batch.fork)
-        return packed_forward(language, embeds[split:], batch.position_ids[:, split:], batch.cu_seqlens,
-                              checkpointing, prefix, batch.cu_seqlens_cpu, batch.chunk_indices)
+            prefixes = Prefixes(batch.prefix_tokens, Segments.of(batch.prefix_cu_seqlens, batch.prefix_cu_seqlens_cpu,
+                                                                 batch.prefix_chunk_indices), batch.fork)
+        return packed_forward(self.backbone.language_model, embeds, batch.position_ids, batch.cu_seqlens,
+                              self.activation_checkpointing and self.training, prefixes, batch.cu_seqlens_cpu,
+                              batch.chunk_indices)
 
     def hidden_states(self, batch: Batch) -> torch.Tensor:
         """Final hidden states of the rows' own tokens [S, D] (see `language`)."""

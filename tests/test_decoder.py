@@ -6,7 +6,7 @@ import torch
 from dohnuts.base import load_backbone
 from dohnuts.config import LoraConfig
 from dohnuts import kernels
-from dohnuts.decoder import SharedPrefix, packed_forward, plan_fork
+from dohnuts.decoder import Prefixes, Segments, packed_forward, plan_fork
 from dohnuts.model import build_training_model
 from dohnuts.schema import parse_request
 
@@ -140,7 +140,9 @@ def _shared_case(tiny, language_model):
 
     split_of = [len(prefixes[p]) for p in parents]
     fork = plan_fork([len(p) for p in prefixes], [len(s) for s in suffixes], parents)
-    return packed(full), packed(prefixes), packed(suffixes, split_of), fork, split_of
+    (head, head_positions, head_cu), (tail, tail_positions, tail_cu) = packed(prefixes), packed(suffixes, split_of)
+    shared = (torch.cat([head, tail]), torch.cat([head_positions, tail_positions], dim=1), tail_cu)
+    return packed(full), shared, Prefixes(len(head), Segments.of(head_cu), fork), split_of
 
 
 def test_shared_prefixes_match_unshared_rows_in_outputs_and_gradients(tiny):
@@ -153,15 +155,14 @@ def test_shared_prefixes_match_unshared_rows_in_outputs_and_gradients(tiny):
                 parameter.normal_(0.0, 0.05)
     language_model = model.backbone.language_model.train()
     lora = [p for name, p in language_model.named_parameters() if "lora_" in name]
-    full, prefixes, suffixes, fork, split_of = _shared_case(tiny, language_model)
+    full, shared_inputs, prefixes, split_of = _shared_case(tiny, language_model)
 
     unshared = packed_forward(language_model, *full, activation_checkpointing=True)
     # The suffix tokens of each full row, in row order.
     keep = torch.cat([torch.arange(start + split, end) for start, end, split
                       in zip(full[2][:-1].tolist(), full[2][1:].tolist(), split_of)])
     unshared = unshared[keep]
-    prefix = SharedPrefix.compute(language_model, *prefixes, activation_checkpointing=True)
-    shared = packed_forward(language_model, *suffixes, activation_checkpointing=True, prefix=prefix.fork(fork))
+    shared = packed_forward(language_model, *shared_inputs, activation_checkpointing=True, prefixes=prefixes)
     scale = unshared.abs().max()
     assert ((shared - unshared).abs().max() / scale).item() <= 1e-5
 
