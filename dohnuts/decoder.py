@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from . import kernels
@@ -142,6 +143,32 @@ def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[i
                 cumulative(key_counts), max(query_counts, default=0), max(key_counts, default=0))
 
 
+def project(module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` for a linear projection, with peft LoRA applied as one fused update.
+
+    A peft LoRA `Linear` (unmerged, plain LoRA) computes base(x) + scaling * B(A(dropout(x))),
+    with its adapters in float32: peft casts x and the sum to float32 and back, several large
+    copies and kernels per projection. Here the adapter runs in x's dtype, as mixed-precision
+    training does (float32 weights, low-precision products with float32 accumulation), and
+    the B product, scaling and sum are one addmm. Any other module (a plain Linear, a merged
+    or disabled adapter, a LoRA variant such as DoRA) runs its own forward.
+    """
+    lora_a = getattr(module, "lora_A", None)
+    if lora_a is None or module.merged or module.disable_adapters or not isinstance(module.base_layer, nn.Linear):
+        return module(x)
+    adapters = [name for name in module.active_adapters if name in lora_a]
+    if any(name in getattr(module, "lora_variant", {}) for name in adapters):
+        return module(x)
+    base = module.base_layer
+    out = F.linear(x, base.weight, base.bias)
+    flat = x.reshape(-1, x.shape[-1])
+    for name in adapters:
+        down = F.linear(module.lora_dropout[name](flat), module.lora_A[name].weight.to(x.dtype))
+        out = torch.addmm(out.reshape(-1, out.shape[-1]), down, module.lora_B[name].weight.to(x.dtype).t(),
+                          alpha=module.scaling[name]).view(out.shape)
+    return out
+
+
 def _attention(module, config, hidden: torch.Tensor, cos, sin, rows: Segments, prefixes: Prefixes | None):
     """Gated, partially rotary, grouped-query attention of packed tokens. hidden: [T, D].
 
@@ -151,11 +178,11 @@ def _attention(module, config, hidden: torch.Tensor, cos, sin, rows: Segments, p
     head_dim = config.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     total = hidden.shape[0]
-    query, gate = module.q_proj(hidden).view(total, heads, 2 * head_dim).chunk(2, dim=-1)
+    query, gate = project(module.q_proj, hidden).view(total, heads, 2 * head_dim).chunk(2, dim=-1)
     query = kernels.rms_norm(query, module.q_norm.weight, config.rms_norm_eps)
-    key = kernels.rms_norm(module.k_proj(hidden).view(total, kv_heads, head_dim), module.k_norm.weight,
+    key = kernels.rms_norm(project(module.k_proj, hidden).view(total, kv_heads, head_dim), module.k_norm.weight,
                            config.rms_norm_eps)
-    value = module.v_proj(hidden).view(total, kv_heads, head_dim)
+    value = project(module.v_proj, hidden).view(total, kv_heads, head_dim)
     query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
     if prefixes is None:
         out = kernels.attention(query, key, value, rows.cu_seqlens, rows.cu_seqlens, rows.max_seqlen, rows.max_seqlen,
@@ -165,7 +192,7 @@ def _attention(module, config, hidden: torch.Tensor, cos, sin, rows: Segments, p
         out = kernels.attention(query, key[fork.key_index], value[fork.key_index], fork.cu_seqlens_q,
                                 fork.cu_seqlens_k, fork.max_seqlen_q, fork.max_seqlen_k, head_dim**-0.5)
     out = out.reshape(total, heads * head_dim) * torch.sigmoid(gate.reshape(total, -1))
-    return module.o_proj(out)
+    return project(module.o_proj, out)
 
 
 def _forked(state: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
@@ -183,12 +210,12 @@ def _delta_rule(module, config, hidden: torch.Tensor, rows: Segments, prefixes: 
     total = hidden.shape[0]
     key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
     key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
-    mixed = module.in_proj_qkv(hidden)[None]  # [1, T, 2 * Hk * K + Hv * V]
-    beta = torch.sigmoid(module.in_proj_b(hidden))[None]
+    mixed = project(module.in_proj_qkv, hidden)[None]  # [1, T, 2 * Hk * K + Hv * V]
+    beta = torch.sigmoid(project(module.in_proj_b, hidden))[None]
     # Qwen3.5's decay: g = -exp(A_log) * softplus(a + dt_bias), in float32 (A may overflow in bf16).
     rate = kernels.derived(module.A_log, "-exp", lambda a: -a.float().exp())
     bias = kernels.derived(module.dt_bias, "float", torch.Tensor.float)
-    g = (rate * F.softplus(module.in_proj_a(hidden).float() + bias))[None]
+    g = (rate * F.softplus(project(module.in_proj_a, hidden).float() + bias))[None]
     weight = module.conv1d.weight.squeeze(1)
 
     def mix(begin: int, end: int, segments: Segments, conv_state, recurrent_state, keep: bool):
@@ -211,9 +238,9 @@ def _delta_rule(module, config, hidden: torch.Tensor, rows: Segments, prefixes: 
         head, (conv_final, recurrent_final) = mix(0, split, prefixes.segments, None, None, True)
         tail, _ = mix(split, total, rows, _forked(conv_final, parents), _forked(recurrent_final, parents), False)
         out = torch.cat([head, tail])
-    gate = module.in_proj_z(hidden).view(total, value_heads, value_dim)
+    gate = project(module.in_proj_z, hidden).view(total, value_heads, value_dim)
     out = kernels.rms_norm_gated(out, gate, module.norm.weight, config.rms_norm_eps)
-    return module.out_proj(out.reshape(total, value_heads * value_dim))
+    return project(module.out_proj, out.reshape(total, value_heads * value_dim))
 
 
 def _layer(layer, kind: str, config, hidden, cos, sin, rows: Segments, prefixes: Prefixes | None):
@@ -226,7 +253,7 @@ def _layer(layer, kind: str, config, hidden, cos, sin, rows: Segments, prefixes:
     hidden = hidden + mixed
     normed = kernels.rms_norm(hidden, layer.post_attention_layernorm.weight, config.rms_norm_eps)
     mlp = layer.mlp
-    return hidden + mlp.down_proj(kernels.swiglu(mlp.gate_proj(normed), mlp.up_proj(normed)))
+    return hidden + project(mlp.down_proj, kernels.swiglu(project(mlp.gate_proj, normed), project(mlp.up_proj, normed)))
 
 
 def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,

@@ -6,7 +6,7 @@ import torch
 from dohnuts.base import load_backbone
 from dohnuts.config import LoraConfig
 from dohnuts import kernels
-from dohnuts.decoder import Prefixes, Segments, packed_forward, plan_fork
+from dohnuts.decoder import Prefixes, Segments, packed_forward, plan_fork, project
 from dohnuts.model import build_training_model
 from dohnuts.schema import parse_request
 
@@ -171,3 +171,52 @@ def test_shared_prefixes_match_unshared_rows_in_outputs_and_gradients(tiny):
     actual = torch.autograd.grad((shared * weights).sum(), lora)
     for ours, reference in zip(actual, expected):
         assert ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-12)).item() <= 1e-5
+
+
+def _lora_linear(dtype, dropout=0.0):
+    """A peft LoRA Linear (adapters in float32, as peft keeps them) with a non-zero B."""
+    from peft import LoraConfig as PeftLoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    outer = torch.nn.Sequential(torch.nn.Linear(24, 40, bias=False)).to(dtype)
+    peft_model = get_peft_model(outer, PeftLoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["0"]))
+    module = peft_model.base_model.model[0]
+    with torch.no_grad():
+        module.lora_B["default"].weight.normal_(0.0, 0.5)
+    return peft_model, module
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_project_equals_peft_lora_in_outputs_and_gradients(dtype, tolerance):
+    """Max abs error relative to the largest value: 1e-6 in float32, where both run the same
+    math; bf16 tolerance in bfloat16, where ours keeps the adapter in bf16 and peft in float32."""
+    _, module = _lora_linear(dtype)
+    adapter = [module.lora_A["default"].weight, module.lora_B["default"].weight]
+    x = torch.randn(2, 7, 24, dtype=dtype, requires_grad=True)
+    weights = torch.randn(2, 7, 40)
+    results = []
+    for run in (project, lambda m, h: m(h)):
+        out = run(module, x)
+        results.append((out, *torch.autograd.grad((out.float() * weights).sum(), [x] + adapter)))
+    assert results[0][0].dtype == dtype
+    for ours, reference in zip(*results):
+        scale = reference.float().abs().max()
+        assert scale > 0 and ((ours.float() - reference.float()).abs().max() / scale).item() <= tolerance
+
+
+def test_project_runs_modules_own_forward_when_merged_disabled_or_plain():
+    peft_model, module = _lora_linear(torch.float32, dropout=0.3)
+    x = torch.randn(5, 24)
+    torch.manual_seed(1)
+    dropped = project(module, x)  # training mode: the same dropout mask as peft's for the same seed
+    torch.manual_seed(1)
+    assert torch.allclose(dropped, module(x), atol=1e-6)
+    module.eval()  # dropout off: merged and unmerged outputs agree
+    unmerged = project(module, x)
+    with peft_model.disable_adapter():
+        assert torch.equal(project(module, x), module.base_layer(x))
+    module.merge()
+    merged = project(module, x)
+    assert torch.equal(merged, module.base_layer(x)) and torch.allclose(merged, unmerged, atol=1e-5)
+    plain = torch.nn.Linear(24, 3)
+    assert torch.equal(project(plain, x), plain(x))
