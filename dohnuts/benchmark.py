@@ -275,7 +275,7 @@ def training_update(model, template, microbatches: int = 4, rows: int = 8):
 
 
 def training_update_record(model, template, ceilings: dict, microbatches: int = 4, rows: int = 8,
-                           timed: int = 5) -> dict:
+                           timed: int = 10) -> dict:
     """Seconds per `training_update` (which injects fresh LoRA into `model`), with its roofline.
 
     Useful work of an update: 3 forward passes' worth of its packed batch, FLOPs and bytes (the
