@@ -151,13 +151,14 @@ def project(module, x: torch.Tensor) -> torch.Tensor:
     copies and kernels per projection. Here the adapter runs in x's dtype, as mixed-precision
     training does (float32 weights, low-precision products with float32 accumulation), and
     the B product, scaling and sum are one addmm. Any other module (a plain Linear, a merged
-    or disabled adapter, a LoRA variant such as DoRA) runs its own forward.
+    or disabled adapter, a LoRA variant such as DoRA, a LoRA bias, a base layer that is not
+    exactly nn.Linear, such as a quantized one) runs its own forward.
     """
     lora_a = getattr(module, "lora_A", None)
-    if lora_a is None or module.merged or module.disable_adapters or not isinstance(module.base_layer, nn.Linear):
+    if lora_a is None or module.merged or module.disable_adapters or type(module.base_layer) is not nn.Linear:
         return module(x)
     adapters = [name for name in module.active_adapters if name in lora_a]
-    if any(name in getattr(module, "lora_variant", {}) for name in adapters):
+    if any(name in getattr(module, "lora_variant", {}) or module.lora_B[name].bias is not None for name in adapters):
         return module(x)
     base = module.base_layer
     out = F.linear(x, base.weight, base.bias)

@@ -173,16 +173,19 @@ def test_shared_prefixes_match_unshared_rows_in_outputs_and_gradients(tiny):
         assert ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-12)).item() <= 1e-5
 
 
-def _lora_linear(dtype, dropout=0.0):
+def _lora_linear(dtype, dropout=0.0, lora_bias=False):
     """A peft LoRA Linear (adapters in float32, as peft keeps them) with a non-zero B."""
     from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
     torch.manual_seed(0)
     outer = torch.nn.Sequential(torch.nn.Linear(24, 40, bias=False)).to(dtype)
-    peft_model = get_peft_model(outer, PeftLoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["0"]))
+    config = PeftLoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["0"], lora_bias=lora_bias)
+    peft_model = get_peft_model(outer, config)
     module = peft_model.base_model.model[0]
     with torch.no_grad():
         module.lora_B["default"].weight.normal_(0.0, 0.5)
+        if lora_bias:
+            module.lora_B["default"].bias.normal_(0.0, 0.5)
     return peft_model, module
 
 
@@ -220,3 +223,5 @@ def test_project_runs_modules_own_forward_when_merged_disabled_or_plain():
     assert torch.equal(merged, module.base_layer(x)) and torch.allclose(merged, unmerged, atol=1e-5)
     plain = torch.nn.Linear(24, 3)
     assert torch.equal(project(plain, x), plain(x))
+    _, biased = _lora_linear(torch.float32, lora_bias=True)  # a LoRA bias: peft's own forward
+    assert torch.equal(project(biased, x), biased(x))
