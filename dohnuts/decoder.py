@@ -126,9 +126,7 @@ def cumulative(lengths: list[int]) -> torch.Tensor:
 
 def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[int]) -> Fork:
     """The `Fork` of rows (own lengths `row_lengths`) continuing prefixes of `prefix_lengths`."""
-    prefix_starts = [0]
-    for length in prefix_lengths:
-        prefix_starts.append(prefix_starts[-1] + length)
+    prefix_starts = cumulative(prefix_lengths).tolist()
     row_start = prefix_starts[-1]
     indices, key_counts = list(range(row_start)), list(prefix_lengths)  # a prefix's keys are its own tokens
     for length, parent in zip(row_lengths, parents):
