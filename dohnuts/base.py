@@ -16,6 +16,10 @@ VIDEO_PAD = "<|video_pad|>"
 END_OF_TEXT = "<|endoftext|>"
 SPATIAL_MERGE = 2
 TEMPORAL_PATCH = 2
+# The pre-tokenizer split of Qwen2's and Qwen3's tokenizer.json: words with one leading
+# non-letter, single digits, punctuation runs, newlines and spaces.
+QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+              r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
 def special_tokens(marker: str) -> list[str]:
@@ -92,13 +96,20 @@ def _build_embedded(config: ModelConfig, out: Path, corpus: list[str]) -> None:
     new_image_processor(shape.patch_size).save_pretrained(out)
 
 
-def train_tokenizer(corpus: list[str], specials: list[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_tokenizer(corpus: list[str], specials: list[str], vocab_size: int, split: str | None = None):
+    """A byte-level BPE tokenizer trained on `corpus`, with GPT-2's pre-tokenizer split, or the
+    regular expression `split` (such as QWEN_SPLIT) instead."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE())
     # Byte-level like Qwen's tokenizer, so any input text encodes without unknown tokens.
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - 64, special_tokens=specials, show_progress=False,

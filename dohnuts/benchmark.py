@@ -18,6 +18,7 @@ from .evaluate import EvaluationBatches, evaluate, plan_batches, result_rows
 from .loader import loader_workers
 from .roofline import DEVICES, bounds, efficiency, geometry_from_batch, useful_work
 from .schema import parse_request
+from .template import pieces_of
 from .telemetry import Telemetry, measure_ceilings, synchronize
 
 TEXT_STATE = "Customer: I was billed twice."
@@ -82,6 +83,16 @@ def workloads() -> dict[str, tuple[object, dict]]:
     for count in (1, 5, 10, 50):
         cases[f"distinct_text_{count}q"] = (DISTINCT_STATE, distinct_questions(count))
     return cases
+
+
+def workload_texts() -> list[str]:
+    """The template's text pieces of every workload and of the training update's rows: a
+    shape-only tokenizer trained with them holds their words whole, as Qwen's does."""
+    texts = []
+    cases = list(workloads().values()) + training_requests(None, 0, 4)
+    for state, questions in cases:
+        texts += pieces_of(parse_request(state, questions))
+    return texts
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -219,16 +230,25 @@ def run_workload(predictor, name: str, state, questions, warmup: int, timed: int
     }
 
 
-def training_requests(microbatch: int, rows: int, questions_per_state: int = 4):
-    """`rows` rows of about 300 tokens: states of about 250 tokens, `questions_per_state`
-    questions each, so the rows of a state share a prefix."""
+def training_requests(template, microbatch: int, rows: int, questions_per_state: int = 4,
+                      state_tokens: int = 250) -> list[tuple[dict, dict]]:
+    """(state, questions) of `rows` rows of about 300 tokens: states of at least `state_tokens`
+    tokens under `template` (one note line when it is None), `questions_per_state` questions
+    each, so the rows of a state share a prefix."""
     names = list(distinct_questions(50).items())
     out = []
     for state_index in range(rows // questions_per_state):
-        note = " ".join(f"line {microbatch}-{state_index}-{i}: the customer wrote again about the invoice."
-                        for i in range(6))
-        chosen = names[(state_index * questions_per_state) % 50:][:questions_per_state]
-        out.append(({**DISTINCT_STATE, "note": note}, dict(chosen)))
+        chosen = dict(names[(state_index * questions_per_state) % 50:][:questions_per_state])
+        lines = []
+        while True:
+            lines.append(f"line {microbatch}-{state_index}-{len(lines)}: the customer wrote again about the invoice.")
+            state = {**DISTINCT_STATE, "note": " ".join(lines)}
+            if template is None:
+                break
+            state_piece = pieces_of(parse_request(state, chosen, template.reserved))[0]
+            if len(template.tokenize([state_piece])[0]) >= state_tokens:
+                break
+        out.append((state, chosen))
     return out
 
 
@@ -253,7 +273,7 @@ def training_update(model, template, microbatches: int = 4, rows: int = 8):
     encoded, targets = [], []
     for micro in range(microbatches):
         own = []
-        for state, questions in training_requests(micro, rows):
+        for state, questions in training_requests(template, micro, rows):
             own += template.encode(parse_request(state, questions, template.reserved), 2048)
         width = max(len(row.markers) for row in own)
         targets.append(torch.nn.functional.one_hot(torch.arange(len(own)) % 4, width).float())

@@ -1,18 +1,23 @@
 """Named model shapes: random weights of a real architecture, for shape-only benchmarks.
 
 A random-weight model of the real shape does the same arithmetic as the real one, so its
-timings stand for the real model's; every record made with it says "shape-only". The token
-counts differ slightly: the tokenizer is the project's own byte-level BPE trained on the
-synthetic corpus, not Qwen's.
+timings stand for the real model's; every record made with it says "shape-only". Qwen's
+tokenizer cannot be fetched offline, so the tokenizer is the project's own byte-level BPE
+with Qwen's pre-tokenizer split, trained on the synthetic corpus plus the texts the caller
+will time (`texts`). Like Qwen's 248k-token vocabulary, which holds common English words
+whole, it then gives each split piece of those texts one token, and its token counts come
+close to Qwen's. Every record reports its token counts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from . import synthetic
-from .base import (IMAGE_PAD, SPATIAL_MERGE, TEMPORAL_PATCH, VIDEO_PAD, VISION_END, VISION_START, new_image_processor,
-                   special_tokens, train_tokenizer)
+from .base import (IMAGE_PAD, QWEN_SPLIT, SPATIAL_MERGE, TEMPORAL_PATCH, VIDEO_PAD, VISION_END, VISION_START,
+                   new_image_processor, special_tokens, train_tokenizer)
 from .config import SHAPE_NAMES, ModelConfig
 from .model import DTYPES, DecisionModel, default_device, new_head
 from .predict import Predictor
@@ -43,8 +48,9 @@ SHAPES = dict(zip(SHAPE_NAMES, [QWEN3_5_0_8B]))
 IMAGE_PIXELS = 512 * 512  # the recipe's preprocessing policy
 
 
-def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0):
-    """A random-weight DecisionModel of a named shape with the project's tokenizer.
+def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0, texts: Sequence[str] = ()):
+    """A random-weight DecisionModel of a named shape with the project's tokenizer, trained on
+    the synthetic corpus and `texts` (the texts to be timed).
 
     Returns:
         (DecisionModel in eval mode on `device`, Template, ModelConfig describing it)
@@ -63,7 +69,7 @@ def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0):
     model_config = ModelConfig(base=f"shape-only:{name}", revision="random-weights", dtype=dtype,
                                image_pixels=IMAGE_PIXELS, seed=seed)
     specials = special_tokens(model_config.marker_token)
-    tokenizer = train_tokenizer(synthetic.corpus(seed), specials, 4096)
+    tokenizer = train_tokenizer(synthetic.corpus(seed) + list(texts), specials, 4096, QWEN_SPLIT)
     ids = dict(zip(specials, tokenizer.convert_tokens_to_ids(specials)))
     config = Qwen3_5Config(
         text_config={**shape["text_config"], "eos_token_id": tokenizer.eos_token_id,
@@ -79,9 +85,9 @@ def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0):
     return DecisionModel(backbone, head).eval(), template, model_config
 
 
-def shape_only_predictor(name: str, device: str | torch.device | None = None):
-    """A `Predictor` over a random-weight model of a named shape, temperatures 1: for timing
-    only, its answers mean nothing."""
+def shape_only_predictor(name: str, device: str | torch.device | None = None, texts: Sequence[str] = ()):
+    """A `Predictor` over a random-weight model of a named shape, temperatures 1, its tokenizer
+    trained with `texts`: for timing only, its answers mean nothing."""
     device = torch.device(device) if device is not None else default_device()
-    model, template, config = shape_only_parts(name, device)
+    model, template, config = shape_only_parts(name, device, texts=texts)
     return Predictor(model, template, config, {"choice": 1.0, "noul": 1.0, "score": 1.0})

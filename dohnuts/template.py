@@ -13,6 +13,16 @@ from .schema import Request
 PIECE_CACHE_CHARS = 4 * 2**20  # characters of recently tokenised text kept
 
 
+def pieces_of(request: Request) -> list[str]:
+    """The texts the template tokenises, each on its own: the state, then per question its
+    header followed by its candidates."""
+    texts = [f"State: {request.state_text}\n"]
+    for question in request.questions:
+        texts.append(f"{question.kind} question: {question.instructions}\nOptions:\n")
+        texts.extend(f"- {candidate}" for candidate in question.candidates)
+    return texts
+
+
 class Template:
     """Renders validated requests with the template of recipe.md and enforces the token budget.
 
@@ -78,11 +88,7 @@ class Template:
         Raises:
             ValueError: a row is over the token budget.
         """
-        texts = [f"State: {request.state_text}\n"]
-        for question in request.questions:
-            texts.append(f"{question.kind} question: {question.instructions}\nOptions:\n")
-            texts.extend(f"- {candidate}" for candidate in question.candidates)
-        pieces = iter(self.tokenize(texts))
+        pieces = iter(self.tokenize(pieces_of(request)))
         prefix, grid = [], None
         if request.image is not None:
             thw = image.grid_thw[0].tolist()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from dohnuts.benchmark import benchmark
+from dohnuts.benchmark import benchmark, workload_texts
 from dohnuts.config import read_params, section
 from dohnuts.io import write_bytes, write_json
 from dohnuts.predict import Predictor
@@ -33,7 +33,7 @@ def main(params_path, checkpoint, records, summary, plots):
     """Cold call, warm-up calls, then timed calls per workload; p50/p95/mean and decisions/s."""
     config = section(read_params(params_path), "benchmark")
     if config.shape is not None:
-        predictor = shape_only_predictor(config.shape)
+        predictor = shape_only_predictor(config.shape, texts=workload_texts())
         click.echo(f"shape-only: random weights of {config.shape}, not the checkpoint")
     else:
         predictor = Predictor.from_checkpoint(checkpoint)

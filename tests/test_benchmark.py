@@ -24,3 +24,31 @@ def test_training_update_record_steps_lora_only_and_counts_shared_prefixes(tiny)
     changed = {name for name, p in after.items() if name not in frozen or not torch.equal(p, frozen[name])}
     assert changed and all("lora_" in name or name.startswith("head.") for name in changed)
     assert not model.training
+
+
+def test_shape_only_tokenizer_gives_each_qwen_split_piece_of_the_workloads_one_token():
+    from tokenizers import Regex, pre_tokenizers
+
+    from dohnuts import synthetic
+    from dohnuts.base import QWEN_SPLIT, special_tokens, train_tokenizer
+    from dohnuts.benchmark import training_requests, workload_texts, workloads
+    from dohnuts.schema import parse_request
+    from dohnuts.template import Template, pieces_of
+
+    marker = "<|fim_suffix|>"
+    tokenizer = train_tokenizer(synthetic.corpus(0) + workload_texts(), special_tokens(marker), 4096, QWEN_SPLIT)
+    template = Template(tokenizer, None, marker)
+    split = pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated")
+    state, questions = workloads()["distinct_text_50q"]
+    request = parse_request(state, questions, template.reserved)
+    pieces = pieces_of(request)
+    expected = [len(split.pre_tokenize_str(piece)) for piece in pieces]
+    assert [len(ids) for ids in template.tokenize(pieces)] == expected
+    rows = template.encode(request, 4096)
+    # Upstream's Qwen tokenizer gave 5105 tokens, at most 113 a row; whole pieces give a few less.
+    total = sum(len(row.input_ids) for row in rows)
+    assert 4500 <= total <= 5105 and max(len(row.input_ids) for row in rows) <= 113
+    # The training update's states grow to the token size asked for, whatever the tokenizer.
+    for state, questions in training_requests(template, 1, 8, state_tokens=250):
+        (row, *_) = template.encode(parse_request(state, questions, template.reserved), 2048)
+        assert 250 <= row.shared < 250 + 20
