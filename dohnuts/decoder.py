@@ -64,6 +64,8 @@ class Fork:
     key_index: [Tk] each sequence's keys as indices into the token axis.
     cu_seqlens_k: [G + N + 1] int32 cumulative key counts.
     max_seqlen_q, max_seqlen_k: the longest of each (host ints).
+    orphans: whether some row continues no prefix (host bool; the forked states then need a
+        zero state for it).
     """
 
     parents: torch.Tensor
@@ -72,13 +74,18 @@ class Fork:
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
+    orphans: bool = True
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.parents, self.cu_seqlens_q, self.key_index, self.cu_seqlens_k]
 
+    def plan(self) -> tuple:
+        """The host values the work depends on (besides tensor shapes)."""
+        return self.max_seqlen_q, self.max_seqlen_k, self.orphans
+
     def map(self, move) -> Fork:
         """The same fork with `move` applied to its tensors (device copies, pinning)."""
-        return Fork(*(move(tensor) for tensor in self.tensors()), self.max_seqlen_q, self.max_seqlen_k)
+        return Fork(*(move(tensor) for tensor in self.tensors()), *self.plan())
 
 
 @dataclass(frozen=True)
@@ -138,7 +145,8 @@ def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[i
     query_counts = list(prefix_lengths) + list(row_lengths)
     key_index = torch.from_numpy(np.asarray(indices, dtype=np.int64))
     return Fork(torch.tensor(parents, dtype=torch.long), cumulative(query_counts), key_index,
-                cumulative(key_counts), max(query_counts, default=0), max(key_counts, default=0))
+                cumulative(key_counts), max(query_counts, default=0), max(key_counts, default=0),
+                any(parent < 0 for parent in parents))
 
 
 def project(module, x: torch.Tensor) -> torch.Tensor:
@@ -194,10 +202,12 @@ def _attention(module, config, hidden: torch.Tensor, cos, sin, rows: Segments, p
     return project(module.o_proj, out)
 
 
-def _forked(state: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """Per-prefix final states [G, ...] -> each row's initial state [N, ...]; an appended zero
-    state serves the rows without a prefix (parent -1)."""
-    return torch.cat([state, state.new_zeros(1, *state.shape[1:])])[parents]
+def _forked(state: torch.Tensor, fork: Fork) -> torch.Tensor:
+    """Per-prefix final states [G, ...] -> each row's initial state [N, ...]; with orphans, an
+    appended zero state serves the rows without a prefix (parent -1)."""
+    if fork.orphans:
+        state = torch.cat([state, state.new_zeros(1, *state.shape[1:])])
+    return state[fork.parents]
 
 
 def _delta_rule(module, config, hidden: torch.Tensor, rows: Segments, prefixes: Prefixes | None):
@@ -211,10 +221,7 @@ def _delta_rule(module, config, hidden: torch.Tensor, rows: Segments, prefixes: 
     key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
     mixed = project(module.in_proj_qkv, hidden)[None]  # [1, T, 2 * Hk * K + Hv * V]
     beta = torch.sigmoid(project(module.in_proj_b, hidden))[None]
-    # Qwen3.5's decay: g = -exp(A_log) * softplus(a + dt_bias), in float32 (A may overflow in bf16).
-    rate = kernels.derived(module.A_log, "-exp", lambda a: -a.float().exp())
-    bias = kernels.derived(module.dt_bias, "float", torch.Tensor.float)
-    g = (rate * F.softplus(project(module.in_proj_a, hidden).float() + bias))[None]
+    gate = project(module.in_proj_a, hidden)[None]  # raw: the kernel makes it Qwen3.5's decay (kernels.decay)
     weight = module.conv1d.weight.squeeze(1)
 
     def mix(begin: int, end: int, segments: Segments, conv_state, recurrent_state, keep: bool):
@@ -226,16 +233,16 @@ def _delta_rule(module, config, hidden: torch.Tensor, rows: Segments, prefixes: 
         query, key, value = convolved[0].split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], -1)
         out, recurrent_final = kernels.chunk_gated_delta_rule(
             query.reshape(1, count, key_heads, key_dim), key.reshape(1, count, key_heads, key_dim),
-            value.reshape(1, count, value_heads, value_dim), g[:, begin:end], beta[:, begin:end], recurrent_state,
-            keep, use_qk_l2norm_in_kernel=True, **shape)
+            value.reshape(1, count, value_heads, value_dim), gate[:, begin:end], beta[:, begin:end], recurrent_state,
+            keep, use_qk_l2norm_in_kernel=True, A_log=module.A_log, dt_bias=module.dt_bias, **shape)
         return out[0], (conv_final, recurrent_final)
 
     if prefixes is None:
         out, _ = mix(0, total, rows, None, None, False)
     else:
-        split, parents = prefixes.tokens, prefixes.fork.parents
+        split, fork = prefixes.tokens, prefixes.fork
         head, (conv_final, recurrent_final) = mix(0, split, prefixes.segments, None, None, True)
-        tail, _ = mix(split, total, rows, _forked(conv_final, parents), _forked(recurrent_final, parents), False)
+        tail, _ = mix(split, total, rows, _forked(conv_final, fork), _forked(recurrent_final, fork), False)
         out = torch.cat([head, tail])
     gate = project(module.in_proj_z, hidden).view(total, value_heads, value_dim)
     out = kernels.rms_norm_gated(out, gate, module.norm.weight, config.rms_norm_eps)

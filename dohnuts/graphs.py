@@ -46,7 +46,7 @@ def layout_key(batch: Batch) -> tuple:
            tuple(batch.input_ids.shape)]
     key += [(name, tuple(getattr(batch, name).shape)) for name in GRAPH_FIELDS]
     if batch.fork is not None:
-        key.append(("fork", tuple(batch.fork.key_index.shape), batch.fork.max_seqlen_q, batch.fork.max_seqlen_k))
+        key.append(("fork", tuple(batch.fork.key_index.shape), *batch.fork.plan()))
     return tuple(key)
 
 

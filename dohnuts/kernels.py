@@ -80,8 +80,8 @@ _DERIVED = WeakIdKeyDictionary()
 def derived(parameter: torch.Tensor, tag: str, make) -> torch.Tensor:
     """`make(parameter)`, kept while the parameter keeps its storage, dtype and version.
 
-    Constants derived from frozen weights (RMSNorm's `1 + weight` in the input dtype, the delta
-    rule's `-exp(A_log)`) would otherwise cost two or three small kernels per layer per pass,
+    Constants derived from frozen weights (RMSNorm's `1 + weight` in the input dtype) would
+    otherwise cost two or three small kernels per layer per pass,
     about a third of the launches of a forward on the GPU. An in-place change of the parameter
     bumps its version and recomputes. A parameter that takes gradients computes afresh. Inside a
     CUDA graph capture a kept constant is read (the graph then reads its memory, which stays
@@ -312,11 +312,19 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
+    """Qwen3.5's log decay from the raw gate input: -exp(A_log) * softplus(a + dt_bias), in
+    float32 (exp(A_log) may overflow in bf16). a: [..., HV]; A_log, dt_bias: [HV]."""
+    shifted = wide(a) + wide(dt_bias) if dt_bias is not None else wide(a)
+    return -wide(A_log).exp() * F.softplus(shifted)
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, initial_state: torch.Tensor | None = None,
                            output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
                            use_qk_l2norm_in_kernel: bool = True, cu_seqlens_cpu: torch.Tensor | None = None,
-                           chunk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           chunk_indices: torch.Tensor | None = None, A_log: torch.Tensor | None = None,
+                           dt_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule: S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,
     o_t = S_t^T q_t / sqrt(K).
 
@@ -328,16 +336,21 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         use_qk_l2norm_in_kernel: L2-normalise q and k first (Qwen3.5 does).
         cu_seqlens_cpu: a host copy of cu_seqlens (no device synchronisation to plan chunks).
         chunk_indices: the plan itself, [chunks, 2] (sequence, 64-token chunk), when known.
+        A_log, dt_bias: [HV]; when given, g is the raw gate input and the log decay is
+            `decay(g, A_log, dt_bias)`, which the fused kernel computes as it reads g.
 
     Returns:
         ([B, T, HV, V] output in v's dtype, final states or None)
     """
     kernels = fused(q)
     if kernels is not None:
+        gate = {} if A_log is None else {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
         return kernels["chunk_gated_delta_rule"](
             q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
             cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **gate)
+    if A_log is not None:
+        g = decay(g, A_log, dt_bias)
     return gated_delta_rule_chunked(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
                                     use_qk_l2norm_in_kernel)
 

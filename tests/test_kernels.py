@@ -182,6 +182,30 @@ def test_fused_gated_delta_rule_matches_reference_forward_and_gradients():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_gated_delta_rule_with_the_decay_in_kernel_matches_reference(dtype):
+    """The raw gate input with A_log and dt_bias (FLA computes Qwen3.5's decay as it reads it)
+    against the reference on the decay computed apart: forward and every gradient."""
+    total = sum(LENGTHS)
+    q, k, v, _, beta = _delta_inputs(total, heads=2, value_heads=4, key_dim=64, value_dim=64, device="cuda",
+                                     dtype=dtype)
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    gate = torch.randn(1, total, 4, generator=generator).to("cuda", dtype)
+    A_log, dt_bias = (torch.randn(4, generator=generator).to("cuda", dtype) * 0.5 for _ in range(2))
+    inputs = [t.requires_grad_() for t in (q, k, v, gate, beta, A_log, dt_bias)]
+    start = torch.randn(len(LENGTHS), 4, 64, 64, device="cuda") * 0.1
+    cu = _cu(LENGTHS, "cuda").to(torch.int32)
+    out, final = kernels.chunk_gated_delta_rule(q, k, v, gate, beta, start, True, cu, A_log=A_log, dt_bias=dt_bias)
+    ref, ref_final = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta, start,
+                                                        True, cu.long())
+    assert _relative_error(out, ref) < 1e-2 and _relative_error(final, ref_final) < 1e-2
+    grads = torch.autograd.grad(out.float().square().sum(), inputs)
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), inputs)
+    for name, grad, expected in zip("q k v gate beta A_log dt_bias".split(), grads, ref_grads):
+        assert _relative_error(grad, expected) < 2e-2, name
+
+
+@pytest.mark.gpu
 def test_varlen_attention_matches_reference_with_prefix_keys_and_grouped_heads():
     """Flash varlen attention (bf16) against the padded reference: queries [63, 1, 17, 64] after
     [64, 0, 5, 128] prefix keys, 8 query heads on 2 key heads, forward and gradients."""
