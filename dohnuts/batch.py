@@ -165,9 +165,14 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     positions: list[list[int]] = [[], [], []]
     slots: list[tuple[int, int]] = []
 
+    text_only = all(row.image_grid is None for row in rows)  # then the three M-RoPE axes are equal: one built, repeated
+
     def add(row: Row, begin: int, end: int) -> None:
         offset = len(ids)
         ids.extend(row.input_ids[begin:end])
+        if text_only:
+            positions[0].extend(range(begin, end))
+            return
         if row.image_grid is None:
             for axis in positions:
                 axis.extend(range(begin, end))
@@ -203,7 +208,8 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     prefix_cu, row_cu = cumulative(prefix_lengths), cumulative(own_lengths)
     grid = torch.cat([image.grid_thw for image in images]) if images else None
     return Batch(
-        input_ids=_longs(ids), position_ids=_longs(positions),
+        input_ids=_longs(ids),
+        position_ids=_longs(positions[0]).expand(3, -1).contiguous() if text_only else _longs(positions),
         prefix_tokens=prefix_tokens,
         # The *_cpu fields are the same host tensors: `to` moves the others, never these.
         prefix_cu_seqlens=prefix_cu, prefix_cu_seqlens_cpu=prefix_cu, cu_seqlens=row_cu, cu_seqlens_cpu=row_cu,

@@ -69,8 +69,7 @@ class Predictor:
         moved = batch.to(self.model.device)
         logits = apply_temperatures(self.scores(moved).double(), [q.kind for q in request.questions],
                                     self.temperatures)
-        probs = masked_softmax(logits, moved.candidate_mask).cpu()
-        answers = {q.qid: answer(q, probs[index, : len(q.labels)].tolist())
-                   for index, q in enumerate(request.questions)}
+        probs = masked_softmax(logits, moved.candidate_mask).cpu().tolist()  # one conversion, not one a question
+        answers = {q.qid: answer(q, probs[index][: len(q.labels)]) for index, q in enumerate(request.questions)}
         usage = {"input_tokens": batch.input_tokens, "images": int(request.image is not None)}
         return {"answers": answers, "usage": usage}

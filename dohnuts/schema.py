@@ -60,6 +60,12 @@ def parse_request(state, questions, reserved: Sequence[str] = ()) -> Request:
     if not questions:
         raise ValueError("questions is empty: a request needs at least one question")
     parsed = tuple(_parse_question(qid, question) for qid, question in questions.items())
+    texts = [state_text] + [text for question in parsed for text in (question.instructions, *question.candidates)]
+    # One scan of all texts (no reserved token holds NUL, so none matches across a join);
+    # only a hit looks for the field to name.
+    joined = "\0".join(texts)
+    if not any(token and token in joined for token in reserved):
+        return Request(state_text=state_text, image=image, questions=parsed)
     _reject_reserved("state", state_text, reserved)
     for question in parsed:
         _reject_reserved(f"question {question.qid!r} instructions", question.instructions, reserved)
