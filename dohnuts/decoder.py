@@ -226,15 +226,14 @@ def _delta_rule(module, config, hidden: torch.Tensor, rows: Segments, prefixes: 
 
     def mix(begin: int, end: int, segments: Segments, conv_state, recurrent_state, keep: bool):
         """Tokens begin:end (whole sequences of `segments`) -> ([t, Hv, V], final states if `keep`)."""
-        count = end - begin
         shape = {"cu_seqlens": segments.cu_seqlens, "cu_seqlens_cpu": segments.cu_seqlens_cpu,
                  "chunk_indices": segments.chunk_indices}
         convolved, conv_final = kernels.causal_conv1d(mixed[:, begin:end], weight, conv_state, keep, **shape)
-        query, key, value = convolved[0].split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], -1)
+        # q and k L2-normalised (Qwen3.5's delta rule), each part contiguous for the kernel.
+        query, key, value = kernels.split_heads(convolved[0], key_heads, key_dim, value_heads, value_dim)
         out, recurrent_final = kernels.chunk_gated_delta_rule(
-            query.reshape(1, count, key_heads, key_dim), key.reshape(1, count, key_heads, key_dim),
-            value.reshape(1, count, value_heads, value_dim), gate[:, begin:end], beta[:, begin:end], recurrent_state,
-            keep, use_qk_l2norm_in_kernel=True, A_log=module.A_log, dt_bias=module.dt_bias, **shape)
+            query[None], key[None], value[None], gate[:, begin:end], beta[:, begin:end], recurrent_state,
+            keep, use_qk_l2norm_in_kernel=False, A_log=module.A_log, dt_bias=module.dt_bias, **shape)
         return out[0], (conv_final, recurrent_final)
 
     if prefixes is None:

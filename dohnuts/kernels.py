@@ -39,6 +39,16 @@ def _fla():
             "rms_norm": rms_norm, "chunk_gated_delta_rule": chunk_gated_delta_rule}
 
 
+@functools.cache
+def _triton_ops():
+    """Our own Triton kernels (`dohnuts.triton_ops`), or None without Triton."""
+    try:
+        from . import triton_ops
+    except ImportError:
+        return None
+    return triton_ops
+
+
 _PLANS_LOCK = threading.Lock()
 _plans_depth = 0
 _plans_before = False
@@ -310,6 +320,23 @@ def causal_conv1d_reference(x, weight, initial_state=None, output_final_state=Fa
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def split_heads(mixed: torch.Tensor, heads: int, key_dim: int, value_heads: int,
+                value_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The delta rule's convolved channels [T, 2*H*K + HV*V] -> q, k [T, H, K], L2-normalised per
+    head (in float32), and v [T, HV, V], each contiguous: one Triton pass on CUDA."""
+    ops = _triton_ops() if mixed.is_cuda else None
+    if ops is not None:
+        return ops.split_heads(mixed, heads, key_dim, value_heads, value_dim)
+    return split_heads_reference(mixed, heads, key_dim, value_heads, value_dim)
+
+
+def split_heads_reference(mixed, heads, key_dim, value_heads, value_dim):
+    total = mixed.shape[0]
+    q, k, v = mixed.split([heads * key_dim, heads * key_dim, value_heads * value_dim], -1)
+    q, k = (l2norm(wide(x.reshape(total, heads, key_dim))).to(mixed.dtype) for x in (q, k))
+    return q, k, v.reshape(total, value_heads, value_dim)
 
 
 def decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:

@@ -206,6 +206,27 @@ def test_fused_gated_delta_rule_with_the_decay_in_kernel_matches_reference(dtype
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_split_heads_matches_reference_forward_and_gradients(dtype):
+    """Odd token counts, key and value widths that differ and are not powers of two, rows read
+    with a stride (a slice of a wider tensor), and a gradient for q, k and v."""
+    for total, heads, key_dim, value_heads, value_dim in [(63, 2, 64, 4, 48), (1, 16, 128, 16, 128), (200, 3, 24, 6, 24)]:
+        width = 2 * heads * key_dim + value_heads * value_dim
+        wide = torch.randn(total, width + 7, device="cuda", dtype=dtype)
+        mixed = wide[:, 3:3 + width].requires_grad_()
+        outs = kernels.split_heads(mixed, heads, key_dim, value_heads, value_dim)
+        refs = kernels.split_heads_reference(mixed, heads, key_dim, value_heads, value_dim)
+        tolerance = BF16 if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+        for out, ref in zip(outs, refs):
+            assert out.is_contiguous()
+            torch.testing.assert_close(out, ref, **tolerance)
+        weights = [torch.randn_like(out) for out in outs]
+        grad = torch.autograd.grad(sum((out * w).sum() for out, w in zip(outs, weights)), mixed)[0]
+        expected = torch.autograd.grad(sum((ref * w).sum() for ref, w in zip(refs, weights)), mixed)[0]
+        assert _relative_error(grad, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.gpu
 def test_varlen_attention_matches_reference_with_prefix_keys_and_grouped_heads():
     """Flash varlen attention (bf16) against the padded reference: queries [63, 1, 17, 64] after
     [64, 0, 5, 128] prefix keys, 8 query heads on 2 key heads, forward and gradients."""
