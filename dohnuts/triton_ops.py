@@ -35,10 +35,11 @@ def _split_heads_fwd(mixed, q, k, v, rstd, T, stride, H: tl.constexpr, K: tl.con
             tl.store(k + o_t[:, None] * (H * K) + (i_s - H) * K + o_d[None, :], y, mask=m)
         tl.store(rstd + o_t * (2 * H) + i_s, r, mask=m_t)
     else:
-        m = m_t[:, None] & (o_d[None, :] < V)
+        # Names apart from the other branch's: Triton wants one type per name across branches.
+        m_v = m_t[:, None] & (o_d[None, :] < V)
         head = i_s - 2 * H
-        x = tl.load(mixed + o_t[:, None] * stride + 2 * H * K + head * V + o_d[None, :], mask=m, other=0.0)
-        tl.store(v + o_t[:, None] * (HV * V) + head * V + o_d[None, :], x, mask=m)
+        x_v = tl.load(mixed + o_t[:, None] * stride + 2 * H * K + head * V + o_d[None, :], mask=m_v, other=0.0)
+        tl.store(v + o_t[:, None] * (HV * V) + head * V + o_d[None, :], x_v, mask=m_v)
 
 
 @triton.jit
@@ -64,10 +65,11 @@ def _split_heads_bwd(dmixed, q, k, rstd, dq, dk, dv, T, H: tl.constexpr, K: tl.c
         dx = r[:, None] * (dy - tl.sum(dy * y, axis=1)[:, None] * y)
         tl.store(dmixed + o_t[:, None] * width + i_s * K + o_d[None, :], dx.to(dmixed.dtype.element_ty), mask=m)
     else:
-        m = m_t[:, None] & (o_d[None, :] < V)
+        m_v = m_t[:, None] & (o_d[None, :] < V)
         head = i_s - 2 * H
-        g = tl.load(dv + o_t[:, None] * (HV * V) + head * V + o_d[None, :], mask=m, other=0.0)
-        tl.store(dmixed + o_t[:, None] * width + 2 * H * K + head * V + o_d[None, :], g, mask=m)
+        g_v = tl.load(dv + o_t[:, None] * (HV * V) + head * V + o_d[None, :], mask=m_v, other=0.0)
+        tl.store(dmixed + o_t[:, None] * width + 2 * H * K + head * V + o_d[None, :], g_v.to(dmixed.dtype.element_ty),
+                 mask=m_v)
 
 
 BLOCK_TOKENS = 16

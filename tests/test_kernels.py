@@ -184,6 +184,7 @@ def test_fused_gated_delta_rule_matches_reference_forward_and_gradients():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_gated_delta_rule_with_the_decay_in_kernel_matches_reference(dtype):
+    # float32 compiles FLA's backward afresh (tilelang): minutes on a cold cache.
     """The raw gate input with A_log and dt_bias (FLA computes Qwen3.5's decay as it reads it)
     against the reference on the decay computed apart: forward and every gradient."""
     total = sum(LENGTHS)
