@@ -210,8 +210,9 @@ def _forked(state: torch.Tensor, fork: Fork) -> torch.Tensor:
     return state[fork.parents]
 
 
-def _delta_rule(module, config, hidden: torch.Tensor, rows: Segments, prefixes: Prefixes | None):
-    """Gated delta-rule token mixer of packed tokens. hidden: [T, D]. Returns [T, D].
+def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: Prefixes | None):
+    """Gated delta-rule token mixing of packed tokens, up to the delta rule's output.
+    hidden: [T, D] normed. Returns (out [T, Hv, V], the output gate's input [T, Hv * V]).
 
     With `prefixes`, the projections run once over all tokens; the convolution and the delta
     rule run over the prefixes first, then over the rows from their prefix's final states.
@@ -243,22 +244,49 @@ def _delta_rule(module, config, hidden: torch.Tensor, rows: Segments, prefixes: 
         head, (conv_final, recurrent_final) = mix(0, split, prefixes.segments, None, None, True)
         tail, _ = mix(split, total, rows, _forked(conv_final, fork), _forked(recurrent_final, fork), False)
         out = torch.cat([head, tail])
-    gate = project(module.in_proj_z, hidden).view(total, value_heads, value_dim)
-    out = kernels.rms_norm_gated(out, gate, module.norm.weight, config.rms_norm_eps)
-    return project(module.out_proj, out.reshape(total, value_heads * value_dim))
+    return out, project(module.in_proj_z, hidden)
 
 
-def _layer(layer, kind: str, config, hidden, cos, sin, rows: Segments, prefixes: Prefixes | None):
-    """One decoder layer over every packed token. Returns hidden [T, D]."""
-    normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
-    if kind == "linear_attention":
-        mixed = _delta_rule(layer.linear_attn, config, normed, rows, prefixes)
-    else:
-        mixed = _attention(layer.self_attn, config, normed, cos, sin, rows, prefixes)
+def _delta_output(module, config, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The delta rule's output [T, Hv, V], gated RMSNorm by silu(gate), projected: [T, D]."""
+    out = kernels.rms_norm_gated(out, gate.view(out.shape), module.norm.weight, config.rms_norm_eps)
+    return project(module.out_proj, out.flatten(1))
+
+
+def _mlp_block(layer, config, hidden: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+    """The residual add of a token mixer's output, then the MLP's residual branch."""
     hidden = hidden + mixed
     normed = kernels.rms_norm(hidden, layer.post_attention_layernorm.weight, config.rms_norm_eps)
     mlp = layer.mlp
     return hidden + project(mlp.down_proj, kernels.swiglu(project(mlp.gate_proj, normed), project(mlp.up_proj, normed)))
+
+
+def _attention_layer(layer, config, hidden, cos, sin, rows: Segments, prefixes: Prefixes | None):
+    """One full-attention decoder layer over every packed token. Returns hidden [T, D]."""
+    normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
+    return _mlp_block(layer, config, hidden, _attention(layer.self_attn, config, normed, cos, sin, rows, prefixes))
+
+
+def _delta_tail(layer, config, hidden, out, gate):
+    return _mlp_block(layer, config, hidden, _delta_output(layer.linear_attn, config, out, gate))
+
+
+def _delta_layer(layer, config, hidden, rows: Segments, prefixes: Prefixes | None, checkpointed: bool):
+    """One gated delta-rule decoder layer over every packed token. Returns hidden [T, D].
+
+    Under activation checkpointing only the part after the delta rule (gated norm, output
+    projection, MLP) is recomputed in the backward pass. The norm, the projections, the
+    convolution and the delta rule keep their activations: FLA's delta-rule backward rebuilds
+    its chunk states from its inputs anyway, so recomputing its forward would run it twice,
+    and its launches dominate the host time of a training step.
+    """
+    normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
+    out, gate = _delta_mix(layer.linear_attn, config, normed, rows, prefixes)
+    if checkpointed:
+        # Shapes are fixed by the plan, so the recomputation needs no metadata check.
+        return checkpoint(_delta_tail, layer, config, hidden, out, gate, use_reentrant=False,
+                          determinism_check="none")
+    return _delta_tail(layer, config, hidden, out, gate)
 
 
 def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
@@ -273,7 +301,8 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
             without), then the rows' own, concatenated.
         position_ids: [3, P + S] M-RoPE positions (a row continuing a prefix continues its count).
         cu_seqlens: [N + 1] cumulative lengths of the rows' own tokens, cu_seqlens[-1] = S.
-        activation_checkpointing: recompute each layer in the backward pass.
+        activation_checkpointing: recompute each layer in the backward pass (of a delta-rule
+            layer, the part after the delta rule: see `_delta_layer`).
         prefixes: the shared prefixes the rows continue, or None. Every token-wise map
             (norms, projections, MLP) runs once over prefixes and rows together; the token
             mixers run each prefix once and fork its states (attention keys, delta-rule conv
@@ -290,13 +319,16 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
     rows = Segments.of(cu_seqlens, cu_seqlens_cpu, chunk_indices)
     cos, sin = rotary_tables(config, position_ids, inputs_embeds.dtype)
     hidden = inputs_embeds
+    checkpointed = activation_checkpointing and torch.is_grad_enabled()
     for layer, kind in zip(language_model.layers, config.layer_types):
-        if activation_checkpointing and torch.is_grad_enabled():
+        if kind == "linear_attention":
+            hidden = _delta_layer(layer, config, hidden, rows, prefixes, checkpointed)
+        elif checkpointed:
             # The layer's shapes are fixed by the plan, so the recomputation needs no metadata check.
-            hidden = checkpoint(_layer, layer, kind, config, hidden, cos, sin, rows, prefixes, use_reentrant=False,
+            hidden = checkpoint(_attention_layer, layer, config, hidden, cos, sin, rows, prefixes, use_reentrant=False,
                                 determinism_check="none")
         else:
-            hidden = _layer(layer, kind, config, hidden, cos, sin, rows, prefixes)
+            hidden = _attention_layer(layer, config, hidden, cos, sin, rows, prefixes)
     if prefixes is not None:
         hidden = hidden[prefixes.tokens:]
     return kernels.rms_norm(hidden, language_model.norm.weight, config.rms_norm_eps)

@@ -225,3 +225,44 @@ def test_project_runs_modules_own_forward_when_merged_disabled_or_plain():
     assert torch.equal(project(plain, x), plain(x))
     _, biased = _lora_linear(torch.float32, lora_bias=True)  # a LoRA bias: peft's own forward
     assert torch.equal(project(biased, x), biased(x))
+
+
+def test_checkpointing_recomputes_only_what_follows_the_delta_rule_and_changes_no_gradient(tiny):
+    """float64, shared prefixes: outputs and LoRA and input gradients with and without activation
+    checkpointing agree to rounding; in the backward, each MLP reruns once more, and a delta-rule
+    layer's projections (hence its convolution and delta rule) never do."""
+    model, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
+    model.double()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.05)
+    language_model = model.backbone.language_model.train()
+    lora = [p for name, p in language_model.named_parameters() if "lora_" in name]
+    _, (embeds, positions, cu), prefixes, _ = _shared_case(tiny, language_model)
+    embeds = embeds.detach().requires_grad_()
+    calls = {"mlp": 0, "delta": 0}
+    layers = list(zip(language_model.layers, language_model.config.layer_types))
+    assert {"linear_attention", "full_attention"} <= {kind for _, kind in layers}
+    handles = []
+    for layer, kind in layers:
+        handles.append(layer.mlp.gate_proj.lora_dropout["default"].register_forward_hook(
+            lambda *_: calls.__setitem__("mlp", calls["mlp"] + 1)))
+        if kind == "linear_attention":
+            handles.append(layer.linear_attn.in_proj_qkv.lora_dropout["default"].register_forward_hook(
+                lambda *_: calls.__setitem__("delta", calls["delta"] + 1)))
+    deltas = sum(kind == "linear_attention" for _, kind in layers)
+    results = {}
+    for checkpointed in (False, True):
+        calls.update(mlp=0, delta=0)
+        out = packed_forward(language_model, embeds, positions, cu, checkpointed, prefixes)
+        weights = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(0))
+        grads = torch.autograd.grad((out * weights).sum(), lora + [embeds])
+        results[checkpointed] = (out.detach(), grads)
+        assert calls == {"mlp": len(layers) * (2 if checkpointed else 1), "delta": deltas}
+    for handle in handles:
+        handle.remove()
+    (plain, plain_grads), (recomputed, recomputed_grads) = results[False], results[True]
+    assert ((plain - recomputed).abs().max() / plain.abs().max()).item() <= 1e-12
+    for ours, reference in zip(recomputed_grads, plain_grads):
+        assert ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item() <= 1e-12
