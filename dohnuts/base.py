@@ -16,9 +16,10 @@ VIDEO_PAD = "<|video_pad|>"
 END_OF_TEXT = "<|endoftext|>"
 SPATIAL_MERGE = 2
 TEMPORAL_PATCH = 2
-# The pre-tokenizer split of Qwen2's and Qwen3's tokenizer.json: words with one leading
-# non-letter, single digits, punctuation runs, newlines and spaces.
-QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+# Qwen3.5's pre-tokenizer split (its tokenizer's PRETOKENIZE_REGEX, used with NFC
+# normalisation): words with one leading non-letter, single digits, punctuation runs,
+# newlines and spaces.
+QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
 
 
@@ -99,7 +100,7 @@ def _build_embedded(config: ModelConfig, out: Path, corpus: list[str]) -> None:
 def train_tokenizer(corpus: list[str], specials: list[str], vocab_size: int, split: str | None = None):
     """A byte-level BPE tokenizer trained on `corpus`, with GPT-2's pre-tokenizer split, or the
     regular expression `split` (such as QWEN_SPLIT) instead."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     backend = Tokenizer(models.BPE())
@@ -107,6 +108,7 @@ def train_tokenizer(corpus: list[str], specials: list[str], vocab_size: int, spl
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
+        backend.normalizer = normalizers.NFC()
         backend.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])

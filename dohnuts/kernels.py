@@ -325,11 +325,32 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def split_heads(mixed: torch.Tensor, heads: int, key_dim: int, value_heads: int,
                 value_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The delta rule's convolved channels [T, 2*H*K + HV*V] -> q, k [T, H, K], L2-normalised per
-    head (in float32), and v [T, HV, V], each contiguous: one Triton pass on CUDA."""
+    head (in float32), and v [T, HV, V]: on CUDA one Triton pass writes all three contiguous
+    (the delta-rule kernel reads them so); elsewhere v may be a strided view."""
     ops = _triton_ops() if mixed.is_cuda else None
     if ops is not None:
         return ops.split_heads(mixed, heads, key_dim, value_heads, value_dim)
     return split_heads_reference(mixed, heads, key_dim, value_heads, value_dim)
+
+
+def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None,
+                     output_final_state: bool, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
+                     chunk_indices: torch.Tensor | None, heads: int, key_dim: int, value_heads: int, value_dim: int):
+    """`causal_conv1d` (SiLU) of packed sequences x [T, C] followed by `split_heads`: returns
+    (q, k, v, final state or None). On CUDA, one Triton kernel (`triton_ops.conv_split_heads`)
+    reads x once and writes q, k and v."""
+    ops = _triton_ops() if x.is_cuda else None
+    if ops is not None:
+        return ops.conv_split_heads(x, weight, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                                    chunk_indices, heads, key_dim, value_heads, value_dim)
+    return conv_split_heads_reference(x, weight, initial_state, output_final_state, cu_seqlens, heads, key_dim,
+                                      value_heads, value_dim)
+
+
+def conv_split_heads_reference(x, weight, initial_state, output_final_state, cu_seqlens, heads, key_dim, value_heads,
+                               value_dim):
+    out, final = causal_conv1d_reference(x[None], weight, initial_state, output_final_state, cu_seqlens)
+    return (*split_heads_reference(out[0], heads, key_dim, value_heads, value_dim), final)
 
 
 def split_heads_reference(mixed, heads, key_dim, value_heads, value_dim):

@@ -5,15 +5,29 @@ plain-PyTorch references.
 contiguous, L2-normalised q and k [T, H, K] and the contiguous v [T, HV, V] that
 flash-linear-attention's chunked delta rule reads, in one pass. Done apart, this is three
 strided copies (FLA makes its inputs contiguous) and two L2-norm passes inside FLA.
+
+`conv_split_heads` also does the causal convolution before it, in place of FLA's
+`causal_conv1d`, so the convolved channels are never written. Its forward and backward match
+the references under Triton's CPU interpreter (`tests/triton_interpreted.py`); the decoder
+does not use it yet, pending the GPU tests (`test_triton_conv_split_heads_...`) on the H200.
+
+Both run on the CPU too, under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
 import triton.language as tl
 
 EPS = 1e-6  # FLA's and Hugging Face's L2-norm epsilon, added to the sum of squares
+
+
+def _on(device: torch.device):
+    """Launch on `device` rather than the current CUDA device (the CPU: Triton's interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @triton.jit
@@ -87,13 +101,15 @@ class SplitHeads(torch.autograd.Function):
         rstd = mixed.new_empty(total, 2 * heads, dtype=torch.float32)
         block = triton.next_power_of_2(max(key_dim, value_dim))
         grid = (triton.cdiv(total, BLOCK_TOKENS), 2 * heads + value_heads)
-        _split_heads_fwd[grid](mixed, q, k, v, rstd, total, mixed.stride(0), heads, key_dim, value_heads, value_dim,
-                               EPS, BLOCK_TOKENS, block)
+        with _on(mixed.device):  # launch on the tensors' device, not the current one
+            _split_heads_fwd[grid](mixed, q, k, v, rstd, total, mixed.stride(0), heads, key_dim, value_heads,
+                                   value_dim, EPS, BLOCK_TOKENS, block)
         ctx.save_for_backward(q, k, rstd)
         ctx.shape = (heads, key_dim, value_heads, value_dim, block)
         return q, k, v
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dq, dk, dv):
         q, k, rstd = ctx.saved_tensors
         heads, key_dim, value_heads, value_dim, block = ctx.shape
@@ -103,8 +119,9 @@ class SplitHeads(torch.autograd.Function):
         dv = q.new_zeros(total, value_heads, value_dim) if dv is None else dv.contiguous()
         dmixed = q.new_empty(total, 2 * heads * key_dim + value_heads * value_dim)
         grid = (triton.cdiv(total, BLOCK_TOKENS), 2 * heads + value_heads)
-        _split_heads_bwd[grid](dmixed, q, k, rstd, dq, dk, dv, total, heads, key_dim, value_heads, value_dim,
-                               BLOCK_TOKENS, block)
+        with _on(q.device):
+            _split_heads_bwd[grid](dmixed, q, k, rstd, dq, dk, dv, total, heads, key_dim, value_heads, value_dim,
+                                   BLOCK_TOKENS, block)
         return dmixed, None, None, None, None
 
 
@@ -112,3 +129,265 @@ def split_heads(mixed: torch.Tensor, heads: int, key_dim: int, value_heads: int,
     """mixed [T, 2*H*K + HV*V] (unit stride along channels) -> (q [T, H, K], k [T, H, K], v [T, HV, V]),
     contiguous, q and k L2-normalised per head in float32."""
     return SplitHeads.apply(mixed, heads, key_dim, value_heads, value_dim)
+
+
+# -- causal convolution fused with the head split -------------------------------------------------
+#
+# `conv_split_heads` runs the delta rule's depthwise causal convolution (with SiLU, per packed
+# sequence, continuing an optional carried state) and writes its output straight into the
+# contiguous q, k (L2-normalised) and v the delta rule reads, plus each sequence's final state.
+# A program covers one 64-token chunk of one sequence (the host's chunk plan) and one head's
+# channels; the backward recomputes the convolution rather than keeping it.
+
+CHUNK = 64  # tokens per program: the chunk plan's chunk size
+
+
+@triton.jit
+def _conv_window(x, init, weight, o_t, bos, n, cols, m_t, m_d, stride, C, W: tl.constexpr, HAS_INIT: tl.constexpr,
+                 BT: tl.constexpr, BD: tl.constexpr):
+    """The convolution before its activation, [BT, BD] float32, of tokens o_t (one sequence
+    starting at bos) and channels cols; inputs before bos come from init[n] (or are zero)."""
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for i in tl.static_range(W):
+        s = o_t - (W - 1) + i
+        inside = s >= bos
+        m_x = (m_t & inside)[:, None] & m_d[None, :]
+        xs = tl.load(x + s[:, None] * stride + cols[None, :], mask=m_x, other=0.0).to(tl.float32)
+        if HAS_INIT:
+            # init[n, c, j] is the input at position j - W before the sequence.
+            m_h = (m_t & (s < bos))[:, None] & m_d[None, :]
+            j = W + s - bos
+            xs += tl.load(init + n * C * W + cols[None, :] * W + j[:, None], mask=m_h, other=0.0).to(tl.float32)
+        w = tl.load(weight + cols * W + i, mask=m_d, other=0.0).to(tl.float32)
+        acc += xs * w[None, :]
+    return acc
+
+
+@triton.jit
+def _conv_heads_fwd(x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_indices, stride, eps,
+                    H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                    HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    i_c, i_s = tl.program_id(0), tl.program_id(1)
+    n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+    chunk = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    C = 2 * H * K + HV * V
+    is_qk = i_s < 2 * H
+    col0 = tl.where(is_qk, i_s * K, 2 * H * K + (i_s - 2 * H) * V)
+    width = tl.where(is_qk, K, V)
+    o_t = bos + chunk * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_t = o_t < eos
+    m_d = o_d < width
+    cols = col0 + o_d
+    pre = _conv_window(x, init, weight, o_t, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
+    u = pre * tl.sigmoid(pre)
+    m = m_t[:, None] & m_d[None, :]
+    if is_qk:
+        r = 1.0 / tl.sqrt(tl.sum(tl.where(m, u * u, 0.0), axis=1) + eps)
+        y = (u * r[:, None]).to(q.dtype.element_ty)
+        if i_s < H:
+            tl.store(q + o_t[:, None] * (H * K) + i_s * K + o_d[None, :], y, mask=m)
+        else:
+            tl.store(k + o_t[:, None] * (H * K) + (i_s - H) * K + o_d[None, :], y, mask=m)
+        tl.store(rstd + o_t * (2 * H) + i_s, r, mask=m_t)
+    else:
+        tl.store(v + o_t[:, None] * (HV * V) + (i_s - 2 * H) * V + o_d[None, :], u.to(v.dtype.element_ty), mask=m)
+    if HAS_FINAL:
+        if bos + (chunk + 1) * BT >= eos:  # the sequence's last chunk writes its final state
+            for j in tl.static_range(W):
+                position = eos - W + j
+                # A vector, not a scalar, in every mask (Triton's interpreter wants that).
+                at = tl.zeros([BD], dtype=tl.int64) + position
+                own = tl.load(x + position * stride + cols, mask=m_d & (at >= bos), other=0.0)
+                if HAS_INIT:
+                    own += tl.load(init + n * C * W + cols * W + (W + position - bos), mask=m_d & (at < bos),
+                                   other=0.0)
+                tl.store(final + n * C * W + cols * W + j, own, mask=m_d)
+
+
+@triton.jit
+def _conv_heads_bwd_pre(x, weight, init, q, k, rstd, dq, dk, dv, dpre, cu_seqlens, chunk_indices, stride,
+                        H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                        HAS_INIT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """Gradient of the convolution before its activation, [T, C] float32."""
+    i_c, i_s = tl.program_id(0), tl.program_id(1)
+    n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+    chunk = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    C = 2 * H * K + HV * V
+    is_qk = i_s < 2 * H
+    col0 = tl.where(is_qk, i_s * K, 2 * H * K + (i_s - 2 * H) * V)
+    width = tl.where(is_qk, K, V)
+    o_t = bos + chunk * BT + tl.arange(0, BT)
+    o_d = tl.arange(0, BD)
+    m_t = o_t < eos
+    m_d = o_d < width
+    cols = col0 + o_d
+    m = m_t[:, None] & m_d[None, :]
+    pre = _conv_window(x, init, weight, o_t, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
+    sig = tl.sigmoid(pre)
+    if is_qk:
+        if i_s < H:
+            offset = o_t[:, None] * (H * K) + i_s * K + o_d[None, :]
+            y = tl.load(q + offset, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dq + offset, mask=m, other=0.0).to(tl.float32)
+        else:
+            offset = o_t[:, None] * (H * K) + (i_s - H) * K + o_d[None, :]
+            y = tl.load(k + offset, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dk + offset, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(rstd + o_t * (2 * H) + i_s, mask=m_t, other=0.0)
+        du = r[:, None] * (dy - tl.sum(dy * y, axis=1)[:, None] * y)
+    else:
+        du = tl.load(dv + o_t[:, None] * (HV * V) + (i_s - 2 * H) * V + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    # d silu(p) / dp = sig (1 + p (1 - sig))
+    grad = du * sig * (1.0 + pre * (1.0 - sig))
+    tl.store(dpre + o_t[:, None] * C + cols[None, :], grad, mask=m)
+
+
+@triton.jit
+def _conv_heads_bwd_x(dpre, weight, dfinal, dx, dinit, cu_seqlens, chunk_indices, C, W: tl.constexpr,
+                      HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Gradients of the convolution's inputs (dx [T, C]) and of the carried state (dinit [N, C, W])."""
+    i_c, i_b = tl.program_id(0), tl.program_id(1)
+    n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+    chunk = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    o_t = bos + chunk * BT + tl.arange(0, BT)
+    cols = i_b * BC + tl.arange(0, BC)
+    m_t = o_t < eos
+    m_c = cols < C
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for i in tl.static_range(W):
+        # Input s feeds output s + W - 1 - i through tap i.
+        t = o_t + (W - 1) - i
+        g = tl.load(dpre + t[:, None] * C + cols[None, :], mask=((t < eos) & m_t)[:, None] & m_c[None, :], other=0.0)
+        w = tl.load(weight + cols * W + i, mask=m_c, other=0.0).to(tl.float32)
+        acc += g * w[None, :]
+    if HAS_DFINAL:
+        for j in tl.static_range(W):
+            # final[n, :, j] is input eos - W + j when that lies inside the sequence.
+            position = eos - W + j
+            df = tl.load(dfinal + n * C * W + cols * W + j, mask=m_c, other=0.0).to(tl.float32)
+            acc += tl.where(((o_t == position) & (o_t >= bos))[:, None], df[None, :], 0.0)
+    tl.store(dx + o_t[:, None] * C + cols[None, :], acc.to(dx.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    if HAS_INIT:
+        if chunk == 0:  # the sequence's first chunk writes the carried state's gradient
+            length = eos - bos
+            for jj in tl.static_range(1, W):
+                # init[n, :, jj] is the input at relative position jj - W: output tt uses it through
+                # tap i = jj - 1 - tt.
+                total = tl.zeros([BC], dtype=tl.float32)
+                for i in tl.static_range(W):
+                    if jj - 1 - i >= 0:
+                        tt = jj - 1 - i
+                        g0 = tl.load(dpre + (bos + tt) * C + cols,
+                                     mask=m_c & ((tl.zeros([BC], dtype=tl.int64) + tt) < length), other=0.0)
+                        w0 = tl.load(weight + cols * W + i, mask=m_c, other=0.0).to(tl.float32)
+                        total += g0 * w0
+                if HAS_DFINAL:
+                    for j in tl.static_range(W):
+                        # final[n, :, j] is init[n, :, length + j] when length + j < W.
+                        d0 = tl.load(dfinal + n * C * W + cols * W + j, mask=m_c, other=0.0).to(tl.float32)
+                        total += tl.where(length + j == jj, d0, 0.0)
+                tl.store(dinit + n * C * W + cols * W + jj, total.to(dinit.dtype.element_ty), mask=m_c)
+
+
+def _plan(cu_seqlens_cpu: torch.Tensor) -> torch.Tensor:
+    lengths = (cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).tolist()
+    plan = [(sequence, chunk) for sequence, length in enumerate(lengths) for chunk in range(-(-length // CHUNK))]
+    return torch.tensor(plan, dtype=torch.int32).reshape(-1, 2)
+
+
+class ConvSplitHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, initial_state, output_final_state, cu_seqlens, chunk_indices, heads, key_dim,
+                value_heads, value_dim):
+        total, channels = x.shape
+        width = weight.shape[-1]
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        weight = weight.contiguous()
+        init = initial_state.contiguous() if initial_state is not None else None
+        q = x.new_empty(total, heads, key_dim)
+        k = x.new_empty(total, heads, key_dim)
+        v = x.new_empty(total, value_heads, value_dim)
+        rstd = x.new_empty(total, 2 * heads, dtype=torch.float32)
+        sequences = cu_seqlens.shape[0] - 1
+        final = x.new_empty(sequences, channels, width) if output_final_state else None
+        block = triton.next_power_of_2(max(key_dim, value_dim))
+        grid = (chunk_indices.shape[0], 2 * heads + value_heads)
+        with _on(x.device):
+            _conv_heads_fwd[grid](x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_indices, x.stride(0), EPS,
+                                  heads, key_dim, value_heads, value_dim, width, init is not None, final is not None,
+                                  CHUNK, block)
+        ctx.save_for_backward(x, weight, init, q, k, rstd, cu_seqlens, chunk_indices)
+        ctx.shape = (heads, key_dim, value_heads, value_dim, block)
+        return q, k, v, final
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dq, dk, dv, dfinal):
+        x, weight, init, q, k, rstd, cu_seqlens, chunk_indices = ctx.saved_tensors
+        heads, key_dim, value_heads, value_dim, block = ctx.shape
+        total, channels = x.shape
+        width = weight.shape[-1]
+        dq = torch.zeros_like(q) if dq is None else dq.contiguous()
+        dk = torch.zeros_like(k) if dk is None else dk.contiguous()
+        dv = x.new_zeros(total, value_heads, value_dim) if dv is None else dv.contiguous()
+        dpre = torch.empty(total, channels, dtype=torch.float32, device=x.device)
+        grid = (chunk_indices.shape[0], 2 * heads + value_heads)
+        dx = torch.empty(total, channels, dtype=x.dtype, device=x.device)
+        dinit = torch.zeros_like(init) if init is not None else None
+        columns = 128
+        with _on(x.device):
+            _conv_heads_bwd_pre[grid](x, weight, init, q, k, rstd, dq, dk, dv, dpre, cu_seqlens, chunk_indices,
+                                      x.stride(0), heads, key_dim, value_heads, value_dim, width, init is not None,
+                                      CHUNK, block)
+            _conv_heads_bwd_x[(chunk_indices.shape[0], triton.cdiv(channels, columns))](
+                dpre, weight, dfinal.contiguous() if dfinal is not None else None, dx, dinit, cu_seqlens,
+                chunk_indices, channels, width, init is not None, dfinal is not None, CHUNK, columns)
+        dweight = None
+        if ctx.needs_input_grad[1]:
+            dweight = _conv_weight_grad(x, init, dpre, cu_seqlens, width).to(weight.dtype)
+        return dx if ctx.needs_input_grad[0] else None, dweight, dinit, None, None, None, None, None, None, None
+
+
+def _conv_weight_grad(x, init, dpre, cu_seqlens, width):
+    """dweight[c, i] = sum over tokens t of dpre[t, c] * input(t - (W - 1) + i, c), in plain
+    PyTorch (the recipe's LoRA leaves the convolution frozen, so this rarely runs)."""
+    total, channels = x.shape
+    bounds = cu_seqlens.long().tolist()
+    grad = torch.zeros(channels, width, dtype=torch.float32, device=x.device)
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        history = (init[n].transpose(0, 1)[1:].float() if init is not None
+                   else x.new_zeros(width - 1, channels, dtype=torch.float32))
+        inputs = torch.cat([history, x[bos:eos].float()])  # [W - 1 + L, C]
+        for i in range(width):
+            grad[:, i] += (dpre[bos:eos] * inputs[i:i + eos - bos]).sum(0)
+    return grad
+
+
+def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None,
+                     output_final_state: bool, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
+                     chunk_indices: torch.Tensor | None, heads: int, key_dim: int, value_heads: int, value_dim: int):
+    """SiLU(causal depthwise conv) of packed sequences, split into L2-normalised q, k and v.
+
+    Args:
+        x: [T, 2*H*K + HV*V] (unit stride along channels); weight: [C, W].
+        initial_state: [N, C, W] the W inputs before each sequence (last one most recent), or None.
+        output_final_state: also return each sequence's last W inputs, [N, C, W].
+        cu_seqlens: [N + 1] on x's device; cu_seqlens_cpu its host copy (every length > 0);
+        chunk_indices: [chunks, 2] int32 (sequence, 64-token chunk), or None to plan here.
+
+    Returns:
+        (q [T, H, K], k [T, H, K], v [T, HV, V], final state or None)
+    """
+    if bool((cu_seqlens_cpu[1:] == cu_seqlens_cpu[:-1]).any()):
+        raise ValueError("conv_split_heads: every packed sequence needs at least one token")
+    if chunk_indices is None:
+        chunk_indices = _plan(cu_seqlens_cpu).to(x.device, non_blocking=True)
+    return ConvSplitHeads.apply(x, weight, initial_state, output_final_state, cu_seqlens, chunk_indices, heads,
+                                key_dim, value_heads, value_dim)

@@ -1,7 +1,10 @@
 """Kernel references against independent formulas (CPU) and fused kernels against references (GPU)."""
 
+import os
+import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,6 +190,7 @@ def test_fused_gated_delta_rule_with_the_decay_in_kernel_matches_reference(dtype
     # float32 compiles FLA's backward afresh (tilelang): minutes on a cold cache.
     """The raw gate input with A_log and dt_bias (FLA computes Qwen3.5's decay as it reads it)
     against the reference on the decay computed apart: forward and every gradient."""
+    assert kernels.fused(torch.zeros(1, device="cuda")) is not None, "flash-linear-attention is not importable"
     total = sum(LENGTHS)
     q, k, v, _, beta = _delta_inputs(total, heads=2, value_heads=4, key_dim=64, value_dim=64, device="cuda",
                                      dtype=dtype)
@@ -211,6 +215,7 @@ def test_fused_gated_delta_rule_with_the_decay_in_kernel_matches_reference(dtype
 def test_triton_split_heads_matches_reference_forward_and_gradients(dtype):
     """Odd token counts, key and value widths that differ and are not powers of two, rows read
     with a stride (a slice of a wider tensor), and a gradient for q, k and v."""
+    assert kernels._triton_ops() is not None, "Triton is not importable: the test would compare the reference with itself"
     for total, heads, key_dim, value_heads, value_dim in [(63, 2, 64, 4, 48), (1, 16, 128, 16, 128), (200, 3, 24, 6, 24)]:
         width = 2 * heads * key_dim + value_heads * value_dim
         wide = torch.randn(total, width + 7, device="cuda", dtype=dtype)
@@ -225,6 +230,45 @@ def test_triton_split_heads_matches_reference_forward_and_gradients(dtype):
         grad = torch.autograd.grad(sum((out * w).sum() for out, w in zip(outs, weights)), mixed)[0]
         expected = torch.autograd.grad(sum((ref * w).sum() for ref, w in zip(refs, weights)), mixed)[0]
         assert _relative_error(grad, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_triton_kernels_match_references_under_triton_interpreter():
+    """dohnuts.triton_ops on the CPU through Triton's interpreter (tests/triton_interpreted.py):
+    split_heads and conv_split_heads against their references, outputs and every gradient, on
+    packed sequences of 1 to 130 tokens with and without carried and final states."""
+    pytest.importorskip("triton")
+    script = Path(__file__).with_name("triton_interpreted.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_conv_split_heads_matches_reference_forward_and_gradients(dtype):
+    """The fused convolution and head split on packed sequences [63, 1, 17, 64, 130] of the
+    Qwen3.5-0.8B widths, from carried states, keeping final states: outputs, final states and
+    the gradients of the input and of the carried state."""
+    assert kernels._triton_ops() is not None, "Triton is not importable: the test would compare the reference with itself"
+    heads, key_dim, value_heads, value_dim, width = 16, 128, 16, 128, 4
+    channels = 2 * heads * key_dim + value_heads * value_dim
+    lengths = LENGTHS + [130]
+    cu_cpu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    cu = cu_cpu.cuda()
+    x = torch.randn(sum(lengths), channels, device="cuda", dtype=dtype, requires_grad=True)
+    weight = (torch.randn(channels, width, device="cuda") * 0.5).to(dtype)
+    state = torch.randn(len(lengths), channels, width, device="cuda", dtype=dtype, requires_grad=True)
+    ours = kernels.conv_split_heads(x, weight, state, True, cu, cu_cpu, None, heads, key_dim, value_heads, value_dim)
+    reference = kernels.conv_split_heads_reference(x, weight, state, True, cu.long(), heads, key_dim, value_heads,
+                                                   value_dim)
+    tolerance = BF16 if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+    for out, expected in zip(ours, reference):
+        torch.testing.assert_close(out, expected, **tolerance)
+    weights = [torch.randn_like(out) for out in ours]
+    grads = torch.autograd.grad(sum((out * w).sum() for out, w in zip(ours, weights)), (x, state))
+    expected = torch.autograd.grad(sum((out * w).sum() for out, w in zip(reference, weights)), (x, state))
+    for name, grad, reference_grad in zip(["x", "state"], grads, expected):
+        assert _relative_error(grad, reference_grad) < (2e-2 if dtype == torch.bfloat16 else 1e-4), name
 
 
 @pytest.mark.gpu
