@@ -133,20 +133,24 @@ def cumulative(lengths: list[int]) -> torch.Tensor:
 
 def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[int]) -> Fork:
     """The `Fork` of rows (own lengths `row_lengths`) continuing prefixes of `prefix_lengths`."""
-    prefix_starts = cumulative(prefix_lengths).tolist()
-    row_start = prefix_starts[-1]
-    indices, key_counts = list(range(row_start)), list(prefix_lengths)  # a prefix's keys are its own tokens
-    for length, parent in zip(row_lengths, parents):
-        if parent >= 0:
-            indices.extend(range(prefix_starts[parent], prefix_starts[parent + 1]))
-        indices.extend(range(row_start, row_start + length))
-        key_counts.append(length + (prefix_lengths[parent] if parent >= 0 else 0))
-        row_start += length
-    query_counts = list(prefix_lengths) + list(row_lengths)
-    key_index = torch.from_numpy(np.asarray(indices, dtype=np.int64))
-    return Fork(torch.tensor(parents, dtype=torch.long), cumulative(query_counts), key_index,
-                cumulative(key_counts), max(query_counts, default=0), max(key_counts, default=0),
-                any(parent < 0 for parent in parents))
+    prefix_lengths, row_lengths = np.asarray(prefix_lengths, dtype=np.int64), np.asarray(row_lengths, dtype=np.int64)
+    parent_of = np.asarray(parents, dtype=np.int64).reshape(-1)
+    prefix_starts = np.concatenate([[0], np.cumsum(prefix_lengths)])
+    row_starts = prefix_starts[-1] + np.concatenate([[0], np.cumsum(row_lengths)[:-1]])
+    # A row without a prefix (parent -1) inherits an empty one: index G, of length 0.
+    lookup = np.where(parent_of >= 0, parent_of, len(prefix_lengths))
+    inherited = np.append(prefix_lengths, 0)[lookup]
+    # The key segments in order: each prefix's tokens, then per row its prefix's tokens and its own.
+    segment_starts = np.concatenate([prefix_starts[:-1], np.stack([prefix_starts[lookup], row_starts], 1).ravel()])
+    segment_lengths = np.concatenate([prefix_lengths, np.stack([inherited, row_lengths], 1).ravel()])
+    # Entry i of a segment placed at offset o that starts at token s is token s + (i - o).
+    offsets = np.concatenate([[0], np.cumsum(segment_lengths)[:-1]])
+    key_index = np.arange(segment_lengths.sum(), dtype=np.int64) + np.repeat(segment_starts - offsets, segment_lengths)
+    query_counts = np.concatenate([prefix_lengths, row_lengths])
+    key_counts = np.concatenate([prefix_lengths, inherited + row_lengths])
+    return Fork(torch.from_numpy(parent_of.copy()), cumulative(query_counts.tolist()), torch.from_numpy(key_index),
+                cumulative(key_counts.tolist()), int(query_counts.max(initial=0)), int(key_counts.max(initial=0)),
+                bool((parent_of < 0).any()))
 
 
 def project(module, x: torch.Tensor) -> torch.Tensor:

@@ -266,3 +266,14 @@ def test_checkpointing_recomputes_only_what_follows_the_delta_rule_and_changes_n
     assert ((plain - recomputed).abs().max() / plain.abs().max()).item() <= 1e-12
     for ours, reference in zip(recomputed_grads, plain_grads):
         assert ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item() <= 1e-12
+
+
+def test_plan_fork_lays_out_each_rows_keys_as_its_prefix_then_its_own_tokens():
+    # Token axis: prefix 0 = 0..2, prefix 1 = 3..4, then rows of 2, 1 and 2 tokens (5..6, 7, 8..9)
+    # continuing prefix 1, none and prefix 0.
+    fork = plan_fork([3, 2], [2, 1, 2], [1, -1, 0])
+    assert fork.key_index.tolist() == [0, 1, 2, 3, 4, 3, 4, 5, 6, 7, 0, 1, 2, 8, 9]
+    assert fork.cu_seqlens_q.tolist() == [0, 3, 5, 7, 8, 10] and fork.cu_seqlens_k.tolist() == [0, 3, 5, 9, 10, 15]
+    assert fork.parents.tolist() == [1, -1, 0] and fork.plan() == (3, 5, True)
+    assert fork.key_index.dtype == torch.long and fork.cu_seqlens_k.dtype == torch.int32
+    assert plan_fork([4], [1, 2], [0, 0]).plan() == (4, 6, False)
