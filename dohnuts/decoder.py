@@ -233,9 +233,11 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
         """Tokens begin:end (whole sequences of `segments`) -> ([t, Hv, V], final states if `keep`)."""
         shape = {"cu_seqlens": segments.cu_seqlens, "cu_seqlens_cpu": segments.cu_seqlens_cpu,
                  "chunk_indices": segments.chunk_indices}
-        convolved, conv_final = kernels.causal_conv1d(mixed[:, begin:end], weight, conv_state, keep, **shape)
-        # q and k L2-normalised (Qwen3.5's delta rule), each part contiguous for the kernel.
-        query, key, value = kernels.split_heads(convolved[0], key_heads, key_dim, value_heads, value_dim)
+        # The causal convolution, its output split into q, k (L2-normalised, as Qwen3.5's delta
+        # rule wants) and v, each contiguous for the delta-rule kernel.
+        query, key, value, conv_final = kernels.conv_split_heads(
+            mixed[0, begin:end], weight, conv_state, keep, segments.cu_seqlens, segments.cu_seqlens_cpu,
+            segments.chunk_indices, key_heads, key_dim, value_heads, value_dim)
         out, recurrent_final = kernels.chunk_gated_delta_rule(
             query[None], key[None], value[None], gate[:, begin:end], beta[:, begin:end], recurrent_state,
             keep, use_qk_l2norm_in_kernel=False, A_log=module.A_log, dt_bias=module.dt_bias, **shape)

@@ -7,9 +7,10 @@ flash-linear-attention's chunked delta rule reads, in one pass. Done apart, this
 strided copies (FLA makes its inputs contiguous) and two L2-norm passes inside FLA.
 
 `conv_split_heads` also does the causal convolution before it, in place of FLA's
-`causal_conv1d`, so the convolved channels are never written. Its forward and backward match
-the references under Triton's CPU interpreter (`tests/triton_interpreted.py`); the decoder
-does not use it yet, pending the GPU tests (`test_triton_conv_split_heads_...`) on the H200.
+`causal_conv1d`, so the convolved channels are never written; the decoder uses it. Its
+forward and backward match the references under Triton's CPU interpreter
+(`tests/triton_interpreted.py`); its GPU test (`test_triton_conv_split_heads_...`) has not yet
+run on the H200.
 
 Both run on the CPU too, under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 """
@@ -319,8 +320,11 @@ class ConvSplitHeads(torch.autograd.Function):
         final = x.new_empty(sequences, channels, width) if output_final_state else None
         block = triton.next_power_of_2(max(key_dim, value_dim))
         grid = (chunk_indices.shape[0], 2 * heads + value_heads)
+        # Without a carried state the kernels get x in its place, unread (HAS_INIT is False): the
+        # helper they call then always receives a pointer, never None.
         with _on(x.device):
-            _conv_heads_fwd[grid](x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_indices, x.stride(0), EPS,
+            _conv_heads_fwd[grid](x, weight, init if init is not None else x, q, k, v, rstd, final, cu_seqlens,
+                                  chunk_indices, x.stride(0), EPS,
                                   heads, key_dim, value_heads, value_dim, width, init is not None, final is not None,
                                   CHUNK, block)
         ctx.save_for_backward(x, weight, init, q, k, rstd, cu_seqlens, chunk_indices)
@@ -343,7 +347,8 @@ class ConvSplitHeads(torch.autograd.Function):
         dinit = torch.zeros_like(init) if init is not None else None
         columns = 128
         with _on(x.device):
-            _conv_heads_bwd_pre[grid](x, weight, init, q, k, rstd, dq, dk, dv, dpre, cu_seqlens, chunk_indices,
+            _conv_heads_bwd_pre[grid](x, weight, init if init is not None else x, q, k, rstd, dq, dk, dv, dpre,
+                                      cu_seqlens, chunk_indices,
                                       x.stride(0), heads, key_dim, value_heads, value_dim, width, init is not None,
                                       CHUNK, block)
             _conv_heads_bwd_x[(chunk_indices.shape[0], triton.cdiv(channels, columns))](

@@ -235,7 +235,8 @@ def test_triton_split_heads_matches_reference_forward_and_gradients(dtype):
 def test_triton_kernels_match_references_under_triton_interpreter():
     """dohnuts.triton_ops on the CPU through Triton's interpreter (tests/triton_interpreted.py):
     split_heads and conv_split_heads against their references, outputs and every gradient, on
-    packed sequences of 1 to 130 tokens with and without carried and final states."""
+    packed sequences of 1 to 130 tokens with and without carried and final states; and the
+    decoder with them (its CUDA path) against its CPU path, with prefixes forked to rows."""
     pytest.importorskip("triton")
     script = Path(__file__).with_name("triton_interpreted.py")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[1])}

@@ -66,7 +66,57 @@ def check_conv_split_heads():
                     close(f"{case} grad {name}", a, b)
 
 
+def check_decoder_with_triton_kernels():
+    """The decoder as it runs on CUDA (our Triton kernels in the delta rule), against its CPU
+    path: a random tiny Qwen3.5 with LoRA-free weights, shared prefixes forked to rows with
+    and without one, outputs and input gradients."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextConfig, Qwen3_5TextModel
+
+    from dohnuts.decoder import Prefixes, Segments, chunk_plan, packed_forward, plan_fork
+
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=6, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_interleaved": True, "mrope_section": [2, 1, 1]})
+    model = Qwen3_5TextModel(config).eval()
+    with torch.no_grad():  # norm weights away from their zero init, so every path matters
+        for name, parameter in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                parameter.normal_(0.0, 0.3)
+    prefix_lengths, row_lengths, parents = [70, 5], [3, 40, 1, 66], [0, 1, -1, 0]
+    fork = plan_fork(prefix_lengths, row_lengths, parents)
+    total = sum(prefix_lengths) + sum(row_lengths)
+    embeds = torch.randn(total, config.hidden_size, requires_grad=True)
+    positions = torch.cat([torch.arange(n) for n in prefix_lengths]
+                          + [torch.arange(n) + (prefix_lengths[p] if p >= 0 else 0)
+                             for n, p in zip(row_lengths, parents)]).expand(3, -1)
+    cu = torch.tensor([0] + row_lengths).cumsum(0).to(torch.int32)
+    prefix_cu = torch.tensor([0] + prefix_lengths).cumsum(0).to(torch.int32)
+    prefixes = Prefixes(sum(prefix_lengths), Segments.of(prefix_cu, prefix_cu, chunk_plan(prefix_lengths)), fork)
+
+    def run():
+        out = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(row_lengths))
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+        return out.detach(), torch.autograd.grad((out * weights).sum(), embeds)[0]
+
+    reference = run()
+    cpu_path = kernels.conv_split_heads
+    kernels.conv_split_heads = lambda x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, *heads: (
+        triton_ops.conv_split_heads(x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, *heads))
+    try:
+        fused = run()
+    finally:
+        kernels.conv_split_heads = cpu_path
+    close("decoder output with Triton kernels", fused[0], reference[0])
+    close("decoder input gradient with Triton kernels", fused[1], reference[1])
+
+
 if __name__ == "__main__":
     check_split_heads()
     check_conv_split_heads()
+    check_decoder_with_triton_kernels()
     print("ok")
