@@ -277,22 +277,37 @@ def _delta_tail(layer, config, hidden, out, gate):
     return _mlp_block(layer, config, hidden, _delta_output(layer.linear_attn, config, out, gate))
 
 
+# Under activation checkpointing, a batch of at most this many computed tokens keeps each
+# delta-rule layer's mixer activations (about 38 KB a token a layer in bf16 for the
+# Qwen3.5-0.8B shape: some 5 GiB over its 18 such layers at this bound); a larger batch, such
+# as one of long documents, recomputes its layers whole.
+MIXER_KEEP_TOKENS = 8192
+
+
 def _delta_layer(layer, config, hidden, rows: Segments, prefixes: Prefixes | None, checkpointed: bool):
     """One gated delta-rule decoder layer over every packed token. Returns hidden [T, D].
 
-    Under activation checkpointing only the part after the delta rule (gated norm, output
-    projection, MLP) is recomputed in the backward pass. The norm, the projections, the
-    convolution and the delta rule keep their activations: FLA's delta-rule backward rebuilds
-    its chunk states from its inputs anyway, so recomputing its forward would run it twice,
-    and its launches dominate the host time of a training step.
+    Under activation checkpointing, a batch of up to MIXER_KEEP_TOKENS tokens recomputes only
+    the part after the delta rule (gated norm, output projection, MLP) in the backward pass.
+    The norm, the projections, the convolution and the delta rule keep their activations:
+    FLA's delta-rule backward rebuilds its chunk states from its inputs anyway, so recomputing
+    its forward would run it twice, and its launches dominate the host time of a training
+    step. A larger batch recomputes the whole layer, keeping memory bounded.
     """
+    if checkpointed and hidden.shape[0] > MIXER_KEEP_TOKENS:
+        # Shapes are fixed by the plan, so the recomputation needs no metadata check.
+        return checkpoint(_delta_whole, layer, config, hidden, rows, prefixes, use_reentrant=False,
+                          determinism_check="none")
     normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
     out, gate = _delta_mix(layer.linear_attn, config, normed, rows, prefixes)
     if checkpointed:
-        # Shapes are fixed by the plan, so the recomputation needs no metadata check.
         return checkpoint(_delta_tail, layer, config, hidden, out, gate, use_reentrant=False,
                           determinism_check="none")
     return _delta_tail(layer, config, hidden, out, gate)
+
+
+def _delta_whole(layer, config, hidden, rows: Segments, prefixes: Prefixes | None):
+    return _delta_layer(layer, config, hidden, rows, prefixes, False)
 
 
 def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,

@@ -5,7 +5,7 @@ import torch
 
 from dohnuts.base import load_backbone
 from dohnuts.config import LoraConfig
-from dohnuts import kernels
+from dohnuts import decoder, kernels
 from dohnuts.decoder import Prefixes, Segments, packed_forward, plan_fork, project
 from dohnuts.model import build_training_model
 from dohnuts.schema import parse_request
@@ -227,10 +227,14 @@ def test_project_runs_modules_own_forward_when_merged_disabled_or_plain():
     assert torch.equal(project(biased, x), biased(x))
 
 
-def test_checkpointing_recomputes_only_what_follows_the_delta_rule_and_changes_no_gradient(tiny):
+@pytest.mark.parametrize("keep_tokens", [8192, 1])
+def test_checkpointing_recomputes_only_what_follows_the_delta_rule_and_changes_no_gradient(tiny, monkeypatch,
+                                                                                         keep_tokens):
     """float64, shared prefixes: outputs and LoRA and input gradients with and without activation
-    checkpointing agree to rounding; in the backward, each MLP reruns once more, and a delta-rule
-    layer's projections (hence its convolution and delta rule) never do."""
+    checkpointing agree to rounding. In the backward, each MLP reruns once more; a delta-rule
+    layer's projections (hence its convolution and delta rule) rerun only when the batch is over
+    MIXER_KEEP_TOKENS (here forced to 1)."""
+    monkeypatch.setattr(decoder, "MIXER_KEEP_TOKENS", keep_tokens)
     model, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
     model.double()
     with torch.no_grad():
@@ -259,7 +263,9 @@ def test_checkpointing_recomputes_only_what_follows_the_delta_rule_and_changes_n
         weights = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(0))
         grads = torch.autograd.grad((out * weights).sum(), lora + [embeds])
         results[checkpointed] = (out.detach(), grads)
-        assert calls == {"mlp": len(layers) * (2 if checkpointed else 1), "delta": deltas}
+        recomputed_mixers = checkpointed and embeds.shape[0] > keep_tokens
+        expected = {"mlp": len(layers) * (2 if checkpointed else 1), "delta": deltas * (2 if recomputed_mixers else 1)}
+        assert calls == expected
     for handle in handles:
         handle.remove()
     (plain, plain_grads), (recomputed, recomputed_grads) = results[False], results[True]
