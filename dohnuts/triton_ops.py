@@ -141,6 +141,9 @@ def split_heads(mixed: torch.Tensor, heads: int, key_dim: int, value_heads: int,
 # channels; the backward recomputes the convolution rather than keeping it.
 
 CHUNK = 64  # tokens per program: the chunk plan's chunk size
+# Warps per program: a program holds several [64, 128] float32 tiles, which spill registers at
+# Triton's default of 4 warps (ptxas for sm_90, bf16, Qwen3.5-0.8B widths) and not at 8.
+WARPS = 8
 
 
 @triton.jit
@@ -183,10 +186,10 @@ def _conv_heads_fwd(x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_ind
     m_d = o_d < width
     cols = col0 + o_d
     pre = _conv_window(x, init, weight, o_t, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
-    u = pre * tl.sigmoid(pre)
+    u = pre * tl.sigmoid(pre)  # 0 in masked lanes
     m = m_t[:, None] & m_d[None, :]
     if is_qk:
-        r = 1.0 / tl.sqrt(tl.sum(tl.where(m, u * u, 0.0), axis=1) + eps)
+        r = 1.0 / tl.sqrt(tl.sum(u * u, axis=1) + eps)
         y = (u * r[:, None]).to(q.dtype.element_ty)
         if i_s < H:
             tl.store(q + o_t[:, None] * (H * K) + i_s * K + o_d[None, :], y, mask=m)
@@ -305,10 +308,11 @@ def _plan(cu_seqlens_cpu: torch.Tensor) -> torch.Tensor:
 
 class ConvSplitHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, initial_state, output_final_state, cu_seqlens, chunk_indices, heads, key_dim,
-                value_heads, value_dim):
+    def forward(ctx, x, weight, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, chunk_indices, heads,
+                key_dim, value_heads, value_dim):
         total, channels = x.shape
         width = weight.shape[-1]
+        ctx.bounds = cu_seqlens_cpu.tolist()
         x = x if x.stride(-1) == 1 else x.contiguous()
         weight = weight.contiguous()
         init = initial_state.contiguous() if initial_state is not None else None
@@ -326,7 +330,7 @@ class ConvSplitHeads(torch.autograd.Function):
             _conv_heads_fwd[grid](x, weight, init if init is not None else x, q, k, v, rstd, final, cu_seqlens,
                                   chunk_indices, x.stride(0), EPS,
                                   heads, key_dim, value_heads, value_dim, width, init is not None, final is not None,
-                                  CHUNK, block)
+                                  CHUNK, block, num_warps=WARPS)
         ctx.save_for_backward(x, weight, init, q, k, rstd, cu_seqlens, chunk_indices)
         ctx.shape = (heads, key_dim, value_heads, value_dim, block)
         return q, k, v, final
@@ -350,21 +354,21 @@ class ConvSplitHeads(torch.autograd.Function):
             _conv_heads_bwd_pre[grid](x, weight, init if init is not None else x, q, k, rstd, dq, dk, dv, dpre,
                                       cu_seqlens, chunk_indices,
                                       x.stride(0), heads, key_dim, value_heads, value_dim, width, init is not None,
-                                      CHUNK, block)
+                                      CHUNK, block, num_warps=WARPS)
             _conv_heads_bwd_x[(chunk_indices.shape[0], triton.cdiv(channels, columns))](
                 dpre, weight, dfinal.contiguous() if dfinal is not None else None, dx, dinit, cu_seqlens,
-                chunk_indices, channels, width, init is not None, dfinal is not None, CHUNK, columns)
+                chunk_indices, channels, width, init is not None, dfinal is not None, CHUNK, columns, num_warps=WARPS)
         dweight = None
         if ctx.needs_input_grad[1]:
-            dweight = _conv_weight_grad(x, init, dpre, cu_seqlens, width).to(weight.dtype)
-        return dx if ctx.needs_input_grad[0] else None, dweight, dinit, None, None, None, None, None, None, None
+            dweight = _conv_weight_grad(x, init, dpre, ctx.bounds, width).to(weight.dtype)
+        return dx if ctx.needs_input_grad[0] else None, dweight, dinit, None, None, None, None, None, None, None, None
 
 
-def _conv_weight_grad(x, init, dpre, cu_seqlens, width):
+def _conv_weight_grad(x, init, dpre, bounds: list[int], width):
     """dweight[c, i] = sum over tokens t of dpre[t, c] * input(t - (W - 1) + i, c), in plain
-    PyTorch (the recipe's LoRA leaves the convolution frozen, so this rarely runs)."""
+    PyTorch, sequence by sequence (`bounds`: the host's cumulative lengths; the recipe's LoRA
+    leaves the convolution frozen, so this rarely runs)."""
     total, channels = x.shape
-    bounds = cu_seqlens.long().tolist()
     grad = torch.zeros(channels, width, dtype=torch.float32, device=x.device)
     for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
         history = (init[n].transpose(0, 1)[1:].float() if init is not None
@@ -390,9 +394,18 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
     Returns:
         (q [T, H, K], k [T, H, K], v [T, HV, V], final state or None)
     """
-    if bool((cu_seqlens_cpu[1:] == cu_seqlens_cpu[:-1]).any()):
+    lengths = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
+    if bool((lengths <= 0).any()):
         raise ValueError("conv_split_heads: every packed sequence needs at least one token")
+    channels = 2 * heads * key_dim + value_heads * value_dim
+    if x.shape[-1] != channels or weight.shape[0] != channels:
+        raise ValueError(f"conv_split_heads: {heads} x {key_dim} q and k heads and {value_heads} x {value_dim} v heads "
+                         f"are {channels} channels, but x has {x.shape[-1]} and the weight {weight.shape[0]}")
     if chunk_indices is None:
         chunk_indices = _plan(cu_seqlens_cpu).to(x.device, non_blocking=True)
-    return ConvSplitHeads.apply(x, weight, initial_state, output_final_state, cu_seqlens, chunk_indices, heads,
-                                key_dim, value_heads, value_dim)
+    elif chunk_indices.shape[0] != int(((lengths + CHUNK - 1) // CHUNK).sum()):
+        # Every token must fall in one planned chunk, or no program would write it.
+        raise ValueError(f"conv_split_heads: the chunk plan has {chunk_indices.shape[0]} chunks, but the "
+                         f"sequences make {int(((lengths + CHUNK - 1) // CHUNK).sum())} of {CHUNK} tokens")
+    return ConvSplitHeads.apply(x, weight, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                                chunk_indices, heads, key_dim, value_heads, value_dim)

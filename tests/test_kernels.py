@@ -245,11 +245,11 @@ def test_triton_kernels_match_references_under_triton_interpreter():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_conv_split_heads_matches_reference_forward_and_gradients(dtype):
+@pytest.mark.parametrize("dtype, carried", [(torch.bfloat16, True), (torch.float32, True), (torch.bfloat16, False)])
+def test_triton_conv_split_heads_matches_reference_forward_and_gradients(dtype, carried):
     """The fused convolution and head split on packed sequences [63, 1, 17, 64, 130] of the
-    Qwen3.5-0.8B widths, from carried states, keeping final states: outputs, final states and
-    the gradients of the input and of the carried state."""
+    Qwen3.5-0.8B widths, from carried states and keeping final states (or neither): outputs,
+    final states and the gradients of the input, the weight and the carried state."""
     assert kernels._triton_ops() is not None, "Triton is not importable: the test would compare the reference with itself"
     heads, key_dim, value_heads, value_dim, width = 16, 128, 16, 128, 4
     channels = 2 * heads * key_dim + value_heads * value_dim
@@ -257,18 +257,23 @@ def test_triton_conv_split_heads_matches_reference_forward_and_gradients(dtype):
     cu_cpu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     cu = cu_cpu.cuda()
     x = torch.randn(sum(lengths), channels, device="cuda", dtype=dtype, requires_grad=True)
-    weight = (torch.randn(channels, width, device="cuda") * 0.5).to(dtype)
-    state = torch.randn(len(lengths), channels, width, device="cuda", dtype=dtype, requires_grad=True)
-    ours = kernels.conv_split_heads(x, weight, state, True, cu, cu_cpu, None, heads, key_dim, value_heads, value_dim)
-    reference = kernels.conv_split_heads_reference(x, weight, state, True, cu.long(), heads, key_dim, value_heads,
+    weight = (torch.randn(channels, width, device="cuda") * 0.5).to(dtype).requires_grad_()
+    state = (torch.randn(len(lengths), channels, width, device="cuda", dtype=dtype, requires_grad=True)
+             if carried else None)
+    inputs = (x, weight, state) if carried else (x, weight)
+    ours = kernels.conv_split_heads(x, weight, state, carried, cu, cu_cpu, None, heads, key_dim, value_heads,
+                                    value_dim)
+    reference = kernels.conv_split_heads_reference(x, weight, state, carried, cu.long(), heads, key_dim, value_heads,
                                                    value_dim)
+    assert (ours[3] is None) == (not carried)
+    ours, reference = [out for out in ours if out is not None], [out for out in reference if out is not None]
     tolerance = BF16 if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
     for out, expected in zip(ours, reference):
         torch.testing.assert_close(out, expected, **tolerance)
     weights = [torch.randn_like(out) for out in ours]
-    grads = torch.autograd.grad(sum((out * w).sum() for out, w in zip(ours, weights)), (x, state))
-    expected = torch.autograd.grad(sum((out * w).sum() for out, w in zip(reference, weights)), (x, state))
-    for name, grad, reference_grad in zip(["x", "state"], grads, expected):
+    grads = torch.autograd.grad(sum((out * w).sum() for out, w in zip(ours, weights)), inputs)
+    expected = torch.autograd.grad(sum((out * w).sum() for out, w in zip(reference, weights)), inputs)
+    for name, grad, reference_grad in zip(["x", "weight", "state"], grads, expected):
         assert _relative_error(grad, reference_grad) < (2e-2 if dtype == torch.bfloat16 else 1e-4), name
 
 
