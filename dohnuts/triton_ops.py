@@ -9,8 +9,7 @@ strided copies (FLA makes its inputs contiguous) and two L2-norm passes inside F
 `conv_split_heads` also does the causal convolution before it, in place of FLA's
 `causal_conv1d`, so the convolved channels are never written; the decoder uses it. Its
 forward and backward match the references under Triton's CPU interpreter
-(`tests/triton_interpreted.py`); its GPU test (`test_triton_conv_split_heads_...`) has not yet
-run on the H200.
+(`tests/triton_interpreted.py`).
 
 Both run on the CPU too, under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 """
