@@ -1,9 +1,12 @@
-"""Compute kernels: flash-linear-attention's fused Triton kernels on CUDA, plain PyTorch elsewhere.
+"""Compute kernels: fused Triton kernels on CUDA, plain PyTorch elsewhere.
 
-This is the only module that imports `fla`. Each public function chooses the fused kernel for
-CUDA tensors when FLA is importable and otherwise runs the plain-PyTorch reference of the
-same math, which is also the test oracle for the fused path (FLA keeps a naive.py beside
-every kernel for the same reason). Argument names follow FLA.
+On CUDA: flash-linear-attention's chunked gated delta rule and gated RMSNorm, our own Triton
+kernels (`dohnuts.triton_ops`: the delta rule's convolution with its head split, RMSNorm,
+SwiGLU), and PyTorch's flash varlen attention. This is the only module that imports `fla` or
+`triton_ops`. Each public function chooses the fused kernel for CUDA tensors when it is
+importable and otherwise runs the plain-PyTorch reference of the same math, which is also
+the test oracle for the fused path (FLA keeps a naive.py beside every kernel for the same
+reason). Argument names follow FLA.
 """
 
 from __future__ import annotations
@@ -28,15 +31,13 @@ def _fla():
     os.environ.setdefault("FLA_FLASH_QLA", "0")
     os.environ.setdefault("FLA_INTRACARD_CP", "0")
     try:
-        from fla.modules.activations import swiglu
         from fla.modules.causal_conv1d.ops import causal_conv1d
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
-        from fla.modules.norm.layernorm import rms_norm
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
-    return {"swiglu": swiglu, "causal_conv1d": causal_conv1d, "rms_norm_gated": rms_norm_gated,
-            "rms_norm": rms_norm, "chunk_gated_delta_rule": chunk_gated_delta_rule}
+    return {"causal_conv1d": causal_conv1d, "rms_norm_gated": rms_norm_gated,
+            "chunk_gated_delta_rule": chunk_gated_delta_rule}
 
 
 @functools.cache
@@ -133,10 +134,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     The `1 + weight` is the Qwen3.5 convention (weights are stored centred on zero).
     Args: x [..., D], weight [D]. Returns: [..., D] in x's dtype.
     """
-    kernels = fused(x)
-    if kernels is not None:
-        scale = derived(weight, f"1+w:{x.dtype}", lambda w: (1.0 + w.float()).to(x.dtype))
-        return kernels["rms_norm"](x, scale, None, eps=eps)
+    ops = _triton_ops() if x.is_cuda else None
+    if ops is not None:
+        # Our Triton kernel: FLA's RMSNorm wrapper costs about 0.2 ms of host time a call, which
+        # a host-bound training step pays about 160 times. The scale stays in float32, as in
+        # Hugging Face's Qwen3.5 RMSNorm.
+        return ops.rms_norm(x, derived(weight, "1+w", lambda w: 1.0 + w.float()), eps)
     return rms_norm_reference(x, weight, eps)
 
 
@@ -161,9 +164,9 @@ def rms_norm_gated_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
-    kernels = fused(gate)
-    if kernels is not None:
-        return kernels["swiglu"](gate, up)
+    ops = _triton_ops() if gate.is_cuda else None
+    if ops is not None:
+        return ops.swiglu(gate, up)
     return swiglu_reference(gate, up)
 
 

@@ -147,12 +147,39 @@ def test_fused_kernels_are_installed_on_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("width", [63, 128, 1024])
 def test_fused_norms_and_swiglu_match_references(width):
+    assert kernels._triton_ops() is not None, "Triton is not importable: the test would compare the reference with itself"
     x, gate = torch.randn(2, 63, width, device="cuda", dtype=torch.bfloat16), torch.randn(2, 63, width, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
     torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), kernels.rms_norm_reference(x, weight, 1e-6), **BF16)
     torch.testing.assert_close(kernels.rms_norm_gated(x, gate, weight + 1, 1e-6),
                                kernels.rms_norm_gated_reference(x, gate, weight + 1, 1e-6), **BF16)
     torch.testing.assert_close(kernels.swiglu(x, gate), kernels.swiglu_reference(x, gate), **BF16)
+
+
+@pytest.mark.gpu
+def test_triton_rms_norm_and_swiglu_gradients_match_references():
+    """Our Triton RMSNorm on a [T, H, D] view read with strides (as the attention's q norm reads
+    it) and on 2-D rows of the hidden width, and SwiGLU: outputs and gradients in bf16."""
+    assert kernels._triton_ops() is not None, "Triton is not importable: the test would compare the reference with itself"
+    wide = torch.randn(63, 8, 512, device="cuda", dtype=torch.bfloat16)
+    for x in (wide[..., :256].detach(), torch.randn(63, 1024, device="cuda", dtype=torch.bfloat16)):
+        x.requires_grad_()
+        weight = (torch.randn(x.shape[-1], device="cuda") * 0.1).to(torch.bfloat16).requires_grad_()
+        ours, reference = kernels.rms_norm(x, weight, 1e-6), kernels.rms_norm_reference(x, weight, 1e-6)
+        torch.testing.assert_close(ours, reference, **BF16)
+        probe = torch.randn_like(ours)
+        grads = torch.autograd.grad((ours.float() * probe).sum(), (x, weight))
+        expected = torch.autograd.grad((reference.float() * probe).sum(), (x, weight))
+        for name, grad, reference_grad in zip(["x", "weight"], grads, expected):
+            assert _relative_error(grad, reference_grad) < 2e-2, (tuple(x.shape), name)
+    gate, up = (torch.randn(63, 3584, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    ours, reference = kernels.swiglu(gate, up), kernels.swiglu_reference(gate, up)
+    torch.testing.assert_close(ours, reference, **BF16)
+    probe = torch.randn_like(ours)
+    grads = torch.autograd.grad((ours.float() * probe).sum(), (gate, up))
+    expected = torch.autograd.grad((reference.float() * probe).sum(), (gate, up))
+    for name, grad, reference_grad in zip(["gate", "up"], grads, expected):
+        assert _relative_error(grad, reference_grad) < 2e-2, name
 
 
 @pytest.mark.gpu

@@ -66,10 +66,32 @@ def check_conv_split_heads():
                     close(f"{case} grad {name}", a, b)
 
 
+def check_norm_and_swiglu():
+    generator = torch.Generator().manual_seed(3)
+    wide = torch.randn(21, 3, 80, generator=generator)
+    cases = [torch.randn(37, 96, generator=generator),  # rows of a 2-D tensor
+             wide.view(21, 3, 2, 40)[:, :, 0],  # [T, H, D] read with strides, as the q norm reads
+             torch.randn(2, 3, 5, 16, generator=generator)]  # any contiguous shape
+    for x in cases:
+        x = x.clone().requires_grad_() if x.is_contiguous() else x.detach().requires_grad_()
+        weight = (torch.randn(x.shape[-1], generator=generator) * 0.2).requires_grad_()
+        ours = triton_ops.rms_norm(x, 1.0 + weight, 1e-6)
+        reference = kernels.rms_norm_reference(x, weight, 1e-6)
+        close(f"rms_norm {tuple(x.shape)}", ours, reference)
+        for name, a, b in zip(["x", "weight"], grads([ours], [x, weight], 4), grads([reference], [x, weight], 4)):
+            close(f"rms_norm {tuple(x.shape)} grad {name}", a, b)
+    gate = torch.randn(33, 70, generator=generator, requires_grad=True)
+    up = torch.randn(33, 70, generator=generator, requires_grad=True)
+    ours, reference = triton_ops.swiglu(gate, up), kernels.swiglu_reference(gate, up)
+    close("swiglu", ours, reference)
+    for name, a, b in zip(["gate", "up"], grads([ours], [gate, up], 5), grads([reference], [gate, up], 5)):
+        close(f"swiglu grad {name}", a, b)
+
+
 def check_decoder_with_triton_kernels():
-    """The decoder as it runs on CUDA (our Triton kernels in the delta rule), against its CPU
-    path: a random tiny Qwen3.5 with LoRA-free weights, shared prefixes forked to rows with
-    and without one, outputs and input gradients."""
+    """The decoder as it runs on CUDA (our Triton kernels for the convolution and head split,
+    RMSNorm and SwiGLU), against its CPU path: a random tiny Qwen3.5, shared prefixes forked to
+    rows with and without one, outputs and input gradients."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextConfig, Qwen3_5TextModel
 
     from dohnuts.decoder import Prefixes, Segments, chunk_plan, packed_forward, plan_fork
@@ -104,13 +126,30 @@ def check_decoder_with_triton_kernels():
         return out.detach(), torch.autograd.grad((out * weights).sum(), embeds)[0]
 
     reference = run()
-    cpu_path = kernels.conv_split_heads
-    kernels.conv_split_heads = lambda x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, *heads: (
-        triton_ops.conv_split_heads(x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, *heads))
+    # What kernels.py chooses on CUDA, routed to our Triton kernels for these CPU tensors.
+    cuda_path = {
+        "conv_split_heads": lambda x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, *heads: (
+            triton_ops.conv_split_heads(x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, *heads)),
+        "rms_norm": lambda x, weight, eps: triton_ops.rms_norm(x, 1.0 + weight.float(), eps),
+        "swiglu": triton_ops.swiglu,
+    }
+    cpu_path = {name: getattr(kernels, name) for name in cuda_path}
+    calls = {name: 0 for name in cuda_path}
+
+    def counted(name):
+        def call(*args):
+            calls[name] += 1
+            return cuda_path[name](*args)
+        return call
+
+    for name in cuda_path:
+        setattr(kernels, name, counted(name))
     try:
         fused = run()
     finally:
-        kernels.conv_split_heads = cpu_path
+        for name, function in cpu_path.items():
+            setattr(kernels, name, function)
+    assert all(calls.values()), calls
     close("decoder output with Triton kernels", fused[0], reference[0])
     close("decoder input gradient with Triton kernels", fused[1], reference[1])
 
@@ -118,5 +157,6 @@ def check_decoder_with_triton_kernels():
 if __name__ == "__main__":
     check_split_heads()
     check_conv_split_heads()
+    check_norm_and_swiglu()
     check_decoder_with_triton_kernels()
     print("ok")
