@@ -1,8 +1,8 @@
 """Compute kernels: fused Triton kernels on CUDA, plain PyTorch elsewhere.
 
-On CUDA: flash-linear-attention's chunked gated delta rule and gated RMSNorm, our own Triton
-kernels (`dohnuts.triton_ops`: the delta rule's convolution with its head split, RMSNorm,
-SwiGLU), and PyTorch's flash varlen attention. This is the only module that imports `fla` or
+On CUDA: flash-linear-attention's chunked gated delta rule, our own Triton kernels
+(`dohnuts.triton_ops`: the delta rule's convolution with its head split, RMSNorm, gated
+RMSNorm, SwiGLU), and PyTorch's flash varlen attention. This is the only module that imports `fla` or
 `triton_ops`. Each public function chooses the fused kernel for CUDA tensors when it is
 importable and otherwise runs the plain-PyTorch reference of the same math, which is also
 the test oracle for the fused path (FLA keeps a naive.py beside every kernel for the same
@@ -32,12 +32,10 @@ def _fla():
     os.environ.setdefault("FLA_INTRACARD_CP", "0")
     try:
         from fla.modules.causal_conv1d.ops import causal_conv1d
-        from fla.modules.norm.fused_norm_gate import rms_norm_gated
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
-    return {"causal_conv1d": causal_conv1d, "rms_norm_gated": rms_norm_gated,
-            "chunk_gated_delta_rule": chunk_gated_delta_rule}
+    return {"causal_conv1d": causal_conv1d, "chunk_gated_delta_rule": chunk_gated_delta_rule}
 
 
 @functools.cache
@@ -151,9 +149,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated RMSNorm of the delta-rule output: rms-normalise x, scale by `weight` (not 1 + weight),
     multiply by silu(gate). Args: x, gate [..., V], weight [V]. Returns [..., V] in x's dtype."""
-    kernels = fused(x)
-    if kernels is not None:
-        return kernels["rms_norm_gated"](x, gate, weight, None, activation="swish", eps=eps)
+    ops = _triton_ops() if x.is_cuda else None
+    if ops is not None:
+        return ops.rms_norm_gated(x, gate, weight, eps)
     return rms_norm_gated_reference(x, gate, weight, eps)
 
 

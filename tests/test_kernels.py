@@ -159,7 +159,8 @@ def test_fused_norms_and_swiglu_match_references(width):
 @pytest.mark.gpu
 def test_triton_rms_norm_and_swiglu_gradients_match_references():
     """Our Triton RMSNorm on a [T, H, D] view read with strides (as the attention's q norm reads
-    it) and on 2-D rows of the hidden width, and SwiGLU: outputs and gradients in bf16."""
+    it) and on 2-D rows of the hidden width, the gated RMSNorm of the delta rule's output, and
+    SwiGLU: outputs and gradients in bf16."""
     assert kernels._triton_ops() is not None, "Triton is not importable: the test would compare the reference with itself"
     wide = torch.randn(63, 8, 512, device="cuda", dtype=torch.bfloat16)
     for x in (wide[..., :256].detach(), torch.randn(63, 1024, device="cuda", dtype=torch.bfloat16)):
@@ -172,6 +173,15 @@ def test_triton_rms_norm_and_swiglu_gradients_match_references():
         expected = torch.autograd.grad((reference.float() * probe).sum(), (x, weight))
         for name, grad, reference_grad in zip(["x", "weight"], grads, expected):
             assert _relative_error(grad, reference_grad) < 2e-2, (tuple(x.shape), name)
+    x, z = (torch.randn(63, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    weight = (1.0 + 0.1 * torch.randn(128, device="cuda")).to(torch.bfloat16).requires_grad_()
+    ours, reference = kernels.rms_norm_gated(x, z, weight, 1e-6), kernels.rms_norm_gated_reference(x, z, weight, 1e-6)
+    torch.testing.assert_close(ours, reference, **BF16)
+    probe = torch.randn_like(ours)
+    grads = torch.autograd.grad((ours.float() * probe).sum(), (x, z, weight))
+    expected = torch.autograd.grad((reference.float() * probe).sum(), (x, z, weight))
+    for name, grad, reference_grad in zip(["x", "gate", "weight"], grads, expected):
+        assert _relative_error(grad, reference_grad) < 2e-2, ("gated", name)
     gate, up = (torch.randn(63, 3584, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     ours, reference = kernels.swiglu(gate, up), kernels.swiglu_reference(gate, up)
     torch.testing.assert_close(ours, reference, **BF16)

@@ -66,7 +66,7 @@ def check_conv_split_heads():
                     close(f"{case} grad {name}", a, b)
 
 
-def check_norm_and_swiglu():
+def check_norms_and_swiglu():
     generator = torch.Generator().manual_seed(3)
     wide = torch.randn(21, 3, 80, generator=generator)
     cases = [torch.randn(37, 96, generator=generator),  # rows of a 2-D tensor
@@ -80,6 +80,16 @@ def check_norm_and_swiglu():
         close(f"rms_norm {tuple(x.shape)}", ours, reference)
         for name, a, b in zip(["x", "weight"], grads([ours], [x, weight], 4), grads([reference], [x, weight], 4)):
             close(f"rms_norm {tuple(x.shape)} grad {name}", a, b)
+    for shape in [(19, 4, 24), (7, 130)]:
+        x = torch.randn(*shape, generator=generator, requires_grad=True)
+        z = torch.randn(*shape, generator=generator, requires_grad=True)
+        weight = (1.0 + 0.2 * torch.randn(shape[-1], generator=generator)).requires_grad_()
+        ours = triton_ops.rms_norm_gated(x, z, weight, 1e-6)
+        reference = kernels.rms_norm_gated_reference(x, z, weight, 1e-6)
+        close(f"rms_norm_gated {shape}", ours, reference)
+        for name, a, b in zip(["x", "gate", "weight"], grads([ours], [x, z, weight], 6),
+                              grads([reference], [x, z, weight], 6)):
+            close(f"rms_norm_gated {shape} grad {name}", a, b)
     gate = torch.randn(33, 70, generator=generator, requires_grad=True)
     up = torch.randn(33, 70, generator=generator, requires_grad=True)
     ours, reference = triton_ops.swiglu(gate, up), kernels.swiglu_reference(gate, up)
@@ -90,7 +100,7 @@ def check_norm_and_swiglu():
 
 def check_decoder_with_triton_kernels():
     """The decoder as it runs on CUDA (our Triton kernels for the convolution and head split,
-    RMSNorm and SwiGLU), against its CPU path: a random tiny Qwen3.5, shared prefixes forked to
+    RMSNorm, gated RMSNorm and SwiGLU), against its CPU path: a random tiny Qwen3.5, shared prefixes forked to
     rows with and without one, outputs and input gradients."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextConfig, Qwen3_5TextModel
 
@@ -132,6 +142,7 @@ def check_decoder_with_triton_kernels():
             triton_ops.conv_split_heads(x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, *heads)),
         "rms_norm": lambda x, weight, eps: triton_ops.rms_norm(x, 1.0 + weight.float(), eps),
         "swiglu": triton_ops.swiglu,
+        "rms_norm_gated": triton_ops.rms_norm_gated,
     }
     cpu_path = {name: getattr(kernels, name) for name in cuda_path}
     calls = {name: 0 for name in cuda_path}
@@ -157,6 +168,6 @@ def check_decoder_with_triton_kernels():
 if __name__ == "__main__":
     check_split_heads()
     check_conv_split_heads()
-    check_norm_and_swiglu()
+    check_norms_and_swiglu()
     check_decoder_with_triton_kernels()
     print("ok")
