@@ -48,6 +48,12 @@ def _triton_ops():
     return triton_ops
 
 
+def _ours(x: torch.Tensor):
+    """Our Triton kernels for a CUDA tensor they serve (they compute in float32, so float64
+    keeps its exact reference), else None."""
+    return _triton_ops() if x.is_cuda and x.dtype != torch.float64 else None
+
+
 _PLANS_LOCK = threading.Lock()
 _plans_depth = 0
 _plans_before = False
@@ -132,7 +138,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     The `1 + weight` is the Qwen3.5 convention (weights are stored centred on zero).
     Args: x [..., D], weight [D]. Returns: [..., D] in x's dtype.
     """
-    ops = _triton_ops() if x.is_cuda else None
+    ops = _ours(x)
     if ops is not None:
         # Our Triton kernel: FLA's RMSNorm wrapper costs about 0.2 ms of host time a call, which
         # a host-bound training step pays about 160 times. The scale stays in float32, as in
@@ -149,7 +155,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated RMSNorm of the delta-rule output: rms-normalise x, scale by `weight` (not 1 + weight),
     multiply by silu(gate). Args: x, gate [..., V], weight [V]. Returns [..., V] in x's dtype."""
-    ops = _triton_ops() if x.is_cuda else None
+    ops = _ours(x)
     if ops is not None:
         return ops.rms_norm_gated(x, gate, weight, eps)
     return rms_norm_gated_reference(x, gate, weight, eps)
@@ -162,7 +168,7 @@ def rms_norm_gated_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
-    ops = _triton_ops() if gate.is_cuda else None
+    ops = _ours(gate)
     if ops is not None:
         return ops.swiglu(gate, up)
     return swiglu_reference(gate, up)
@@ -328,7 +334,7 @@ def split_heads(mixed: torch.Tensor, heads: int, key_dim: int, value_heads: int,
     """The delta rule's convolved channels [T, 2*H*K + HV*V] -> q, k [T, H, K], L2-normalised per
     head (in float32), and v [T, HV, V]: on CUDA one Triton pass writes all three contiguous
     (the delta-rule kernel reads them so); elsewhere v may be a strided view."""
-    ops = _triton_ops() if mixed.is_cuda else None
+    ops = _ours(mixed)
     if ops is not None:
         return ops.split_heads(mixed, heads, key_dim, value_heads, value_dim)
     return split_heads_reference(mixed, heads, key_dim, value_heads, value_dim)
@@ -340,7 +346,7 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
     """`causal_conv1d` (SiLU) of packed sequences x [T, C] followed by `split_heads`: returns
     (q, k, v, final state or None). On CUDA, one Triton kernel (`triton_ops.conv_split_heads`)
     reads x once and writes q, k and v."""
-    ops = _triton_ops() if x.is_cuda else None
+    ops = _ours(x)
     if ops is not None:
         return ops.conv_split_heads(x, weight, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
                                     chunk_indices, heads, key_dim, value_heads, value_dim)

@@ -428,7 +428,7 @@ def _rms_norm_fwd(x, scale, y, rstd, R, B, s0, s1, eps, D: tl.constexpr, BR: tl.
     m = m_r[:, None] & (cols[None, :] < D)
     start = (rows // B) * s0 + (rows % B) * s1
     xs = tl.load(x + start[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=1) / D + eps)
+    r = tl.rsqrt(tl.sum(xs * xs, axis=1) / D + eps)
     w = tl.load(scale + cols, mask=cols < D, other=0.0).to(tl.float32)
     tl.store(y + rows[:, None] * D + cols[None, :], (xs * r[:, None] * w[None, :]).to(y.dtype.element_ty), mask=m)
     tl.store(rstd + rows, r, mask=m_r)
@@ -468,7 +468,7 @@ def _rows_view(x: torch.Tensor):
 def _norm_launch(width: int) -> tuple[int, int, int]:
     """(block, rows per program, warps) of a norm over `width` channels: about 4,096 elements a
     program, so the float32 tiles stay in registers."""
-    block = triton.next_power_of_2(width)
+    block = triton.next_power_of_2(max(width, 1))
     return block, max(1, min(ROWS, 4096 // block)), 4 if block <= 512 else 8
 
 
@@ -489,14 +489,18 @@ class RMSNorm(torch.autograd.Function):
             _rms_norm_fwd[(triton.cdiv(rows, per_program),)](x, scale, y, rstd, rows, inner, s0, s1, eps, width,
                                                              per_program, block, num_warps=warps)
         ctx.save_for_backward(x, scale, rstd)
-        ctx.layout = layout
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, scale, rstd = ctx.saved_tensors
-        count, inner, s0, s1 = ctx.layout
+        # The layout of the x handed back, which a saved-tensor hook may have repacked.
+        layout = _rows_view(x)
+        if layout is None:
+            x = x.contiguous()
+            layout = _rows_view(x)
+        count, inner, s0, s1 = layout
         width = x.shape[-1]
         rows = count * inner
         dy = dy.contiguous()
@@ -515,7 +519,9 @@ class RMSNorm(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) * scale over the last axis, in float32, returned in x's dtype (contiguous).
     x: [T, D] or [T, H, D] (any strides with unit stride along D); scale: [D]."""
-    return RMSNorm.apply(x, scale, eps)
+    if scale.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: scale {tuple(scale.shape)} does not match x {tuple(x.shape)}")
+    return RMSNorm.apply(x, scale.contiguous(), eps)
 
 
 BLOCK = 1024  # elements per SwiGLU program
@@ -566,7 +572,9 @@ class SwiGLU(torch.autograd.Function):
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, computed in float32, returned in gate's dtype."""
+    """silu(gate) * up, computed in float32, returned in gate's dtype. gate, up: one shape."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ (no broadcasting)")
     return SwiGLU.apply(gate, up)
 
 
@@ -579,7 +587,7 @@ def _rms_norm_gated_fwd(x, gate, weight, y, rstd, R, eps, D: tl.constexpr, BR: t
     offsets = rows[:, None] * D + cols[None, :]
     xs = tl.load(x + offsets, mask=m, other=0.0).to(tl.float32)
     zs = tl.load(gate + offsets, mask=m, other=0.0).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(xs * xs, axis=1) / D + eps)
+    r = tl.rsqrt(tl.sum(xs * xs, axis=1) / D + eps)
     w = tl.load(weight + cols, mask=cols < D, other=0.0).to(tl.float32)
     out = xs * r[:, None] * w[None, :] * (zs * tl.sigmoid(zs))
     tl.store(y + offsets, out.to(y.dtype.element_ty), mask=m)
@@ -647,6 +655,7 @@ class RMSNormGated(torch.autograd.Function):
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) * weight * silu(gate) over the last axis, in float32, returned in x's dtype.
     x, gate: [..., D] of one shape; weight: [D]."""
-    if gate.shape != x.shape:
-        raise ValueError(f"rms_norm_gated: gate {tuple(gate.shape)} and x {tuple(x.shape)} differ")
-    return RMSNormGated.apply(x, gate, weight, eps)
+    if gate.shape != x.shape or weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm_gated: gate {tuple(gate.shape)} and weight {tuple(weight.shape)} do not match "
+                         f"x {tuple(x.shape)}")
+    return RMSNormGated.apply(x, gate, weight.contiguous(), eps)

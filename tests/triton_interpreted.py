@@ -80,6 +80,13 @@ def check_norms_and_swiglu():
         close(f"rms_norm {tuple(x.shape)}", ours, reference)
         for name, a, b in zip(["x", "weight"], grads([ours], [x, weight], 4), grads([reference], [x, weight], 4)):
             close(f"rms_norm {tuple(x.shape)} grad {name}", a, b)
+    # A saved-tensor hook may hand the backward a repacked x: its gradient must not change.
+    x = wide.view(21, 3, 2, 40)[:, :, 1].detach().requires_grad_()
+    weight = torch.randn(40, generator=generator) * 0.2
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.contiguous().clone(), lambda t: t):
+        repacked = triton_ops.rms_norm(x, 1.0 + weight, 1e-6)
+    plain = kernels.rms_norm_reference(x, weight, 1e-6)
+    close("rms_norm grad through a repacking hook", grads([repacked], [x], 7)[0], grads([plain], [x], 7)[0])
     for shape in [(19, 4, 24), (7, 130)]:
         x = torch.randn(*shape, generator=generator, requires_grad=True)
         z = torch.randn(*shape, generator=generator, requires_grad=True)
