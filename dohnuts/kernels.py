@@ -31,11 +31,10 @@ def _fla():
     os.environ.setdefault("FLA_FLASH_QLA", "0")
     os.environ.setdefault("FLA_INTRACARD_CP", "0")
     try:
-        from fla.modules.causal_conv1d.ops import causal_conv1d
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
-    return {"causal_conv1d": causal_conv1d, "chunk_gated_delta_rule": chunk_gated_delta_rule}
+    return {"chunk_gated_delta_rule": chunk_gated_delta_rule}
 
 
 @functools.cache
@@ -273,10 +272,8 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q
 # -- causal convolution -----------------------------------------------------------------------
 
 
-def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None = None,
-                  output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
-                  activation: str = "silu", cu_seqlens_cpu: torch.Tensor | None = None,
-                  chunk_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def causal_conv1d_reference(x, weight, initial_state=None, output_final_state=False, cu_seqlens=None,
+                            activation="silu"):
     """Depthwise causal convolution with optional carried state, per packed sequence.
 
     Args:
@@ -285,23 +282,10 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Te
         initial_state: [N, D, W], the W inputs before each sequence (last one most recent).
         output_final_state: also return the last W inputs of each sequence, [N, D, W].
         activation: "silu" or None.
-        cu_seqlens_cpu: a host copy of cu_seqlens, so the fused kernel plans its chunks
-            without a device synchronisation.
-        chunk_indices: the plan itself, [chunks, 2] (sequence, 64-token chunk), when known.
 
     Returns:
         ([B, T, D] output, final state or None)
     """
-    kernels = fused(x)
-    if kernels is not None:
-        return kernels["causal_conv1d"](x, weight, None, None, initial_state, output_final_state,
-                                        "swish" if activation == "silu" else activation, cu_seqlens=cu_seqlens,
-                                        cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices)
-    return causal_conv1d_reference(x, weight, initial_state, output_final_state, cu_seqlens, activation)
-
-
-def causal_conv1d_reference(x, weight, initial_state=None, output_final_state=False, cu_seqlens=None,
-                            activation="silu"):
     padded, valid = unpack(x, cu_seqlens)
     count, length, dim = padded.shape
     width = weight.shape[-1]
@@ -329,23 +313,14 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def split_heads(mixed: torch.Tensor, heads: int, key_dim: int, value_heads: int,
-                value_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The delta rule's convolved channels [T, 2*H*K + HV*V] -> q, k [T, H, K], L2-normalised per
-    head (in float32), and v [T, HV, V]: on CUDA one Triton pass writes all three contiguous
-    (the delta-rule kernel reads them so); elsewhere v may be a strided view."""
-    ops = _ours(mixed)
-    if ops is not None:
-        return ops.split_heads(mixed, heads, key_dim, value_heads, value_dim)
-    return split_heads_reference(mixed, heads, key_dim, value_heads, value_dim)
-
-
 def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None,
                      output_final_state: bool, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
                      chunk_indices: torch.Tensor | None, heads: int, key_dim: int, value_heads: int, value_dim: int):
-    """`causal_conv1d` (SiLU) of packed sequences x [T, C] followed by `split_heads`: returns
-    (q, k, v, final state or None). On CUDA, one Triton kernel (`triton_ops.conv_split_heads`)
-    reads x once and writes q, k and v."""
+    """The delta rule's causal convolution (SiLU, `causal_conv1d_reference`) of packed sequences
+    x [T, 2*H*K + HV*V], split into q, k [T, H, K], L2-normalised per head in float32 (Qwen3.5's
+    delta rule), and v [T, HV, V]: returns (q, k, v, final state or None). On CUDA, one Triton
+    kernel (`triton_ops.conv_split_heads`) reads x once and writes q, k and v contiguous, as
+    the delta-rule kernel reads them."""
     ops = _ours(x)
     if ops is not None:
         return ops.conv_split_heads(x, weight, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,

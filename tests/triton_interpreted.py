@@ -28,17 +28,6 @@ def grads(outputs, inputs, seed):
     return torch.autograd.grad(total, inputs, allow_unused=True)
 
 
-def check_split_heads():
-    for total, heads, key_dim, value_heads, value_dim in [(63, 2, 8, 4, 6), (17, 3, 16, 3, 16), (1, 1, 4, 2, 4)]:
-        width = 2 * heads * key_dim + value_heads * value_dim
-        mixed = torch.randn(total, width + 5)[:, 2:2 + width].requires_grad_()  # rows read with a stride
-        ours = triton_ops.split_heads(mixed, heads, key_dim, value_heads, value_dim)
-        reference = kernels.split_heads_reference(mixed, heads, key_dim, value_heads, value_dim)
-        for name, a, b in zip("qkv", ours, reference):
-            close(f"split_heads {name}", a, b)
-        close("split_heads grad", grads(ours, [mixed], 0)[0], grads(reference, [mixed], 0)[0])
-
-
 def check_conv_split_heads():
     heads, key_dim, value_heads, value_dim, width = 2, 8, 4, 6, 4
     channels = 2 * heads * key_dim + value_heads * value_dim
@@ -173,7 +162,6 @@ def check_decoder_with_triton_kernels():
 
 
 if __name__ == "__main__":
-    check_split_heads()
     check_conv_split_heads()
     check_norms_and_swiglu()
     check_decoder_with_triton_kernels()
