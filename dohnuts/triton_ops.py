@@ -43,6 +43,29 @@ WARPS = 8
 
 
 @triton.jit
+def _chunk(cu_seqlens, chunk_indices, BT: tl.constexpr):
+    """The plan entry of this program (axis 0): (sequence n, its chunk, the sequence's bounds
+    bos and eos, the chunk's token offsets [BT] and their mask)."""
+    i_c = tl.program_id(0)
+    n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+    chunk = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    o_t = bos + chunk * BT + tl.arange(0, BT)
+    return n, chunk, bos, eos, o_t, o_t < eos
+
+
+@triton.jit
+def _slot(i_s, H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BD: tl.constexpr):
+    """The channels of head slot i_s (the H q heads, then the H k heads, then the HV v heads):
+    (offsets within the head [BD], channels [BD], their mask)."""
+    is_qk = i_s < 2 * H
+    o_d = tl.arange(0, BD)
+    col0 = tl.where(is_qk, i_s * K, 2 * H * K + (i_s - 2 * H) * V)
+    return o_d, col0 + o_d, o_d < tl.where(is_qk, K, V)
+
+
+@triton.jit
 def _conv_window(x, init, weight, o_t, bos, n, cols, m_t, m_d, stride, C, W: tl.constexpr, HAS_INIT: tl.constexpr,
                  BT: tl.constexpr, BD: tl.constexpr):
     """The convolution before its activation, [BT, BD] float32, of tokens o_t (one sequence
@@ -67,20 +90,11 @@ def _conv_window(x, init, weight, o_t, bos, n, cols, m_t, m_d, stride, C, W: tl.
 def _conv_heads_fwd(x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_indices, stride, eps,
                     H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
                     HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    i_c, i_s = tl.program_id(0), tl.program_id(1)
-    n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-    chunk = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + n).to(tl.int64)
-    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    i_s = tl.program_id(1)
+    n, chunk, bos, eos, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT)
     C = 2 * H * K + HV * V
     is_qk = i_s < 2 * H
-    col0 = tl.where(is_qk, i_s * K, 2 * H * K + (i_s - 2 * H) * V)
-    width = tl.where(is_qk, K, V)
-    o_t = bos + chunk * BT + tl.arange(0, BT)
-    o_d = tl.arange(0, BD)
-    m_t = o_t < eos
-    m_d = o_d < width
-    cols = col0 + o_d
+    o_d, cols, m_d = _slot(i_s, H, K, HV, V, BD)
     pre = _conv_window(x, init, weight, o_t, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
     u = pre * tl.sigmoid(pre)  # 0 in masked lanes
     m = m_t[:, None] & m_d[None, :]
@@ -112,20 +126,11 @@ def _conv_heads_bwd_pre(x, weight, init, q, k, rstd, dq, dk, dv, dpre, cu_seqlen
                         H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
                         HAS_INIT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """Gradient of the convolution before its activation, [T, C] float32."""
-    i_c, i_s = tl.program_id(0), tl.program_id(1)
-    n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-    chunk = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + n).to(tl.int64)
-    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    i_s = tl.program_id(1)
+    n, chunk, bos, eos, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT)
     C = 2 * H * K + HV * V
     is_qk = i_s < 2 * H
-    col0 = tl.where(is_qk, i_s * K, 2 * H * K + (i_s - 2 * H) * V)
-    width = tl.where(is_qk, K, V)
-    o_t = bos + chunk * BT + tl.arange(0, BT)
-    o_d = tl.arange(0, BD)
-    m_t = o_t < eos
-    m_d = o_d < width
-    cols = col0 + o_d
+    o_d, cols, m_d = _slot(i_s, H, K, HV, V, BD)
     m = m_t[:, None] & m_d[None, :]
     pre = _conv_window(x, init, weight, o_t, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
     sig = tl.sigmoid(pre)
@@ -151,14 +156,8 @@ def _conv_heads_bwd_pre(x, weight, init, q, k, rstd, dq, dk, dv, dpre, cu_seqlen
 def _conv_heads_bwd_x(dpre, weight, dfinal, dx, dinit, cu_seqlens, chunk_indices, C, W: tl.constexpr,
                       HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
     """Gradients of the convolution's inputs (dx [T, C]) and of the carried state (dinit [N, C, W])."""
-    i_c, i_b = tl.program_id(0), tl.program_id(1)
-    n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
-    chunk = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + n).to(tl.int64)
-    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-    o_t = bos + chunk * BT + tl.arange(0, BT)
-    cols = i_b * BC + tl.arange(0, BC)
-    m_t = o_t < eos
+    n, chunk, bos, eos, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
     m_c = cols < C
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for i in tl.static_range(W):
@@ -196,19 +195,13 @@ def _conv_heads_bwd_x(dpre, weight, dfinal, dx, dinit, cu_seqlens, chunk_indices
                 tl.store(dinit + n * C * W + cols * W + jj, total.to(dinit.dtype.element_ty), mask=m_c)
 
 
-def _plan(cu_seqlens_cpu: torch.Tensor) -> torch.Tensor:
-    lengths = (cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).tolist()
-    plan = [(sequence, chunk) for sequence, length in enumerate(lengths) for chunk in range(-(-length // CHUNK))]
-    return torch.tensor(plan, dtype=torch.int32).reshape(-1, 2)
-
-
 class ConvSplitHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu, chunk_indices, heads,
+    def forward(ctx, x, weight, initial_state, output_final_state, cu_seqlens, bounds, chunk_indices, heads,
                 key_dim, value_heads, value_dim):
         total, channels = x.shape
         width = weight.shape[-1]
-        ctx.bounds = cu_seqlens_cpu.tolist()
+        ctx.bounds = bounds
         x = x if x.stride(-1) == 1 else x.contiguous()
         weight = weight.contiguous()
         init = initial_state.contiguous() if initial_state is not None else None
@@ -290,21 +283,26 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
     Returns:
         (q [T, H, K], k [T, H, K], v [T, HV, V], final state or None)
     """
-    lengths = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
-    if bool((lengths <= 0).any()):
+    from .decoder import chunk_plan  # the host's plan, as the batches make it (decoder imports kernels)
+
+    bounds = cu_seqlens_cpu.tolist()  # one conversion; the checks below are plain Python
+    lengths = [end - begin for begin, end in zip(bounds[:-1], bounds[1:])]
+    if min(lengths, default=1) <= 0:
         raise ValueError("conv_split_heads: every packed sequence needs at least one token")
     channels = 2 * heads * key_dim + value_heads * value_dim
     if x.shape[-1] != channels or weight.shape[0] != channels:
         raise ValueError(f"conv_split_heads: {heads} x {key_dim} q and k heads and {value_heads} x {value_dim} v heads "
                          f"are {channels} channels, but x has {x.shape[-1]} and the weight {weight.shape[0]}")
     if chunk_indices is None:
-        chunk_indices = _plan(cu_seqlens_cpu).to(x.device, non_blocking=True)
-    elif chunk_indices.shape[0] != int(((lengths + CHUNK - 1) // CHUNK).sum()):
+        chunk_indices = chunk_plan(lengths, CHUNK).to(x.device, non_blocking=True)
+    else:
         # Every token must fall in one planned chunk, or no program would write it.
-        raise ValueError(f"conv_split_heads: the chunk plan has {chunk_indices.shape[0]} chunks, but the "
-                         f"sequences make {int(((lengths + CHUNK - 1) // CHUNK).sum())} of {CHUNK} tokens")
-    return ConvSplitHeads.apply(x, weight, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                                chunk_indices, heads, key_dim, value_heads, value_dim)
+        chunks = sum(-(-length // CHUNK) for length in lengths)
+        if chunk_indices.shape[0] != chunks:
+            raise ValueError(f"conv_split_heads: the chunk plan has {chunk_indices.shape[0]} chunks, but the "
+                             f"sequences make {chunks} of {CHUNK} tokens")
+    return ConvSplitHeads.apply(x, weight, initial_state, output_final_state, cu_seqlens, bounds, chunk_indices,
+                                heads, key_dim, value_heads, value_dim)
 
 
 # -- RMSNorm and SwiGLU ---------------------------------------------------------------------------
