@@ -28,6 +28,22 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+@triton.jit
+def _row_tile(R, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """This program's BR rows of R and the BD columns of D: (rows, cols, row mask, tile mask)."""
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    cols = tl.arange(0, BD)
+    m_r = rows < R
+    return rows, cols, m_r, m_r[:, None] & (cols[None, :] < D)
+
+
+@triton.jit
+def _norm_grad(g, normed, r, D: tl.constexpr):
+    """The gradient of x from g, the gradient of normed = x r with r = (|x|^2 / D + eps)^-1/2
+    per row: r (g - normed (g . normed) / D). D = 1 is the L2 norm."""
+    return r[:, None] * (g - normed * (tl.sum(g * normed, axis=1) / D)[:, None])
+
+
 # -- causal convolution fused with the head split -------------------------------------------------
 #
 # `conv_split_heads` runs the delta rule's depthwise causal convolution (with SiLU, per packed
@@ -99,7 +115,7 @@ def _conv_heads_fwd(x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_ind
     u = pre * tl.sigmoid(pre)  # 0 in masked lanes
     m = m_t[:, None] & m_d[None, :]
     if is_qk:
-        r = 1.0 / tl.sqrt(tl.sum(u * u, axis=1) + eps)
+        r = tl.rsqrt(tl.sum(u * u, axis=1) + eps)
         y = (u * r[:, None]).to(q.dtype.element_ty)
         if i_s < H:
             tl.store(q + o_t[:, None] * (H * K) + i_s * K + o_d[None, :], y, mask=m)
@@ -144,7 +160,7 @@ def _conv_heads_bwd_pre(x, weight, init, q, k, rstd, dq, dk, dv, dpre, cu_seqlen
             y = tl.load(k + offset, mask=m, other=0.0).to(tl.float32)
             dy = tl.load(dk + offset, mask=m, other=0.0).to(tl.float32)
         r = tl.load(rstd + o_t * (2 * H) + i_s, mask=m_t, other=0.0)
-        du = r[:, None] * (dy - tl.sum(dy * y, axis=1)[:, None] * y)
+        du = _norm_grad(dy, y, r, 1)  # the L2 norm
     else:
         du = tl.load(dv + o_t[:, None] * (HV * V) + (i_s - 2 * H) * V + o_d[None, :], mask=m, other=0.0).to(tl.float32)
     # d silu(p) / dp = sig (1 + p (1 - sig))
@@ -317,10 +333,7 @@ ROWS = 16  # rows per RMSNorm program
 @triton.jit
 def _rms_norm_fwd(x, scale, y, rstd, R, B, s0, s1, eps, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     # Row r of the [A, B, D] input lies at (r // B) * s0 + (r % B) * s1; the output is contiguous.
-    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
-    cols = tl.arange(0, BD)
-    m_r = rows < R
-    m = m_r[:, None] & (cols[None, :] < D)
+    rows, cols, m_r, m = _row_tile(R, D, BR, BD)
     start = (rows // B) * s0 + (rows % B) * s1
     xs = tl.load(x + start[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
     r = tl.rsqrt(tl.sum(xs * xs, axis=1) / D + eps)
@@ -331,18 +344,13 @@ def _rms_norm_fwd(x, scale, y, rstd, R, B, s0, s1, eps, D: tl.constexpr, BR: tl.
 
 @triton.jit
 def _rms_norm_bwd(x, scale, rstd, dy, dx, R, B, s0, s1, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
-    cols = tl.arange(0, BD)
-    m_r = rows < R
-    m = m_r[:, None] & (cols[None, :] < D)
+    rows, cols, m_r, m = _row_tile(R, D, BR, BD)
     start = (rows // B) * s0 + (rows % B) * s1
     xs = tl.load(x + start[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
     r = tl.load(rstd + rows, mask=m_r, other=0.0)
     w = tl.load(scale + cols, mask=cols < D, other=0.0).to(tl.float32)
     g = tl.load(dy + rows[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32) * w[None, :]
-    normed = xs * r[:, None]
-    # y = n w with n = x r, r = (mean x^2 + eps)^-1/2: dx = r (g - n mean(g n)), g = dy w.
-    grad = r[:, None] * (g - normed * (tl.sum(g * normed, axis=1) / D)[:, None])
+    grad = _norm_grad(g, xs * r[:, None], r, D)  # y = (x r) w, so g = dy w
     tl.store(dx + rows[:, None] * D + cols[None, :], grad.to(dx.dtype.element_ty), mask=m)
 
 
@@ -475,10 +483,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _rms_norm_gated_fwd(x, gate, weight, y, rstd, R, eps, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
-    cols = tl.arange(0, BD)
-    m_r = rows < R
-    m = m_r[:, None] & (cols[None, :] < D)
+    rows, cols, m_r, m = _row_tile(R, D, BR, BD)
     offsets = rows[:, None] * D + cols[None, :]
     xs = tl.load(x + offsets, mask=m, other=0.0).to(tl.float32)
     zs = tl.load(gate + offsets, mask=m, other=0.0).to(tl.float32)
@@ -492,10 +497,7 @@ def _rms_norm_gated_fwd(x, gate, weight, y, rstd, R, eps, D: tl.constexpr, BR: t
 @triton.jit
 def _rms_norm_gated_bwd(x, gate, weight, rstd, dy, dx, dgate, R, D: tl.constexpr, BR: tl.constexpr,
                         BD: tl.constexpr):
-    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
-    cols = tl.arange(0, BD)
-    m_r = rows < R
-    m = m_r[:, None] & (cols[None, :] < D)
+    rows, cols, m_r, m = _row_tile(R, D, BR, BD)
     offsets = rows[:, None] * D + cols[None, :]
     xs = tl.load(x + offsets, mask=m, other=0.0).to(tl.float32)
     zs = tl.load(gate + offsets, mask=m, other=0.0).to(tl.float32)
@@ -505,8 +507,7 @@ def _rms_norm_gated_bwd(x, gate, weight, rstd, dy, dx, dgate, R, D: tl.constexpr
     sig = tl.sigmoid(zs)
     normed = xs * r[:, None]
     # y = n w silu(z): the gradient of n is dy w silu(z), then through the norm as in RMSNorm.
-    g = d * w[None, :] * (zs * sig)
-    grad_x = r[:, None] * (g - normed * (tl.sum(g * normed, axis=1) / D)[:, None])
+    grad_x = _norm_grad(d * w[None, :] * (zs * sig), normed, r, D)
     grad_z = d * normed * w[None, :] * sig * (1.0 + zs * (1.0 - sig))
     tl.store(dx + offsets, grad_x.to(dx.dtype.element_ty), mask=m)
     tl.store(dgate + offsets, grad_z.to(dgate.dtype.element_ty), mask=m)
