@@ -145,8 +145,8 @@ def _shared_case(tiny, language_model):
     return packed(full), shared, Prefixes(len(head), Segments.of(head_cu), fork), split_of
 
 
-def test_shared_prefixes_match_unshared_rows_in_outputs_and_gradients(tiny):
-    # float64 so that the comparison sees the algorithm, not float32 rounding, at 1e-5 relative.
+def _float64_lora_model(tiny):
+    """(language model in float64 and train mode, its LoRA parameters), B matrices non-zero."""
     model, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
     model.double()
     with torch.no_grad():
@@ -154,7 +154,12 @@ def test_shared_prefixes_match_unshared_rows_in_outputs_and_gradients(tiny):
             if "lora_B" in name:
                 parameter.normal_(0.0, 0.05)
     language_model = model.backbone.language_model.train()
-    lora = [p for name, p in language_model.named_parameters() if "lora_" in name]
+    return language_model, [p for name, p in language_model.named_parameters() if "lora_" in name]
+
+
+def test_shared_prefixes_match_unshared_rows_in_outputs_and_gradients(tiny):
+    # float64 so that the comparison sees the algorithm, not float32 rounding, at 1e-5 relative.
+    language_model, lora = _float64_lora_model(tiny)
     full, shared_inputs, prefixes, split_of = _shared_case(tiny, language_model)
 
     unshared = packed_forward(language_model, *full, activation_checkpointing=True)
@@ -235,14 +240,7 @@ def test_checkpointing_recomputes_only_what_follows_the_delta_rule_and_changes_n
     layer's projections (hence its convolution and delta rule) rerun only when the batch is over
     MIXER_KEEP_TOKENS (here forced to 1)."""
     monkeypatch.setattr(decoder, "MIXER_KEEP_TOKENS", keep_tokens)
-    model, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
-    model.double()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 0.05)
-    language_model = model.backbone.language_model.train()
-    lora = [p for name, p in language_model.named_parameters() if "lora_" in name]
+    language_model, lora = _float64_lora_model(tiny)
     _, (embeds, positions, cu), prefixes, _ = _shared_case(tiny, language_model)
     embeds = embeds.detach().requires_grad_()
     calls = {"mlp": 0, "delta": 0}

@@ -139,6 +139,17 @@ def _relative_error(actual, expected):
     return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-6)).item()
 
 
+def _assert_gradients_close(ours, reference, inputs: dict, limit: float):
+    """The gradients of sum(out * probe) over the outputs, for one random probe per output,
+    reach every named input within `limit` relative error of the reference's."""
+    probes = [torch.randn(out.shape, device=out.device) for out in ours]
+    grads = torch.autograd.grad(sum((out.float() * p).sum() for out, p in zip(ours, probes)), list(inputs.values()))
+    expected = torch.autograd.grad(sum((out.float() * p).sum() for out, p in zip(reference, probes)),
+                                   list(inputs.values()))
+    for name, grad, reference_grad in zip(inputs, grads, expected):
+        assert _relative_error(grad, reference_grad) < limit, name
+
+
 @pytest.mark.gpu
 def test_fused_kernels_are_installed_on_cuda():
     assert kernels.fused(torch.zeros(1, device="cuda")) is not None, "flash-linear-attention is not importable"
@@ -168,28 +179,16 @@ def test_triton_rms_norm_and_swiglu_gradients_match_references():
         weight = (torch.randn(x.shape[-1], device="cuda") * 0.1).to(torch.bfloat16).requires_grad_()
         ours, reference = kernels.rms_norm(x, weight, 1e-6), kernels.rms_norm_reference(x, weight, 1e-6)
         torch.testing.assert_close(ours, reference, **BF16)
-        probe = torch.randn_like(ours)
-        grads = torch.autograd.grad((ours.float() * probe).sum(), (x, weight))
-        expected = torch.autograd.grad((reference.float() * probe).sum(), (x, weight))
-        for name, grad, reference_grad in zip(["x", "weight"], grads, expected):
-            assert _relative_error(grad, reference_grad) < 2e-2, (tuple(x.shape), name)
+        _assert_gradients_close([ours], [reference], {"x": x, "weight": weight}, 2e-2)
     x, z = (torch.randn(63, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     weight = (1.0 + 0.1 * torch.randn(128, device="cuda")).to(torch.bfloat16).requires_grad_()
     ours, reference = kernels.rms_norm_gated(x, z, weight, 1e-6), kernels.rms_norm_gated_reference(x, z, weight, 1e-6)
     torch.testing.assert_close(ours, reference, **BF16)
-    probe = torch.randn_like(ours)
-    grads = torch.autograd.grad((ours.float() * probe).sum(), (x, z, weight))
-    expected = torch.autograd.grad((reference.float() * probe).sum(), (x, z, weight))
-    for name, grad, reference_grad in zip(["x", "gate", "weight"], grads, expected):
-        assert _relative_error(grad, reference_grad) < 2e-2, ("gated", name)
+    _assert_gradients_close([ours], [reference], {"x": x, "gate": z, "weight": weight}, 2e-2)
     gate, up = (torch.randn(63, 3584, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     ours, reference = kernels.swiglu(gate, up), kernels.swiglu_reference(gate, up)
     torch.testing.assert_close(ours, reference, **BF16)
-    probe = torch.randn_like(ours)
-    grads = torch.autograd.grad((ours.float() * probe).sum(), (gate, up))
-    expected = torch.autograd.grad((reference.float() * probe).sum(), (gate, up))
-    for name, grad, reference_grad in zip(["gate", "up"], grads, expected):
-        assert _relative_error(grad, reference_grad) < 2e-2, name
+    _assert_gradients_close([ours], [reference], {"gate": gate, "up": up}, 2e-2)
 
 
 @pytest.mark.gpu
@@ -272,11 +271,8 @@ def test_triton_conv_split_heads_matches_reference_forward_and_gradients(dtype, 
     tolerance = BF16 if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
     for out, expected in zip(ours, reference):
         torch.testing.assert_close(out, expected, **tolerance)
-    weights = [torch.randn_like(out) for out in ours]
-    grads = torch.autograd.grad(sum((out * w).sum() for out, w in zip(ours, weights)), inputs)
-    expected = torch.autograd.grad(sum((out * w).sum() for out, w in zip(reference, weights)), inputs)
-    for name, grad, reference_grad in zip(["x", "weight", "state"], grads, expected):
-        assert _relative_error(grad, reference_grad) < (2e-2 if dtype == torch.bfloat16 else 1e-4), name
+    _assert_gradients_close(ours, reference, dict(zip(["x", "weight", "state"], inputs)),
+                            2e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
 @pytest.mark.gpu
