@@ -49,35 +49,50 @@ def _norm_grad(g, normed, r, D: tl.constexpr):
 # `conv_split_heads` runs the delta rule's depthwise causal convolution (with SiLU, per packed
 # sequence, continuing an optional carried state) and writes its output straight into the
 # contiguous q, k (L2-normalised) and v the delta rule reads, plus each sequence's final state.
-# A program covers one 64-token chunk of one sequence (the host's chunk plan) and one head's
-# channels; the backward recomputes the convolution rather than keeping it.
+# A program covers TOKENS tokens of one 64-token chunk of one sequence (the host's chunk plan)
+# and one head's channels; the backward recomputes the convolution rather than keeping it.
 
-CHUNK = 64  # tokens per program: the chunk plan's chunk size
-# Warps per program: a program holds several [64, 128] float32 tiles, which spill registers at
-# Triton's default of 4 warps (ptxas for sm_90, bf16, Qwen3.5-0.8B widths) and not at 8.
-WARPS = 8
+CHUNK = 64  # the chunk plan's chunk size
+# Tokens per program (a divisor of CHUNK: a planned chunk gets CHUNK // TOKENS programs) and
+# warps per program. The kernel is bound by the latency of its loads, not by bandwidth. Forward
+# kernel time on the H200 (Qwen3.5-0.8B widths, bf16) for 50 rows of 20 to 44 tokens with
+# carried states, then for one 64-token prefix: 99 and 4.0 us at 64 tokens and 8 warps, 60 and
+# 2.8 us at 32 and 4 (16 and 2: 59 and 3.1; 8 and 1: 58 and 3.1; 32 and 2: 196 us).
+TOKENS = 32
+WARPS = 4
+
+
+def _alignment(key_dim: int, value_dim: int) -> int:
+    """The largest power of two, up to 16, dividing both head widths: every head's first channel
+    is a multiple of it."""
+    both = key_dim | value_dim
+    return min(both & -both, 16)
 
 
 @triton.jit
-def _chunk(cu_seqlens, chunk_indices, BT: tl.constexpr):
-    """The plan entry of this program (axis 0): (sequence n, its chunk, the sequence's bounds
-    bos and eos, the chunk's token offsets [BT] and their mask)."""
+def _chunk(cu_seqlens, chunk_indices, BT: tl.constexpr, PLAN: tl.constexpr):
+    """This program's tokens: plan entry axis 0 (a sequence's PLAN-token chunk), BT of them from
+    block axis 2. Returns (sequence n, bos and eos (the sequence's bounds), start (the block's
+    first token), the block's token offsets [BT] and their mask)."""
     i_c = tl.program_id(0)
     n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
     chunk = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
     bos = tl.load(cu_seqlens + n).to(tl.int64)
     eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-    o_t = bos + chunk * BT + tl.arange(0, BT)
-    return n, chunk, bos, eos, o_t, o_t < eos
+    start = bos + chunk * PLAN + tl.program_id(2) * BT
+    o_t = start + tl.arange(0, BT)
+    return n, bos, eos, start, o_t, o_t < eos
 
 
 @triton.jit
-def _slot(i_s, H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BD: tl.constexpr):
+def _slot(i_s, H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BD: tl.constexpr,
+          ALIGN: tl.constexpr):
     """The channels of head slot i_s (the H q heads, then the H k heads, then the HV v heads):
-    (offsets within the head [BD], channels [BD], their mask)."""
+    (offsets within the head [BD], channels [BD], their mask). ALIGN divides K and V, so the
+    compiler may load a head's channels in vectors rather than element by element."""
     is_qk = i_s < 2 * H
     o_d = tl.arange(0, BD)
-    col0 = tl.where(is_qk, i_s * K, 2 * H * K + (i_s - 2 * H) * V)
+    col0 = tl.multiple_of(tl.where(is_qk, i_s * K, 2 * H * K + (i_s - 2 * H) * V), ALIGN)
     return o_d, col0 + o_d, o_d < tl.where(is_qk, K, V)
 
 
@@ -105,12 +120,13 @@ def _conv_window(x, init, weight, o_t, bos, n, cols, m_t, m_d, stride, C, W: tl.
 @triton.jit
 def _conv_heads_fwd(x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_indices, stride, eps,
                     H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-                    HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+                    HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr,
+                    BD: tl.constexpr, ALIGN: tl.constexpr):
     i_s = tl.program_id(1)
-    n, chunk, bos, eos, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT)
+    n, bos, eos, start, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT, PLAN)
     C = 2 * H * K + HV * V
     is_qk = i_s < 2 * H
-    o_d, cols, m_d = _slot(i_s, H, K, HV, V, BD)
+    o_d, cols, m_d = _slot(i_s, H, K, HV, V, BD, ALIGN)
     pre = _conv_window(x, init, weight, o_t, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
     u = pre * tl.sigmoid(pre)  # 0 in masked lanes
     m = m_t[:, None] & m_d[None, :]
@@ -125,7 +141,7 @@ def _conv_heads_fwd(x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_ind
     else:
         tl.store(v + o_t[:, None] * (HV * V) + (i_s - 2 * H) * V + o_d[None, :], u.to(v.dtype.element_ty), mask=m)
     if HAS_FINAL:
-        if bos + (chunk + 1) * BT >= eos:  # the sequence's last chunk writes its final state
+        if (start < eos) & (start + BT >= eos):  # the block holding the sequence's last token
             for j in tl.static_range(W):
                 position = eos - W + j
                 # A vector, not a scalar, in every mask (Triton's interpreter wants that).
@@ -140,13 +156,14 @@ def _conv_heads_fwd(x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_ind
 @triton.jit
 def _conv_heads_bwd_pre(x, weight, init, q, k, rstd, dq, dk, dv, dpre, cu_seqlens, chunk_indices, stride,
                         H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-                        HAS_INIT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+                        HAS_INIT: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr, BD: tl.constexpr,
+                        ALIGN: tl.constexpr):
     """Gradient of the convolution before its activation, [T, C] float32."""
     i_s = tl.program_id(1)
-    n, chunk, bos, eos, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT)
+    n, bos, eos, start, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT, PLAN)
     C = 2 * H * K + HV * V
     is_qk = i_s < 2 * H
-    o_d, cols, m_d = _slot(i_s, H, K, HV, V, BD)
+    o_d, cols, m_d = _slot(i_s, H, K, HV, V, BD, ALIGN)
     m = m_t[:, None] & m_d[None, :]
     pre = _conv_window(x, init, weight, o_t, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
     sig = tl.sigmoid(pre)
@@ -170,9 +187,10 @@ def _conv_heads_bwd_pre(x, weight, init, q, k, rstd, dq, dk, dv, dpre, cu_seqlen
 
 @triton.jit
 def _conv_heads_bwd_x(dpre, weight, dfinal, dx, dinit, cu_seqlens, chunk_indices, C, W: tl.constexpr,
-                      HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+                      HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr,
+                      BC: tl.constexpr):
     """Gradients of the convolution's inputs (dx [T, C]) and of the carried state (dinit [N, C, W])."""
-    n, chunk, bos, eos, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT)
+    n, bos, eos, start, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT, PLAN)
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     m_c = cols < C
     acc = tl.zeros([BT, BC], dtype=tl.float32)
@@ -190,7 +208,7 @@ def _conv_heads_bwd_x(dpre, weight, dfinal, dx, dinit, cu_seqlens, chunk_indices
             acc += tl.where(((o_t == position) & (o_t >= bos))[:, None], df[None, :], 0.0)
     tl.store(dx + o_t[:, None] * C + cols[None, :], acc.to(dx.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
     if HAS_INIT:
-        if chunk == 0:  # the sequence's first chunk writes the carried state's gradient
+        if start == bos:  # the sequence's first block writes the carried state's gradient
             length = eos - bos
             for jj in tl.static_range(1, W):
                 # init[n, :, jj] is the input at relative position jj - W: output tt uses it through
@@ -228,30 +246,31 @@ class ConvSplitHeads(torch.autograd.Function):
         sequences = cu_seqlens.shape[0] - 1
         final = x.new_empty(sequences, channels, width) if output_final_state else None
         block = triton.next_power_of_2(max(key_dim, value_dim))
-        grid = (chunk_indices.shape[0], 2 * heads + value_heads)
+        align = _alignment(key_dim, value_dim)
+        grid = (chunk_indices.shape[0], 2 * heads + value_heads, CHUNK // TOKENS)
         # Without a carried state the kernels get x in its place, unread (HAS_INIT is False): the
         # helper they call then always receives a pointer, never None.
         with _on(x.device):
             _conv_heads_fwd[grid](x, weight, init if init is not None else x, q, k, v, rstd, final, cu_seqlens,
                                   chunk_indices, x.stride(0), EPS,
                                   heads, key_dim, value_heads, value_dim, width, init is not None, final is not None,
-                                  CHUNK, block, num_warps=WARPS)
+                                  TOKENS, CHUNK, block, align, num_warps=WARPS)
         ctx.save_for_backward(x, weight, init, q, k, rstd, cu_seqlens, chunk_indices)
-        ctx.shape = (heads, key_dim, value_heads, value_dim, block)
+        ctx.shape = (heads, key_dim, value_heads, value_dim, block, align)
         return q, k, v, final
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dq, dk, dv, dfinal):
         x, weight, init, q, k, rstd, cu_seqlens, chunk_indices = ctx.saved_tensors
-        heads, key_dim, value_heads, value_dim, block = ctx.shape
+        heads, key_dim, value_heads, value_dim, block, align = ctx.shape
         total, channels = x.shape
         width = weight.shape[-1]
         dq = torch.zeros_like(q) if dq is None else dq.contiguous()
         dk = torch.zeros_like(k) if dk is None else dk.contiguous()
         dv = x.new_zeros(total, value_heads, value_dim) if dv is None else dv.contiguous()
         dpre = torch.empty(total, channels, dtype=torch.float32, device=x.device)
-        grid = (chunk_indices.shape[0], 2 * heads + value_heads)
+        grid = (chunk_indices.shape[0], 2 * heads + value_heads, CHUNK // TOKENS)
         dx = torch.empty(total, channels, dtype=x.dtype, device=x.device)
         dinit = torch.zeros_like(init) if init is not None else None
         columns = 128
@@ -259,10 +278,11 @@ class ConvSplitHeads(torch.autograd.Function):
             _conv_heads_bwd_pre[grid](x, weight, init if init is not None else x, q, k, rstd, dq, dk, dv, dpre,
                                       cu_seqlens, chunk_indices,
                                       x.stride(0), heads, key_dim, value_heads, value_dim, width, init is not None,
-                                      CHUNK, block, num_warps=WARPS)
-            _conv_heads_bwd_x[(chunk_indices.shape[0], triton.cdiv(channels, columns))](
+                                      TOKENS, CHUNK, block, align, num_warps=WARPS)
+            _conv_heads_bwd_x[(chunk_indices.shape[0], triton.cdiv(channels, columns), CHUNK // TOKENS)](
                 dpre, weight, dfinal.contiguous() if dfinal is not None else None, dx, dinit, cu_seqlens,
-                chunk_indices, channels, width, init is not None, dfinal is not None, CHUNK, columns, num_warps=WARPS)
+                chunk_indices, channels, width, init is not None, dfinal is not None, TOKENS, CHUNK, columns,
+                num_warps=WARPS)
         dweight = None
         if ctx.needs_input_grad[1]:
             dweight = _conv_weight_grad(x, init, dpre, ctx.bounds, width).to(weight.dtype)

@@ -29,6 +29,16 @@ def grads(outputs, inputs, seed):
 
 
 def check_conv_split_heads():
+    default = triton_ops.TOKENS
+    try:
+        for tokens in sorted({default, 16, 64}):  # whole planned chunks a program, and blocks of them
+            triton_ops.TOKENS = tokens
+            check_conv_split_heads_blocks()
+    finally:
+        triton_ops.TOKENS = default
+
+
+def check_conv_split_heads_blocks():
     heads, key_dim, value_heads, value_dim, width = 2, 8, 4, 6, 4
     channels = 2 * heads * key_dim + value_heads * value_dim
     for lengths in ([63, 1, 17, 64, 130], [3], [2, 70]):
@@ -43,7 +53,7 @@ def check_conv_split_heads():
                                                    value_dim)
                 reference = kernels.conv_split_heads_reference(x, weight, state, keep, cu.long(), heads, key_dim,
                                                                value_heads, value_dim)
-                case = f"conv_split_heads lengths={lengths} state={with_state} final={keep}"
+                case = f"conv_split_heads tokens={triton_ops.TOKENS} lengths={lengths} state={with_state} final={keep}"
                 for name, a, b in zip(["q", "k", "v", "final"], ours, reference):
                     if b is None:
                         assert a is None, f"{case}: {name}"
