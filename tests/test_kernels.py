@@ -304,3 +304,53 @@ def test_uncached_plans_sets_flas_switch_for_nested_users_and_restores_it(monkey
             assert utils.FLA_DISABLE_TENSOR_CACHE is True
         assert utils.FLA_DISABLE_TENSOR_CACHE is True  # the outer user still needs it
     assert utils.FLA_DISABLE_TENSOR_CACHE is False
+
+
+def test_first_fused_delta_rule_call_of_a_head_shape_tunes_on_the_tuning_batch(monkeypatch):
+    """FLA keeps the kernel configuration its first call of a head shape chose; that first call
+    must be the tuning batch (many short rows with carried states), not the caller's batch."""
+    calls = []
+
+    def fake(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, **options):
+        calls.append({"q": q.shape, "v": v.shape, "state": None if initial_state is None else initial_state.shape,
+                      "cu": cu_seqlens.tolist(), "options": options, "grad": torch.is_grad_enabled(),
+                      "rng": torch.get_rng_state()})
+        if options["chunk_indices"] is not None:  # the plan FLA would make: (row, chunk) of 64 tokens
+            lengths = cu_seqlens.diff().tolist()
+            assert options["chunk_indices"].tolist() == [[n, c] for n, length in enumerate(lengths)
+                                                         for c in range(-(-length // 64))]
+            assert options["cu_seqlens_cpu"].tolist() == cu_seqlens.tolist()
+        return torch.zeros_like(v), None
+
+    monkeypatch.setattr(kernels, "fused", lambda x: {"chunk_gated_delta_rule": fake})
+    monkeypatch.setattr(kernels, "_TUNED", set())
+    A_log, dt_bias = torch.randn(4, requires_grad=True), torch.randn(4)
+
+    def call(heads, key_dim, value_heads, value_dim, tokens=70):
+        """The global generator's state once the inputs are made."""
+        q, v = torch.randn(1, tokens, heads, key_dim), torch.randn(1, tokens, value_heads, value_dim)
+        a, b = torch.randn(1, tokens, value_heads), torch.rand(1, tokens, value_heads)
+        rng = torch.get_rng_state()
+        kernels.chunk_gated_delta_rule(
+            q, q.clone(), v, a, b, None, True, torch.tensor([0, 64, tokens], dtype=torch.int32),
+            use_qk_l2norm_in_kernel=False, A_log=A_log[:value_heads], dt_bias=dt_bias[:value_heads],
+            cu_seqlens_cpu=torch.tensor([0, 64, tokens], dtype=torch.int32), chunk_indices=None)
+        return rng
+
+    rng = call(2, 8, 4, 6)
+    # The tuning call came first, on its own packed batch, with the caller's options.
+    rows, length = kernels.TUNING_ROWS, kernels.TUNING_LENGTH
+    assert len(calls) == 2
+    tuning, real = calls
+    assert tuning["q"] == (1, rows * length, 2, 8) and tuning["v"] == (1, rows * length, 4, 6)
+    assert tuning["state"] == (rows, 4, 8, 6)
+    assert tuning["cu"] == list(range(0, rows * length + 1, length))
+    assert tuning["options"].keys() == real["options"].keys()
+    assert tuning["options"]["use_gate_in_kernel"] is True and not tuning["grad"]
+    assert real["q"] == (1, 70, 2, 8) and real["cu"] == [0, 64, 70]
+    assert torch.equal(real["rng"], rng)  # tuning left the global generator untouched
+    # The same head shape again: no second tuning; a new head shape tunes once more.
+    call(2, 8, 4, 6, tokens=90)
+    assert len(calls) == 3
+    call(1, 8, 2, 6)
+    assert len(calls) == 5 and calls[3]["v"] == (1, rows * length, 2, 6)
