@@ -97,23 +97,31 @@ def _slot(i_s, H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constex
 
 
 @triton.jit
-def _conv_window(x, init, weight, o_t, bos, n, cols, m_t, m_d, stride, C, W: tl.constexpr, HAS_INIT: tl.constexpr,
-                 BT: tl.constexpr, BD: tl.constexpr):
-    """The convolution before its activation, [BT, BD] float32, of tokens o_t (one sequence
-    starting at bos) and channels cols; inputs before bos come from init[n] (or are zero)."""
+def _conv_window(x, init, weight, o_t, start, bos, n, cols, m_t, m_d, stride, C, W: tl.constexpr,
+                 HAS_INIT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """The convolution before its activation, [BT, BD] float32, of tokens o_t (from start, of
+    one sequence starting at bos) and channels cols; inputs before bos come from init[n] (or
+    are zero)."""
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     for i in tl.static_range(W):
         s = o_t - (W - 1) + i
-        inside = s >= bos
-        m_x = (m_t & inside)[:, None] & m_d[None, :]
+        m_x = (m_t & (s >= bos))[:, None] & m_d[None, :]
         xs = tl.load(x + s[:, None] * stride + cols[None, :], mask=m_x, other=0.0).to(tl.float32)
-        if HAS_INIT:
-            # init[n, c, j] is the input at position j - W before the sequence.
-            m_h = (m_t & (s < bos))[:, None] & m_d[None, :]
-            j = W + s - bos
-            xs += tl.load(init + n * C * W + cols[None, :] * W + j[:, None], mask=m_h, other=0.0).to(tl.float32)
         w = tl.load(weight + cols * W + i, mask=m_d, other=0.0).to(tl.float32)
         acc += xs * w[None, :]
+    if HAS_INIT:
+        # Only the sequence's first W - 1 tokens reach back before it, so only a block holding
+        # some of them reads the carried state, a channel vector at a time: a [BT, BD] gather
+        # of it in every tap would cost every program a shuffle through shared memory.
+        # init[n, c, j] is the input at position j - W before the sequence: token bos + r
+        # reads it through tap i = j - 1 - r.
+        if start < bos + W - 1:
+            for r in tl.static_range(W - 1):
+                carried = tl.zeros([BD], dtype=tl.float32)
+                for i in tl.static_range(W - 1 - r):
+                    h = tl.load(init + n * C * W + cols * W + (r + 1 + i), mask=m_d, other=0.0).to(tl.float32)
+                    carried += h * tl.load(weight + cols * W + i, mask=m_d, other=0.0).to(tl.float32)
+                acc += tl.where((o_t == bos + r)[:, None], carried[None, :], 0.0)
     return acc
 
 
@@ -124,10 +132,12 @@ def _conv_heads_fwd(x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_ind
                     BD: tl.constexpr, ALIGN: tl.constexpr):
     i_s = tl.program_id(1)
     n, bos, eos, start, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT, PLAN)
+    if start >= eos:  # a block past its sequence's end (TOKENS < CHUNK) has nothing to do
+        return
     C = 2 * H * K + HV * V
     is_qk = i_s < 2 * H
     o_d, cols, m_d = _slot(i_s, H, K, HV, V, BD, ALIGN)
-    pre = _conv_window(x, init, weight, o_t, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
+    pre = _conv_window(x, init, weight, o_t, start, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
     u = pre * tl.sigmoid(pre)  # 0 in masked lanes
     m = m_t[:, None] & m_d[None, :]
     if is_qk:
@@ -161,11 +171,13 @@ def _conv_heads_bwd_pre(x, weight, init, q, k, rstd, dq, dk, dv, dpre, cu_seqlen
     """Gradient of the convolution before its activation, [T, C] float32."""
     i_s = tl.program_id(1)
     n, bos, eos, start, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT, PLAN)
+    if start >= eos:  # a block past its sequence's end (TOKENS < CHUNK) has nothing to do
+        return
     C = 2 * H * K + HV * V
     is_qk = i_s < 2 * H
     o_d, cols, m_d = _slot(i_s, H, K, HV, V, BD, ALIGN)
     m = m_t[:, None] & m_d[None, :]
-    pre = _conv_window(x, init, weight, o_t, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
+    pre = _conv_window(x, init, weight, o_t, start, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
     sig = tl.sigmoid(pre)
     if is_qk:
         if i_s < H:
@@ -191,6 +203,8 @@ def _conv_heads_bwd_x(dpre, weight, dfinal, dx, dinit, cu_seqlens, chunk_indices
                       BC: tl.constexpr):
     """Gradients of the convolution's inputs (dx [T, C]) and of the carried state (dinit [N, C, W])."""
     n, bos, eos, start, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT, PLAN)
+    if start >= eos:  # a block past its sequence's end (TOKENS < CHUNK) has nothing to do
+        return
     cols = tl.program_id(1) * BC + tl.arange(0, BC)
     m_c = cols < C
     acc = tl.zeros([BT, BC], dtype=tl.float32)
