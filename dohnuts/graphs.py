@@ -61,15 +61,20 @@ class _Graph:
         self.batch = dataclasses.replace(batch, **static)  # the *_cpu plan is shared and constant
         side = torch.cuda.Stream(embeds.device)
         side.wait_stream(torch.cuda.current_stream())
-        # Plans computed afresh (not from FLA's memo), so the captured graph owns every tensor it reads.
+        # FLA memoises plans derived from a cu_seqlens tensor (chunk offsets and the like) by
+        # that tensor's identity. The warm-ups leave no memo entry for this graph's own plan
+        # tensors, so inside the capture the first layer derives each plan (in the graph,
+        # which then owns it) and the other layers reuse it: about 200 fewer kernels in a
+        # 50-row forward than deriving it in every layer. No entry made outside the capture
+        # can be read by it, because no other call ever passes these tensors.
         with kernels.uncached_plans():
             with torch.cuda.stream(side):
                 for _ in range(2):  # kernels autotune and compile outside the capture
                     model.scores(self.embeds, self.batch)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
-                self.output = model.scores(self.embeds, self.batch)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = model.scores(self.embeds, self.batch)
 
     def replay(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
         for static, value in zip(_inputs(self.embeds, self.batch), _inputs(embeds, batch)):
