@@ -57,7 +57,8 @@ CHUNK = 64  # the chunk plan's chunk size
 # warps per program. The kernel is bound by the latency of its loads, not by bandwidth. Forward
 # kernel time on the H200 (Qwen3.5-0.8B widths, bf16) for 50 rows of 20 to 44 tokens with
 # carried states, then for one 64-token prefix: 99 and 4.0 us at 64 tokens and 8 warps, 60 and
-# 2.8 us at 32 and 4 (16 and 2: 59 and 3.1; 8 and 1: 58 and 3.1; 32 and 2: 196 us).
+# 2.8 us at 32 and 4 (16 and 2: 59 and 3.1; 8 and 1: 58 and 3.1; 32 and 2: 196 us). Measured at
+# ed2a0b3, before the carried state was read only by a sequence's first block.
 TOKENS = 32
 WARPS = 4
 
