@@ -67,6 +67,8 @@ class _Graph:
         # which then owns it) and the other layers reuse it: about 200 fewer kernels in a
         # 50-row forward than deriving it in every layer. No entry made outside the capture
         # can be read by it, because no other call ever passes these tensors.
+        # Keep it so: nothing but a replay may run the model on self.batch after the capture,
+        # or it would read the capture's plans, which only a replay fills.
         with kernels.uncached_plans():
             with torch.cuda.stream(side):
                 for _ in range(2):  # kernels autotune and compile outside the capture
