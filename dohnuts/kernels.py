@@ -394,7 +394,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 # after tuning on the batch below. So the first fused call of each head shape in a process
 # first runs one packed batch of TUNING_ROWS rows of TUNING_LENGTH tokens continuing carried
 # states, the shape of evaluation batches and many-question requests.
-TUNING_ROWS, TUNING_LENGTH = 48, 40  # rows of at most one 64-token chunk
+TUNING_ROWS, TUNING_LENGTH = 48, 40
 _TUNED: set = set()
 
 
@@ -413,8 +413,10 @@ def _tune_delta_rule(function, q: torch.Tensor, v: torch.Tensor, gate: dict, nor
     def rand(*shape, dtype=q.dtype):
         return torch.randn(*shape, generator=generator, device=q.device, dtype=torch.float32).to(dtype)
 
-    bounds = torch.arange(0, total + 1, TUNING_LENGTH, dtype=torch.int32)
-    plan = torch.stack([torch.arange(TUNING_ROWS), torch.zeros(TUNING_ROWS, dtype=torch.int64)], 1).int()  # a chunk a row
+    from .decoder import chunk_plan, cumulative  # the host plans the batches use (decoder imports kernels)
+
+    lengths = [TUNING_LENGTH] * TUNING_ROWS
+    bounds, plan = cumulative(lengths), chunk_plan(lengths)
     with torch.no_grad():
         query, key_ = l2norm(rand(1, total, heads, key_dim)), l2norm(rand(1, total, heads, key_dim))
         extra = {name: torch.zeros_like(value) if torch.is_tensor(value) else value for name, value in gate.items()}

@@ -152,7 +152,7 @@ def _conv_heads_fwd(x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_ind
     else:
         tl.store(v + o_t[:, None] * (HV * V) + (i_s - 2 * H) * V + o_d[None, :], u.to(v.dtype.element_ty), mask=m)
     if HAS_FINAL:
-        if (start < eos) & (start + BT >= eos):  # the block holding the sequence's last token
+        if start + BT >= eos:  # the block holding the sequence's last token (start < eos: it did not return)
             for j in tl.static_range(W):
                 position = eos - W + j
                 # A vector, not a scalar, in every mask (Triton's interpreter wants that).
