@@ -137,7 +137,11 @@ class GraphedScores:
         return model.scores(embeds, batch)
 
     def _capture(self, key: tuple, embeds: torch.Tensor, batch: Batch) -> _Graph | None:
-        if self.pool is None:
+        if not self.graphs:
+            # A pool handle may be shared only while a graph captured into it lives: the
+            # allocator refuses (an internal assert) a capture into a pool whose graphs are
+            # all gone but which still holds a block, such as a plan FLA's memo kept from
+            # the last capture. So a capture with no live graph starts a fresh pool.
             self.pool = torch.cuda.graph_pool_handle()
         try:
             graph = _Graph(self.model, embeds, batch, self.pool)
