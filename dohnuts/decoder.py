@@ -153,9 +153,8 @@ def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[i
                 bool((parent_of < 0).any()))
 
 
-def project(module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`module(x)` for a linear projection, with peft LoRA applied as one fused update; with
-    `residual`, `residual + module(x)`.
+def project(module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` for a linear projection, with peft LoRA applied as one fused update.
 
     A peft LoRA `Linear` (unmerged, plain LoRA) computes base(x) + scaling * B(A(dropout(x))),
     with its adapters in float32: peft casts x and the sum to float32 and back, several large
@@ -164,45 +163,28 @@ def project(module, x: torch.Tensor, residual: torch.Tensor | None = None) -> to
     the B product, scaling and sum are one addmm. Any other module (a plain Linear, a merged
     or disabled adapter, a LoRA variant such as DoRA, a LoRA bias, a base layer that is not
     exactly nn.Linear, such as a quantized one) runs its own forward.
-
-    A residual joins the product as the matmul's accumulator input (addmm), so the sum costs
-    no kernel of its own: a decoder layer's two residual adds were 48 of the roughly 850
-    kernels of a 50-question forward of the Qwen3.5-0.8B shape.
     """
     lora_a = getattr(module, "lora_A", None)
-    if lora_a is None:
-        base = module if type(module) is nn.Linear else None
-    elif module.merged or module.disable_adapters or type(module.base_layer) is not nn.Linear:
-        base = None
-    elif any(name in getattr(module, "lora_variant", {}) or module.lora_B[name].bias is not None
-             for name in module.active_adapters if name in lora_a):
-        base = None
-    else:
-        base = module.base_layer
-    if base is None:
-        return module(x) if residual is None else residual + module(x)
-    flat = x.reshape(-1, x.shape[-1])
-    if residual is None:
-        out = F.linear(flat, base.weight, base.bias)
-    else:
-        out = torch.addmm(residual.reshape(-1, residual.shape[-1]), flat, base.weight.t())
-        if base.bias is not None:
-            out = out + base.bias
-    if lora_a is None:
-        return out.view(*x.shape[:-1], out.shape[-1])
+    if lora_a is None or module.merged or module.disable_adapters or type(module.base_layer) is not nn.Linear:
+        return module(x)
     adapters = [name for name in module.active_adapters if name in lora_a]
+    if any(name in getattr(module, "lora_variant", {}) or module.lora_B[name].bias is not None for name in adapters):
+        return module(x)
+    base = module.base_layer
+    out = F.linear(x, base.weight, base.bias)
+    flat = x.reshape(-1, x.shape[-1])
     for name in adapters:
         down = F.linear(module.lora_dropout[name](flat), module.lora_A[name].weight.to(x.dtype))
-        out = torch.addmm(out, down, module.lora_B[name].weight.to(x.dtype).t(), alpha=module.scaling[name])
-    return out.view(*x.shape[:-1], out.shape[-1])
+        out = torch.addmm(out.reshape(-1, out.shape[-1]), down, module.lora_B[name].weight.to(x.dtype).t(),
+                          alpha=module.scaling[name]).view(out.shape)
+    return out
 
 
-def _attention(module, config, hidden: torch.Tensor, cos, sin, rows: Segments, prefixes: Prefixes | None,
-               residual: torch.Tensor):
-    """Gated, partially rotary, grouped-query attention of packed tokens. hidden: [T, D] normed.
+def _attention(module, config, hidden: torch.Tensor, cos, sin, rows: Segments, prefixes: Prefixes | None):
+    """Gated, partially rotary, grouped-query attention of packed tokens. hidden: [T, D].
 
     With `prefixes`, the prefixes and the rows run in one call: each row's queries see its
-    prefix's keys, then its own (`Fork`). Returns residual + the attention output, [T, D].
+    prefix's keys, then its own (`Fork`). Returns [T, D].
     """
     head_dim = config.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -221,7 +203,7 @@ def _attention(module, config, hidden: torch.Tensor, cos, sin, rows: Segments, p
         out = kernels.attention(query, key[fork.key_index], value[fork.key_index], fork.cu_seqlens_q,
                                 fork.cu_seqlens_k, fork.max_seqlen_q, fork.max_seqlen_k, head_dim**-0.5)
     out = out.reshape(total, heads * head_dim) * torch.sigmoid(gate.reshape(total, -1))
-    return project(module.o_proj, out, residual)
+    return project(module.o_proj, out)
 
 
 def _forked(state: torch.Tensor, fork: Fork) -> torch.Tensor:
@@ -271,28 +253,28 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
     return out, project(module.in_proj_z, hidden)
 
 
-def _delta_output(module, config, out: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """The delta rule's output [T, Hv, V], gated RMSNorm by silu(gate), projected and added to
-    the residual: [T, D]."""
+def _delta_output(module, config, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The delta rule's output [T, Hv, V], gated RMSNorm by silu(gate), projected: [T, D]."""
     out = kernels.rms_norm_gated(out, gate.view(out.shape), module.norm.weight, config.rms_norm_eps)
-    return project(module.out_proj, out.flatten(1), residual)
+    return project(module.out_proj, out.flatten(1))
 
 
-def _mlp_block(layer, config, hidden: torch.Tensor) -> torch.Tensor:
-    """The MLP's residual branch, after a token mixer's (`hidden` holds its residual sum)."""
+def _mlp_block(layer, config, hidden: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+    """The residual add of a token mixer's output, then the MLP's residual branch."""
+    hidden = hidden + mixed
     normed = kernels.rms_norm(hidden, layer.post_attention_layernorm.weight, config.rms_norm_eps)
     mlp = layer.mlp
-    return project(mlp.down_proj, kernels.swiglu(project(mlp.gate_proj, normed), project(mlp.up_proj, normed)), hidden)
+    return hidden + project(mlp.down_proj, kernels.swiglu(project(mlp.gate_proj, normed), project(mlp.up_proj, normed)))
 
 
 def _attention_layer(layer, config, hidden, cos, sin, rows: Segments, prefixes: Prefixes | None):
     """One full-attention decoder layer over every packed token. Returns hidden [T, D]."""
     normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
-    return _mlp_block(layer, config, _attention(layer.self_attn, config, normed, cos, sin, rows, prefixes, hidden))
+    return _mlp_block(layer, config, hidden, _attention(layer.self_attn, config, normed, cos, sin, rows, prefixes))
 
 
 def _delta_tail(layer, config, hidden, out, gate):
-    return _mlp_block(layer, config, _delta_output(layer.linear_attn, config, out, gate, hidden))
+    return _mlp_block(layer, config, hidden, _delta_output(layer.linear_attn, config, out, gate))
 
 
 # Under activation checkpointing, a batch of at most this many computed tokens keeps each
