@@ -202,7 +202,7 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         add(row, split, len(row.input_ids))
         marker_rows.append([marker - split + start for marker in row.markers] + [0] * (width - len(row.markers)))
     markers = _longs(marker_rows)
-    candidate_mask = torch.arange(width)[None, :] < torch.tensor([len(row.markers) for row in rows])[:, None]
+    candidate_mask = torch.from_numpy(np.arange(width)[None, :] < np.array([len(row.markers) for row in rows])[:, None])
 
     pairs = torch.tensor(slots, dtype=torch.long).reshape(-1, 2)
     prefix_cu, row_cu = cumulative(prefix_lengths), cumulative(own_lengths)

@@ -118,17 +118,23 @@ class Prefixes:
     fork: Fork
 
 
-def chunk_plan(lengths: list[int], chunk_size: int = 64) -> torch.Tensor:
+def chunk_plan(lengths, chunk_size: int = 64) -> torch.Tensor:
     """[chunks, 2] int32 (sequence, chunk within it) of every chunk of packed sequences: the
-    plan flash-linear-attention's varlen kernels walk, made on the host."""
-    plan = [(sequence, chunk) for sequence, length in enumerate(lengths)
-            for chunk in range(-(-length // chunk_size))]
-    return torch.tensor(plan, dtype=torch.int32).reshape(-1, 2)
+    plan flash-linear-attention's varlen kernels walk, made on the host (numpy: a request's
+    plans are made on its critical path)."""
+    counts = -(-np.asarray(lengths, dtype=np.int64).reshape(-1) // chunk_size)
+    firsts = np.cumsum(counts) - counts  # each sequence's first row in the plan
+    plan = np.empty((int(counts.sum()), 2), dtype=np.int32)
+    plan[:, 0] = np.repeat(np.arange(len(counts)), counts)
+    plan[:, 1] = np.arange(len(plan)) - np.repeat(firsts, counts)
+    return torch.from_numpy(plan)
 
 
-def cumulative(lengths: list[int]) -> torch.Tensor:
+def cumulative(lengths) -> torch.Tensor:
     """[N + 1] int32 cumulative sums of `lengths`, from 0."""
-    return torch.tensor([0] + list(lengths), dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    bounds = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=bounds[1:])
+    return torch.from_numpy(bounds)
 
 
 def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[int]) -> Fork:
@@ -148,8 +154,8 @@ def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[i
     key_index = np.arange(segment_lengths.sum(), dtype=np.int64) + np.repeat(segment_starts - offsets, segment_lengths)
     query_counts = np.concatenate([prefix_lengths, row_lengths])
     key_counts = np.concatenate([prefix_lengths, inherited + row_lengths])
-    return Fork(torch.from_numpy(parent_of.copy()), cumulative(query_counts.tolist()), torch.from_numpy(key_index),
-                cumulative(key_counts.tolist()), int(query_counts.max(initial=0)), int(key_counts.max(initial=0)),
+    return Fork(torch.from_numpy(parent_of.copy()), cumulative(query_counts), torch.from_numpy(key_index),
+                cumulative(key_counts), int(query_counts.max(initial=0)), int(key_counts.max(initial=0)),
                 bool((parent_of < 0).any()))
 
 
