@@ -135,6 +135,7 @@ def test_shared_prefixes_of_64_and_127_tokens_match_unshared_logits_and_gradient
 def test_chunk_plan_lists_every_64_token_chunk_of_every_sequence():
     assert chunk_plan([63, 1, 130, 64]).tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [2, 2], [3, 0]]
     assert chunk_plan([]).shape == (0, 2)
+    assert chunk_plan([0, 5], 4).tolist() == [[1, 0], [1, 1]] and chunk_plan([5]).dtype == torch.int32
 
 
 @pytest.mark.gpu
