@@ -403,10 +403,10 @@ def _tune_delta_rule(function, q: torch.Tensor, v: torch.Tensor, gate: dict, nor
     meets q's and v's head shape, dtype and device; not inside a CUDA graph capture."""
     heads, key_dim = q.shape[-2:]
     value_heads, value_dim = v.shape[-2:]
-    key = (heads, key_dim, value_heads, value_dim, q.dtype, v.dtype, q.device)
-    if key in _TUNED or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    signature = (heads, key_dim, value_heads, value_dim, q.dtype, v.dtype, q.device)
+    if signature in _TUNED or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    _TUNED.add(key)
+    _TUNED.add(signature)
     total = TUNING_ROWS * TUNING_LENGTH
     generator = torch.Generator(device=q.device).manual_seed(0)  # the global generator stays untouched
 
@@ -418,9 +418,9 @@ def _tune_delta_rule(function, q: torch.Tensor, v: torch.Tensor, gate: dict, nor
     lengths = [TUNING_LENGTH] * TUNING_ROWS
     bounds, plan = cumulative(lengths), chunk_plan(lengths)
     with torch.no_grad():
-        query, key_ = l2norm(rand(1, total, heads, key_dim)), l2norm(rand(1, total, heads, key_dim))
+        query, key = l2norm(rand(1, total, heads, key_dim)), l2norm(rand(1, total, heads, key_dim))
         extra = {name: torch.zeros_like(value) if torch.is_tensor(value) else value for name, value in gate.items()}
-        function(query, key_, rand(1, total, value_heads, value_dim, dtype=v.dtype),
+        function(query, key, rand(1, total, value_heads, value_dim, dtype=v.dtype),
                  -torch.rand(1, total, value_heads, generator=generator, device=q.device).to(q.dtype),
                  torch.rand(1, total, value_heads, generator=generator, device=q.device).to(q.dtype),
                  initial_state=rand(TUNING_ROWS, value_heads, key_dim, value_dim, dtype=torch.float32),

@@ -403,6 +403,15 @@ def _rows_view(x: torch.Tensor):
     return None
 
 
+def _rows_layout(x: torch.Tensor):
+    """(x, its `_rows_view`), x made contiguous first when the kernels cannot read its layout."""
+    layout = _rows_view(x)
+    if layout is None:
+        x = x.contiguous()
+        layout = _rows_view(x)
+    return x, layout
+
+
 def _norm_launch(width: int) -> tuple[int, int, int]:
     """(block, rows per program, warps) of a norm over `width` channels: about 4,096 elements a
     program, so the float32 tiles stay in registers."""
@@ -413,11 +422,7 @@ def _norm_launch(width: int) -> tuple[int, int, int]:
 class RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, scale, eps):
-        layout = _rows_view(x)
-        if layout is None:
-            x = x.contiguous()
-            layout = _rows_view(x)
-        count, inner, s0, s1 = layout
+        x, (count, inner, s0, s1) = _rows_layout(x)
         width = x.shape[-1]
         rows = count * inner
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -434,11 +439,7 @@ class RMSNorm(torch.autograd.Function):
     def backward(ctx, dy):
         x, scale, rstd = ctx.saved_tensors
         # The layout of the x handed back, which a saved-tensor hook may have repacked.
-        layout = _rows_view(x)
-        if layout is None:
-            x = x.contiguous()
-            layout = _rows_view(x)
-        count, inner, s0, s1 = layout
+        x, (count, inner, s0, s1) = _rows_layout(x)
         width = x.shape[-1]
         rows = count * inner
         dy = dy.contiguous()
