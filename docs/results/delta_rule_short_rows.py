@@ -19,18 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from dohnuts import kernels
-from dohnuts.benchmark import workload_texts, workloads
 from dohnuts.decoder import chunk_plan, cumulative
-from dohnuts.shapes import shape_only_parts
+from profile_predict import warmed_predictor  # this folder is on the path when run as a script
 
 
 def row_lengths() -> list[int]:
-    """The rows' own lengths (after the shared prefix) of the distinct_text_50q request."""
-    model, template, config = shape_only_parts("qwen3_5-0.8b", "cpu", texts=workload_texts())
-    state, questions = workloads()["distinct_text_50q"]
-    from dohnuts.predict import Predictor
-
-    batch, _ = Predictor(model, template, config, {"choice": 1.0, "noul": 1.0, "score": 1.0}).encode(state, questions)
+    """The rows' own lengths (after the shared prefix) of the distinct_text_50q request, as the
+    benchmark's predictor packs them."""
+    predictor, state, questions = warmed_predictor("distinct_text_50q", "delta_rule_short_rows")
+    batch, _ = predictor.encode(state, questions)
     return (batch.cu_seqlens_cpu[1:] - batch.cu_seqlens_cpu[:-1]).tolist()
 
 

@@ -17,10 +17,9 @@ import time
 
 import torch
 
-from dohnuts.benchmark import workload_texts, workloads
 from dohnuts.graphs import layout_key
-from dohnuts.shapes import shape_only_predictor
 from dohnuts.telemetry import Telemetry
+from profile_predict import warmed_predictor  # this folder is on the path when run as a script
 
 
 def timed(label: str, call, calls: int = 50) -> None:
@@ -36,15 +35,7 @@ def timed(label: str, call, calls: int = 50) -> None:
 
 @torch.no_grad()
 def main(name: str = "distinct_text_50q") -> None:
-    if not torch.cuda.is_available():
-        sys.exit("predict_breakdown: needs a CUDA device")
-    table = workloads()
-    if name not in table:
-        sys.exit(f"predict_breakdown: unknown workload {name!r}; known: {sorted(table)}")
-    predictor = shape_only_predictor("qwen3_5-0.8b", texts=workload_texts())
-    state, questions = table[name]
-    for _ in range(5):
-        predictor.predict(state, questions)
+    predictor, state, questions = warmed_predictor(name, "predict_breakdown")
     timed("predict", lambda: predictor.predict(state, questions))
     timed("encode", lambda: predictor.encode(state, questions))
     batch, _ = predictor.encode(state, questions)

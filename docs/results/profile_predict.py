@@ -19,17 +19,25 @@ from dohnuts.benchmark import workload_texts, workloads
 from dohnuts.shapes import shape_only_predictor
 
 
-def main(name: str = "distinct_text_50q", calls: int = 20, profiled: int = 3, rows: int = 45) -> None:
+def warmed_predictor(name: str, script: str):
+    """(the benchmark's shape-only Qwen3.5-0.8B predictor after 5 calls of workload `name`, so
+    its CUDA graph is captured, the workload's state, its questions); exits with a message
+    naming `script` without CUDA or for an unknown workload. The other scripts here share it."""
     if not torch.cuda.is_available():
-        sys.exit("profile_predict: needs a CUDA device")
+        sys.exit(f"{script}: needs a CUDA device")
     table = workloads()
     if name not in table:
-        sys.exit(f"profile_predict: unknown workload {name!r}; known: {sorted(table)}")
+        sys.exit(f"{script}: unknown workload {name!r}; known: {sorted(table)}")
     predictor = shape_only_predictor("qwen3_5-0.8b", texts=workload_texts())
     state, questions = table[name]
     for _ in range(5):
         predictor.predict(state, questions)
     torch.cuda.synchronize()
+    return predictor, state, questions
+
+
+def main(name: str = "distinct_text_50q", calls: int = 20, profiled: int = 3, rows: int = 45) -> None:
+    predictor, state, questions = warmed_predictor(name, "profile_predict")
     times = []
     for _ in range(calls):
         start = time.perf_counter()
