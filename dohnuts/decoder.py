@@ -212,14 +212,6 @@ def _attention(module, config, hidden: torch.Tensor, cos, sin, rows: Segments, p
     return project(module.o_proj, out)
 
 
-def _forked(state: torch.Tensor, fork: Fork) -> torch.Tensor:
-    """Per-prefix final states [G, ...] -> each row's initial state [N, ...]; with orphans, an
-    appended zero state serves the rows without a prefix (parent -1)."""
-    if fork.orphans:
-        state = torch.cat([state, state.new_zeros(1, *state.shape[1:])])
-    return state[fork.parents]
-
-
 def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: Prefixes | None):
     """Gated delta-rule token mixing of packed tokens, up to the delta rule's output.
     hidden: [T, D] normed. Returns (out [T, Hv, V], the output gate's input [T, Hv * V]).
@@ -235,27 +227,34 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
     gate = project(module.in_proj_a, hidden)[None]  # raw: the kernel makes it Qwen3.5's decay (kernels.decay)
     weight = module.conv1d.weight.squeeze(1)
 
-    def mix(begin: int, end: int, segments: Segments, conv_state, recurrent_state, keep: bool):
-        """Tokens begin:end (whole sequences of `segments`) -> ([t, Hv, V], final states if `keep`)."""
-        shape = {"cu_seqlens": segments.cu_seqlens, "cu_seqlens_cpu": segments.cu_seqlens_cpu,
-                 "chunk_indices": segments.chunk_indices}
-        # The causal convolution, its output split into q, k (L2-normalised, as Qwen3.5's delta
-        # rule wants) and v, each contiguous for the delta-rule kernel.
+    def convolved(begin: int, end: int, segments: Segments, conv_state, keep: bool):
+        """The causal convolution of tokens begin:end (whole sequences of `segments`), split into
+        q, k (L2-normalised, as Qwen3.5's delta rule wants) and v, each contiguous and [1, t, ...]
+        for the delta-rule kernels, and the final conv states if `keep`."""
         query, key, value, conv_final = kernels.conv_split_heads(
             mixed[0, begin:end], weight, conv_state, keep, segments.cu_seqlens, segments.cu_seqlens_cpu,
             segments.chunk_indices, key_heads, key_dim, value_heads, value_dim)
-        out, recurrent_final = kernels.chunk_gated_delta_rule(
-            query[None], key[None], value[None], gate[:, begin:end], beta[:, begin:end], recurrent_state,
-            keep, use_qk_l2norm_in_kernel=False, A_log=module.A_log, dt_bias=module.dt_bias, **shape)
-        return out[0], (conv_final, recurrent_final)
+        return query[None], key[None], value[None], conv_final
 
     if prefixes is None:
-        out, _ = mix(0, total, rows, None, None, False)
-    else:
-        split, fork = prefixes.tokens, prefixes.fork
-        head, (conv_final, recurrent_final) = mix(0, split, prefixes.segments, None, None, True)
-        tail, _ = mix(split, total, rows, _forked(conv_final, fork), _forked(recurrent_final, fork), False)
-        out = torch.cat([head, tail])
+        query, key, value, _ = convolved(0, total, rows, None, False)
+        out, _ = kernels.chunk_gated_delta_rule(
+            query, key, value, gate, beta, None, False, rows.cu_seqlens, False, rows.cu_seqlens_cpu,
+            rows.chunk_indices, module.A_log, module.dt_bias)
+        return out[0], project(module.in_proj_z, hidden)
+    split, fork, segments = prefixes.tokens, prefixes.fork, prefixes.segments
+    query, key, value, conv_final = convolved(0, split, segments, None, True)
+    head, recurrent_final = kernels.chunk_gated_delta_rule(
+        query, key, value, gate[:, :split], beta[:, :split], None, True, segments.cu_seqlens, False,
+        segments.cu_seqlens_cpu, segments.chunk_indices, module.A_log, module.dt_bias)
+    # The rows continue their prefixes' final states: the conv states are forked (a few inputs
+    # a channel); the recurrent ones are read through the parent index where the kernel can.
+    query, key, value, _ = convolved(split, total, rows, kernels.fork_states(conv_final, fork.parents, fork.orphans),
+                                     False)
+    tail = kernels.gated_delta_rule_forked(
+        query, key, value, gate[:, split:], beta[:, split:], recurrent_final, fork.parents, fork.orphans,
+        rows.cu_seqlens, rows.cu_seqlens_cpu, rows.max_seqlen, rows.chunk_indices, module.A_log, module.dt_bias)
+    out = torch.cat([head[0], tail[0]])
     return out, project(module.in_proj_z, hidden)
 
 

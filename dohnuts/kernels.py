@@ -386,6 +386,40 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                                     use_qk_l2norm_in_kernel)
 
 
+def fork_states(states: torch.Tensor, parents: torch.Tensor, orphans: bool) -> torch.Tensor:
+    """Per-prefix states [G, ...] -> each row's [N, ...]: states[parents[n]], or zeros for a
+    row without a prefix (parent -1) when `orphans` (host bool) says some row has none."""
+    if orphans:
+        states = torch.cat([states, states.new_zeros(1, *states.shape[1:])])  # index -1: the zero state
+    return states[parents]
+
+
+def gated_delta_rule_forked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                            states: torch.Tensor, parents: torch.Tensor, orphans: bool, cu_seqlens: torch.Tensor,
+                            cu_seqlens_cpu: torch.Tensor, longest: int, chunk_indices: torch.Tensor | None,
+                            A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """The delta rule's output [1, T, HV, V] for packed rows continuing shared prefixes: row n
+    starts from states[parents[n]] ([G, HV, K, V] float32; a zero state for parent -1, which
+    `orphans` announces). q, k come L2-normalised; g is the raw gate input (see
+    `chunk_gated_delta_rule` for the rest).
+
+    On CUDA, rows of at most 64 tokens that need no gradient run `triton_ops.delta_rule_rows`,
+    one program a row, head and block of values reading the parent's state in place; the
+    others fork the states (`fork_states`) and run `chunk_gated_delta_rule`, which has a
+    backward. Both compute the same chunk form of the recurrence.
+    """
+    ours = _ours(q)
+    differentiable = torch.is_grad_enabled() and any(
+        x.requires_grad for x in (q, k, v, g, beta, states, A_log, dt_bias))
+    if ours is not None and longest <= ours.ROW_TOKENS and not differentiable:
+        out = ours.delta_rule_rows(q[0], k[0], v[0], g[0], beta[0], states, parents, cu_seqlens, longest, A_log,
+                                   dt_bias)
+        return out[None]
+    out, _ = chunk_gated_delta_rule(q, k, v, g, beta, fork_states(states, parents, orphans), False, cu_seqlens,
+                                    False, cu_seqlens_cpu, chunk_indices, A_log, dt_bias)
+    return out
+
+
 # FLA tunes each delta-rule kernel on its first call for a head shape (the autotune key holds the
 # head counts and widths, not the number of tokens or sequences) and keeps that choice, in memory
 # and in Triton's disk cache, for every later call. Left to chance, the first call may be a

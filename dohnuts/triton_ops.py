@@ -356,6 +356,204 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
                                 heads, key_dim, value_heads, value_dim)
 
 
+# -- the delta rule of short rows continuing forked states -----------------------------------------
+#
+# A request's question rows continue one shared prefix and are short (the 50-question request's
+# rows hold 28 to 44 tokens of their own). Run through FLA's chunked kernels, each row first gets
+# its own copy of its prefix's [HV, K, V] float32 state (1 MB a row on Qwen3.5-0.8B), then five
+# kernels pass the row's one chunk through memory between them. `delta_rule_rows` does a whole row
+# (up to 64 tokens) in one program per value head and block of values, reading the state through
+# the row's parent index: the chunk form of the recurrence (see
+# `kernels.gated_delta_rule_chunked`) as a block-triangular solve of four 16-token parts.
+
+ROW_TOKENS = 64  # the longest row `delta_rule_rows` takes (four parts)
+PART = 16  # tokens a part
+VALUES = 64  # values a program (a block of V)
+ROW_WARPS = 4
+
+
+@triton.jit
+def _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, A_log, dt_bias, o_k, o_v,
+              H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
+    """Part `part` of the row bos:eos: q, k [BC, BK], v [BC, BV], the log decay g [BC] and beta
+    [BC], both float32 and 0 past the row's end, and the part's token mask [BC]."""
+    o_t = bos + part * BC + tl.arange(0, BC)
+    m_t = o_t < eos
+    m_qk = m_t[:, None] & (o_k < K)[None, :]
+    b_q = tl.load(q + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_qk, other=0.0)
+    b_k = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_qk, other=0.0)
+    b_v = tl.load(v + (o_t[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None] & (o_v < V)[None, :],
+                  other=0.0)
+    # Qwen3.5's decay from the raw gate input: -exp(A_log) softplus(a + dt_bias) (softplus as
+    # PyTorch's, linear past 20).
+    x = tl.load(a + o_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32) + dt_bias
+    g = tl.where(m_t, -tl.exp(A_log) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))), 0.0)
+    beta = tl.load(b + o_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    return b_q, b_k, b_v, g, beta
+
+
+@triton.jit
+def _decayed(scores, g_rows, g_cols, DIAGONAL: tl.constexpr, STRICT: tl.constexpr, BC: tl.constexpr):
+    """scores [BC, BC] times exp(g_rows[i] - g_cols[j]) (cumulative log decays), for a block on
+    the diagonal only where i > j (STRICT) or i >= j; the exponent is never positive where kept."""
+    gap = g_rows[:, None] - g_cols[None, :]
+    if DIAGONAL:
+        o = tl.arange(0, BC)
+        keep = (o[:, None] > o[None, :]) if STRICT else (o[:, None] >= o[None, :])
+        return tl.where(keep, scores * tl.exp(tl.where(keep, gap, 0.0)), 0.0)
+    return scores * tl.exp(gap)
+
+
+@triton.jit
+def _unit_lower_inverse(L, BC: tl.constexpr):
+    """(I + L)^-1 of a strictly lower-triangular [BC, BC] L (BC = 16): with B = -L nilpotent,
+    sum_{p < 16} B^p = (I + B)(I + B^2)(I + B^4)(I + B^8). Six small products in full float32
+    precision, where forward substitution would take 15 dependent steps, each a reduction
+    across the program's threads (that made the kernel slower than FLA's five)."""
+    o = tl.arange(0, BC)
+    eye = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
+    power = -L
+    inverse = eye + power
+    for _ in tl.static_range(3):
+        power = tl.dot(power, power, input_precision="ieee")
+        inverse = inverse + tl.dot(inverse, power, input_precision="ieee")
+    return inverse
+
+
+@triton.jit
+def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlens, G, scale,
+                    H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                    BV: tl.constexpr, BC: tl.constexpr, PARTS: tl.constexpr):
+    n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (HV // H)
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    # The row's initial state [BK, BV]: its parent's, or zero (parent -1).
+    # (The parent as a vector, not a scalar, in the mask: Triton's interpreter wants that.)
+    parent = tl.zeros([BK], dtype=tl.int64) + tl.load(parents + n).to(tl.int64)
+    has = (parent >= 0) & (parent < G)
+    start = tl.where(has, parent, 0) * HV + i_h
+    h0 = tl.load(states + (start[:, None] * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv & has[:, None],
+                 other=0.0)
+    h0 = h0.to(q.dtype.element_ty)
+    log_a = tl.load(A_log + i_h).to(tl.float32)
+    bias = tl.load(dt_bias + i_h).to(tl.float32)
+    # The row's parts (PARTS of them, enough for the longest row; past a row's end they are
+    # zero): q, k [BC, BK], v [BC, BV], the log decay and beta [BC].
+    q0, k0, v0, g0, b0 = _row_part(q, k, v, a, b, bos, eos, 0, i_hk, i_h, log_a, bias, o_k, o_v, H, K, HV, V, BC)
+    g0 = tl.cumsum(g0, 0)  # cumulative log decays from the row's start
+    # The pseudo-values U_i of each part by block forward substitution:
+    # U_i = (I + A_ii)^-1 (beta_i (v_i - exp(G_i) S0^T k_i) - sum_{j < i} A_ij U_j), with
+    # A_ij = beta_i exp(G_i - G_j) (k_i . k_j) (strictly lower on the diagonal); then
+    # o_i = scale (exp(G_i) S0^T q_i + sum_{j <= i} exp(G_i - G_j) (q_i . k_j) U_j).
+    u0 = _part_values(k0, v0, g0, b0, h0, tl.zeros([BC, BV], dtype=tl.float32), BC)
+    o0 = _part_output(q0, k0, g0, g0, u0, True, BC) + tl.exp(g0)[:, None] * tl.dot(q0, h0)
+    _store_part(o, o0 * scale, bos, eos, 0, i_h, o_v, HV, V, BC)
+    if PARTS > 1:
+        q1, k1, v1, g1, b1 = _row_part(q, k, v, a, b, bos, eos, 1, i_hk, i_h, log_a, bias, o_k, o_v, H, K, HV, V,
+                                       BC)
+        g1 = tl.cumsum(g1, 0) + _last(g0, BC)
+        u1 = _part_values(k1, v1, g1, b1, h0, _coupling(k1, g1, b1, k0, g0, u0, BC), BC)
+        o1 = (_part_output(q1, k1, g1, g1, u1, True, BC) + _part_output(q1, k0, g1, g0, u0, False, BC)
+              + tl.exp(g1)[:, None] * tl.dot(q1, h0))
+        _store_part(o, o1 * scale, bos, eos, 1, i_h, o_v, HV, V, BC)
+    if PARTS > 2:
+        q2, k2, v2, g2, b2 = _row_part(q, k, v, a, b, bos, eos, 2, i_hk, i_h, log_a, bias, o_k, o_v, H, K, HV, V,
+                                       BC)
+        g2 = tl.cumsum(g2, 0) + _last(g1, BC)
+        u2 = _part_values(k2, v2, g2, b2, h0, _coupling(k2, g2, b2, k0, g0, u0, BC)
+                          + _coupling(k2, g2, b2, k1, g1, u1, BC), BC)
+        o2 = (_part_output(q2, k2, g2, g2, u2, True, BC) + _part_output(q2, k0, g2, g0, u0, False, BC)
+              + _part_output(q2, k1, g2, g1, u1, False, BC) + tl.exp(g2)[:, None] * tl.dot(q2, h0))
+        _store_part(o, o2 * scale, bos, eos, 2, i_h, o_v, HV, V, BC)
+    if PARTS > 3:
+        q3, k3, v3, g3, b3 = _row_part(q, k, v, a, b, bos, eos, 3, i_hk, i_h, log_a, bias, o_k, o_v, H, K, HV, V,
+                                       BC)
+        g3 = tl.cumsum(g3, 0) + _last(g2, BC)
+        u3 = _part_values(k3, v3, g3, b3, h0, _coupling(k3, g3, b3, k0, g0, u0, BC)
+                          + _coupling(k3, g3, b3, k1, g1, u1, BC) + _coupling(k3, g3, b3, k2, g2, u2, BC), BC)
+        o3 = (_part_output(q3, k3, g3, g3, u3, True, BC) + _part_output(q3, k0, g3, g0, u0, False, BC)
+              + _part_output(q3, k1, g3, g1, u1, False, BC) + _part_output(q3, k2, g3, g2, u2, False, BC)
+              + tl.exp(g3)[:, None] * tl.dot(q3, h0))
+        _store_part(o, o3 * scale, bos, eos, 3, i_h, o_v, HV, V, BC)
+
+
+@triton.jit
+def _last(g, BC: tl.constexpr):
+    """The last entry of g [BC]."""
+    return tl.sum(tl.where(tl.arange(0, BC) == BC - 1, g, 0.0), 0)
+
+
+@triton.jit
+def _coupling(k_i, g_i, b_i, k_j, g_j, u_j, BC: tl.constexpr):
+    """A_ij U_j for an earlier part j: [BC, BV]."""
+    return tl.dot(b_i[:, None] * _decayed(tl.dot(k_i, tl.trans(k_j)), g_i, g_j, False, True, BC), u_j)
+
+
+@triton.jit
+def _part_values(k_i, v_i, g_i, b_i, h0, coupled, BC: tl.constexpr):
+    """U_i [BC, BV] float32 from the earlier parts' coupling sum_{j < i} A_ij U_j."""
+    rhs = b_i[:, None] * (v_i.to(tl.float32) - tl.exp(g_i)[:, None] * tl.dot(k_i, h0)) - coupled
+    diagonal = b_i[:, None] * _decayed(tl.dot(k_i, tl.trans(k_i)), g_i, g_i, True, True, BC)
+    return tl.dot(_unit_lower_inverse(diagonal, BC), rhs)
+
+
+@triton.jit
+def _part_output(q_i, k_j, g_i, g_j, u_j, DIAGONAL: tl.constexpr, BC: tl.constexpr):
+    """sum over part j's tokens (up to each token of part i) of exp(G_i - G_j) (q_i . k_j) U_j."""
+    return tl.dot(_decayed(tl.dot(q_i, tl.trans(k_j)), g_i, g_j, DIAGONAL, False, BC), u_j)
+
+
+@triton.jit
+def _store_part(o, value, bos, eos, part, i_h, o_v, HV: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
+    o_t = bos + part * BC + tl.arange(0, BC)
+    tl.store(o + (o_t[:, None] * HV + i_h) * V + o_v[None, :], value.to(o.dtype.element_ty),
+             mask=(o_t < eos)[:, None] & (o_v < V)[None, :])
+
+
+def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    states: torch.Tensor, parents: torch.Tensor, cu_seqlens: torch.Tensor, longest: int,
+                    A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """The gated delta rule's output for packed rows of at most ROW_TOKENS tokens, row n
+    starting from states[parents[n]] (a zero state where parents[n] < 0); forward only.
+
+    Args:
+        q, k: [T, H, K] (L2-normalised, as Qwen3.5's delta rule wants); v: [T, HV, V].
+        g: [T, HV] the raw gate input (the decay is `kernels.decay(g, A_log, dt_bias)`);
+            beta: [T, HV].
+        states: [G, HV, K, V] float32; parents: [N] integer; cu_seqlens: [N + 1] on q's device.
+        longest: the longest row (host int), at most ROW_TOKENS.
+        A_log, dt_bias: [HV]. scale: of q, K^-0.5 by default.
+
+    Returns:
+        o [T, HV, V] in v's dtype.
+    """
+    total, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[1:]
+    if longest > ROW_TOKENS:
+        raise ValueError(f"delta_rule_rows: rows of at most {ROW_TOKENS} tokens, but one has {longest}")
+    if value_heads % heads or k.shape != q.shape or g.shape != (total, value_heads) or beta.shape != g.shape:
+        raise ValueError(f"delta_rule_rows: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"g {tuple(g.shape)} and beta {tuple(beta.shape)} do not fit together")
+    if states.shape[1:] != (value_heads, key_dim, value_dim):
+        raise ValueError(f"delta_rule_rows: states {tuple(states.shape)} do not fit {value_heads} heads of "
+                         f"{key_dim} x {value_dim}")
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o = torch.empty_like(v)
+    block_k = max(16, triton.next_power_of_2(key_dim))
+    block_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
+    grid = (cu_seqlens.shape[0] - 1, value_heads, triton.cdiv(value_dim, block_v))
+    with _on(q.device):
+        _delta_rows_fwd[grid](q, k, v, g, beta, A_log, dt_bias, states.contiguous(), parents, o, cu_seqlens,
+                              states.shape[0], key_dim**-0.5 if scale is None else scale,
+                              heads, key_dim, value_heads, value_dim, block_k, block_v, PART, -(-max(longest, 1) // PART),
+                              num_warps=ROW_WARPS)
+    return o
+
+
 # -- RMSNorm and SwiGLU ---------------------------------------------------------------------------
 #
 # The same math as FLA's fused kernels, launched with one call and no autotuning, so a training

@@ -233,6 +233,34 @@ def test_fused_gated_delta_rule_with_the_decay_in_kernel_matches_reference(dtype
         assert _relative_error(grad, expected) < 2e-2, name
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, value_heads, width", [(16, 16, 128), (2, 4, 40)])
+def test_delta_rule_rows_matches_reference_and_fla_on_forked_states(heads, value_heads, width):
+    """The one-program-a-row kernel (bf16, rows of 1 to 64 tokens continuing forked states, some
+    without a parent) against the float32 recurrence and FLA's chunked kernels on the same rows."""
+    lengths = [1, 15, 16, 17, 33, 63, 64, 28, 44]
+    total = sum(lengths)
+    q, k, v, _, beta = _delta_inputs(total, heads=heads, value_heads=value_heads, key_dim=width, value_dim=width,
+                                     device="cuda", dtype=torch.bfloat16)
+    q, k = kernels.l2norm(q.float()).bfloat16(), kernels.l2norm(k.float()).bfloat16()
+    generator = torch.Generator(device="cpu").manual_seed(2)
+    gate = torch.randn(1, total, value_heads, generator=generator).to("cuda", torch.bfloat16)
+    A_log, dt_bias = (torch.randn(value_heads, generator=generator).to("cuda") * 0.5 for _ in range(2))
+    states = torch.randn(3, value_heads, width, width, generator=generator).to("cuda") * 0.1
+    parents = torch.tensor([n % 4 - 1 for n in range(len(lengths))], device="cuda")
+    cu = _cu(lengths, "cuda").to(torch.int32)
+    with torch.no_grad():
+        ours = kernels._triton_ops().delta_rule_rows(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu,
+                                                     max(lengths), A_log, dt_bias)[None]
+        forked = kernels.fork_states(states, parents, True)
+        fla, _ = kernels.chunk_gated_delta_rule(q, k, v, gate, beta, forked, False, cu, False, cu.cpu(), None,
+                                                A_log, dt_bias)
+    reference, _ = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta, forked,
+                                                      False, cu.long(), normalise=False)
+    assert _relative_error(ours, reference) < 1e-2
+    assert _relative_error(ours, fla) < 1e-2
+
+
 def test_triton_kernels_match_references_under_triton_interpreter():
     """dohnuts.triton_ops on the CPU through Triton's interpreter (tests/triton_interpreted.py):
     conv_split_heads, the norms and SwiGLU against their references, outputs and every gradient, on

@@ -104,6 +104,34 @@ def check_norms_and_swiglu():
         close(f"swiglu grad {name}", a, b)
 
 
+def check_delta_rule_rows():
+    """delta_rule_rows against the token-by-token reference on forked states: rows of 1 to 64
+    tokens (each part boundary), grouped heads, rows without a parent, value blocks of 16 with a
+    partial last one."""
+    default = triton_ops.VALUES
+    generator = torch.Generator().manual_seed(8)
+    heads, key_dim, value_heads = 2, 8, 4
+    try:
+        for value_dim, values in ((6, default), (40, 16)):
+            triton_ops.VALUES = values
+            for lengths in ([1, 15, 16, 17, 33, 63, 64], [5], [17, 30], [33, 2, 40], [64, 2, 48]):
+                total, states = sum(lengths), torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
+                cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+                q, k = (kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
+                v = torch.randn(total, value_heads, value_dim, generator=generator)
+                gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
+                A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
+                parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
+                ours = triton_ops.delta_rule_rows(q, k, v, gate, beta, states, parents, cu, max(lengths), A_log,
+                                                  dt_bias)
+                reference, _ = kernels.gated_delta_rule_reference(
+                    q[None], k[None], v[None], kernels.decay(gate, A_log, dt_bias)[None], beta[None],
+                    kernels.fork_states(states, parents, True), False, cu.long(), normalise=False)
+                close(f"delta_rule_rows lengths={lengths} V={value_dim} block={values}", ours, reference[0])
+    finally:
+        triton_ops.VALUES = default
+
+
 def check_decoder_with_triton_kernels():
     """The decoder as it runs on CUDA (our Triton kernels for the convolution and head split,
     RMSNorm, gated RMSNorm and SwiGLU), against its CPU path: a random tiny Qwen3.5, shared prefixes forked to
@@ -170,9 +198,33 @@ def check_decoder_with_triton_kernels():
     close("decoder output with Triton kernels", fused[0], reference[0])
     close("decoder input gradient with Triton kernels", fused[1], reference[1])
 
+    # Without gradients, rows of at most 64 tokens take delta_rule_rows where CUDA would.
+    short = [3, 40, 1, 64]
+    fork = plan_fork(prefix_lengths, short, parents)
+    total = sum(prefix_lengths) + sum(short)
+    embeds = torch.randn(total, config.hidden_size)
+    positions = torch.cat([torch.arange(n) for n in prefix_lengths]
+                          + [torch.arange(n) + (prefix_lengths[p] if p >= 0 else 0)
+                             for n, p in zip(short, parents)]).expand(3, -1)
+    cu = torch.tensor([0] + short).cumsum(0).to(torch.int32)
+    prefixes = Prefixes(sum(prefix_lengths), prefixes.segments, fork)
+    with torch.no_grad():
+        reference = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(short))
+        rows_calls = []
+        kernel, ours = triton_ops.delta_rule_rows, kernels._ours
+        triton_ops.delta_rule_rows = lambda *args: rows_calls.append(1) or kernel(*args)
+        kernels._ours = lambda x: triton_ops if x.dtype != torch.float64 else None
+        try:
+            fused = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(short))
+        finally:
+            triton_ops.delta_rule_rows, kernels._ours = kernel, ours
+    assert len(rows_calls) == 3, rows_calls  # one call a delta-rule layer
+    close("decoder output with delta_rule_rows", fused, reference)
+
 
 if __name__ == "__main__":
     check_conv_split_heads()
+    check_delta_rule_rows()
     check_norms_and_swiglu()
     check_decoder_with_triton_kernels()
     print("ok")

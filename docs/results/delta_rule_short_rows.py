@@ -1,16 +1,18 @@
-"""Time the delta rule of the 50-question request's rows on the GPU, two ways: FLA's chunked
-kernels (what `kernels.chunk_gated_delta_rule` runs) and FLA's fused recurrent kernel (forward
-only, one program per sequence, head and 8 values, stepping token by token). Both continue the
-states forked from one prefix, as `decoder._delta_mix` does. A measurement for choosing the next
+"""Time the delta rule of the 50-question request's rows on the GPU, three ways: FLA's chunked
+kernels (what `kernels.chunk_gated_delta_rule` runs, after forking the prefix's state to the
+rows), FLA's fused recurrent kernel (forward only, one program per sequence, head and 8 values,
+stepping token by token, on the forked states) and our `triton_ops.delta_rule_rows` (forward
+only, one program per row, head and block of values, reading the prefix's state through the
+row's parent index) in a few launch settings. A measurement for choosing the next
 optimisation, not part of the runtime.
 
     python3 docs/results/delta_rule_short_rows.py > delta-rule-short-rows.txt
 
 Shape: the Qwen3.5-0.8B delta-rule layer (16 key and 16 value heads of width 128), bf16, and the
-rows' own lengths of the distinct_text_50q request, packed. Each variant, including the fork of
+rows' own lengths of the distinct_text_50q request, packed. Each variant, including any fork of
 the prefix's final state to the rows, is captured in a CUDA graph and replayed 200 times; the
-script prints the mean per replay and the largest difference between the two outputs, relative
-to the largest output.
+script prints the mean per replay and the largest difference of each output from the chunked
+one, relative to the largest chunked output.
 """
 
 import sys
@@ -91,17 +93,32 @@ def main() -> None:
     def fork_only():
         return prefix_state[parents]
 
+    ops = kernels._triton_ops()
+
+    def rows():
+        return ops.delta_rule_rows(q[0], k[0], v[0], g[0], beta[0], prefix_state, parents, bounds, max(lengths),
+                                   A_log, dt_bias)[None]
+
+    variants = [("fork of the prefix state only", fork_only), ("chunked (FLA chunk_gated_delta_rule)", chunked),
+                ("fused recurrent (FLA, forward only)", recurrent)]
+    for values, warps in ((64, 4), (32, 4), (64, 8), (128, 8), (32, 2)):
+        def setting(call=rows, values=values, warps=warps):
+            ops.VALUES, ops.ROW_WARPS = values, warps
+            return call()
+        variants.append((f"rows kernel ({values} values, {warps} warps)", setting))
+
     print(f"# {len(lengths)} rows, {total} tokens (own lengths {min(lengths)} to {max(lengths)}), "
           f"{heads} heads of width {width}, bf16; CUDA graph replays")
     results = {}
-    for name, call in (("fork of the prefix state only", fork_only), ("chunked (FLA chunk_gated_delta_rule)", chunked),
-                       ("fused recurrent (FLA, forward only)", recurrent)):
+    for name, call in variants:
         ms, out = graphed(call)
         results[name] = out
         print(f"{name:40s} {ms * 1e3:8.1f} us per replay")
-    ours, theirs = results["chunked (FLA chunk_gated_delta_rule)"], results["fused recurrent (FLA, forward only)"]
-    print(f"max |chunked - recurrent| / max |chunked| = "
-          f"{((ours.float() - theirs.float()).abs().max() / ours.float().abs().max()).item():.2e}")
+    chunked_out = results["chunked (FLA chunk_gated_delta_rule)"].float()
+    for name, out in results.items():
+        if out.shape == chunked_out.shape:
+            print(f"max |chunked - {name}| / max |chunked| = "
+                  f"{((chunked_out - out.float()).abs().max() / chunked_out.abs().max()).item():.2e}")
 
 
 if __name__ == "__main__":
