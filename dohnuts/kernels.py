@@ -2,7 +2,8 @@
 
 On CUDA: flash-linear-attention's chunked gated delta rule, our own Triton kernels
 (`dohnuts.triton_ops`: the delta rule's convolution with its head split, RMSNorm, gated
-RMSNorm, SwiGLU), and PyTorch's flash varlen attention. This is the only module that imports `fla` or
+RMSNorm, SwiGLU, and the forward-only delta rule of short rows continuing forked states), and
+PyTorch's flash varlen attention. This is the only module that imports `fla` or
 `triton_ops`. Each public function chooses the fused kernel for CUDA tensors when it is
 importable and otherwise runs the plain-PyTorch reference of the same math, which is also
 the test oracle for the fused path (FLA keeps a naive.py beside every kernel for the same

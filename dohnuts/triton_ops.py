@@ -7,6 +7,8 @@ flash-linear-attention's chunked delta rule reads. Done apart (FLA's `causal_con
 the split), the convolved channels are written and read again, FLA makes three strided
 copies of them, and it L2-normalises q and k in two more passes. `rms_norm`,
 `rms_norm_gated` and `swiglu` are single-launch kernels for the same math as FLA's.
+`delta_rule_rows` runs the delta rule of short rows continuing forked prefix states in one
+forward-only kernel, reading each prefix's state in place.
 
 All of them also run on the CPU, under Triton's interpreter (TRITON_INTERPRET=1), which the
 tests use (`tests/triton_interpreted.py`).
@@ -368,7 +370,11 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
 
 ROW_TOKENS = 64  # the longest row `delta_rule_rows` takes (four parts)
 PART = 16  # tokens a part
-VALUES = 64  # values a program (a block of V)
+# Values a program (a block of V) and warps a program. For the 50-question request's rows on
+# the H200 (Qwen3.5-0.8B widths, bf16; docs/results/h200-delta-rule-short-rows-46f6c73.txt): 70.5
+# us a layer at 64 values and 4 warps; 73.0 at 128 and 8, 89.3 at 32 and 2, 113 at 32 and 4 or
+# 64 and 8 (FLA's chunked kernels with the fork: 135.5).
+VALUES = 64
 ROW_WARPS = 4
 
 
