@@ -415,7 +415,10 @@ def _unit_lower_inverse(L, BC: tl.constexpr):
     """(I + L)^-1 of a strictly lower-triangular [BC, BC] L (BC = 16): with B = -L nilpotent,
     sum_{p < 16} B^p = (I + B)(I + B^2)(I + B^4)(I + B^8). Six small products in full float32
     precision, where forward substitution would take 15 dependent steps, each a reduction
-    across the program's threads (that made the kernel slower than FLA's five)."""
+    across the program's threads (that made the kernel slower than FLA's five). The price is
+    accuracy on badly conditioned blocks (nearly parallel keys, beta near 1, little decay),
+    whose large higher powers cancel: there the output is off by up to about 1e-4 of outputs
+    of order 1 (tests/triton_interpreted.py), under bf16's resolution."""
     o = tl.arange(0, BC)
     eye = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
     power = -L
@@ -531,7 +534,9 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         g: [T, HV] the raw gate input (the decay is `kernels.decay(g, A_log, dt_bias)`);
             beta: [T, HV].
         states: [G, HV, K, V] float32; parents: [N] integer; cu_seqlens: [N + 1] on q's device.
-        longest: the longest row (host int), at most ROW_TOKENS.
+        longest: the longest row (host int, from the host's copy of cu_seqlens), at most
+            ROW_TOKENS. The kernel covers each row's first `longest` tokens (rounded up to a
+            multiple of PART), so a smaller value would leave later tokens unwritten.
         A_log, dt_bias: [HV]. scale: of q, K^-0.5 by default.
 
     Returns:
@@ -544,6 +549,8 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if value_heads % heads or k.shape != q.shape or g.shape != (total, value_heads) or beta.shape != g.shape:
         raise ValueError(f"delta_rule_rows: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"g {tuple(g.shape)} and beta {tuple(beta.shape)} do not fit together")
+    if parents.shape != (cu_seqlens.shape[0] - 1,):
+        raise ValueError(f"delta_rule_rows: {cu_seqlens.shape[0] - 1} rows but parents {tuple(parents.shape)}")
     if states.shape[1:] != (value_heads, key_dim, value_dim):
         raise ValueError(f"delta_rule_rows: states {tuple(states.shape)} do not fit {value_heads} heads of "
                          f"{key_dim} x {value_dim}")

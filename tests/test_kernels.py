@@ -264,8 +264,10 @@ def test_delta_rule_rows_matches_reference_and_fla_on_forked_states(heads, value
 def test_triton_kernels_match_references_under_triton_interpreter():
     """dohnuts.triton_ops on the CPU through Triton's interpreter (tests/triton_interpreted.py):
     conv_split_heads, the norms and SwiGLU against their references, outputs and every gradient, on
-    packed sequences of 1 to 130 tokens with and without carried and final states; and the
-    decoder with them (its CUDA path) against its CPU path, with prefixes forked to rows."""
+    packed sequences of 1 to 130 tokens with and without carried and final states; delta_rule_rows
+    against the recurrence on forked states (also on badly conditioned blocks, against float64);
+    and the decoder with them (its CUDA path) against its CPU path, with prefixes forked to rows,
+    short rows taking delta_rule_rows only without gradients."""
     pytest.importorskip("triton")
     script = Path(__file__).with_name("triton_interpreted.py")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).parents[1])}

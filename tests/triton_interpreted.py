@@ -130,6 +130,28 @@ def check_delta_rule_rows():
                 close(f"delta_rule_rows lengths={lengths} V={value_dim} block={values}", ours, reference[0])
     finally:
         triton_ops.VALUES = default
+    # Badly conditioned blocks: nearly parallel keys, beta near 1 and almost no decay make the
+    # higher powers of each block large, so every factor of the kernel's inverse matters. The
+    # kernel's float32 products then lose more than forward substitution would: against the
+    # float64 recurrence it stays within 1e-3 of outputs of order 1, under bf16's resolution.
+    lengths, key_dim = [64, 64], 16
+    total = sum(lengths)
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    base = torch.randn(1, heads, key_dim, generator=generator)
+    k = kernels.l2norm(base + 0.05 * torch.randn(total, heads, key_dim, generator=generator))
+    q = kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator))
+    v = torch.randn(total, value_heads, 6, generator=generator)
+    gate, beta = torch.full((total, value_heads), -8.0), 0.9 + 0.1 * torch.rand(total, value_heads)
+    A_log, dt_bias = torch.zeros(value_heads), torch.zeros(value_heads)
+    states, parents = torch.randn(1, value_heads, key_dim, 6, generator=generator), torch.tensor([0, -1])
+    ours = triton_ops.delta_rule_rows(q, k, v, gate, beta, states, parents, cu, 64, A_log, dt_bias)
+    reference, _ = kernels.gated_delta_rule_reference(
+        *(x[None].double() for x in (q, k, v, kernels.decay(gate, A_log, dt_bias), beta)),
+        kernels.fork_states(states, parents, True).double(), False, cu.long(), normalise=False)
+    error = (ours.double() - reference[0]).abs().max().item()
+    if not error < 1e-3:
+        sys.exit(f"delta_rule_rows on badly conditioned blocks: max error {error:.2e} (outputs up to "
+                 f"{reference.abs().max().item():.2f})")
 
 
 def check_decoder_with_triton_kernels():
@@ -198,28 +220,41 @@ def check_decoder_with_triton_kernels():
     close("decoder output with Triton kernels", fused[0], reference[0])
     close("decoder input gradient with Triton kernels", fused[1], reference[1])
 
-    # Without gradients, rows of at most 64 tokens take delta_rule_rows where CUDA would.
+    # Rows of at most 64 tokens take delta_rule_rows where CUDA would, but only when no gradient
+    # is needed: with one, they keep the differentiable path (the kernel has no backward).
     short = [3, 40, 1, 64]
     fork = plan_fork(prefix_lengths, short, parents)
     total = sum(prefix_lengths) + sum(short)
-    embeds = torch.randn(total, config.hidden_size)
+    embeds = torch.randn(total, config.hidden_size, requires_grad=True)
     positions = torch.cat([torch.arange(n) for n in prefix_lengths]
                           + [torch.arange(n) + (prefix_lengths[p] if p >= 0 else 0)
                              for n, p in zip(short, parents)]).expand(3, -1)
     cu = torch.tensor([0] + short).cumsum(0).to(torch.int32)
     prefixes = Prefixes(sum(prefix_lengths), prefixes.segments, fork)
-    with torch.no_grad():
-        reference = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(short))
-        rows_calls = []
-        kernel, ours = triton_ops.delta_rule_rows, kernels._ours
-        triton_ops.delta_rule_rows = lambda *args: rows_calls.append(1) or kernel(*args)
-        kernels._ours = lambda x: triton_ops if x.dtype != torch.float64 else None
-        try:
-            fused = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(short))
-        finally:
-            triton_ops.delta_rule_rows, kernels._ours = kernel, ours
-    assert len(rows_calls) == 3, rows_calls  # one call a delta-rule layer
-    close("decoder output with delta_rule_rows", fused, reference)
+
+    def run_short(differentiable):
+        with torch.set_grad_enabled(differentiable):
+            out = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(short))
+        if not differentiable:
+            return out, None
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+        return out.detach(), torch.autograd.grad((out * weights).sum(), embeds)[0]
+
+    reference, (_, reference_grad) = run_short(False), run_short(True)
+    rows_calls = []
+    kernel, ours = triton_ops.delta_rule_rows, kernels._ours
+    triton_ops.delta_rule_rows = lambda *args: rows_calls.append(1) or kernel(*args)
+    kernels._ours = lambda x: triton_ops if x.dtype != torch.float64 else None
+    try:
+        inference = run_short(False)
+        assert len(rows_calls) == 3, rows_calls  # one call a delta-rule layer
+        training = run_short(True)
+        assert len(rows_calls) == 3, rows_calls  # none with gradients
+    finally:
+        triton_ops.delta_rule_rows, kernels._ours = kernel, ours
+    close("decoder output with delta_rule_rows", inference[0], reference[0])
+    close("decoder output with gradients, short rows", training[0], reference[0])
+    close("decoder input gradient, short rows", training[1], reference_grad)
 
 
 if __name__ == "__main__":
