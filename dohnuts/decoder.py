@@ -236,25 +236,29 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
             segments.chunk_indices, key_heads, key_dim, value_heads, value_dim)
         return query[None], key[None], value[None], conv_final
 
+    def fresh(begin: int, end: int, segments: Segments, keep: bool):
+        """Tokens begin:end as sequences starting from zero states: ([t, Hv, V], the final conv
+        and recurrent states if `keep`)."""
+        query, key, value, conv_final = convolved(begin, end, segments, None, keep)
+        out, recurrent_final = kernels.chunk_gated_delta_rule(
+            query, key, value, gate[:, begin:end], beta[:, begin:end], None, keep, segments.cu_seqlens, False,
+            segments.cu_seqlens_cpu, segments.chunk_indices, module.A_log, module.dt_bias)
+        return out[0], conv_final, recurrent_final
+
     if prefixes is None:
-        query, key, value, _ = convolved(0, total, rows, None, False)
-        out, _ = kernels.chunk_gated_delta_rule(
-            query, key, value, gate, beta, None, False, rows.cu_seqlens, False, rows.cu_seqlens_cpu,
-            rows.chunk_indices, module.A_log, module.dt_bias)
-        return out[0], project(module.in_proj_z, hidden)
-    split, fork, segments = prefixes.tokens, prefixes.fork, prefixes.segments
-    query, key, value, conv_final = convolved(0, split, segments, None, True)
-    head, recurrent_final = kernels.chunk_gated_delta_rule(
-        query, key, value, gate[:, :split], beta[:, :split], None, True, segments.cu_seqlens, False,
-        segments.cu_seqlens_cpu, segments.chunk_indices, module.A_log, module.dt_bias)
-    # The rows continue their prefixes' final states: the conv states are forked (a few inputs
-    # a channel); the recurrent ones are read through the parent index where the kernel can.
-    query, key, value, _ = convolved(split, total, rows, kernels.fork_states(conv_final, fork.parents, fork.orphans),
-                                     False)
-    tail = kernels.gated_delta_rule_forked(
-        query, key, value, gate[:, split:], beta[:, split:], recurrent_final, fork.parents, fork.orphans,
-        rows.cu_seqlens, rows.cu_seqlens_cpu, rows.max_seqlen, rows.chunk_indices, module.A_log, module.dt_bias)
-    out = torch.cat([head[0], tail[0]])
+        out, _, _ = fresh(0, total, rows, False)
+    else:
+        split, fork = prefixes.tokens, prefixes.fork
+        head, conv_final, recurrent_final = fresh(0, split, prefixes.segments, True)
+        # The rows continue their prefixes' final states: the conv states are forked (a few
+        # inputs a channel); the recurrent ones are read through the parent index where the
+        # kernel can.
+        conv_states = kernels.fork_states(conv_final, fork.parents, fork.orphans)
+        query, key, value, _ = convolved(split, total, rows, conv_states, False)
+        tail = kernels.gated_delta_rule_forked(
+            query, key, value, gate[:, split:], beta[:, split:], recurrent_final, fork.parents, fork.orphans,
+            rows.cu_seqlens, rows.cu_seqlens_cpu, rows.max_seqlen, rows.chunk_indices, module.A_log, module.dt_bias)
+        out = torch.cat([head, tail[0]])
     return out, project(module.in_proj_z, hidden)
 
 

@@ -426,11 +426,12 @@ def gated_delta_rule_forked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 # and in Triton's disk cache, for every later call. Left to chance, the first call may be a
 # 64-token prefix, whose choice then serves a batch of 50 rows poorly: on the H200 the
 # 50-question request (Qwen3.5-0.8B shape) took 13.9 ms after tuning on its prefix and 11.9 ms
-# after tuning on the batch below. (Measured before `delta_rule_rows`, which now takes such rows
-# at inference; FLA still runs them in training and whenever a row is longer than 64 tokens.
-# Whether another tuning batch would serve the prefixes better is not measured.) So the first fused call of each head shape in a process
-# first runs one packed batch of TUNING_ROWS rows of TUNING_LENGTH tokens continuing carried
-# states, the shape of evaluation batches and many-question requests.
+# after tuning on the batch below. So the first fused call of each head shape in a process first
+# runs one packed batch of TUNING_ROWS rows of TUNING_LENGTH tokens continuing carried states,
+# the shape of evaluation batches and many-question requests. (Measured before `delta_rule_rows`,
+# which now takes such rows at inference; FLA still runs them in training and whenever a row is
+# longer than 64 tokens. Whether another tuning batch would serve the prefixes better is not
+# measured.)
 TUNING_ROWS, TUNING_LENGTH = 48, 40
 _TUNED: set = set()
 

@@ -382,7 +382,7 @@ ROW_WARPS = 4
 def _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, A_log, dt_bias, o_k, o_v,
               H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
     """Part `part` of the row bos:eos: q, k [BC, BK], v [BC, BV], the log decay g [BC] and beta
-    [BC], both float32 and 0 past the row's end, and the part's token mask [BC]."""
+    [BC], both float32 and 0 past the row's end (as are q, k and v)."""
     o_t = bos + part * BC + tl.arange(0, BC)
     m_t = o_t < eos
     m_qk = m_t[:, None] & (o_k < K)[None, :]
@@ -451,7 +451,8 @@ def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlen
     log_a = tl.load(A_log + i_h).to(tl.float32)
     bias = tl.load(dt_bias + i_h).to(tl.float32)
     # The row's parts (PARTS of them, enough for the longest row; past a row's end they are
-    # zero): q, k [BC, BK], v [BC, BV], the log decay and beta [BC].
+    # zero): q, k [BC, BK], v [BC, BV], the log decay and beta [BC]. Written out part by part:
+    # Triton keeps register tiles in named variables only, not in lists a loop could index.
     q0, k0, v0, g0, b0 = _row_part(q, k, v, a, b, bos, eos, 0, i_hk, i_h, log_a, bias, o_k, o_v, H, K, HV, V, BC)
     g0 = tl.cumsum(g0, 0)  # cumulative log decays from the row's start
     # The pseudo-values U_i of each part by block forward substitution:
@@ -558,11 +559,12 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     o = torch.empty_like(v)
     block_k = max(16, triton.next_power_of_2(key_dim))
     block_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
+    parts = -(-max(longest, 1) // PART)
     grid = (cu_seqlens.shape[0] - 1, value_heads, triton.cdiv(value_dim, block_v))
     with _on(q.device):
         _delta_rows_fwd[grid](q, k, v, g, beta, A_log, dt_bias, states.contiguous(), parents, o, cu_seqlens,
                               states.shape[0], key_dim**-0.5 if scale is None else scale,
-                              heads, key_dim, value_heads, value_dim, block_k, block_v, PART, -(-max(longest, 1) // PART),
+                              heads, key_dim, value_heads, value_dim, block_k, block_v, PART, parts,
                               num_warps=ROW_WARPS)
     return o
 

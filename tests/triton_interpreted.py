@@ -160,7 +160,7 @@ def check_decoder_with_triton_kernels():
     rows with and without one, outputs and input gradients."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextConfig, Qwen3_5TextModel
 
-    from dohnuts.decoder import Prefixes, Segments, chunk_plan, packed_forward, plan_fork
+    from dohnuts.decoder import Prefixes, Segments, chunk_plan, cumulative, packed_forward, plan_fork
 
     torch.manual_seed(0)
     config = Qwen3_5TextConfig(
@@ -176,15 +176,21 @@ def check_decoder_with_triton_kernels():
             if "norm" in name or "dt_bias" in name:
                 parameter.normal_(0.0, 0.3)
     prefix_lengths, row_lengths, parents = [70, 5], [3, 40, 1, 66], [0, 1, -1, 0]
-    fork = plan_fork(prefix_lengths, row_lengths, parents)
-    total = sum(prefix_lengths) + sum(row_lengths)
-    embeds = torch.randn(total, config.hidden_size, requires_grad=True)
-    positions = torch.cat([torch.arange(n) for n in prefix_lengths]
-                          + [torch.arange(n) + (prefix_lengths[p] if p >= 0 else 0)
-                             for n, p in zip(row_lengths, parents)]).expand(3, -1)
-    cu = torch.tensor([0] + row_lengths).cumsum(0).to(torch.int32)
-    prefix_cu = torch.tensor([0] + prefix_lengths).cumsum(0).to(torch.int32)
-    prefixes = Prefixes(sum(prefix_lengths), Segments.of(prefix_cu, prefix_cu, chunk_plan(prefix_lengths)), fork)
+    prefix_cu = cumulative(prefix_lengths)
+    prefix_segments = Segments.of(prefix_cu, prefix_cu, chunk_plan(prefix_lengths))
+
+    def layout(lengths):
+        """(embeddings, M-RoPE positions, cu_seqlens, Prefixes) of rows of own `lengths` continuing
+        the prefixes above."""
+        total = sum(prefix_lengths) + sum(lengths)
+        embeds = torch.randn(total, config.hidden_size, requires_grad=True)
+        positions = torch.cat([torch.arange(n) for n in prefix_lengths]
+                              + [torch.arange(n) + (prefix_lengths[p] if p >= 0 else 0)
+                                 for n, p in zip(lengths, parents)]).expand(3, -1)
+        fork = plan_fork(prefix_lengths, lengths, parents)
+        return embeds, positions, cumulative(lengths), Prefixes(sum(prefix_lengths), prefix_segments, fork)
+
+    embeds, positions, cu, prefixes = layout(row_lengths)
 
     def run():
         out = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(row_lengths))
@@ -223,14 +229,7 @@ def check_decoder_with_triton_kernels():
     # Rows of at most 64 tokens take delta_rule_rows where CUDA would, but only when no gradient
     # is needed: with one, they keep the differentiable path (the kernel has no backward).
     short = [3, 40, 1, 64]
-    fork = plan_fork(prefix_lengths, short, parents)
-    total = sum(prefix_lengths) + sum(short)
-    embeds = torch.randn(total, config.hidden_size, requires_grad=True)
-    positions = torch.cat([torch.arange(n) for n in prefix_lengths]
-                          + [torch.arange(n) + (prefix_lengths[p] if p >= 0 else 0)
-                             for n, p in zip(short, parents)]).expand(3, -1)
-    cu = torch.tensor([0] + short).cumsum(0).to(torch.int32)
-    prefixes = Prefixes(sum(prefix_lengths), prefixes.segments, fork)
+    embeds, positions, cu, prefixes = layout(short)
 
     def run_short(differentiable):
         with torch.set_grad_enabled(differentiable):
