@@ -104,7 +104,8 @@ class DataConfig:
     partitions: dict = field(default_factory=lambda: {"train": 0.7, "dev": 0.1, "calibration": 0.1, "test": 0.1})
 
     def __post_init__(self):
-        _check(self.source == "synthetic", f"data.source must be 'synthetic' (the only source so far), got {self.source!r}")
+        _check(self.source == "synthetic",
+               f"data.source must be 'synthetic' (the only source so far), got {self.source!r}")
         _check(self.states_per_group >= 8, f"data.states_per_group must be >= 8, got {self.states_per_group}")
         _check(set(self.partitions) == {"train", "dev", "calibration", "test"},
                f"data.partitions must name train, dev, calibration and test, got {sorted(self.partitions)}")
@@ -156,7 +157,8 @@ class TrainConfig:
         _check(self.rows_per_microbatch >= 1 and self.microbatches_per_update >= 1,
                f"train.rows_per_microbatch and microbatches_per_update must be >= 1, got "
                f"{self.rows_per_microbatch}, {self.microbatches_per_update}")
-        _check(self.lora_lr > 0 and self.head_lr > 0, f"train learning rates must be > 0, got {self.lora_lr}, {self.head_lr}")
+        _check(self.lora_lr > 0 and self.head_lr > 0,
+               f"train learning rates must be > 0, got {self.lora_lr}, {self.head_lr}")
         _check(0.0 < self.lr_floor <= 1.0, f"train.lr_floor must be in (0, 1], got {self.lr_floor}")
         _check(self.grad_clip > 0, f"train.grad_clip must be > 0, got {self.grad_clip}")
         _check(self.group_cap >= 1 and self.max_tokens >= 16,
@@ -172,7 +174,8 @@ class SelectConfig:
 
     def __post_init__(self):
         _check(self.dev_rows_per_group >= 1 and self.batch_rows >= 1,
-               f"select.dev_rows_per_group and batch_rows must be >= 1, got {self.dev_rows_per_group}, {self.batch_rows}")
+               f"select.dev_rows_per_group and batch_rows must be >= 1, got "
+               f"{self.dev_rows_per_group}, {self.batch_rows}")
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,7 @@ class TestConfig:
         _check(self.batch_rows >= 1, f"test.batch_rows must be >= 1, got {self.batch_rows}")
 
 
-SHAPE_NAMES = ("qwen3_5-0.8b",)  # the shapes dohnuts.shapes can build
+SHAPE_NAMES = ("qwen3_5-0.8b",)  # the shapes dohnuts.measure.shapes can build
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,8 @@ def _choice(qid, criteria):
         labels, candidates = [], []
         for key, description in criteria.items():
             if not isinstance(key, str) or not isinstance(description, str):
-                raise TypeError(f"choice question {qid!r}: criteria mapping must be str -> str, got {key!r}: {description!r}")
+                raise TypeError(f"choice question {qid!r}: criteria mapping must be str -> str, "
+                                f"got {key!r}: {description!r}")
             labels.append(key)
             candidates.append(f"{key}: {description}" if description else key)
     elif isinstance(criteria, Sequence) and not isinstance(criteria, str):
@@ -159,7 +160,8 @@ def _noul(qid, criteria):
 
 def _score(qid, criteria):
     if isinstance(criteria, str) or not isinstance(criteria, Sequence):
-        raise TypeError(f"score question {qid!r} needs criteria as an ordered list of level descriptions, got {criteria!r}")
+        raise TypeError(f"score question {qid!r} needs criteria as an ordered list of level descriptions, "
+                        f"got {criteria!r}")
     for item in criteria:
         if not isinstance(item, str):
             raise TypeError(f"score question {qid!r}: level descriptions must be strings, got {item!r}")

@@ -1,21 +1,12 @@
 """Stage benchmark: latency of complete predict() calls over the upstream-matched workloads."""
 
-import os
-import sys
-
-# Stage scripts are named like stdlib modules (select, test): keep their folder off sys.path.
-sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
-
-import json
 from pathlib import Path
 
 import click
 
-from dohnuts.benchmark import benchmark, workload_texts
 from dohnuts.config import read_params, section
-from dohnuts.io import write_bytes, write_json
-from dohnuts.predict import Predictor
-from dohnuts.shapes import shape_only_predictor
+from dohnuts.io import write_json
+from dohnuts.pipeline.benchmark import run
 
 
 @click.command()
@@ -32,26 +23,7 @@ from dohnuts.shapes import shape_only_predictor
 def main(params_path, checkpoint, records, summary, plots):
     """Cold call, warm-up calls, then timed calls per workload; p50/p95/mean and decisions/s."""
     config = section(read_params(params_path), "benchmark")
-    if config.shape is not None:
-        predictor = shape_only_predictor(config.shape, texts=workload_texts())
-        click.echo(f"shape-only: random weights of {config.shape}, not the checkpoint")
-    else:
-        predictor = Predictor.from_checkpoint(checkpoint)
-
-    def progress(done):
-        # Records so far are kept (atomically rewritten), so a killed run loses nothing finished.
-        write_bytes(Path(records), "".join(json.dumps(record) + "\n" for record in done).encode())
-        last = done[-1]
-        if "p50_ms" not in last:
-            click.echo(f"{last['workload']:36s} {json.dumps({k: v for k, v in last.items() if k != 'environment'})}",
-                       err=True)
-            return
-        baseline = f"  Hugging Face {last['hugging_face_p50_ms']:8.2f} ms" if "hugging_face_p50_ms" in last else ""
-        share = last["roofline"]["efficiency"]["measured"]
-        share = f"  efficiency {share:.2e}" if share is not None else ""
-        click.echo(f"{last['workload']:36s} p50 {last['p50_ms']:8.2f} ms{baseline}{share}", err=True)
-
-    _, result, rows = benchmark(predictor, config.warmup, config.timed, progress=progress)
+    result, rows = run(config, Path(checkpoint), Path(records), echo=lambda line: click.echo(line, err=True))
     write_json(Path(summary), result)
     write_json(Path(plots), rows)
 

@@ -1,10 +1,5 @@
 """Stage calibrate: per-type temperatures on the calibration partition, after the merge."""
 
-import os
-import sys
-
-# Stage scripts are named like stdlib modules (select, test): keep their folder off sys.path.
-sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 from pathlib import Path
 
@@ -12,15 +7,15 @@ import click
 
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json
-from dohnuts.calibrate import calibrate
+from dohnuts.pipeline.calibrate import calibrate
 
 
 @click.command()
 @click.option("--params", "params_path", type=click.Path(exists=True, dir_okay=False), default="params.yaml",
               show_default=True, help="Parameters file.")
 @click.option("--merged", type=click.Path(exists=True, file_okay=False), default="runs/merge/model", show_default=True)
-@click.option("--data", type=click.Path(exists=True, file_okay=False), default="runs/prepare/calibration", show_default=True,
-              help="The calibration partition folder.")
+@click.option("--data", type=click.Path(exists=True, file_okay=False), default="runs/prepare/calibration",
+              show_default=True, help="The calibration partition folder.")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/calibrate/checkpoint", show_default=True,
               help="Deployable checkpoint folder (loads with dohnuts.Predictor.from_checkpoint).")
 @click.option("--metrics", type=click.Path(dir_okay=False), default="runs/calibrate/metrics.json", show_default=True)

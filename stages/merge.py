@@ -1,17 +1,12 @@
 """Stage merge: fold the selected LoRA adapter into the frozen base."""
 
-import os
-import sys
-
-# Stage scripts are named like stdlib modules (select, test): keep their folder off sys.path.
-sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 from pathlib import Path
 
 import click
 
 from dohnuts.config import read_params, section
-from dohnuts.merge import merge
+from dohnuts.pipeline.merge import merge
 
 
 @click.command()

@@ -1,10 +1,5 @@
 """Stage prepare: build or fetch the base model and generate the decision mixture."""
 
-import os
-import sys
-
-# Stage scripts are named like stdlib modules (select, test): keep their folder off sys.path.
-sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 from pathlib import Path
 
@@ -12,7 +7,7 @@ import click
 
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json
-from dohnuts.prepare import prepare
+from dohnuts.pipeline.prepare import prepare
 
 
 @click.command()

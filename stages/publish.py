@@ -4,18 +4,13 @@
 dependency of train).
 """
 
-import os
-import sys
-
-# Stage scripts are named like stdlib modules (select, test): keep their folder off sys.path.
-sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 from pathlib import Path
 
 import click
 
 from dohnuts.io import IntegrityError
-from dohnuts.publish import publish
+from dohnuts.pipeline.publish import publish
 
 
 @click.command()

@@ -1,10 +1,5 @@
 """Stage select: pick the checkpoint with the best dev macro accuracy (step 0 included)."""
 
-import os
-import sys
-
-# Stage scripts are named like stdlib modules (select, test): keep their folder off sys.path.
-sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 from pathlib import Path
 
@@ -12,7 +7,7 @@ import click
 
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json
-from dohnuts.select import select
+from dohnuts.pipeline.select import select
 
 
 @click.command()

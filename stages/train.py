@@ -1,10 +1,5 @@
 """Stage train: LoRA + head training with the RLCD + cross-entropy objective."""
 
-import os
-import sys
-
-# Stage scripts are named like stdlib modules (select, test): keep their folder off sys.path.
-sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 import logging
 from pathlib import Path
@@ -12,7 +7,7 @@ from pathlib import Path
 import click
 
 from dohnuts.config import init_mode, read_params, section
-from dohnuts.train import TrainRun, train
+from dohnuts.pipeline.train import TrainRun, train
 
 
 @click.command()

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dohnuts.base import load_processors
 from dohnuts.config import DataConfig, ModelConfig
-from dohnuts.prepare import prepare
-from dohnuts.template import Template
+from dohnuts.model.base import load_processors
+from dohnuts.model.template import Template
+from dohnuts.pipeline.prepare import prepare
 
 
 @dataclass

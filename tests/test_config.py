@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dohnuts.config import ConfigError, SECTIONS, init_mode, read_params, section
+from dohnuts.config import SECTIONS, ConfigError, init_mode, read_params, section
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,10 +9,9 @@ def test_atomic_directory_leaves_nothing_behind_on_failure_and_keeps_the_old_fol
     target = tmp_path / "out"
     with atomic_directory(target) as tmp:
         (tmp / "a.txt").write_text("old")
-    with pytest.raises(RuntimeError):
-        with atomic_directory(target) as tmp:
-            (tmp / "a.txt").write_text("new")
-            raise RuntimeError("killed")
+    with pytest.raises(RuntimeError), atomic_directory(target) as tmp:
+        (tmp / "a.txt").write_text("new")
+        raise RuntimeError("killed")
     assert (target / "a.txt").read_text() == "old"
     assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]
 

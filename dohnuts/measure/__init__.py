@@ -1,0 +1,1 @@
+"""Measurement: roofline work counts, device ceilings and telemetry, named model shapes."""

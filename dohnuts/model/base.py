@@ -1,0 +1,185 @@
+"""The base model folder: build the embedded tiny Qwen3.5, fetch a Hub snapshot, load either."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..config import EMBEDDED, ModelConfig
+
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+END_OF_TEXT = "<|endoftext|>"
+SPATIAL_MERGE = 2
+TEMPORAL_PATCH = 2
+# Qwen3.5's pre-tokenizer split (its tokenizer's PRETOKENIZE_REGEX, used with NFC
+# normalisation): words with one leading non-letter, single digits, punctuation runs,
+# newlines and spaces.
+QWEN_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"""
+              r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+
+def special_tokens(marker: str) -> list[str]:
+    """Special tokens the template and image path need; the marker comes first."""
+    return [marker, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD, END_OF_TEXT]
+
+
+def prepare_base(config: ModelConfig, out: Path, corpus: list[str]) -> None:
+    """Write a Hugging Face-format base (weights, tokenizer, image processor) into `out`.
+
+    The embedded default is built here from a fixed seed; a Hub id is downloaded at its
+    pinned revision (or taken from the local Hugging Face cache).
+    """
+    out = Path(out)
+    if config.base == EMBEDDED:
+        _build_embedded(config, out, corpus)
+    else:
+        _download_snapshot(config, out)
+
+
+def _build_embedded(config: ModelConfig, out: Path, corpus: list[str]) -> None:
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    shape = config.embedded
+    tokenizer = train_tokenizer(corpus, special_tokens(config.marker_token), shape.vocab_size)
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in special_tokens(config.marker_token)}
+    rotary = 0.5
+    # M-RoPE splits the rotary half-dimension into temporal, height and width sections.
+    half = int(shape.head_dim * rotary) // 2
+    sections = [half - 2 * (half // 3), half // 3, half // 3]
+    model_config = Qwen3_5Config(
+        text_config=dict(
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_hidden_layers=len(shape.layer_types),
+            layer_types=list(shape.layer_types),
+            num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.num_key_value_heads,
+            head_dim=shape.head_dim,
+            linear_num_key_heads=shape.linear_num_key_heads,
+            linear_num_value_heads=shape.linear_num_value_heads,
+            linear_key_head_dim=shape.linear_key_head_dim,
+            linear_value_head_dim=shape.linear_value_head_dim,
+            linear_conv_kernel_dim=4,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-6,
+            eos_token_id=ids[END_OF_TEXT],
+            pad_token_id=ids[END_OF_TEXT],
+            rope_parameters={"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": rotary,
+                             "mrope_interleaved": True, "mrope_section": sections},
+        ),
+        vision_config=dict(
+            depth=shape.vision_depth,
+            hidden_size=shape.vision_hidden_size,
+            num_heads=shape.vision_heads,
+            intermediate_size=shape.vision_intermediate_size,
+            patch_size=shape.patch_size,
+            spatial_merge_size=SPATIAL_MERGE,
+            temporal_patch_size=TEMPORAL_PATCH,
+            out_hidden_size=shape.hidden_size,
+            num_position_embeddings=256,
+        ),
+        image_token_id=ids[IMAGE_PAD],
+        video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START],
+        vision_end_token_id=ids[VISION_END],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(config.seed)
+    model = Qwen3_5ForConditionalGeneration(model_config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    new_image_processor(shape.patch_size).save_pretrained(out)
+
+
+def train_tokenizer(corpus: list[str], specials: list[str], vocab_size: int, split: str | None = None):
+    """A byte-level BPE tokenizer trained on `corpus`, with GPT-2's pre-tokenizer split, or the
+    regular expression `split` (such as QWEN_SPLIT) instead."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    # Byte-level like Qwen's tokenizer, so any input text encodes without unknown tokens.
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.normalizer = normalizers.NFC()
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 64, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    backend.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=END_OF_TEXT, pad_token=END_OF_TEXT,
+        additional_special_tokens=[token for token in specials if token != END_OF_TEXT],
+    )
+
+
+def fixed_pixels(pixels: int) -> dict:
+    """Image-processor settings that give every image `pixels` pixels. min/max_pixels too: a
+    snapshot's preprocessor_config may carry them, and they win over size."""
+    return {"size": {"shortest_edge": pixels, "longest_edge": pixels}, "min_pixels": pixels, "max_pixels": pixels}
+
+
+def new_image_processor(patch_size: int, pixels: int | None = None):
+    """A Qwen2-VL image processor for a base the project builds (merge 2, temporal patch 2,
+    normalised to [-1, 1]); `pixels` fixes the pixel count of every image."""
+    sizes = {} if pixels is None else fixed_pixels(pixels)
+    return processor_class()(patch_size=patch_size, merge_size=SPATIAL_MERGE, temporal_patch_size=TEMPORAL_PATCH,
+                             image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], **sizes)
+
+
+def processor_class():
+    """The Qwen2-VL image processor class that needs no torchvision."""
+    try:
+        from transformers import Qwen2VLImageProcessorPil as Processor
+    except ImportError:  # older transformers: the plain class is the PIL/NumPy one
+        from transformers import Qwen2VLImageProcessor as Processor
+    return Processor
+
+
+def _download_snapshot(config: ModelConfig, out: Path) -> None:
+    from huggingface_hub import snapshot_download
+
+    name = f"{config.base}@{config.revision}"
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+    try:
+        folder = snapshot_download(config.base, revision=config.revision, allow_patterns=patterns,
+                                   local_files_only=True)
+    except Exception:
+        try:
+            folder = snapshot_download(config.base, revision=config.revision, allow_patterns=patterns)
+        except Exception as error:
+            raise RuntimeError(
+                f"the base snapshot {name} is not in the local Hugging Face cache and the Hub "
+                f"cannot be reached ({type(error).__name__}: {error}); download it on a connected "
+                f"machine (huggingface-cli download {config.base} --revision {config.revision}) "
+                f"and copy the cache, or set model.base: {EMBEDDED}"
+            ) from None
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+
+
+def load_backbone(folder: Path, dtype: torch.dtype):
+    """The Qwen3.5 backbone (vision tower + language model, no LM head) from a HF folder."""
+    from transformers import Qwen3_5Model
+
+    return Qwen3_5Model.from_pretrained(folder, dtype=dtype)
+
+
+def load_processors(folder: Path, config: ModelConfig):
+    """The tokenizer and the image processor under the fixed preprocessing policy."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    # The folder's normalisation and patching, with the pixel count fixed by the policy.
+    processor = processor_class().from_pretrained(folder, **fixed_pixels(config.image_pixels))
+    return tokenizer, processor

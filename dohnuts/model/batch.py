@@ -1,0 +1,249 @@
+"""Token rows and their packed batches: shared prefixes planned once on the host.
+
+A batch packs every row along one token axis. Rows of one request begin alike (image block
+and state); when at least two rows share that beginning, its first multiple of 64 tokens is a
+prefix computed once and forked into the rows, which then carry only their remaining tokens.
+All the index arithmetic happens here, on the host, so the model's forward needs no device
+synchronisation to find its way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from ..ops.plan import CHUNK, Fork, chunk_plan, cumulative, plan_fork
+from ..schema import Question
+from .base import SPATIAL_MERGE
+
+PREFIX_ALIGN = CHUNK  # prefixes end on a multiple of the delta-rule chunk size
+
+
+@dataclass(frozen=True)
+class Row:
+    """One question of one request as token ids.
+
+    `shared` is the length of the request's common beginning (image block and state);
+    `image` indexes the encoded images of the batch this row goes into (None: no image);
+    `image_grid` is the merged (height, width) token grid of that image.
+    """
+
+    input_ids: tuple[int, ...]
+    markers: tuple[int, ...]
+    question: Question
+    shared: int = 0
+    image: int | None = None
+    image_grid: tuple[int, int] | None = None
+
+
+@dataclass
+class EncodedImage:
+    """An image ready for a batch. `pixel_values` is None when its features were cached when
+    it was encoded (the model then reads the cache and skips preprocessing entirely)."""
+
+    pixel_values: torch.Tensor | None  # [patches, C * temporal * patch * patch]
+    grid_thw: torch.Tensor  # [1, 3]
+    key: str = ""  # SHA-256 of the decoded RGB content (dohnuts.model.features.image_key)
+
+    @property
+    def tokens(self) -> int:
+        """Merged image tokens: one per 2x2 patches."""
+        return int(self.grid_thw.prod()) // SPATIAL_MERGE**2
+
+
+@dataclass
+class Batch:
+    """Packed rows: the prefixes' tokens first (P of them), then each row's own tokens.
+
+    input_ids [P + S], position_ids [3, P + S] M-RoPE (temporal, height, width);
+    prefix_cu_seqlens [G + 1] and cu_seqlens [B + 1] (int32) segment the two parts; their
+    *_cpu copies stay on the host, so kernels plan their work without a device sync, and
+    prefix_chunk_indices and chunk_indices are those plans (`dohnuts.ops.plan.chunk_plan`);
+    fork says which prefix each row continues (None: no shared prefix in this batch);
+    markers [B, K] index the rows' part, candidate_mask [B, K];
+    image_slots [I] are the image-token positions in input_ids and image_sources [I] their
+    rows in the concatenated features of the batch's images (image_grid_thw_cpu, image_keys for
+    the feature cache; pixel_values of the images with image_has_pixels, the others being
+    cache hits known when the batch was built).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    prefix_tokens: int
+    prefix_cu_seqlens: torch.Tensor
+    prefix_cu_seqlens_cpu: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    prefix_chunk_indices: torch.Tensor
+    chunk_indices: torch.Tensor
+    fork: Fork | None
+    markers: torch.Tensor
+    candidate_mask: torch.Tensor
+    image_slots: torch.Tensor
+    image_sources: torch.Tensor
+    pixel_values: torch.Tensor | None
+    image_grid_thw_cpu: torch.Tensor | None
+    image_keys: tuple[str, ...]
+    image_has_pixels: tuple[bool, ...]
+    input_tokens: int  # tokens of the rows as written, prefix counted in every row
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens the language model runs: each prefix once, then the rows' own tokens."""
+        return int(self.input_ids.shape[0])
+
+    def map_tensors(self, move) -> Batch:
+        """`move` applied to every tensor bound for the device (the *_cpu copies stay)."""
+        values = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, torch.Tensor) and not field.name.endswith("_cpu"):
+                value = move(value)
+            elif isinstance(value, Fork):
+                value = value.map(move)
+            values[field.name] = value
+        return Batch(**values)
+
+    def to(self, device) -> Batch:
+        """The batch on `device`; copies from pinned memory do not block the host."""
+        return self.map_tensors(lambda tensor: tensor.to(device, non_blocking=True))
+
+    def pin_memory(self) -> Batch:
+        return self.map_tensors(torch.Tensor.pin_memory)
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The tensors `to` moves."""
+        found = []
+        self.map_tensors(lambda tensor: found.append(tensor) or tensor)
+        return found
+
+
+def prefix_groups(rows: list[Row]) -> list[tuple[int, list[int]]]:
+    """(split, row indices) of each prefix worth sharing.
+
+    Rows share a prefix when they have the same image and the same first `split` tokens,
+    where split is the row's common beginning aligned down to 64 and never past its first
+    candidate marker (every candidate stays in the row's own part). A prefix serves at
+    least two rows and is at least 64 tokens long; other rows run whole.
+    """
+    by_key: dict[tuple, list[int]] = {}
+    for index, row in enumerate(rows):
+        split = min(row.shared, row.markers[0] if row.markers else 0) // PREFIX_ALIGN * PREFIX_ALIGN
+        if split > 0:
+            by_key.setdefault((row.image, row.input_ids[:split]), []).append(index)
+    return [(len(key[1]), members) for key, members in by_key.items() if len(members) > 1]
+
+
+def _image_tokens(row: Row, begin: int, end: int, feature_offset: int, image_pad_id: int):
+    """Image-token positions of row[begin:end] (relative to begin) and their feature rows."""
+    if row.image is None:
+        return []
+    start = row.input_ids.index(image_pad_id)
+    count = row.image_grid[0] * row.image_grid[1]
+    first, last = max(begin, start), min(end, start + count)
+    return [(position - begin, feature_offset + position - start) for position in range(first, last)]
+
+
+def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) -> Batch:
+    """Pack rows into one batch, planning shared prefixes; `images` are those the rows'
+    `image` indices name."""
+    if not rows:
+        raise ValueError("a batch needs at least one row")
+    feature_offsets = [0]
+    for image in images:
+        feature_offsets.append(feature_offsets[-1] + image.tokens)
+    groups = prefix_groups(rows)
+    parents, splits = [-1] * len(rows), [0] * len(rows)
+    for group, (split, members) in enumerate(groups):
+        for index in members:
+            parents[index], splits[index] = group, split
+
+    # Plain lists, one tensor per field at the end: per-row tensors cost more than the rows.
+    ids: list[int] = []
+    positions: list[list[int]] = [[], [], []]
+    slots: list[tuple[int, int]] = []
+
+    text_only = all(row.image_grid is None for row in rows)  # then the three M-RoPE axes are equal: one built, repeated
+
+    def add(row: Row, begin: int, end: int) -> None:
+        offset = len(ids)
+        ids.extend(row.input_ids[begin:end])
+        if text_only:
+            positions[0].extend(range(begin, end))
+            return
+        if row.image_grid is None:
+            for axis in positions:
+                axis.extend(range(begin, end))
+            return
+        start = row.input_ids.index(image_pad_id)
+        height, width = row.image_grid
+        if begin >= start + height * width:  # all after the image: text positions, shifted as it leaves them
+            shift = max(height, width) - height * width
+            for axis in positions:
+                axis.extend(range(begin + shift, end + shift))
+            return
+        full = mrope_positions(row, len(row.input_ids), image_pad_id)[:, begin:end].tolist()
+        for axis, values in zip(positions, full):
+            axis.extend(values)
+        slots.extend((offset + slot, source) for slot, source
+                     in _image_tokens(row, begin, end, feature_offsets[row.image], image_pad_id))
+
+    for split, members in groups:
+        add(rows[members[0]], 0, split)
+    prefix_tokens = len(ids)
+    prefix_lengths = [split for split, _ in groups]
+    own_lengths = [len(row.input_ids) - split for row, split in zip(rows, splits)]
+    width = max(len(row.markers) for row in rows)
+    marker_rows = []
+    for row, split in zip(rows, splits):
+        start = len(ids) - prefix_tokens
+        add(row, split, len(row.input_ids))
+        marker_rows.append([marker - split + start for marker in row.markers] + [0] * (width - len(row.markers)))
+    markers = _longs(marker_rows)
+    candidate_mask = torch.from_numpy(np.arange(width)[None, :] < np.array([len(row.markers) for row in rows])[:, None])
+
+    pairs = torch.tensor(slots, dtype=torch.long).reshape(-1, 2)
+    prefix_cu, row_cu = cumulative(prefix_lengths), cumulative(own_lengths)
+    grid = torch.cat([image.grid_thw for image in images]) if images else None
+    return Batch(
+        input_ids=_longs(ids),
+        position_ids=_longs(positions[0]).expand(3, -1).contiguous() if text_only else _longs(positions),
+        prefix_tokens=prefix_tokens,
+        # The *_cpu fields are the same host tensors: `to` moves the others, never these.
+        prefix_cu_seqlens=prefix_cu, prefix_cu_seqlens_cpu=prefix_cu, cu_seqlens=row_cu, cu_seqlens_cpu=row_cu,
+        prefix_chunk_indices=chunk_plan(prefix_lengths), chunk_indices=chunk_plan(own_lengths),
+        fork=plan_fork(prefix_lengths, own_lengths, parents) if groups else None,
+        markers=markers, candidate_mask=candidate_mask, image_slots=pairs[:, 0], image_sources=pairs[:, 1],
+        pixel_values=torch.cat(pixels) if (pixels := [i.pixel_values for i in images if i.pixel_values is not None])
+        else None,
+        image_grid_thw_cpu=grid,
+        image_keys=tuple(image.key for image in images),
+        image_has_pixels=tuple(image.pixel_values is not None for image in images),
+        input_tokens=sum(len(row.input_ids) for row in rows),
+    )
+
+
+def _longs(values: list) -> torch.Tensor:
+    """int64 tensor of (nested) integer lists; numpy converts long lists several times faster."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))
+
+
+def mrope_positions(row: Row, length: int, image_pad_id: int) -> torch.Tensor:
+    """[3, length] M-RoPE positions: text advances all three axes together; image tokens take
+    (start, start + h, start + w) and the text after them resumes at start + max(H, W)."""
+    positions = torch.arange(length).expand(3, length).clone()
+    if row.image_grid is None:
+        return positions
+    start = row.input_ids.index(image_pad_id)
+    height, width = row.image_grid
+    grid_h = torch.arange(height).repeat_interleave(width)
+    grid_w = torch.arange(width).repeat(height)
+    count = height * width
+    positions[0, start:start + count] = start
+    positions[1, start:start + count] = start + grid_h
+    positions[2, start:start + count] = start + grid_w
+    after = start + count
+    positions[:, after:] = torch.arange(length - after) + start + max(height, width)
+    return positions

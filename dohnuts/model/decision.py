@@ -1,0 +1,112 @@
+"""The decision model: Qwen3.5 backbone without an LM head, LoRA, a float32 head at markers."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .batch import Batch
+from .decoder import Prefixes, Segments, packed_forward
+from .features import ImageFeatureCache
+
+HEAD_KEY = "head.weight"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def default_device() -> torch.device:
+    """CUDA when present, else the CPU: the one execution policy picks the device, not a flag."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def image_features(visual, pixel_values, grid_thw) -> torch.Tensor:
+    """Frozen vision tower: the merged features of every image, concatenated [tokens, D]."""
+    with torch.no_grad():
+        output = visual(pixel_values.to(visual.dtype), grid_thw=grid_thw)
+    # transformers >= 5 returns a model output whose pooler_output holds the merged features.
+    return getattr(output, "pooler_output", output)
+
+
+class DecisionModel(nn.Module):
+    """Scores every candidate of every row with one scalar logit.
+
+    `backbone` is a Hugging Face `Qwen3_5Model` (LoRA may be injected into its language
+    model); `head` is Linear(hidden, 1) in float32.
+    """
+
+    def __init__(self, backbone, head: nn.Linear, activation_checkpointing: bool = False):
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+        self.activation_checkpointing = activation_checkpointing  # recompute layers in training
+        self.backbone.visual.requires_grad_(False)
+        self.image_cache = ImageFeatureCache()  # new and empty for every model
+        self.generation = 0  # bumped whenever parameters may have moved (see `changed`)
+
+    def changed(self) -> None:
+        """Say that parameters moved or modules were replaced (e.g. LoRA injected): captured
+        CUDA graphs and cached image features no longer apply."""
+        self.image_cache.clear()
+        self.generation += 1
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .double(), .cuda() give parameters new storage or dtype.
+        self.changed()
+        return super()._apply(fn, *args, **kwargs)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.backbone.visual.eval()  # the vision tower is frozen and always in eval mode
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.head.weight.device
+
+    def embeddings(self, batch: Batch) -> torch.Tensor:
+        """Input embeddings [P + S, D] of the batch's tokens, image features in place (through
+        the frozen image-feature cache)."""
+        embeds = self.backbone.language_model.get_input_embeddings()(batch.input_ids)
+        if not batch.image_keys:
+            return embeds
+        visual = self.backbone.visual
+        features = self.image_cache.features(batch.image_keys, batch.pixel_values, batch.image_grid_thw_cpu,
+                                             batch.image_has_pixels,
+                                             lambda pixels, grid: image_features(visual, pixels, grid),
+                                             visual.spatial_merge_size**2)
+        return embeds.index_put((batch.image_slots,), features[batch.image_sources].to(embeds.dtype))
+
+    def language(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Final hidden states of the rows' own tokens [S, D], packed one row after another.
+
+        Shared prefixes (`batch.fork`) run once, in the same pass as the rows, and every row
+        continues its prefix's states.
+        """
+        prefixes = None
+        if batch.fork is not None:
+            prefixes = Prefixes(batch.prefix_tokens, Segments.of(batch.prefix_cu_seqlens, batch.prefix_cu_seqlens_cpu,
+                                                                 batch.prefix_chunk_indices), batch.fork)
+        return packed_forward(self.backbone.language_model, embeds, batch.position_ids, batch.cu_seqlens,
+                              self.activation_checkpointing and self.training, prefixes, batch.cu_seqlens_cpu,
+                              batch.chunk_indices)
+
+    def hidden_states(self, batch: Batch) -> torch.Tensor:
+        """Final hidden states of the rows' own tokens [S, D] (see `language`)."""
+        return self.language(self.embeddings(batch), batch)
+
+    def scores(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Logits [B, K] float32 (0 where masked) from the input embeddings: the part of the
+        forward with no host-side decisions, which a CUDA graph can replay."""
+        picked = self.language(embeds, batch)[batch.markers]  # [B, K, D]
+        logits = self.head(picked.to(self.head.weight.dtype)).squeeze(-1)  # [B, K], the head in float32
+        return logits.masked_fill(~batch.candidate_mask, 0.0)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Args: batch on the model's device. Returns: logits [B, K] float32 (0 where masked)."""
+        return self.scores(self.embeddings(batch), batch)
+
+
+def new_head(hidden_size: int, std: float, generator: torch.Generator | None = None) -> nn.Linear:
+    head = nn.Linear(hidden_size, 1, bias=False, dtype=torch.float32)
+    with torch.no_grad():
+        head.weight.normal_(0.0, std, generator=generator)
+    return head

@@ -1,0 +1,286 @@
+"""Our Qwen3.5 language forward over packed variable-length rows.
+
+It runs the layers of a Hugging Face `Qwen3_5TextModel` (whose parameters keep the checkpoint
+names, so weights, peft LoRA and merge apply unchanged) with our own math: rows are packed
+along one axis with cumulative sequence lengths instead of padded, and every kernel comes from
+`dohnuts.ops.kernels` (fused on CUDA, plain PyTorch elsewhere). Hugging Face's forward is the test
+oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..ops import kernels
+from ..ops.plan import Fork
+
+
+def rotary_tables(config, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, R] of interleaved M-RoPE for positions [3, T] (temporal, height, width).
+
+    Frequency j takes the height position when j % 3 == 1 and j < 3 * section[1], the width
+    position when j % 3 == 2 and j < 3 * section[2], else the temporal one.
+    """
+    rope = config.rope_parameters
+    head_dim = config.head_dim
+    rotary = int(head_dim * rope.get("partial_rotary_factor", 1.0))
+    inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, rotary, 2, dtype=torch.float32,
+                                                          device=position_ids.device) / rotary))
+    freqs = position_ids.float()[..., None] * inv_freq  # [3, T, R/2]
+    section = rope.get("mrope_section", [rotary // 2, 0, 0])
+    mixed = freqs[0].clone()
+    for axis in (1, 2):
+        index = slice(axis, section[axis] * 3, 3)
+        mixed[..., index] = freqs[axis][..., index]
+    table = torch.cat([mixed, mixed], dim=-1)
+    return table.cos().to(dtype), table.sin().to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial rotary embedding on the first R channels of x [T, H, D]."""
+    width = cos.shape[-1]
+    rotated, rest = x[..., :width], x[..., width:]
+    first, second = rotated.chunk(2, dim=-1)
+    turned = torch.cat([-second, first], dim=-1)
+    rotated = rotated * cos[:, None, :] + turned * sin[:, None, :]
+    return torch.cat([rotated, rest], dim=-1)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Packed sequences of one part of the token axis: cu_seqlens [N + 1] int32 (on the
+    device), its host copy, the longest sequence and the 64-token chunk plan (`chunk_plan`,
+    or None to let the fused kernels plan), so no kernel synchronises to find its way."""
+
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    max_seqlen: int
+    chunk_indices: torch.Tensor | None
+
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None = None,
+           chunk_indices: torch.Tensor | None = None) -> Segments:
+        if cu_seqlens_cpu is None:
+            cu_seqlens_cpu = cu_seqlens.cpu()  # one synchronisation for the whole pass
+        lengths = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
+        return cls(cu_seqlens, cu_seqlens_cpu, int(lengths.max()) if len(lengths) else 0, chunk_indices)
+
+
+@dataclass(frozen=True)
+class Prefixes:
+    """Shared prefixes packed ahead of the rows: the first `tokens` of the token axis, in
+    `segments`, forked to the rows by `fork`."""
+
+    tokens: int
+    segments: Segments
+    fork: Fork
+
+
+def project(module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` for a linear projection, with peft LoRA applied as one fused update.
+
+    A peft LoRA `Linear` (unmerged, plain LoRA) computes base(x) + scaling * B(A(dropout(x))),
+    with its adapters in float32: peft casts x and the sum to float32 and back, several large
+    copies and kernels per projection. Here the adapter runs in x's dtype, as mixed-precision
+    training does (float32 weights, low-precision products with float32 accumulation), and
+    the B product, scaling and sum are one addmm. Any other module (a plain Linear, a merged
+    or disabled adapter, a LoRA variant such as DoRA, a LoRA bias, a base layer that is not
+    exactly nn.Linear, such as a quantized one) runs its own forward.
+    """
+    lora_a = getattr(module, "lora_A", None)
+    if lora_a is None or module.merged or module.disable_adapters or type(module.base_layer) is not nn.Linear:
+        return module(x)
+    adapters = [name for name in module.active_adapters if name in lora_a]
+    if any(name in getattr(module, "lora_variant", {}) or module.lora_B[name].bias is not None for name in adapters):
+        return module(x)
+    base = module.base_layer
+    out = F.linear(x, base.weight, base.bias)
+    flat = x.reshape(-1, x.shape[-1])
+    for name in adapters:
+        down = F.linear(module.lora_dropout[name](flat), module.lora_A[name].weight.to(x.dtype))
+        out = torch.addmm(out.reshape(-1, out.shape[-1]), down, module.lora_B[name].weight.to(x.dtype).t(),
+                          alpha=module.scaling[name]).view(out.shape)
+    return out
+
+
+def _attention(module, config, hidden: torch.Tensor, cos, sin, rows: Segments, prefixes: Prefixes | None):
+    """Gated, partially rotary, grouped-query attention of packed tokens. hidden: [T, D].
+
+    With `prefixes`, the prefixes and the rows run in one call: each row's queries see its
+    prefix's keys, then its own (`Fork`). Returns [T, D].
+    """
+    head_dim = config.head_dim
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    total = hidden.shape[0]
+    query, gate = project(module.q_proj, hidden).view(total, heads, 2 * head_dim).chunk(2, dim=-1)
+    query = kernels.rms_norm(query, module.q_norm.weight, config.rms_norm_eps)
+    key = kernels.rms_norm(project(module.k_proj, hidden).view(total, kv_heads, head_dim), module.k_norm.weight,
+                           config.rms_norm_eps)
+    value = project(module.v_proj, hidden).view(total, kv_heads, head_dim)
+    query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+    if prefixes is None:
+        out = kernels.attention(query, key, value, rows.cu_seqlens, rows.cu_seqlens, rows.max_seqlen, rows.max_seqlen,
+                                head_dim**-0.5)
+    else:
+        fork = prefixes.fork
+        out = kernels.attention(query, key[fork.key_index], value[fork.key_index], fork.cu_seqlens_q,
+                                fork.cu_seqlens_k, fork.max_seqlen_q, fork.max_seqlen_k, head_dim**-0.5)
+    out = out.reshape(total, heads * head_dim) * torch.sigmoid(gate.reshape(total, -1))
+    return project(module.o_proj, out)
+
+
+def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: Prefixes | None):
+    """Gated delta-rule token mixing of packed tokens, up to the delta rule's output.
+    hidden: [T, D] normed. Returns (out [T, Hv, V], the output gate's input [T, Hv * V]).
+
+    With `prefixes`, the projections run once over all tokens; the convolution and the delta
+    rule run over the prefixes first, then over the rows from their prefix's final states.
+    """
+    total = hidden.shape[0]
+    key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
+    key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+    mixed = project(module.in_proj_qkv, hidden)[None]  # [1, T, 2 * Hk * K + Hv * V]
+    beta = torch.sigmoid(project(module.in_proj_b, hidden))[None]
+    gate = project(module.in_proj_a, hidden)[None]  # raw: the kernel makes it Qwen3.5's decay (kernels.decay)
+    weight = module.conv1d.weight.squeeze(1)
+
+    def convolved(begin: int, end: int, segments: Segments, conv_state, keep: bool):
+        """The causal convolution of tokens begin:end (whole sequences of `segments`), split into
+        q, k (L2-normalised, as Qwen3.5's delta rule wants) and v, each contiguous and [1, t, ...]
+        for the delta-rule kernels, and the final conv states if `keep`."""
+        query, key, value, conv_final = kernels.conv_split_heads(
+            mixed[0, begin:end], weight, conv_state, keep, segments.cu_seqlens, segments.cu_seqlens_cpu,
+            segments.chunk_indices, key_heads, key_dim, value_heads, value_dim)
+        return query[None], key[None], value[None], conv_final
+
+    def fresh(begin: int, end: int, segments: Segments, keep: bool):
+        """Tokens begin:end as sequences starting from zero states: ([t, Hv, V], the final conv
+        and recurrent states if `keep`)."""
+        query, key, value, conv_final = convolved(begin, end, segments, None, keep)
+        out, recurrent_final = kernels.chunk_gated_delta_rule(
+            query, key, value, gate[:, begin:end], beta[:, begin:end], None, keep, segments.cu_seqlens, False,
+            segments.cu_seqlens_cpu, segments.chunk_indices, module.A_log, module.dt_bias)
+        return out[0], conv_final, recurrent_final
+
+    if prefixes is None:
+        out, _, _ = fresh(0, total, rows, False)
+    else:
+        split, fork = prefixes.tokens, prefixes.fork
+        head, conv_final, recurrent_final = fresh(0, split, prefixes.segments, True)
+        # The rows continue their prefixes' final states: the conv states are forked (a few
+        # inputs a channel); the recurrent ones are read through the parent index where the
+        # kernel can.
+        conv_states = kernels.fork_states(conv_final, fork.parents, fork.orphans)
+        query, key, value, _ = convolved(split, total, rows, conv_states, False)
+        tail = kernels.gated_delta_rule_forked(
+            query, key, value, gate[:, split:], beta[:, split:], recurrent_final, fork.parents, fork.orphans,
+            rows.cu_seqlens, rows.cu_seqlens_cpu, rows.max_seqlen, rows.chunk_indices, module.A_log, module.dt_bias)
+        out = torch.cat([head, tail[0]])
+    return out, project(module.in_proj_z, hidden)
+
+
+def _delta_output(module, config, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The delta rule's output [T, Hv, V], gated RMSNorm by silu(gate), projected: [T, D]."""
+    out = kernels.rms_norm_gated(out, gate.view(out.shape), module.norm.weight, config.rms_norm_eps)
+    return project(module.out_proj, out.flatten(1))
+
+
+def _mlp_block(layer, config, hidden: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+    """The residual add of a token mixer's output, then the MLP's residual branch."""
+    hidden = hidden + mixed
+    normed = kernels.rms_norm(hidden, layer.post_attention_layernorm.weight, config.rms_norm_eps)
+    mlp = layer.mlp
+    return hidden + project(mlp.down_proj, kernels.swiglu(project(mlp.gate_proj, normed), project(mlp.up_proj, normed)))
+
+
+def _attention_layer(layer, config, hidden, cos, sin, rows: Segments, prefixes: Prefixes | None):
+    """One full-attention decoder layer over every packed token. Returns hidden [T, D]."""
+    normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
+    return _mlp_block(layer, config, hidden, _attention(layer.self_attn, config, normed, cos, sin, rows, prefixes))
+
+
+def _delta_tail(layer, config, hidden, out, gate):
+    return _mlp_block(layer, config, hidden, _delta_output(layer.linear_attn, config, out, gate))
+
+
+# Under activation checkpointing, a batch of at most this many computed tokens keeps each
+# delta-rule layer's mixer activations (about 38 KB a token a layer in bf16 for the
+# Qwen3.5-0.8B shape: some 5 GiB over its 18 such layers at this bound); a larger batch, such
+# as one of long documents, recomputes its layers whole.
+MIXER_KEEP_TOKENS = 8192
+
+
+def _delta_layer(layer, config, hidden, rows: Segments, prefixes: Prefixes | None, checkpointed: bool):
+    """One gated delta-rule decoder layer over every packed token. Returns hidden [T, D].
+
+    Under activation checkpointing, a batch of up to MIXER_KEEP_TOKENS tokens recomputes only
+    the part after the delta rule (gated norm, output projection, MLP) in the backward pass.
+    The norm, the projections, the convolution and the delta rule keep their activations:
+    FLA's delta-rule backward rebuilds its chunk states from its inputs anyway, so recomputing
+    its forward would run it twice, and its launches dominate the host time of a training
+    step. A larger batch recomputes the whole layer, keeping memory bounded.
+    """
+    if checkpointed and hidden.shape[0] > MIXER_KEEP_TOKENS:
+        # Shapes are fixed by the plan, so the recomputation needs no metadata check.
+        return checkpoint(_delta_whole, layer, config, hidden, rows, prefixes, use_reentrant=False,
+                          determinism_check="none")
+    normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
+    out, gate = _delta_mix(layer.linear_attn, config, normed, rows, prefixes)
+    if checkpointed:
+        return checkpoint(_delta_tail, layer, config, hidden, out, gate, use_reentrant=False,
+                          determinism_check="none")
+    return _delta_tail(layer, config, hidden, out, gate)
+
+
+def _delta_whole(layer, config, hidden, rows: Segments, prefixes: Prefixes | None):
+    return _delta_layer(layer, config, hidden, rows, prefixes, False)
+
+
+def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
+                   cu_seqlens: torch.Tensor, activation_checkpointing: bool = False, prefixes: Prefixes | None = None,
+                   cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """Final (normed) hidden states of packed rows, in one pass over the layers.
+
+    Args:
+        language_model: a Hugging Face Qwen3_5TextModel (LoRA may be injected).
+        inputs_embeds: [P + S, D] the shared prefixes' embeddings (P = prefixes.tokens, 0
+            without), then the rows' own, concatenated.
+        position_ids: [3, P + S] M-RoPE positions (a row continuing a prefix continues its count).
+        cu_seqlens: [N + 1] cumulative lengths of the rows' own tokens, cu_seqlens[-1] = S.
+        activation_checkpointing: recompute each layer in the backward pass (of a delta-rule
+            layer, the part after the delta rule: see `_delta_layer`).
+        prefixes: the shared prefixes the rows continue, or None. Every token-wise map
+            (norms, projections, MLP) runs once over prefixes and rows together; the token
+            mixers run each prefix once and fork its states (attention keys, delta-rule conv
+            and recurrent states) to its rows, within the layer, so gradients of every row
+            flow back into its prefix and no state outlives the forward.
+        cu_seqlens_cpu: a host copy of cu_seqlens, when the caller has one (saves a device sync).
+        chunk_indices: [chunks, 2] (sequence, chunk) of every 64-token chunk (`chunk_plan`), so
+            the fused kernels need not plan; a CUDA graph then owns the plan it replays.
+
+    Returns:
+        [S, D] hidden states of the rows' own tokens.
+    """
+    config = language_model.config
+    rows = Segments.of(cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    cos, sin = rotary_tables(config, position_ids, inputs_embeds.dtype)
+    hidden = inputs_embeds
+    checkpointed = activation_checkpointing and torch.is_grad_enabled()
+    for layer, kind in zip(language_model.layers, config.layer_types):
+        if kind == "linear_attention":
+            hidden = _delta_layer(layer, config, hidden, rows, prefixes, checkpointed)
+        elif checkpointed:
+            # The layer's shapes are fixed by the plan, so the recomputation needs no metadata check.
+            hidden = checkpoint(_attention_layer, layer, config, hidden, cos, sin, rows, prefixes, use_reentrant=False,
+                                determinism_check="none")
+        else:
+            hidden = _attention_layer(layer, config, hidden, cos, sin, rows, prefixes)
+    if prefixes is not None:
+        hidden = hidden[prefixes.tokens:]
+    return kernels.rms_norm(hidden, language_model.norm.weight, config.rms_norm_eps)

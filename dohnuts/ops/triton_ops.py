@@ -1,0 +1,807 @@
+"""Our own Triton kernels, for CUDA only; `dohnuts.ops.kernels` chooses them and holds their
+plain-PyTorch references.
+
+`conv_split_heads` runs the delta rule's causal convolution and writes its output straight
+into the contiguous, L2-normalised q and k [T, H, K] and the contiguous v [T, HV, V] that
+flash-linear-attention's chunked delta rule reads. Done apart (FLA's `causal_conv1d`, then
+the split), the convolved channels are written and read again, FLA makes three strided
+copies of them, and it L2-normalises q and k in two more passes. `rms_norm`,
+`rms_norm_gated` and `swiglu` are single-launch kernels for the same math as FLA's.
+`delta_rule_rows` runs the delta rule of short rows continuing forked prefix states in one
+forward-only kernel, reading each prefix's state in place.
+
+All of them also run on the CPU, under Triton's interpreter (TRITON_INTERPRET=1), which the
+tests use (`tests/triton_interpreted.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from .plan import CHUNK, chunk_plan
+
+EPS = 1e-6  # FLA's and Hugging Face's L2-norm epsilon, added to the sum of squares
+
+
+def _on(device: torch.device):
+    """Launch on `device` rather than the current CUDA device (the CPU: Triton's interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+@triton.jit
+def _row_tile(R, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    """This program's BR rows of R and the BD columns of D: (rows, cols, row mask, tile mask)."""
+    rows = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+    cols = tl.arange(0, BD)
+    m_r = rows < R
+    return rows, cols, m_r, m_r[:, None] & (cols[None, :] < D)
+
+
+@triton.jit
+def _norm_grad(g, normed, r, D: tl.constexpr):
+    """The gradient of x from g, the gradient of normed = x r with r = (|x|^2 / D + eps)^-1/2
+    per row: r (g - normed (g . normed) / D). D = 1 is the L2 norm."""
+    return r[:, None] * (g - normed * (tl.sum(g * normed, axis=1) / D)[:, None])
+
+
+# -- causal convolution fused with the head split -------------------------------------------------
+#
+# `conv_split_heads` runs the delta rule's depthwise causal convolution (with SiLU, per packed
+# sequence, continuing an optional carried state) and writes its output straight into the
+# contiguous q, k (L2-normalised) and v the delta rule reads, plus each sequence's final state.
+# A program covers TOKENS tokens of one 64-token chunk of one sequence (the host's chunk plan)
+# and one head's channels; the backward recomputes the convolution rather than keeping it.
+
+# Tokens per program (a divisor of CHUNK: a planned chunk gets CHUNK // TOKENS programs) and
+# warps per program. The kernel is bound by the latency of its loads, not by bandwidth. Forward
+# kernel time on the H200 (Qwen3.5-0.8B widths, bf16) for 50 rows of 20 to 44 tokens with
+# carried states, then for one 64-token prefix: 99 and 4.0 us at 64 tokens and 8 warps, 60 and
+# 2.8 us at 32 and 4 (16 and 2: 59 and 3.1; 8 and 1: 58 and 3.1; 32 and 2: 196 us), in
+# docs/results/h200-conv-split-heads-configs-2026-11-30.txt. The carried state has since been
+# read by a sequence's first block only: 17.6 us a call in the 50-question forward
+# (docs/results/h200-profile-distinct-text-50q-319c0ca.txt).
+TOKENS = 32
+WARPS = 4
+
+
+def _alignment(key_dim: int, value_dim: int) -> int:
+    """The largest power of two, up to 16, dividing both head widths: every head's first channel
+    is a multiple of it."""
+    both = key_dim | value_dim
+    return min(both & -both, 16)
+
+
+@triton.jit
+def _chunk(cu_seqlens, chunk_indices, BT: tl.constexpr, PLAN: tl.constexpr):
+    """This program's tokens: plan entry axis 0 (a sequence's PLAN-token chunk), BT of them from
+    block axis 2. Returns (sequence n, bos and eos (the sequence's bounds), start (the block's
+    first token), the block's token offsets [BT] and their mask)."""
+    i_c = tl.program_id(0)
+    n = tl.load(chunk_indices + i_c * 2).to(tl.int64)
+    chunk = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    start = bos + chunk * PLAN + tl.program_id(2) * BT
+    o_t = start + tl.arange(0, BT)
+    return n, bos, eos, start, o_t, o_t < eos
+
+
+@triton.jit
+def _slot(i_s, H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BD: tl.constexpr,
+          ALIGN: tl.constexpr):
+    """The channels of head slot i_s (the H q heads, then the H k heads, then the HV v heads):
+    (offsets within the head [BD], channels [BD], their mask). ALIGN divides K and V, so the
+    compiler may load a head's channels in vectors rather than element by element."""
+    is_qk = i_s < 2 * H
+    o_d = tl.arange(0, BD)
+    col0 = tl.multiple_of(tl.where(is_qk, i_s * K, 2 * H * K + (i_s - 2 * H) * V), ALIGN)
+    return o_d, col0 + o_d, o_d < tl.where(is_qk, K, V)
+
+
+@triton.jit
+def _conv_window(x, init, weight, o_t, start, bos, n, cols, m_t, m_d, stride, C, W: tl.constexpr,
+                 HAS_INIT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    """The convolution before its activation, [BT, BD] float32, of tokens o_t (from start, of
+    one sequence starting at bos) and channels cols; inputs before bos come from init[n] (or
+    are zero)."""
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for i in tl.static_range(W):
+        s = o_t - (W - 1) + i
+        m_x = (m_t & (s >= bos))[:, None] & m_d[None, :]
+        xs = tl.load(x + s[:, None] * stride + cols[None, :], mask=m_x, other=0.0).to(tl.float32)
+        w = tl.load(weight + cols * W + i, mask=m_d, other=0.0).to(tl.float32)
+        acc += xs * w[None, :]
+    if HAS_INIT:
+        # Only the sequence's first W - 1 tokens reach back before it, so only a block holding
+        # some of them reads the carried state, a channel vector at a time: a [BT, BD] gather
+        # of it in every tap would cost every program a shuffle through shared memory.
+        # init[n, c, j] is the input at position j - W before the sequence: token bos + r
+        # reads it through tap i = j - 1 - r.
+        if start < bos + W - 1:
+            for r in tl.static_range(W - 1):
+                carried = tl.zeros([BD], dtype=tl.float32)
+                for i in tl.static_range(W - 1 - r):
+                    h = tl.load(init + n * C * W + cols * W + (r + 1 + i), mask=m_d, other=0.0).to(tl.float32)
+                    carried += h * tl.load(weight + cols * W + i, mask=m_d, other=0.0).to(tl.float32)
+                acc += tl.where((o_t == bos + r)[:, None], carried[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _conv_heads_fwd(x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_indices, stride, eps,
+                    H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                    HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr,
+                    BD: tl.constexpr, ALIGN: tl.constexpr):
+    i_s = tl.program_id(1)
+    n, bos, eos, start, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT, PLAN)
+    if start >= eos:  # a block past its sequence's end (TOKENS < CHUNK) has nothing to do
+        return
+    C = 2 * H * K + HV * V
+    is_qk = i_s < 2 * H
+    o_d, cols, m_d = _slot(i_s, H, K, HV, V, BD, ALIGN)
+    pre = _conv_window(x, init, weight, o_t, start, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
+    u = pre * tl.sigmoid(pre)  # 0 in masked lanes
+    m = m_t[:, None] & m_d[None, :]
+    if is_qk:
+        r = tl.rsqrt(tl.sum(u * u, axis=1) + eps)
+        y = (u * r[:, None]).to(q.dtype.element_ty)
+        if i_s < H:
+            tl.store(q + o_t[:, None] * (H * K) + i_s * K + o_d[None, :], y, mask=m)
+        else:
+            tl.store(k + o_t[:, None] * (H * K) + (i_s - H) * K + o_d[None, :], y, mask=m)
+        tl.store(rstd + o_t * (2 * H) + i_s, r, mask=m_t)
+    else:
+        tl.store(v + o_t[:, None] * (HV * V) + (i_s - 2 * H) * V + o_d[None, :], u.to(v.dtype.element_ty), mask=m)
+    if HAS_FINAL:
+        if start + BT >= eos:  # the block holding the sequence's last token (start < eos: it did not return)
+            for j in tl.static_range(W):
+                position = eos - W + j
+                # A vector, not a scalar, in every mask (Triton's interpreter wants that).
+                at = tl.zeros([BD], dtype=tl.int64) + position
+                own = tl.load(x + position * stride + cols, mask=m_d & (at >= bos), other=0.0)
+                if HAS_INIT:
+                    own += tl.load(init + n * C * W + cols * W + (W + position - bos), mask=m_d & (at < bos),
+                                   other=0.0)
+                tl.store(final + n * C * W + cols * W + j, own, mask=m_d)
+
+
+@triton.jit
+def _conv_heads_bwd_pre(x, weight, init, q, k, rstd, dq, dk, dv, dpre, cu_seqlens, chunk_indices, stride,
+                        H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
+                        HAS_INIT: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr, BD: tl.constexpr,
+                        ALIGN: tl.constexpr):
+    """Gradient of the convolution before its activation, [T, C] float32."""
+    i_s = tl.program_id(1)
+    n, bos, eos, start, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT, PLAN)
+    if start >= eos:  # a block past its sequence's end (TOKENS < CHUNK) has nothing to do
+        return
+    C = 2 * H * K + HV * V
+    is_qk = i_s < 2 * H
+    o_d, cols, m_d = _slot(i_s, H, K, HV, V, BD, ALIGN)
+    m = m_t[:, None] & m_d[None, :]
+    pre = _conv_window(x, init, weight, o_t, start, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
+    sig = tl.sigmoid(pre)
+    if is_qk:
+        if i_s < H:
+            offset = o_t[:, None] * (H * K) + i_s * K + o_d[None, :]
+            y = tl.load(q + offset, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dq + offset, mask=m, other=0.0).to(tl.float32)
+        else:
+            offset = o_t[:, None] * (H * K) + (i_s - H) * K + o_d[None, :]
+            y = tl.load(k + offset, mask=m, other=0.0).to(tl.float32)
+            dy = tl.load(dk + offset, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(rstd + o_t * (2 * H) + i_s, mask=m_t, other=0.0)
+        du = _norm_grad(dy, y, r, 1)  # the L2 norm
+    else:
+        du = tl.load(dv + o_t[:, None] * (HV * V) + (i_s - 2 * H) * V + o_d[None, :], mask=m, other=0.0).to(tl.float32)
+    # d silu(p) / dp = sig (1 + p (1 - sig))
+    grad = du * sig * (1.0 + pre * (1.0 - sig))
+    tl.store(dpre + o_t[:, None] * C + cols[None, :], grad, mask=m)
+
+
+@triton.jit
+def _conv_heads_bwd_x(dpre, weight, dfinal, dx, dinit, cu_seqlens, chunk_indices, C, W: tl.constexpr,
+                      HAS_INIT: tl.constexpr, HAS_DFINAL: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr,
+                      BC: tl.constexpr):
+    """Gradients of the convolution's inputs (dx [T, C]) and of the carried state (dinit [N, C, W])."""
+    n, bos, eos, start, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT, PLAN)
+    if start >= eos:  # a block past its sequence's end (TOKENS < CHUNK) has nothing to do
+        return
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    m_c = cols < C
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for i in tl.static_range(W):
+        # Input s feeds output s + W - 1 - i through tap i.
+        t = o_t + (W - 1) - i
+        g = tl.load(dpre + t[:, None] * C + cols[None, :], mask=((t < eos) & m_t)[:, None] & m_c[None, :], other=0.0)
+        w = tl.load(weight + cols * W + i, mask=m_c, other=0.0).to(tl.float32)
+        acc += g * w[None, :]
+    if HAS_DFINAL:
+        for j in tl.static_range(W):
+            # final[n, :, j] is input eos - W + j when that lies inside the sequence.
+            position = eos - W + j
+            df = tl.load(dfinal + n * C * W + cols * W + j, mask=m_c, other=0.0).to(tl.float32)
+            acc += tl.where(((o_t == position) & (o_t >= bos))[:, None], df[None, :], 0.0)
+    tl.store(dx + o_t[:, None] * C + cols[None, :], acc.to(dx.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
+    if HAS_INIT:
+        if start == bos:  # the sequence's first block writes the carried state's gradient
+            length = eos - bos
+            for jj in tl.static_range(1, W):
+                # init[n, :, jj] is the input at relative position jj - W: output tt uses it through
+                # tap i = jj - 1 - tt.
+                total = tl.zeros([BC], dtype=tl.float32)
+                for i in tl.static_range(W):
+                    if jj - 1 - i >= 0:
+                        tt = jj - 1 - i
+                        g0 = tl.load(dpre + (bos + tt) * C + cols,
+                                     mask=m_c & ((tl.zeros([BC], dtype=tl.int64) + tt) < length), other=0.0)
+                        w0 = tl.load(weight + cols * W + i, mask=m_c, other=0.0).to(tl.float32)
+                        total += g0 * w0
+                if HAS_DFINAL:
+                    for j in tl.static_range(W):
+                        # final[n, :, j] is init[n, :, length + j] when length + j < W.
+                        d0 = tl.load(dfinal + n * C * W + cols * W + j, mask=m_c, other=0.0).to(tl.float32)
+                        total += tl.where(length + j == jj, d0, 0.0)
+                tl.store(dinit + n * C * W + cols * W + jj, total.to(dinit.dtype.element_ty), mask=m_c)
+
+
+class ConvSplitHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, initial_state, output_final_state, cu_seqlens, bounds, chunk_indices, heads,
+                key_dim, value_heads, value_dim):
+        total, channels = x.shape
+        width = weight.shape[-1]
+        ctx.bounds = bounds
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        weight = weight.contiguous()
+        init = initial_state.contiguous() if initial_state is not None else None
+        q = x.new_empty(total, heads, key_dim)
+        k = x.new_empty(total, heads, key_dim)
+        v = x.new_empty(total, value_heads, value_dim)
+        rstd = x.new_empty(total, 2 * heads, dtype=torch.float32)
+        sequences = cu_seqlens.shape[0] - 1
+        final = x.new_empty(sequences, channels, width) if output_final_state else None
+        block = triton.next_power_of_2(max(key_dim, value_dim))
+        align = _alignment(key_dim, value_dim)
+        grid = (chunk_indices.shape[0], 2 * heads + value_heads, CHUNK // TOKENS)
+        # Without a carried state the kernels get x in its place, unread (HAS_INIT is False): the
+        # helper they call then always receives a pointer, never None.
+        with _on(x.device):
+            _conv_heads_fwd[grid](x, weight, init if init is not None else x, q, k, v, rstd, final, cu_seqlens,
+                                  chunk_indices, x.stride(0), EPS,
+                                  heads, key_dim, value_heads, value_dim, width, init is not None, final is not None,
+                                  TOKENS, CHUNK, block, align, num_warps=WARPS)
+        ctx.save_for_backward(x, weight, init, q, k, rstd, cu_seqlens, chunk_indices)
+        ctx.shape = (heads, key_dim, value_heads, value_dim, block, align)
+        return q, k, v, final
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dq, dk, dv, dfinal):
+        x, weight, init, q, k, rstd, cu_seqlens, chunk_indices = ctx.saved_tensors
+        heads, key_dim, value_heads, value_dim, block, align = ctx.shape
+        total, channels = x.shape
+        width = weight.shape[-1]
+        dq = torch.zeros_like(q) if dq is None else dq.contiguous()
+        dk = torch.zeros_like(k) if dk is None else dk.contiguous()
+        dv = x.new_zeros(total, value_heads, value_dim) if dv is None else dv.contiguous()
+        dpre = torch.empty(total, channels, dtype=torch.float32, device=x.device)
+        grid = (chunk_indices.shape[0], 2 * heads + value_heads, CHUNK // TOKENS)
+        dx = torch.empty(total, channels, dtype=x.dtype, device=x.device)
+        dinit = torch.zeros_like(init) if init is not None else None
+        columns = 128
+        with _on(x.device):
+            _conv_heads_bwd_pre[grid](x, weight, init if init is not None else x, q, k, rstd, dq, dk, dv, dpre,
+                                      cu_seqlens, chunk_indices,
+                                      x.stride(0), heads, key_dim, value_heads, value_dim, width, init is not None,
+                                      TOKENS, CHUNK, block, align, num_warps=WARPS)
+            _conv_heads_bwd_x[(chunk_indices.shape[0], triton.cdiv(channels, columns), CHUNK // TOKENS)](
+                dpre, weight, dfinal.contiguous() if dfinal is not None else None, dx, dinit, cu_seqlens,
+                chunk_indices, channels, width, init is not None, dfinal is not None, TOKENS, CHUNK, columns,
+                num_warps=WARPS)
+        dweight = None
+        if ctx.needs_input_grad[1]:
+            dweight = _conv_weight_grad(x, init, dpre, ctx.bounds, width).to(weight.dtype)
+        return dx if ctx.needs_input_grad[0] else None, dweight, dinit, None, None, None, None, None, None, None, None
+
+
+def _conv_weight_grad(x, init, dpre, bounds: list[int], width):
+    """dweight[c, i] = sum over tokens t of dpre[t, c] * input(t - (W - 1) + i, c), in plain
+    PyTorch, sequence by sequence (`bounds`: the host's cumulative lengths; the recipe's LoRA
+    leaves the convolution frozen, so this rarely runs)."""
+    total, channels = x.shape
+    grad = torch.zeros(channels, width, dtype=torch.float32, device=x.device)
+    for n, (bos, eos) in enumerate(zip(bounds[:-1], bounds[1:])):
+        history = (init[n].transpose(0, 1)[1:].float() if init is not None
+                   else x.new_zeros(width - 1, channels, dtype=torch.float32))
+        inputs = torch.cat([history, x[bos:eos].float()])  # [W - 1 + L, C]
+        for i in range(width):
+            grad[:, i] += (dpre[bos:eos] * inputs[i:i + eos - bos]).sum(0)
+    return grad
+
+
+def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None,
+                     output_final_state: bool, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
+                     chunk_indices: torch.Tensor | None, heads: int, key_dim: int, value_heads: int, value_dim: int):
+    """SiLU(causal depthwise conv) of packed sequences, split into L2-normalised q, k and v.
+
+    Args:
+        x: [T, 2*H*K + HV*V] (unit stride along channels); weight: [C, W].
+        initial_state: [N, C, W] the W inputs before each sequence (last one most recent), or None.
+        output_final_state: also return each sequence's last W inputs, [N, C, W].
+        cu_seqlens: [N + 1] on x's device; cu_seqlens_cpu its host copy (every length > 0);
+        chunk_indices: [chunks, 2] int32 (sequence, 64-token chunk), or None to plan here.
+
+    Returns:
+        (q [T, H, K], k [T, H, K], v [T, HV, V], final state or None)
+    """
+    bounds = cu_seqlens_cpu.tolist()  # one conversion; the checks below are plain Python
+    lengths = [end - begin for begin, end in zip(bounds[:-1], bounds[1:])]
+    if min(lengths, default=1) <= 0:
+        raise ValueError("conv_split_heads: every packed sequence needs at least one token")
+    channels = 2 * heads * key_dim + value_heads * value_dim
+    if x.shape[-1] != channels or weight.shape[0] != channels:
+        raise ValueError(f"conv_split_heads: {heads} x {key_dim} q and k heads and {value_heads} x {value_dim} v heads "
+                         f"are {channels} channels, but x has {x.shape[-1]} and the weight {weight.shape[0]}")
+    if chunk_indices is None:
+        chunk_indices = chunk_plan(lengths, CHUNK).to(x.device, non_blocking=True)
+    else:
+        # Every token must fall in one planned chunk, or no program would write it.
+        chunks = sum(-(-length // CHUNK) for length in lengths)
+        if chunk_indices.shape[0] != chunks:
+            raise ValueError(f"conv_split_heads: the chunk plan has {chunk_indices.shape[0]} chunks, but the "
+                             f"sequences make {chunks} of {CHUNK} tokens")
+    return ConvSplitHeads.apply(x, weight, initial_state, output_final_state, cu_seqlens, bounds, chunk_indices,
+                                heads, key_dim, value_heads, value_dim)
+
+
+# -- the delta rule of short rows continuing forked states -----------------------------------------
+#
+# A request's question rows continue one shared prefix and are short (the 50-question request's
+# rows hold 28 to 44 tokens of their own). Run through FLA's chunked kernels, each row first gets
+# its own copy of its prefix's [HV, K, V] float32 state (1 MB a row on Qwen3.5-0.8B), then five
+# kernels pass the row's one chunk through memory between them. `delta_rule_rows` does a whole row
+# (up to 64 tokens) in one program per value head and block of values, reading the state through
+# the row's parent index: the chunk form of the recurrence (see
+# `kernels.gated_delta_rule_chunked`) as a block-triangular solve of four 16-token parts.
+
+ROW_TOKENS = 64  # the longest row `delta_rule_rows` takes (four parts)
+PART = 16  # tokens a part
+# Values a program (a block of V) and warps a program. For the 50-question request's rows on
+# the H200 (Qwen3.5-0.8B widths, bf16; docs/results/h200-delta-rule-short-rows-46f6c73.txt): 70.5
+# us a layer at 64 values and 4 warps; 73.0 at 128 and 8, 89.3 at 32 and 2, 113 at 32 and 4 or
+# 64 and 8 (FLA's chunked kernels with the fork: 135.5).
+VALUES = 64
+ROW_WARPS = 4
+
+
+@triton.jit
+def _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, A_log, dt_bias, o_k, o_v,
+              H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
+    """Part `part` of the row bos:eos: q, k [BC, BK], v [BC, BV], the log decay g [BC] and beta
+    [BC], both float32 and 0 past the row's end (as are q, k and v)."""
+    o_t = bos + part * BC + tl.arange(0, BC)
+    m_t = o_t < eos
+    m_qk = m_t[:, None] & (o_k < K)[None, :]
+    b_q = tl.load(q + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_qk, other=0.0)
+    b_k = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_qk, other=0.0)
+    b_v = tl.load(v + (o_t[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None] & (o_v < V)[None, :],
+                  other=0.0)
+    # Qwen3.5's decay from the raw gate input: -exp(A_log) softplus(a + dt_bias) (softplus as
+    # PyTorch's, linear past 20).
+    x = tl.load(a + o_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32) + dt_bias
+    g = tl.where(m_t, -tl.exp(A_log) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))), 0.0)
+    beta = tl.load(b + o_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    return b_q, b_k, b_v, g, beta
+
+
+@triton.jit
+def _decayed(scores, g_rows, g_cols, DIAGONAL: tl.constexpr, STRICT: tl.constexpr, BC: tl.constexpr):
+    """scores [BC, BC] times exp(g_rows[i] - g_cols[j]) (cumulative log decays), for a block on
+    the diagonal only where i > j (STRICT) or i >= j; the exponent is never positive where kept."""
+    gap = g_rows[:, None] - g_cols[None, :]
+    if DIAGONAL:
+        o = tl.arange(0, BC)
+        keep = (o[:, None] > o[None, :]) if STRICT else (o[:, None] >= o[None, :])
+        return tl.where(keep, scores * tl.exp(tl.where(keep, gap, 0.0)), 0.0)
+    return scores * tl.exp(gap)
+
+
+@triton.jit
+def _unit_lower_inverse(L, BC: tl.constexpr):
+    """(I + L)^-1 of a strictly lower-triangular [BC, BC] L (BC = 16): with B = -L nilpotent,
+    sum_{p < 16} B^p = (I + B)(I + B^2)(I + B^4)(I + B^8). Six small products in full float32
+    precision, where forward substitution would take 15 dependent steps, each a reduction
+    across the program's threads (that made the kernel slower than FLA's five). The price is
+    accuracy on badly conditioned blocks (nearly parallel keys, beta near 1, little decay),
+    whose large higher powers cancel: there the output is off by up to about 1e-4 of outputs
+    of order 1 (tests/triton_interpreted.py), under bf16's resolution."""
+    o = tl.arange(0, BC)
+    eye = tl.where(o[:, None] == o[None, :], 1.0, 0.0)
+    power = -L
+    inverse = eye + power
+    for _ in tl.static_range(3):
+        power = tl.dot(power, power, input_precision="ieee")
+        inverse = inverse + tl.dot(inverse, power, input_precision="ieee")
+    return inverse
+
+
+@triton.jit
+def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlens, G, scale,
+                    H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                    BV: tl.constexpr, BC: tl.constexpr, PARTS: tl.constexpr):
+    n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (HV // H)
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    # The row's initial state [BK, BV]: its parent's, or zero (parent -1).
+    # (The parent as a vector, not a scalar, in the mask: Triton's interpreter wants that.)
+    parent = tl.zeros([BK], dtype=tl.int64) + tl.load(parents + n).to(tl.int64)
+    has = (parent >= 0) & (parent < G)
+    start = tl.where(has, parent, 0) * HV + i_h
+    h0 = tl.load(states + (start[:, None] * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv & has[:, None],
+                 other=0.0)
+    h0 = h0.to(q.dtype.element_ty)
+    log_a = tl.load(A_log + i_h).to(tl.float32)
+    bias = tl.load(dt_bias + i_h).to(tl.float32)
+    # The row's parts (PARTS of them, enough for the longest row; past a row's end they are
+    # zero): q, k [BC, BK], v [BC, BV], the log decay and beta [BC]. Written out part by part:
+    # Triton keeps register tiles in named variables only, not in lists a loop could index.
+    q0, k0, v0, g0, b0 = _row_part(q, k, v, a, b, bos, eos, 0, i_hk, i_h, log_a, bias, o_k, o_v, H, K, HV, V, BC)
+    g0 = tl.cumsum(g0, 0)  # cumulative log decays from the row's start
+    # The pseudo-values U_i of each part by block forward substitution:
+    # U_i = (I + A_ii)^-1 (beta_i (v_i - exp(G_i) S0^T k_i) - sum_{j < i} A_ij U_j), with
+    # A_ij = beta_i exp(G_i - G_j) (k_i . k_j) (strictly lower on the diagonal); then
+    # o_i = scale (exp(G_i) S0^T q_i + sum_{j <= i} exp(G_i - G_j) (q_i . k_j) U_j).
+    u0 = _part_values(k0, v0, g0, b0, h0, tl.zeros([BC, BV], dtype=tl.float32), BC)
+    o0 = _part_output(q0, k0, g0, g0, u0, True, BC) + tl.exp(g0)[:, None] * tl.dot(q0, h0)
+    _store_part(o, o0 * scale, bos, eos, 0, i_h, o_v, HV, V, BC)
+    if PARTS > 1:
+        q1, k1, v1, g1, b1 = _row_part(q, k, v, a, b, bos, eos, 1, i_hk, i_h, log_a, bias, o_k, o_v, H, K, HV, V,
+                                       BC)
+        g1 = tl.cumsum(g1, 0) + _last(g0, BC)
+        u1 = _part_values(k1, v1, g1, b1, h0, _coupling(k1, g1, b1, k0, g0, u0, BC), BC)
+        o1 = (_part_output(q1, k1, g1, g1, u1, True, BC) + _part_output(q1, k0, g1, g0, u0, False, BC)
+              + tl.exp(g1)[:, None] * tl.dot(q1, h0))
+        _store_part(o, o1 * scale, bos, eos, 1, i_h, o_v, HV, V, BC)
+    if PARTS > 2:
+        q2, k2, v2, g2, b2 = _row_part(q, k, v, a, b, bos, eos, 2, i_hk, i_h, log_a, bias, o_k, o_v, H, K, HV, V,
+                                       BC)
+        g2 = tl.cumsum(g2, 0) + _last(g1, BC)
+        u2 = _part_values(k2, v2, g2, b2, h0, _coupling(k2, g2, b2, k0, g0, u0, BC)
+                          + _coupling(k2, g2, b2, k1, g1, u1, BC), BC)
+        o2 = (_part_output(q2, k2, g2, g2, u2, True, BC) + _part_output(q2, k0, g2, g0, u0, False, BC)
+              + _part_output(q2, k1, g2, g1, u1, False, BC) + tl.exp(g2)[:, None] * tl.dot(q2, h0))
+        _store_part(o, o2 * scale, bos, eos, 2, i_h, o_v, HV, V, BC)
+    if PARTS > 3:
+        q3, k3, v3, g3, b3 = _row_part(q, k, v, a, b, bos, eos, 3, i_hk, i_h, log_a, bias, o_k, o_v, H, K, HV, V,
+                                       BC)
+        g3 = tl.cumsum(g3, 0) + _last(g2, BC)
+        u3 = _part_values(k3, v3, g3, b3, h0, _coupling(k3, g3, b3, k0, g0, u0, BC)
+                          + _coupling(k3, g3, b3, k1, g1, u1, BC) + _coupling(k3, g3, b3, k2, g2, u2, BC), BC)
+        o3 = (_part_output(q3, k3, g3, g3, u3, True, BC) + _part_output(q3, k0, g3, g0, u0, False, BC)
+              + _part_output(q3, k1, g3, g1, u1, False, BC) + _part_output(q3, k2, g3, g2, u2, False, BC)
+              + tl.exp(g3)[:, None] * tl.dot(q3, h0))
+        _store_part(o, o3 * scale, bos, eos, 3, i_h, o_v, HV, V, BC)
+
+
+@triton.jit
+def _last(g, BC: tl.constexpr):
+    """The last entry of g [BC]."""
+    return tl.sum(tl.where(tl.arange(0, BC) == BC - 1, g, 0.0), 0)
+
+
+@triton.jit
+def _coupling(k_i, g_i, b_i, k_j, g_j, u_j, BC: tl.constexpr):
+    """A_ij U_j for an earlier part j: [BC, BV]."""
+    return tl.dot(b_i[:, None] * _decayed(tl.dot(k_i, tl.trans(k_j)), g_i, g_j, False, True, BC), u_j)
+
+
+@triton.jit
+def _part_values(k_i, v_i, g_i, b_i, h0, coupled, BC: tl.constexpr):
+    """U_i [BC, BV] float32 from the earlier parts' coupling sum_{j < i} A_ij U_j."""
+    rhs = b_i[:, None] * (v_i.to(tl.float32) - tl.exp(g_i)[:, None] * tl.dot(k_i, h0)) - coupled
+    diagonal = b_i[:, None] * _decayed(tl.dot(k_i, tl.trans(k_i)), g_i, g_i, True, True, BC)
+    return tl.dot(_unit_lower_inverse(diagonal, BC), rhs)
+
+
+@triton.jit
+def _part_output(q_i, k_j, g_i, g_j, u_j, DIAGONAL: tl.constexpr, BC: tl.constexpr):
+    """sum over part j's tokens (up to each token of part i) of exp(G_i - G_j) (q_i . k_j) U_j."""
+    return tl.dot(_decayed(tl.dot(q_i, tl.trans(k_j)), g_i, g_j, DIAGONAL, False, BC), u_j)
+
+
+@triton.jit
+def _store_part(o, value, bos, eos, part, i_h, o_v, HV: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
+    o_t = bos + part * BC + tl.arange(0, BC)
+    tl.store(o + (o_t[:, None] * HV + i_h) * V + o_v[None, :], value.to(o.dtype.element_ty),
+             mask=(o_t < eos)[:, None] & (o_v < V)[None, :])
+
+
+def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    states: torch.Tensor, parents: torch.Tensor, cu_seqlens: torch.Tensor, longest: int,
+                    A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """The gated delta rule's output for packed rows of at most ROW_TOKENS tokens, row n
+    starting from states[parents[n]] (a zero state where parents[n] < 0); forward only.
+
+    Args:
+        q, k: [T, H, K] (L2-normalised, as Qwen3.5's delta rule wants); v: [T, HV, V].
+        g: [T, HV] the raw gate input (the decay is `kernels.decay(g, A_log, dt_bias)`);
+            beta: [T, HV].
+        states: [G, HV, K, V] float32; parents: [N] integer; cu_seqlens: [N + 1] on q's device.
+        longest: the longest row (host int, from the host's copy of cu_seqlens), at most
+            ROW_TOKENS. The kernel covers each row's first `longest` tokens (rounded up to a
+            multiple of PART), so a smaller value would leave later tokens unwritten.
+        A_log, dt_bias: [HV]. scale: of q, K^-0.5 by default.
+
+    Returns:
+        o [T, HV, V] in v's dtype.
+    """
+    total, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[1:]
+    if longest > ROW_TOKENS:
+        raise ValueError(f"delta_rule_rows: rows of at most {ROW_TOKENS} tokens, but one has {longest}")
+    if value_heads % heads or k.shape != q.shape or g.shape != (total, value_heads) or beta.shape != g.shape:
+        raise ValueError(f"delta_rule_rows: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"g {tuple(g.shape)} and beta {tuple(beta.shape)} do not fit together")
+    if parents.shape != (cu_seqlens.shape[0] - 1,):
+        raise ValueError(f"delta_rule_rows: {cu_seqlens.shape[0] - 1} rows but parents {tuple(parents.shape)}")
+    if states.shape[1:] != (value_heads, key_dim, value_dim):
+        raise ValueError(f"delta_rule_rows: states {tuple(states.shape)} do not fit {value_heads} heads of "
+                         f"{key_dim} x {value_dim}")
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    o = torch.empty_like(v)
+    block_k = max(16, triton.next_power_of_2(key_dim))
+    block_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
+    parts = -(-max(longest, 1) // PART)
+    grid = (cu_seqlens.shape[0] - 1, value_heads, triton.cdiv(value_dim, block_v))
+    with _on(q.device):
+        _delta_rows_fwd[grid](q, k, v, g, beta, A_log, dt_bias, states.contiguous(), parents, o, cu_seqlens,
+                              states.shape[0], key_dim**-0.5 if scale is None else scale,
+                              heads, key_dim, value_heads, value_dim, block_k, block_v, PART, parts,
+                              num_warps=ROW_WARPS)
+    return o
+
+
+# -- RMSNorm and SwiGLU ---------------------------------------------------------------------------
+#
+# The same math as FLA's fused kernels, launched with one call and no autotuning, so a training
+# step (host-bound: its layers issue thousands of launches) spends microseconds, not a quarter
+# of a millisecond, of host time on each.
+
+ROWS = 16  # rows per RMSNorm program
+
+
+@triton.jit
+def _rms_norm_fwd(x, scale, y, rstd, R, B, s0, s1, eps, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    # Row r of the [A, B, D] input lies at (r // B) * s0 + (r % B) * s1; the output is contiguous.
+    rows, cols, m_r, m = _row_tile(R, D, BR, BD)
+    start = (rows // B) * s0 + (rows % B) * s1
+    xs = tl.load(x + start[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(xs * xs, axis=1) / D + eps)
+    w = tl.load(scale + cols, mask=cols < D, other=0.0).to(tl.float32)
+    tl.store(y + rows[:, None] * D + cols[None, :], (xs * r[:, None] * w[None, :]).to(y.dtype.element_ty), mask=m)
+    tl.store(rstd + rows, r, mask=m_r)
+
+
+@triton.jit
+def _rms_norm_bwd(x, scale, rstd, dy, dx, R, B, s0, s1, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    rows, cols, m_r, m = _row_tile(R, D, BR, BD)
+    start = (rows // B) * s0 + (rows % B) * s1
+    xs = tl.load(x + start[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    r = tl.load(rstd + rows, mask=m_r, other=0.0)
+    w = tl.load(scale + cols, mask=cols < D, other=0.0).to(tl.float32)
+    g = tl.load(dy + rows[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32) * w[None, :]
+    grad = _norm_grad(g, xs * r[:, None], r, D)  # y = (x r) w, so g = dy w
+    tl.store(dx + rows[:, None] * D + cols[None, :], grad.to(dx.dtype.element_ty), mask=m)
+
+
+def _rows_view(x: torch.Tensor):
+    """(A, B, s0, s1) such that row r of x's [..., D] rows starts at (r // B) * s0 + (r % B) * s1:
+    for contiguous x, 2-D x or 3-D x with unit stride along D; None when x is laid out otherwise."""
+    if x.is_contiguous():
+        return x.numel() // max(x.shape[-1], 1), 1, x.shape[-1], 0
+    if x.stride(-1) != 1:
+        return None
+    if x.dim() == 2:
+        return x.shape[0], 1, x.stride(0), 0
+    if x.dim() == 3:
+        return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+    return None
+
+
+def _rows_layout(x: torch.Tensor):
+    """(x, its `_rows_view`), x made contiguous first when the kernels cannot read its layout."""
+    layout = _rows_view(x)
+    if layout is None:
+        x = x.contiguous()
+        layout = _rows_view(x)
+    return x, layout
+
+
+def _norm_launch(width: int) -> tuple[int, int, int]:
+    """(block, rows per program, warps) of a norm over `width` channels: about 4,096 elements a
+    program, so the float32 tiles stay in registers."""
+    block = triton.next_power_of_2(max(width, 1))
+    return block, max(1, min(ROWS, 4096 // block)), 4 if block <= 512 else 8
+
+
+class RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale, eps):
+        x, (count, inner, s0, s1) = _rows_layout(x)
+        width = x.shape[-1]
+        rows = count * inner
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        block, per_program, warps = _norm_launch(width)
+        with _on(x.device):
+            _rms_norm_fwd[(triton.cdiv(rows, per_program),)](x, scale, y, rstd, rows, inner, s0, s1, eps, width,
+                                                             per_program, block, num_warps=warps)
+        ctx.save_for_backward(x, scale, rstd)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, scale, rstd = ctx.saved_tensors
+        # The layout of the x handed back, which a saved-tensor hook may have repacked.
+        x, (count, inner, s0, s1) = _rows_layout(x)
+        width = x.shape[-1]
+        rows = count * inner
+        dy = dy.contiguous()
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        block, per_program, warps = _norm_launch(width)
+        with _on(x.device):
+            _rms_norm_bwd[(triton.cdiv(rows, per_program),)](x, scale, rstd, dy, dx, rows, inner, s0, s1, width,
+                                                             per_program, block, num_warps=warps)
+        dscale = None
+        if ctx.needs_input_grad[1]:  # the recipe's norms are frozen: rarely needed, so plain PyTorch
+            normed = x.float().reshape(rows, width) * rstd[:, None]
+            dscale = (dy.float().reshape(rows, width) * normed).sum(0).to(scale.dtype)
+        return dx, dscale, None
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * scale over the last axis, in float32, returned in x's dtype (contiguous).
+    x: [T, D] or [T, H, D] (any strides with unit stride along D); scale: [D]."""
+    if scale.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: scale {tuple(scale.shape)} does not match x {tuple(x.shape)}")
+    return RMSNorm.apply(x, scale.contiguous(), eps)
+
+
+BLOCK = 1024  # elements per SwiGLU program
+
+
+@triton.jit
+def _swiglu_fwd(gate, up, y, N, BN: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    m = offsets < N
+    g = tl.load(gate + offsets, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(up + offsets, mask=m, other=0.0).to(tl.float32)
+    tl.store(y + offsets, (g * tl.sigmoid(g) * u).to(y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _swiglu_bwd(gate, up, dy, dgate, dup, N, BN: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    m = offsets < N
+    g = tl.load(gate + offsets, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(up + offsets, mask=m, other=0.0).to(tl.float32)
+    d = tl.load(dy + offsets, mask=m, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    tl.store(dup + offsets, (d * g * sig).to(dup.dtype.element_ty), mask=m)
+    tl.store(dgate + offsets, (d * u * sig * (1.0 + g * (1.0 - sig))).to(dgate.dtype.element_ty), mask=m)
+
+
+class SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        gate, up = gate.contiguous(), up.contiguous()
+        y = torch.empty_like(gate)
+        count = gate.numel()
+        with _on(gate.device):
+            _swiglu_fwd[(triton.cdiv(count, BLOCK),)](gate, up, y, count, BLOCK)
+        ctx.save_for_backward(gate, up)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        dy = dy.contiguous()
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        count = gate.numel()
+        with _on(gate.device):
+            _swiglu_bwd[(triton.cdiv(count, BLOCK),)](gate, up, dy, dgate, dup, count, BLOCK)
+        return dgate, dup
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, computed in float32, returned in gate's dtype. gate, up: one shape."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ (no broadcasting)")
+    return SwiGLU.apply(gate, up)
+
+
+@triton.jit
+def _rms_norm_gated_fwd(x, gate, weight, y, rstd, R, eps, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    rows, cols, m_r, m = _row_tile(R, D, BR, BD)
+    offsets = rows[:, None] * D + cols[None, :]
+    xs = tl.load(x + offsets, mask=m, other=0.0).to(tl.float32)
+    zs = tl.load(gate + offsets, mask=m, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(xs * xs, axis=1) / D + eps)
+    w = tl.load(weight + cols, mask=cols < D, other=0.0).to(tl.float32)
+    out = xs * r[:, None] * w[None, :] * (zs * tl.sigmoid(zs))
+    tl.store(y + offsets, out.to(y.dtype.element_ty), mask=m)
+    tl.store(rstd + rows, r, mask=m_r)
+
+
+@triton.jit
+def _rms_norm_gated_bwd(x, gate, weight, rstd, dy, dx, dgate, R, D: tl.constexpr, BR: tl.constexpr,
+                        BD: tl.constexpr):
+    rows, cols, m_r, m = _row_tile(R, D, BR, BD)
+    offsets = rows[:, None] * D + cols[None, :]
+    xs = tl.load(x + offsets, mask=m, other=0.0).to(tl.float32)
+    zs = tl.load(gate + offsets, mask=m, other=0.0).to(tl.float32)
+    d = tl.load(dy + offsets, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(rstd + rows, mask=m_r, other=0.0)
+    w = tl.load(weight + cols, mask=cols < D, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(zs)
+    normed = xs * r[:, None]
+    # y = n w silu(z): the gradient of n is dy w silu(z), then through the norm as in RMSNorm.
+    grad_x = _norm_grad(d * w[None, :] * (zs * sig), normed, r, D)
+    grad_z = d * normed * w[None, :] * sig * (1.0 + zs * (1.0 - sig))
+    tl.store(dx + offsets, grad_x.to(dx.dtype.element_ty), mask=m)
+    tl.store(dgate + offsets, grad_z.to(dgate.dtype.element_ty), mask=m)
+
+
+class RMSNormGated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate, weight, eps):
+        x, gate = x.contiguous(), gate.contiguous()
+        width = x.shape[-1]
+        rows = x.numel() // max(width, 1)
+        y = torch.empty_like(x)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        block, per_program, warps = _norm_launch(width)
+        with _on(x.device):
+            _rms_norm_gated_fwd[(triton.cdiv(rows, per_program),)](x, gate, weight, y, rstd, rows, eps, width,
+                                                                   per_program, block, num_warps=warps)
+        ctx.save_for_backward(x, gate, weight, rstd)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, gate, weight, rstd = ctx.saved_tensors
+        width = x.shape[-1]
+        rows = x.numel() // max(width, 1)
+        dy = dy.contiguous()
+        dx, dgate = torch.empty_like(x), torch.empty_like(gate)
+        block, per_program, warps = _norm_launch(width)
+        with _on(x.device):
+            _rms_norm_gated_bwd[(triton.cdiv(rows, per_program),)](x, gate, weight, rstd, dy, dx, dgate, rows, width,
+                                                                   per_program, block, num_warps=warps)
+        dweight = None
+        if ctx.needs_input_grad[2]:  # frozen in the recipe: plain PyTorch when it is not
+            normed = x.float().reshape(rows, width) * rstd[:, None]
+            silu = torch.nn.functional.silu(gate.float().reshape(rows, width))
+            dweight = (dy.float().reshape(rows, width) * normed * silu).sum(0).to(weight.dtype)
+        return dx, dgate, dweight, None
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight * silu(gate) over the last axis, in float32, returned in x's dtype.
+    x, gate: [..., D] of one shape; weight: [D]."""
+    if gate.shape != x.shape or weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm_gated: gate {tuple(gate.shape)} and weight {tuple(weight.shape)} do not match "
+                         f"x {tuple(x.shape)}")
+    return RMSNormGated.apply(x, gate, weight.contiguous(), eps)

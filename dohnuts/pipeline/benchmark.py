@@ -1,0 +1,461 @@
+"""Latency benchmark of complete predict() calls over the upstream-matched workloads."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw
+
+from ..config import BenchmarkConfig, LoraConfig, TrainConfig
+from ..data import synthetic
+from ..data.loader import loader_workers
+from ..data.records import RecordReader, load_records, write_mixture
+from ..io import write_bytes
+from ..measure.roofline import DEVICES, bounds, efficiency, geometry_from_batch, useful_work
+from ..measure.shapes import shape_only_predictor
+from ..measure.telemetry import Telemetry, measure_ceilings, synchronize
+from ..model.adapters import with_lora
+from ..model.predict import Predictor
+from ..model.template import pieces_of
+from ..schema import parse_request
+from ..scoring.objective import pack_targets
+from .evaluate import EvaluationBatches, evaluate, plan_batches, result_rows
+from .train import build_optimizer, update_step
+
+TEXT_STATE = "Customer: I was billed twice."
+ONE_QUESTION = {"is_red": {"type": "noul", "instructions": "Is the square red?"}}
+THREE_QUESTIONS = {
+    **ONE_QUESTION,
+    "color": {"type": "choice", "instructions": "What color?", "criteria": ["red", "blue", "green"]},
+    "size": {"type": "score", "instructions": "How big?", "criteria": ["small", "medium", "large"]},
+}
+DISTINCT_STATE = {
+    "customer": "Mina", "plan": "business", "invoice": "4411", "currency": "USD", "amount": 120,
+    "charges": 2, "expected_charges": 1, "refund_requested": True, "deadline": "today",
+    "service_available": True,
+}
+DISTINCT_FIELDS = [
+    ("customer", ["Mina", "Alex", "Sam", "unknown"]),
+    ("plan", ["free", "personal", "business", "enterprise"]),
+    ("invoice", ["4400", "4411", "4422", "unknown"]),
+    ("currency", ["EUR", "USD", "GBP", "unknown"]),
+    ("amount", ["30", "60", "120", "240"]),
+    ("charges", ["zero", "one", "two", "three"]),
+    ("expected_charges", ["zero", "one", "two", "three"]),
+    ("refund_requested", ["yes", "no", "unclear", "contradictory"]),
+    ("deadline", ["today", "tomorrow", "next week", "none"]),
+    ("service_available", ["yes", "no", "unclear", "contradictory"]),
+]
+DISTINCT_TEMPLATES = [
+    "What value does the state give for {field}?",
+    "Which candidate contradicts the reported {field}?",
+    "Which candidate should a support agent preserve when copying {field}?",
+    "Which candidate represents the customer's stated {field}?",
+    "Which value is supported by the evidence about {field}?",
+]
+
+
+def protocol_image() -> Image.Image:
+    """96x96 white canvas with a 48x48 red (220, 20, 20) square at (24, 24)."""
+    image = Image.new("RGB", (96, 96), "white")
+    ImageDraw.Draw(image).rectangle([24, 24, 24 + 48 - 1, 24 + 48 - 1], fill=(220, 20, 20))
+    return image
+
+
+def distinct_questions(count: int) -> dict:
+    """The first `count` questions in template-major order (50 in all)."""
+    questions = {}
+    for j, template in enumerate(DISTINCT_TEMPLATES):
+        for field, options in DISTINCT_FIELDS:
+            questions[f"field_{field}_interpretation_{j}"] = {
+                "type": "choice", "instructions": template.format(field=field), "criteria": list(options)}
+    return dict(list(questions.items())[:count])
+
+
+def workloads() -> dict[str, tuple[object, dict]]:
+    """Workload name -> (state, questions), as in the upstream measurement protocol."""
+    image_state = {"image": protocol_image()}
+    cases = {
+        "vision_protocol_text_1q": (TEXT_STATE, ONE_QUESTION),
+        "vision_protocol_text_3q": (TEXT_STATE, THREE_QUESTIONS),
+        "vision_protocol_image_1q": (image_state, ONE_QUESTION),
+        "vision_protocol_image_3q": (image_state, THREE_QUESTIONS),
+    }
+    for count in (1, 5, 10, 50):
+        cases[f"distinct_text_{count}q"] = (DISTINCT_STATE, distinct_questions(count))
+    return cases
+
+
+def workload_texts() -> list[str]:
+    """The template's text pieces of every workload and of the training update's rows: a
+    shape-only tokenizer trained with them holds their words whole, as Qwen's does."""
+    texts = []
+    cases = list(workloads().values()) + training_requests(None, 0, 4)
+    for state, questions in cases:
+        texts += pieces_of(parse_request(state, questions))
+    return texts
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """Linear interpolation at index q * (n - 1) of the sorted samples."""
+    ordered = sorted(samples)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _measure(call, device: torch.device, warmup: int, timed: int) -> tuple[float, list[float], object]:
+    """One cold call, `warmup` warm-up calls, then `timed` calls, each bracketed by syncs.
+
+    Returns (cold ms, timed samples in ms, the cold call's result)."""
+    def once():
+        synchronize(device)
+        start = time.perf_counter()
+        result = call()
+        synchronize(device)
+        return (time.perf_counter() - start) * 1000.0, result
+
+    cold_ms, result = once()
+    for _ in range(warmup):
+        once()
+    return cold_ms, [once()[0] for _ in range(timed)], result
+
+
+def _baseline_rows(predictor, state, questions):
+    """(encoded image or None, rows) of a request, always preprocessed (no feature cache)."""
+    template = predictor.template
+    request = parse_request(state, questions, template.reserved)
+    image = template.encode_image(request.image) if request.image is not None else None
+    return image, template.encode(request, predictor.config.max_tokens, 0, image)
+
+
+@torch.no_grad()
+def hugging_face_logits(predictor, state, questions) -> torch.Tensor:
+    """The baseline on the same inputs: Hugging Face's own `Qwen3_5Model` forward over the
+    request's rows padded to the longest (no packing, no shared prefix), then the same
+    marker gather and head. Returns logits [B, K]."""
+    template, backbone, device = predictor.template, predictor.model.backbone, predictor.model.device
+    image, rows = _baseline_rows(predictor, state, questions)
+    length = max(len(row.input_ids) for row in rows)
+    ids = torch.full((len(rows), length), template.pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for index, row in enumerate(rows):
+        ids[index, : len(row.input_ids)] = torch.tensor(row.input_ids)
+        mask[index, : len(row.input_ids)] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    kwargs = {}
+    if image is not None:
+        kwargs = {"pixel_values": image.pixel_values.repeat(len(rows), 1).to(device),
+                  "image_grid_thw": image.grid_thw.repeat(len(rows), 1).to(device)}
+        if "mm_token_type_ids" in inspect.signature(backbone.forward).parameters:  # transformers >= 5.23
+            kwargs["mm_token_type_ids"] = (ids == template.image_pad_id).int()
+    hidden = backbone(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs).last_hidden_state
+    markers = torch.zeros((len(rows), max(len(row.markers) for row in rows)), dtype=torch.long)
+    for index, row in enumerate(rows):
+        markers[index, : len(row.markers)] = torch.tensor(row.markers)
+    picked = hidden[torch.arange(len(rows), device=device)[:, None], markers.to(device)]
+    return predictor.model.head(picked.to(predictor.model.head.weight.dtype)).squeeze(-1)
+
+
+def _padded_baseline(rows) -> dict:
+    """Tokens the padded, unshared baseline computes beyond the useful ones."""
+    lengths = [len(row.input_ids) for row in rows]
+    computed = len(rows) * max(lengths)
+    return {"computed_tokens": computed, "padding_tokens": computed - sum(lengths),
+            "repeated_prefix_tokens": sum(lengths)}
+
+
+def roofline_record(model, batch, p50_ms: float, ceilings: dict, passes: int = 1) -> dict:
+    """The useful work of `batch` (run `passes` times; vision only for the images it carries
+    pixels of), its bounds under the measured `ceilings` (`measure_ceilings`) and under the
+    datasheet of the device they were measured on (absent when that device is not in the
+    table), and efficiency t_lower / p50 against each."""
+    config = model.backbone.config
+    dtype_bytes = torch.finfo(model.backbone.dtype).bits // 8
+    work = useful_work(config.text_config.to_dict(), config.vision_config.to_dict(), geometry_from_batch(batch),
+                       dtype_bytes)
+    for part in ("flops", "bytes"):
+        work[part] = {name: passes * value for name, value in work[part].items()}
+    transfer = sum(tensor.numel() * tensor.element_size() for tensor in batch.device_tensors())
+    record = {"work": work, "transfer_bytes": transfer, "bounds": {}, "efficiency": {}}
+    device_name = ceilings["device"]
+    sheets = {"measured": ceilings}
+    sheet = DEVICES.get(device_name)
+    if sheet is not None:
+        sheets["datasheet"] = sheet
+    else:
+        record["efficiency"]["datasheet"] = {"absent": f"no datasheet entry for {device_name!r}"}
+    for label, limits in sheets.items():
+        # A CPU run has no host-device link to cross.
+        bound = bounds(work, limits, transfer if device_name != "CPU" else None)
+        record["bounds"][label] = bound
+        record["efficiency"][label] = efficiency(bound["t_lower_seconds"], p50_ms / 1000.0)
+    return record
+
+
+def run_workload(predictor, name: str, state, questions, warmup: int, timed: int, ceilings: dict,
+                 cache_miss: bool = False) -> dict:
+    """Our predict() and the Hugging Face baseline on one workload, under the same protocol.
+
+    With `cache_miss`, the image-feature cache is emptied before every call, so each call
+    encodes its image; otherwise warm calls hit the cache.
+    """
+    model, device = predictor.model, predictor.model.device
+
+    def call():
+        if cache_miss:
+            model.image_cache.clear()
+        return predictor.predict(state, questions)
+
+    with Telemetry(device) as telemetry:
+        cold_ms, samples, result = _measure(call, device, warmup, timed)
+    _, baseline, _ = _measure(lambda: hugging_face_logits(predictor, state, questions), device, warmup, timed)
+    if cache_miss:
+        model.image_cache.clear()  # the batch as the timed calls built it: pixels included
+    batch, _ = predictor.encode(state, questions)
+    _, rows = _baseline_rows(predictor, state, questions)
+    mean, p50 = statistics.fmean(samples), percentile(samples, 0.5)
+    return {
+        "workload": name + ("_cache_miss" if cache_miss else ""), "questions": len(questions), "cold_ms": cold_ms,
+        "p50_ms": p50, "p95_ms": percentile(samples, 0.95), "mean_ms": mean,
+        "decisions_per_second": 1000.0 * len(questions) / mean,
+        "hugging_face_p50_ms": percentile(baseline, 0.5), "hugging_face": _padded_baseline(rows),
+        "input_tokens": result["usage"]["input_tokens"], "computed_tokens": batch.computed_tokens,
+        "shared_prefixes": 0 if batch.fork is None else len(batch.prefix_cu_seqlens) - 1,
+        "image_grid_thw": None if batch.image_grid_thw_cpu is None else batch.image_grid_thw_cpu.tolist(),
+        "vision_encoded": any(batch.image_has_pixels),
+        "roofline": roofline_record(model, batch, p50, ceilings),
+        "telemetry": telemetry.summary(),
+        "samples_ms": samples, "hugging_face_samples_ms": baseline,
+    }
+
+
+def training_requests(template, microbatch: int, rows: int, questions_per_state: int = 4,
+                      state_tokens: int = 250) -> list[tuple[dict, dict]]:
+    """(state, questions) of `rows` rows of about 300 tokens: states of at least `state_tokens`
+    tokens under `template` (one note line when it is None), `questions_per_state` questions
+    each, so the rows of a state share a prefix."""
+    names = list(distinct_questions(50).items())
+    out = []
+    for state_index in range(rows // questions_per_state):
+        chosen = dict(names[(state_index * questions_per_state) % 50:][:questions_per_state])
+        lines = []
+        while True:
+            lines.append(f"line {microbatch}-{state_index}-{len(lines)}: the customer wrote again about the invoice.")
+            state = {**DISTINCT_STATE, "note": " ".join(lines)}
+            if template is None:
+                break
+            state_piece = pieces_of(parse_request(state, chosen, template.reserved))[0]
+            if len(template.tokenize([state_piece])[0]) >= state_tokens:
+                break
+        out.append((state, chosen))
+    return out
+
+
+def training_update(model, template, microbatches: int = 4, rows: int = 8):
+    """One training update as the trainer runs it, as a callable: fresh LoRA injected into
+    `model` (in place), activation checkpointing, `microbatches` of `rows` rows at one snapshot
+    packed into one batch, the trainer's optimizer and `update_step` at the recipe's defaults
+    (`TrainConfig()`), the batch copied to the device in every call.
+
+    Returns (update, the packed batch)."""
+    with_lora(model.backbone, LoraConfig(), seed=0)
+    model.changed()  # modules were replaced: no captured graph of the merged model applies
+    model.activation_checkpointing = True
+    model.train()
+    device = model.device
+    config = TrainConfig()
+    optimizer = build_optimizer(model, config)
+    noise = torch.Generator(device=device).manual_seed(0)
+    encoded, targets = [], []
+    for micro in range(microbatches):
+        own = []
+        for state, questions in training_requests(template, micro, rows):
+            own += template.encode(parse_request(state, questions, template.reserved), config.max_tokens)
+        width = max(len(row.markers) for row in own)
+        targets.append(torch.nn.functional.one_hot(torch.arange(len(own)) % 4, width).float())
+        encoded += own
+    batch = template.collate(encoded, [])
+    targets, sizes = pack_targets(targets)
+    ordinal = torch.zeros(len(encoded), dtype=torch.bool)
+
+    def update():
+        update_step(model, optimizer, batch.to(device), targets.to(device), ordinal.to(device), sizes, config, noise)
+
+    return update, batch
+
+
+def training_update_record(model, template, ceilings: dict, microbatches: int = 4, rows: int = 8,
+                           timed: int = 10) -> dict:
+    """Seconds per `training_update` (which injects fresh LoRA into `model`), with its roofline.
+
+    Useful work of an update: 3 forward passes' worth of its packed batch, FLOPs and bytes (the
+    forward, its recomputation under activation checkpointing, and the backward's input
+    gradients; the frozen base needs no weight gradients, and LoRA's are negligible)."""
+    update, batch = training_update(model, template, microbatches, rows)
+    device = model.device
+    with Telemetry(device) as telemetry:
+        cold_ms, samples, _ = _measure(update, device, 1, timed)
+    model.eval()
+    p50 = percentile(samples, 0.5)
+    record = {
+        "workload": "training_update", "microbatches": microbatches, "rows_per_microbatch": rows,
+        "input_tokens": batch.input_tokens, "computed_tokens": batch.computed_tokens,
+        "cold_ms": cold_ms, "p50_ms": p50, "samples_ms": samples, "telemetry": telemetry.summary(),
+        "roofline": roofline_record(model, batch, p50, ceilings, passes=3),
+    }
+    record["tokens_per_second"] = 1000.0 * record["input_tokens"] / p50
+    return record
+
+
+def environment(predictor) -> dict:
+    device = predictor.model.device
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device_type": device.type, "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "dtype": predictor.config.dtype, "base": predictor.config.base,
+        "shape_only": predictor.config.base.startswith("shape-only:"),
+    }
+
+
+@torch.no_grad()
+def synchronous_evaluation(model, build, plan) -> list[dict]:
+    """The plain loop the loader replaces: build a batch, copy it, run it, wait for its logits."""
+    results = []
+    for tables in plan:
+        item = build(tables)
+        results.extend(result_rows(model(item.batch.to(model.device)).cpu(), item.meta))
+    return results
+
+
+def evaluation_throughput_record(model, template, max_tokens: int, root: Path, states_per_group: int = 12,
+                                 batch_rows: int = 32) -> dict:
+    """Rows per second of evaluation on a generated image-and-text partition: `evaluate` (loader
+    workers, prefetch, overlapped results) against `synchronous_evaluation`. The image-feature
+    cache is emptied before each timed pass, so both encode every image; each path runs once
+    untimed first (kernel autotuning, allocator warm-up)."""
+    states = synthetic.generate(seed=0, states_per_group=states_per_group)
+    write_mixture(states, root, 0, {"train": 0.0, "dev": 0.0, "calibration": 0.0, "test": 1.0})
+    folder = root / "test"
+    rows, reader = load_records(folder), RecordReader(folder)
+    build = EvaluationBatches(template, reader, max_tokens)
+    plan = plan_batches(rows, batch_rows)
+    device = model.device
+    passes = {"overlapped": lambda: evaluate(model, template, reader, rows, batch_rows, max_tokens, desc="overlapped"),
+              "synchronous": lambda: synchronous_evaluation(model, build, plan)}
+    seconds = {}
+    for name, run in passes.items():
+        run()
+        model.image_cache.clear()
+        synchronize(device)
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        seconds[name] = time.perf_counter() - start
+        model.image_cache.clear()
+    record = {"workload": "evaluation_throughput", "rows": len(rows), "batches": len(plan),
+              "images": int(rows.image.notna().sum()), "loader_workers": loader_workers(device)}
+    for name, value in seconds.items():
+        record[f"{name}_seconds"] = value
+        record[f"{name}_rows_per_second"] = len(rows) / value
+    record["speedup"] = seconds["synchronous"] / seconds["overlapped"]
+    return record
+
+
+# Published upstream p50 latencies (ms), from shared/reference/benchmark-workloads.json.
+PUBLISHED_P50_MS = {
+    "Dohnuts-0.1.0-0.8B on AMD RX 7900 XTX (upstream, bf16, merged LoRA)": {
+        "distinct_text_1q": 15.07, "distinct_text_50q": 112.51, "vision_protocol_image_1q": 24.43,
+        "vision_protocol_image_3q": 35.84},
+    "Linnaeus-0.1.0-2B on NVIDIA RTX 4090 (fork, bf16, merged LoRA)": {
+        "vision_protocol_text_1q": 44.53, "vision_protocol_text_3q": 47.81, "vision_protocol_image_1q": 49.88,
+        "vision_protocol_image_3q": 100.83, "distinct_text_1q": 46.83, "distinct_text_5q": 94.32,
+        "distinct_text_10q": 94.83, "distinct_text_50q": 122.42},
+}
+
+
+def benchmark(predictor, warmup: int, timed: int, progress=None) -> tuple[list[dict], dict, list[dict]]:
+    """Run every workload (image workloads also with a cold image-feature cache), then one
+    training-update record (which injects fresh LoRA into the predictor's model, so it comes
+    last). Ceilings are measured first, in the same process. `progress(records so far)`
+    follows each record.
+
+    Returns:
+        (raw records, summary for DVC metrics, plot rows: one per workload)
+    """
+    env = environment(predictor)
+    device = predictor.model.device
+    ceilings = measure_ceilings(device)
+    records = []
+    for name, (state, questions) in workloads().items():
+        variants = (False, True) if isinstance(state, dict) and "image" in state else (False,)
+        for cache_miss in variants:
+            record = run_workload(predictor, name, state, questions, warmup, timed, ceilings, cache_miss)
+            records.append({**record, "environment": env})
+            if progress is not None:
+                progress(records)
+    with tempfile.TemporaryDirectory() as scratch:
+        throughput = {**evaluation_throughput_record(predictor.model, predictor.template, predictor.config.max_tokens,
+                                                     Path(scratch)), "environment": env}
+    if progress is not None:
+        progress(records + [throughput])
+    training = {**training_update_record(predictor.model, predictor.template, ceilings), "environment": env}
+    if progress is not None:
+        progress(records + [throughput, training])
+    keys = ("p50_ms", "p95_ms", "cold_ms", "decisions_per_second", "hugging_face_p50_ms")
+    summary = {
+        "environment": env, "ceilings": ceilings,
+        "workloads": {record["workload"]: {**{key: record[key] for key in keys},
+                                           "efficiency": record["roofline"]["efficiency"]["measured"]}
+                      for record in records},
+        "training_update": {"p50_ms": training["p50_ms"], "tokens_per_second": training["tokens_per_second"],
+                            "efficiency": training["roofline"]["efficiency"]["measured"]},
+        "evaluation_rows_per_second": {name: throughput[f"{name}_rows_per_second"]
+                                       for name in ("overlapped", "synchronous")},
+        "published_p50_ms": PUBLISHED_P50_MS,
+    }
+    plots = [{"workload": record["workload"], "p50_ms": record["p50_ms"],
+              "hugging_face_p50_ms": record["hugging_face_p50_ms"],
+              "efficiency": record["roofline"]["efficiency"]["measured"]} for record in records]
+    return records + [throughput, training], summary, plots
+
+
+def describe(record: dict) -> str:
+    """One progress line for a benchmark record."""
+    if "p50_ms" not in record:
+        return f"{record['workload']:36s} {json.dumps({k: v for k, v in record.items() if k != 'environment'})}"
+    baseline = f"  Hugging Face {record['hugging_face_p50_ms']:8.2f} ms" if "hugging_face_p50_ms" in record else ""
+    share = record["roofline"]["efficiency"]["measured"]
+    share = f"  efficiency {share:.2e}" if share is not None else ""
+    return f"{record['workload']:36s} p50 {record['p50_ms']:8.2f} ms{baseline}{share}"
+
+
+def run(config: BenchmarkConfig, checkpoint: Path, records: Path, echo=print) -> tuple[dict, list[dict]]:
+    """The benchmark stage: the deployable checkpoint, or a random-weight model of the shape
+    `config.shape` names (shape-only), through `benchmark`. The raw records are rewritten
+    atomically to `records` after each one, so a killed run keeps what it finished; `echo`
+    gets a progress line per record.
+
+    Returns:
+        (summary for DVC metrics, plot rows)
+    """
+    if config.shape is not None:
+        predictor = shape_only_predictor(config.shape, texts=workload_texts())
+        echo(f"shape-only: random weights of {config.shape}, not the checkpoint")
+    else:
+        predictor = Predictor.from_checkpoint(checkpoint)
+
+    def progress(done):
+        write_bytes(Path(records), "".join(json.dumps(record) + "\n" for record in done).encode())
+        echo(describe(done[-1]))
+
+    _, summary, plots = benchmark(predictor, config.warmup, config.timed, progress=progress)
+    return summary, plots

@@ -1,0 +1,157 @@
+"""Batched evaluation: candidate logits for every row of a partition, one request per state."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from ..data.loader import Item, prefetch, worker_batches
+from ..data.records import RecordReader
+from ..model.template import Template
+from ..schema import parse_request
+from ..scoring.calibration import apply_temperatures
+from ..scoring.metrics import masked_softmax, row_metrics, summarize
+
+
+def _requests(rows: pd.DataFrame) -> list[pd.DataFrame]:
+    """The records of each state, in order of first appearance: one request per state."""
+    return [table for _, table in rows.groupby("state_id", sort=False)]
+
+
+def plan_batches(rows: pd.DataFrame, batch_rows: int) -> list[list[pd.DataFrame]]:
+    """Whole requests per batch, closing a batch once it holds at least `batch_rows` rows."""
+    batches, current, count = [], [], 0
+    for table in _requests(rows):
+        current.append(table)
+        count += len(table)
+        if count >= batch_rows:
+            batches.append(current)
+            current, count = [], 0
+    if current:
+        batches.append(current)
+    return batches
+
+
+class EvaluationBatches:
+    """Builds one evaluation batch from its requests (runs in loader workers)."""
+
+    def __init__(self, template: Template, reader: RecordReader, max_tokens: int):
+        self.template, self.reader, self.max_tokens = template, reader, max_tokens
+
+    def __call__(self, tables: list[pd.DataFrame]) -> Item:
+        template = self.template
+        encoded_rows, images, meta = [], [], []
+        for table in tables:
+            questions = {qid: json.loads(question) for qid, question in zip(table.qid, table.question)}
+            request = parse_request(self.reader.state(table.iloc[0]), questions, template.reserved)
+            image = template.encode_image(request.image) if request.image is not None else None
+            rows = template.encode(request, self.max_tokens, len(images), image)
+            if image is not None:
+                images.append(image)
+            encoded_rows.extend(rows)
+            for row, record, target in zip(rows, table.itertuples(), table.target):
+                meta.append({"group": record.group, "state_id": record.state_id, "qid": record.qid,
+                             "kind": row.question.kind, "labels": list(row.question.labels),
+                             "candidates": len(row.markers), "target": [float(x) for x in target]})
+        return Item(template.collate(encoded_rows, images), meta=meta)
+
+
+def _to_host(logits: torch.Tensor):
+    """Start copying logits to (pinned) host memory without waiting. Returns (host, event)."""
+    if not logits.is_cuda:
+        return logits, None
+    host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+    host.copy_(logits, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def result_rows(logits: torch.Tensor, meta: list[dict]) -> list[dict]:
+    """One result row per batch row: its metadata and its candidates' logits [K] (host)."""
+    records = []
+    for index, row in enumerate(meta):
+        row = dict(row)
+        count = row.pop("candidates")
+        records.append({**row, "logits": logits[index, :count].tolist()})
+    return records
+
+
+def _results(host: torch.Tensor, done, meta: list[dict]) -> list[dict]:
+    if done is not None:
+        done.synchronize()
+    return result_rows(host, meta)
+
+
+@torch.no_grad()
+def evaluate(model, template: Template, reader: RecordReader, rows: pd.DataFrame, batch_rows: int,
+             max_tokens: int, desc: str = "evaluate", workers: int | None = None) -> pd.DataFrame:
+    """Logits of every row; all questions of a state go into one request.
+
+    Batches are built by loader workers and prefetched; each batch's logits are copied to
+    the host without blocking, and its result rows are made while the next batch runs.
+
+    Returns:
+        One row per record: group, state_id, qid, kind, labels, logits, target.
+    """
+    model.eval()
+    results: list[dict] = []
+    bar = tqdm(total=len(rows), desc=desc, unit="row", dynamic_ncols=True)
+    plan = plan_batches(rows, batch_rows)
+    batches = worker_batches(EvaluationBatches(template, reader, max_tokens), plan, model.device, workers)
+    previous = None
+    for item in prefetch(batches, model.device):
+        current = (*_to_host(model(item.batch)), item.meta)
+        if previous is not None:
+            results.extend(_results(*previous))
+            bar.update(len(previous[2]))
+        previous = current
+    if previous is not None:
+        results.extend(_results(*previous))
+        bar.update(len(previous[2]))
+    bar.close()
+    columns = ["group", "state_id", "qid", "kind", "labels", "logits", "target"]
+    return pd.DataFrame.from_records(results, columns=columns)
+
+
+def padded(table: pd.DataFrame) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, K] logits, candidate mask and targets from an evaluation table."""
+    width = max(len(x) for x in table.logits)
+    logits = torch.zeros((len(table), width), dtype=torch.float64)
+    targets = torch.zeros_like(logits)
+    mask = torch.zeros((len(table), width), dtype=torch.bool)
+    for index, (row_logits, target) in enumerate(zip(table.logits, table.target)):
+        logits[index, : len(row_logits)] = torch.tensor(row_logits)
+        targets[index, : len(target)] = torch.tensor(target)
+        mask[index, : len(row_logits)] = True
+    return logits, mask, targets
+
+
+def score_table(table: pd.DataFrame, temperatures: dict[str, float] | None = None) -> tuple[pd.DataFrame, dict]:
+    """Per-row metrics and the per-group/macro summary of an evaluation table.
+
+    Args:
+        table: from `evaluate`.
+        temperatures: per question type; None means raw (T = 1).
+
+    Returns:
+        (table with probabilities, prediction and per-row metrics added, summary dict)
+    """
+    logits, mask, targets = padded(table)
+    if temperatures is not None:
+        logits = apply_temperatures(logits, list(table.kind), temperatures)
+    probs = masked_softmax(logits, mask)
+    ordinal = torch.tensor([kind == "score" for kind in table.kind])
+    metrics = row_metrics(probs, mask, targets, ordinal)
+    scored = table.assign(
+        probabilities=[p[: len(x)].tolist() for p, x in zip(probs, table.logits)],
+        pred=probs.masked_fill(~mask, -1).argmax(-1).numpy(),
+        label=targets.argmax(-1).numpy(),
+        num_candidates=[len(x) for x in table.logits],
+        **{name: value.numpy() for name, value in metrics.items()},
+    )
+    scored["family"] = [f"{kind}:{'|'.join(labels)}" for kind, labels in zip(scored.kind, scored.labels)]
+    return scored, summarize(scored)

@@ -1,0 +1,57 @@
+"""The select step: every checkpoint on the dev partition, the best macro accuracy kept."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pandas as pd
+
+from ..config import LoraConfig, ModelConfig, SelectConfig
+from ..data.records import RecordReader, hash_order, load_records
+from ..io import atomic_directory, read_json, write_parquet
+from ..model.adapters import load_adapter_model, verify_base
+from ..model.base import load_processors
+from ..model.decision import default_device
+from ..model.template import Template
+from .evaluate import evaluate, score_table
+
+
+def select(checkpoints: Path, base: Path, data: Path, model: ModelConfig, lora: LoraConfig,
+           config: SelectConfig, adapter_out: Path, table_out: Path) -> dict:
+    """Evaluate every checkpoint on the dev subset; keep the best macro accuracy (ties: earliest).
+
+    Writes the selected checkpoint folder to `adapter_out` and the selection table (Parquet)
+    to `table_out`; returns the metrics dict.
+    """
+    folders = sorted(Path(checkpoints).glob("step-*"))
+    if not folders:
+        raise FileNotFoundError(f"no step-* checkpoints in {checkpoints}: run the train stage first")
+    verify_base(base)
+    device = default_device()
+    tokenizer, processor = load_processors(base, model)
+    template = Template(tokenizer, processor, model.marker_token)
+    reader = RecordReader(data)
+    dev = hash_order(load_records(data), config.dev_rows_per_group)
+    table = []
+    for folder in folders:
+        decision, _ = load_adapter_model(base, model.dtype, lora, folder, device)
+        logits = evaluate(decision, template, reader, dev, config.batch_rows, model.max_tokens, desc=folder.name)
+        _, summary = score_table(logits)
+        step = read_json(folder / "manifest.json")["step"]
+        table.append({"checkpoint": folder.name, "step": step, "macro_accuracy": summary["macro"]["accuracy"],
+                      **{f"accuracy/{g}": v["accuracy"] for g, v in summary["groups"].items()}})
+    selection = pd.DataFrame(table)
+    best = best_checkpoint(selection)
+    with atomic_directory(adapter_out) as tmp:
+        shutil.copytree(Path(checkpoints) / best.checkpoint, tmp, dirs_exist_ok=True)
+    write_parquet(table_out, selection)
+    return {"selected_step": int(best.step), "dev_macro_accuracy": float(best.macro_accuracy),
+            "dev_rows": int(len(dev)), "checkpoints": int(len(selection))}
+
+
+def best_checkpoint(selection: pd.DataFrame) -> pd.Series:
+    """The row with the highest macro accuracy; a later checkpoint replaces the best only when
+    strictly higher, so ties go to the earliest step (step 0, the parent, included)."""
+    ordered = selection.sort_values("step").reset_index(drop=True)
+    return ordered.loc[ordered.macro_accuracy.idxmax()]

@@ -1,0 +1,371 @@
+"""Training: RLCD + CE updates over seeded group-uniform microbatches, checkpoints and resume."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import logging
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..config import LoraConfig, ModelConfig, TrainConfig, to_dict
+from ..data.loader import Item, prefetch, worker_batches
+from ..data.records import GroupSampler, RecordReader, encode_examples, load_records, shuffled_choice
+from ..io import (
+    IntegrityError,
+    atomic_directory,
+    read_json,
+    sha256_file,
+    verify_manifest,
+    write_bytes,
+    write_json,
+    write_manifest,
+)
+from ..model.adapters import (
+    ADAPTER,
+    build_training_model,
+    check_adapter_config,
+    load_adapter,
+    save_adapter,
+    verify_base,
+    verify_parent,
+)
+from ..model.base import load_processors
+from ..model.decision import DecisionModel, default_device
+from ..model.template import Template
+from ..scoring.objective import microbatch_losses, microbatch_slices, pack_targets
+from .schedule import lr_factor
+
+LOG = logging.getLogger(__name__)
+LOG_FIELDS = ("step", "loss", "reward", "cross_entropy", "accuracy", "lr", "grad_norm", "seconds")
+
+
+@dataclass(frozen=True)
+class TrainRun:
+    """Everything one training run depends on."""
+
+    model: ModelConfig
+    lora: LoraConfig
+    train: TrainConfig
+    seed: int
+    base: Path
+    data: Path
+    out: Path
+    parent: Path | None = None  # verified unmerged LoRA/head weights to start from
+
+
+class TrainingBatches:
+    """Builds microbatch `index` (runs in loader workers): a pure function of the index."""
+
+    def __init__(self, template: Template, reader: RecordReader, sampler: GroupSampler, max_tokens: int):
+        self.template, self.reader, self.sampler, self.max_tokens = template, reader, sampler, max_tokens
+
+    def parts(self, index: int, images: list | None = None, seen: dict | None = None):
+        """Microbatch `index` before packing: (rows, images, targets [B, K], ordinal [B]);
+        `images` and `seen` extend those of other microbatches (see `encode_examples`)."""
+        records, rng = self.sampler.draw(index)
+        examples = [shuffled_choice(self.reader.example(row), rng) for _, row in records.iterrows()]
+        rows, images, targets = encode_examples(self.template, examples, self.max_tokens, images, seen)
+        return rows, images, targets, torch.tensor([row.question.kind == "score" for row in rows])
+
+    def __call__(self, index: int) -> Item:
+        rows, images, targets, ordinal = self.parts(index)
+        return Item(self.template.collate(rows, images), (targets, ordinal))
+
+
+class TrainingUpdates:
+    """Builds update `index` (runs in loader workers): its microbatches' rows packed into one
+    batch, so the update runs one forward and one backward instead of one per microbatch.
+
+    Each microbatch stays one unit of the objective (its own exploration noise and advantage
+    normalisation; see `microbatch_losses`), so the gradient is the one of running them one
+    after another (LoRA dropout aside, whose masks are drawn differently); only the number of
+    launches changes (a quarter with four microbatches, which is what bounds a training step on
+    a GPU: docs/runtime.md). Memory grows with the update's tokens instead of a microbatch's.
+
+    Returns Item(batch, (targets [R, K], ordinal [R]), sizes): `sizes` holds each microbatch's
+    (rows, candidate width) in order; an image seen in several microbatches is encoded once.
+    """
+
+    def __init__(self, microbatches: TrainingBatches, per_update: int):
+        self.microbatches, self.per_update = microbatches, per_update
+
+    def __call__(self, index: int) -> Item:
+        rows, images, seen, targets, ordinals = [], [], {}, [], []
+        for micro in range(index * self.per_update, (index + 1) * self.per_update):
+            own_rows, images, own_targets, ordinal = self.microbatches.parts(micro, images, seen)
+            rows += own_rows
+            targets.append(own_targets)
+            ordinals.append(ordinal)
+        padded, sizes = pack_targets(targets)
+        return Item(self.microbatches.template.collate(rows, images), (padded, torch.cat(ordinals)), sizes)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def resolved_config(run: TrainRun) -> dict:
+    """The configuration written beside every checkpoint."""
+    return {"model": to_dict(run.model), "lora": to_dict(run.lora), "train": to_dict(run.train),
+            "seed": run.seed, "init": "checkpoint" if run.parent else "base"}
+
+
+def source_digests() -> dict[str, str]:
+    """SHA-256 of every module of the dohnuts package (all wings), by path inside it."""
+    package = Path(__file__).resolve().parents[1]
+    return {path.relative_to(package).as_posix(): sha256_file(path) for path in sorted(package.rglob("*.py"))}
+
+
+def _fingerprint(run: TrainRun) -> str:
+    """Identity of a run for resuming: config but the step budget (which may grow), input
+    manifests, and the package's source, so changed code never continues an old run."""
+    config = resolved_config(run)
+    config["train"] = {key: value for key, value in config["train"].items() if key != "steps"}
+    inputs = [read_json(run.data / "manifest.json")["files"], read_json(run.base / "manifest.json")["files"]]
+    if run.parent:
+        inputs.append(read_json(run.parent / "manifest.json")["files"])
+    return hashlib.sha256(json.dumps([config, inputs, source_digests()], sort_keys=True).encode()).hexdigest()
+
+
+def build_optimizer(model: DecisionModel, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW over the trainable weights in two groups: LoRA at `lora_lr`, the head at `head_lr`."""
+    lora_params = [p for p in model.backbone.parameters() if p.requires_grad]
+    return torch.optim.AdamW(
+        [{"params": lora_params, "lr": config.lora_lr}, {"params": [model.head.weight], "lr": config.head_lr}],
+        weight_decay=config.weight_decay)
+
+
+def update_step(model: DecisionModel, optimizer: torch.optim.Optimizer, batch, targets: torch.Tensor,
+                ordinal: torch.Tensor, sizes: list[tuple[int, int]], config: TrainConfig,
+                noise: torch.Generator | None, update: int = 0) -> dict:
+    """One update: several microbatches at one parameter snapshot, averaged, clipped once, one
+    optimizer step; run in one packed forward and backward (`TrainingUpdates`). Training and
+    the benchmark both run it.
+
+    Args:
+        model: in training mode, on the batch's device.
+        batch: the update's packed batch; targets [R, K], ordinal [R] and `sizes` (each
+            microbatch's rows and candidate width) as `TrainingUpdates` builds them.
+        noise: the generator of the objective's exploration noise.
+        update: the update's index, for error messages.
+
+    Returns:
+        The means over microbatches of loss, reward, cross_entropy and accuracy, and grad_norm.
+
+    Raises:
+        FloatingPointError: a non-finite loss or gradient norm (before the optimizer step).
+    """
+    logits = model(batch)
+    outputs = microbatch_losses(logits, batch.candidate_mask, targets, ordinal, sizes, config.objective, noise)
+    losses = torch.stack([out.loss for out in outputs])
+    finite = torch.isfinite(losses).tolist()
+    if not all(finite):
+        micro = finite.index(False)
+        raise FloatingPointError(f"non-finite loss {losses[micro].item()} at update {update}, "
+                                 f"microbatch {micro}: aborting before the optimizer step")
+    losses.mean().backward()
+    with torch.no_grad():
+        accuracy = []
+        for rows, width in microbatch_slices(sizes):
+            mask = batch.candidate_mask[rows, :width]
+            predicted = logits[rows, :width].masked_fill(~mask, float("-inf")).argmax(-1)
+            accuracy.append((predicted == targets[rows, :width].argmax(-1)).float().mean())
+        means = torch.stack([losses, torch.stack([out.reward_mean for out in outputs]),
+                             torch.stack([out.cross_entropy for out in outputs]), torch.stack(accuracy)]).mean(1)
+    totals = dict(zip(("loss", "reward", "cross_entropy", "accuracy"), means.tolist()))
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
+    if not torch.isfinite(grad_norm):
+        raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at update {update}: "
+                                 f"aborting before the optimizer step")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {**totals, "grad_norm": float(grad_norm)}
+
+
+class Trainer:
+    """Owns the model, optimizer, samplers and RNG of one run; `run()` trains to the budget."""
+
+    def __init__(self, run: TrainRun):
+        self.run = run
+        self.device = default_device()
+        torch.manual_seed(run.seed)
+        verify_base(run.base)
+        self.model, self.peft_model = build_training_model(
+            run.base, run.model.dtype, run.lora, run.train.head_init_std, run.seed)
+        if run.parent:
+            adapter = verify_parent(run.parent)
+            check_adapter_config(run.parent, run.lora)
+            load_adapter(adapter, self.model, self.peft_model)
+        self.model.to(self.device)
+        self.model.activation_checkpointing = run.train.activation_checkpointing
+        tokenizer, processor = load_processors(run.base, run.model)
+        self.template = Template(tokenizer, processor, run.model.marker_token)
+        self.reader = RecordReader(run.data)
+        self.sampler = GroupSampler(load_records(run.data), run.seed,
+                                    run.train.rows_per_microbatch, run.train.group_cap)
+        self.builder = TrainingBatches(self.template, self.reader, self.sampler, run.train.max_tokens)
+        self.updates = TrainingUpdates(self.builder, run.train.microbatches_per_update)
+        self.stream = None  # updates from loader workers, opened at the first update
+        config = run.train
+        self.optimizer = build_optimizer(self.model, config)
+        self.base_lrs = [config.lora_lr, config.head_lr]
+        self.noise = torch.Generator(device=self.device).manual_seed(run.seed)
+        self.update = 0
+        self.log: list[dict] = []
+        self.fingerprint = _fingerprint(run)
+
+    # -- persistence -------------------------------------------------------------------
+
+    def save_checkpoint(self) -> None:
+        folder = self.run.out / "checkpoints" / checkpoint_name(self.update)
+        with atomic_directory(folder) as tmp:
+            save_adapter(tmp / ADAPTER, self.model, self.peft_model)
+            write_json(tmp / "config.json", resolved_config(self.run))
+            write_manifest(tmp, {"step": self.update, "fingerprint": self.fingerprint})
+
+    def save_state(self) -> None:
+        """Everything needed to continue exactly: weights, optimizer, RNG, update count, log."""
+        with atomic_directory(self.run.out / "state") as tmp:
+            save_adapter(tmp / ADAPTER, self.model, self.peft_model)
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save({"torch": torch.get_rng_state(), "noise": self.noise.get_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                        "python": random.getstate(), "numpy": np.random.get_state()}, tmp / "rng.pt")
+            write_json(tmp / "progress.json", {"update": self.update, "fingerprint": self.fingerprint, "log": self.log})
+            write_manifest(tmp)
+
+    def try_resume(self) -> str | None:
+        """Restore the saved state if it belongs to this run.
+
+        Returns:
+            None when resumed, else why not (no state, a damaged state, another
+            configuration, or a saved run already past the step budget).
+        """
+        state = self.run.out / "state"
+        if not (state / "progress.json").is_file():
+            return f"no saved state in {state}"
+        try:
+            verify_manifest(state)
+        except IntegrityError as error:
+            return f"the saved state is damaged ({error})"
+        progress = read_json(state / "progress.json")
+        if progress["fingerprint"] != self.fingerprint:
+            return "the saved state belongs to another configuration, input or code version"
+        if progress["update"] > self.run.train.steps:
+            return (f"the saved run reached update {progress['update']}, past train.steps = "
+                    f"{self.run.train.steps} (only the budget may grow on resume)")
+        load_adapter(state / ADAPTER, self.model, self.peft_model)
+        self.optimizer.load_state_dict(torch.load(state / "optimizer.pt", map_location=self.device))
+        rng = torch.load(state / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        self.noise.set_state(rng["noise"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        self.update, self.log = progress["update"], progress["log"]
+        return None
+
+    def write_log(self) -> None:
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=LOG_FIELDS)
+        writer.writeheader()
+        writer.writerows(self.log)
+        write_bytes(self.run.out / "log.csv", buffer.getvalue().encode())
+
+    # -- training ----------------------------------------------------------------------
+
+    def set_lr(self) -> float:
+        config = self.run.train
+        factor = lr_factor(self.update, config.steps, config.horizon_cap, config.warmup_fraction, config.lr_floor)
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * factor
+        return factor
+
+    def microbatch(self, index: int):
+        """Microbatch `index` on the device, built here: (batch, targets [B, K], ordinal [B])."""
+        item = self.builder(index).to(self.device)
+        return item.batch, *item.tensors
+
+    def next_update(self):
+        """The batch of this update (all its microbatches), built by loader workers and
+        prefetched: (batch, targets [R, K], ordinal [R], sizes)."""
+        if self.stream is None:
+            # As many as the run asks for: the workers run a few updates ahead, no more.
+            indices = range(self.update, self.update + 2**40)
+            self.stream = prefetch(worker_batches(self.updates, indices, self.device), self.device)
+        item = next(self.stream)
+        return item.batch, *item.tensors, item.meta
+
+    def step(self) -> dict:
+        """One update (`update_step`) on the next prefetched update batch, at the scheduled rate."""
+        started = time.perf_counter()
+        factor = self.set_lr()
+        self.model.train()
+        batch, targets, ordinal, sizes = self.next_update()
+        totals = update_step(self.model, self.optimizer, batch, targets, ordinal, sizes, self.run.train, self.noise,
+                             self.update)
+        self.update += 1
+        return {"step": self.update, **totals, "lr": factor * self.run.train.lora_lr,
+                "seconds": time.perf_counter() - started}
+
+    def run_to_budget(self, on_update=None) -> None:
+        """Train until `train.steps` updates, checkpointing at 0, every `eval_every` and the end.
+
+        Args:
+            on_update: optional callback(update) after each update (progress, tests).
+        """
+        config = self.run.train
+        if self.update == 0:
+            self.save_checkpoint()
+            self.save_state()
+        bar = tqdm(total=config.steps, initial=self.update, desc="train", unit="update", dynamic_ncols=True)
+        while self.update < config.steps:
+            record = self.step()
+            self.log.append(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", acc=f"{record['accuracy']:.2f}")
+            if self.update % config.eval_every == 0 or self.update == config.steps:
+                self.save_checkpoint()
+                self.save_state()
+                self.write_log()
+            if on_update is not None:
+                on_update(self.update)
+        bar.close()
+        self.write_log()
+        self.close()
+
+    def close(self) -> None:
+        """Stop the loader workers (a later `step` opens a new stream from the current update)."""
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+
+def train(run: TrainRun, resume: bool, on_update=None) -> Trainer:
+    """Train a run; with `resume`, continue from its saved state when that state is this run's.
+
+    A fresh start clears the output folder first, so no checkpoint of another run survives.
+    """
+    trainer = Trainer(run)
+    reason = trainer.try_resume() if resume else "resume not asked for"
+    if reason is None:
+        LOG.info("resuming %s at update %d of %d", run.out, trainer.update, run.train.steps)
+    else:
+        if run.out.exists():
+            LOG.warning("starting %s afresh and clearing it: %s", run.out, reason)
+            shutil.rmtree(run.out)
+        run.out.mkdir(parents=True)
+    trainer.run_to_budget(on_update)
+    return trainer

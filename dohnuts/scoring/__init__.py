@@ -1,0 +1,1 @@
+"""Math on candidate logits [B, K]: the training objective, evaluation metrics, temperature calibration."""

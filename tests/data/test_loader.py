@@ -1,0 +1,107 @@
+"""Worker batches and prefetch keep order and content; overlapped evaluation writes the rows of
+the synchronous loop."""
+
+import dataclasses
+
+import pandas as pd
+import pytest
+import torch
+
+from dohnuts.data.loader import prefetch, worker_batches
+from dohnuts.data.records import RecordReader, load_records
+from dohnuts.model.base import load_backbone
+from dohnuts.model.decision import DecisionModel, new_head
+from dohnuts.pipeline.evaluate import EvaluationBatches, evaluate, plan_batches
+
+
+def _same_item(a, b):
+    assert a.meta == b.meta and len(a.tensors) == len(b.tensors)
+    for x, y in zip(a.tensors, b.tensors):
+        assert torch.equal(x.cpu(), y.cpu())
+    for field in dataclasses.fields(a.batch):
+        x, y = getattr(a.batch, field.name), getattr(b.batch, field.name)
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x.cpu(), y.cpu()), field.name
+        elif field.name == "fork" and x is not None:
+            assert all(torch.equal(u.cpu(), v.cpu()) for u, v in zip(x.tensors(), y.tensors()))
+            assert x.plan() == y.plan()
+        else:
+            assert x == y, field.name
+
+
+@pytest.fixture(scope="module")
+def evaluation(tiny):
+    template = tiny.template()
+    folder = tiny.partition("dev")
+    rows = load_records(folder)
+    return template, RecordReader(folder), rows, EvaluationBatches(template, RecordReader(folder), 4096)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_worker_batches_and_prefetch_keep_order_and_content(evaluation, workers):
+    _, _, rows, build = evaluation
+    plan = plan_batches(rows, 4)
+    assert len(plan) > 2
+    expected = [build(tables) for tables in plan]
+    device = torch.device("cpu")
+    received = list(prefetch(worker_batches(build, plan, device, workers), device))
+    assert len(received) == len(expected)
+    for ours, reference in zip(received, expected):
+        _same_item(ours, reference)
+
+
+def test_batches_hold_whole_requests_and_every_row_once(evaluation):
+    _, _, rows, _ = evaluation
+    plan = plan_batches(rows, 4)
+    states = [set(table.state_id) for tables in plan for table in tables]
+    assert all(len(state) == 1 for state in states)  # a table is one state
+    flat = pd.concat([table for tables in plan for table in tables])
+    assert sorted(flat.index) == sorted(rows.index)
+    assert all(sum(len(t) for t in tables) - len(tables[-1]) < 4 for tables in plan)
+
+
+def test_overlapped_evaluation_writes_exactly_the_rows_of_the_synchronous_loop(tiny, evaluation):
+    template, reader, rows, build = evaluation
+    backbone = load_backbone(tiny.base, torch.float32).eval()
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
+    table = evaluate(model, template, reader, rows, 4, 4096, workers=1)
+    expected = []
+    with torch.no_grad():
+        for tables in plan_batches(rows, 4):
+            item = build(tables)
+            logits = model(item.batch)
+            for index, meta in enumerate(item.meta):
+                record = {key: value for key, value in meta.items() if key != "candidates"}
+                expected.append({**record, "logits": logits[index, : meta["candidates"]].tolist()})
+    expected = pd.DataFrame.from_records(expected, columns=table.columns)
+    assert len(table) == len(rows)
+    pd.testing.assert_frame_equal(table, expected)
+
+
+@pytest.mark.gpu
+def test_prefetch_on_cuda_matches_synchronous_copies_and_pins_worker_batches(evaluation):
+    _, _, rows, build = evaluation
+    plan = plan_batches(rows, 4)
+    device = torch.device("cuda")
+    loaded = list(worker_batches(build, plan, device, 1))
+    assert all(item.batch.input_ids.is_pinned() for item in loaded)
+    received = list(prefetch(loaded, device))
+    torch.cuda.synchronize()
+    for ours, tables in zip(received, plan):
+        assert ours.batch.input_ids.is_cuda
+        _same_item(ours, build(tables))
+
+
+def test_training_updates_from_workers_equal_the_ones_built_in_process(tiny):
+    from dohnuts.data.records import GroupSampler
+    from dohnuts.pipeline.train import TrainingBatches, TrainingUpdates
+
+    folder = tiny.partition("train")
+    build = TrainingUpdates(TrainingBatches(tiny.template(), RecordReader(folder),
+                                            GroupSampler(load_records(folder), 0, 8, 100), 2048), 2)
+    indices = range(5, 9)
+    device = torch.device("cpu")
+    received = list(prefetch(worker_batches(build, indices, device, 2), device))
+    assert len(received) == len(indices)
+    for item, index in zip(received, indices):
+        _same_item(item, build(index))

@@ -1,0 +1,147 @@
+"""Packed batches: prefix planning (64-aligned, before the first marker, fallbacks) and shared
+prefixes against the unshared computation in logits and gradients."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from dohnuts.config import LoraConfig
+from dohnuts.model.adapters import build_training_model
+from dohnuts.model.batch import EncodedImage, Row, mrope_positions, pack_rows, prefix_groups
+from dohnuts.ops.plan import chunk_plan
+from dohnuts.schema import parse_request
+
+QUESTION = None  # rows built by hand carry no question object
+
+
+def _row(ids, shared, markers, image=None):
+    return Row(tuple(ids), tuple(markers), QUESTION, shared, image, (2, 2) if image is not None else None)
+
+
+def test_split_is_aligned_down_to_64_and_never_passes_the_first_marker():
+    common = list(range(10, 140))  # 130 tokens in common
+    rows = [_row(common + [1, 2, 3, 0], 130, [133]), _row(common + [4, 0], 130, [131])]
+    assert prefix_groups(rows) == [(128, [0, 1])]
+    # The first marker at 100 bounds the split: 64, although 130 tokens are shared.
+    marked = common[:100] + [0] + common[100:]
+    rows = [_row(marked + [1, 0], 130, [100, 132]), _row(marked + [0], 130, [100, 131])]
+    assert prefix_groups(rows) == [(64, [0, 1])]
+
+
+@pytest.mark.parametrize("shared, split", [(63, None), (64, 64), (127, 64), (128, 128)])
+def test_prefix_lengths_at_the_alignment_boundaries(shared, split):
+    common = list(range(10, 10 + shared))
+    rows = [_row(common + [1, 0], shared, [shared + 1]), _row(common + [2, 3, 0], shared, [shared + 2])]
+    assert prefix_groups(rows) == ([] if split is None else [(split, [0, 1])])
+
+
+def test_no_shared_prefix_for_a_single_row_differing_rows_or_differing_images():
+    common = list(range(10, 90))
+    assert prefix_groups([_row(common + [0], 80, [80])]) == []
+    differing = [_row(common + [0], 80, [80]), _row([5] + common[1:] + [0], 80, [80])]
+    assert prefix_groups(differing) == []
+    # Same token ids (image pads look alike) but two different images: nothing is shared.
+    images = [_row(common + [0], 80, [80], image=0), _row(common + [0], 80, [80], image=1)]
+    assert prefix_groups(images) == []
+    same_image = [_row(common + [0], 80, [80], image=0), _row(common + [1, 0], 80, [81], image=0)]
+    assert prefix_groups(same_image) == [(64, [0, 1])]
+
+
+def test_several_prefixes_and_unshared_rows_in_one_batch_rebuild_every_row():
+    first, second = list(range(10, 80)), list(range(100, 240))
+    rows = [_row(first + [1, 0], 70, [71]), _row(second + [2, 0], 140, [141]), _row([7, 8, 0], 2, [2]),
+            _row(first + [3, 4, 0], 70, [72]), _row(second + [0], 140, [140])]
+    batch = pack_rows(rows, [], image_pad_id=-1)
+    assert batch.fork.parents.tolist() == [0, 1, -1, 0, 1]
+    assert batch.prefix_cu_seqlens.tolist() == [0, 64, 192]
+    prefix = batch.input_ids[: batch.prefix_tokens]
+    starts = batch.prefix_cu_seqlens.tolist()
+    for index, row in enumerate(rows):
+        own = batch.input_ids[batch.prefix_tokens:][batch.cu_seqlens[index]:batch.cu_seqlens[index + 1]]
+        parent = int(batch.fork.parents[index])
+        head = prefix[starts[parent]:starts[parent + 1]] if parent >= 0 else prefix[:0]
+        assert torch.cat([head, own]).tolist() == list(row.input_ids)
+        assert own[batch.markers[index, 0] - batch.cu_seqlens[index]].item() == 0  # the marker token
+    assert batch.input_tokens == sum(len(row.input_ids) for row in rows)
+    assert batch.computed_tokens == batch.input_tokens - 64 - 128  # each prefix once instead of twice
+
+
+def test_image_block_cut_by_the_split_feeds_each_part_its_features():
+    """An image of 4 tokens at positions 62..65: the prefix holds 2 of them, each row 2."""
+    ids = [9] * 61 + [50] + [77] * 4 + [51] + list(range(10, 20))
+    rows = [_row(ids + [1, 0], len(ids), [len(ids) + 1], image=0), _row(ids + [0], len(ids), [len(ids)], image=0)]
+    image = EncodedImage(torch.zeros(16, 3), torch.tensor([[1, 4, 4]]), "one image")
+    batch = pack_rows(rows, [image], image_pad_id=77)
+    assert batch.image_slots.tolist() == [62, 63, 64 + 0, 64 + 1, 64 + 15, 64 + 16]
+    assert batch.image_sources.tolist() == [0, 1, 2, 3, 2, 3]
+    assert (batch.input_ids[batch.image_slots] == 77).all()
+    full = mrope_positions(rows[0], len(rows[0].input_ids), 77)
+    assert torch.equal(batch.position_ids[:, :64], full[:, :64])
+    assert torch.equal(batch.position_ids[:, 64:64 + len(rows[0].input_ids) - 64], full[:, 64:])
+
+
+def _state_of_tokens(template, tokens: int) -> str:
+    """A text state whose rendered beginning "State: ...\\n" is exactly `tokens` long."""
+    for repeats in range(200):
+        for tail in ("", ".", "!?", " ."):
+            state = "ok " * repeats + tail
+            if len(template.tokenizer(f"State: {state}\n", add_special_tokens=False)["input_ids"]) == tokens:
+                return state
+    raise AssertionError(f"no state renders to {tokens} tokens")
+
+
+def test_shared_prefixes_of_64_and_127_tokens_match_unshared_logits_and_gradients(tiny):
+    """Two requests whose beginnings are exactly 64 and 127 tokens, and a one-question request,
+    in one batch: logits and LoRA and head gradients equal the unshared batch (float64, 1e-5
+    relative)."""
+    template = tiny.template()
+    questions = {
+        "plan": {"type": "choice", "instructions": "Which plan?", "criteria": ["free", "business", "enterprise"]},
+        "angry": {"type": "noul", "instructions": "Is the customer angry?"},
+        "urgent": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "mid", "high"]},
+    }
+    rows = []
+    for tokens in (64, 127):
+        rows += template.encode(parse_request(_state_of_tokens(template, tokens), questions, template.reserved), 4096)
+    rows += template.encode(parse_request("short", {"plan": questions["plan"]}, template.reserved), 4096)
+    assert [row.shared for row in rows[:6:3]] == [64, 127]
+    shared = template.collate(rows, [])
+    unshared = template.collate([dataclasses.replace(row, shared=0) for row in rows], [])
+    assert shared.fork is not None and unshared.fork is None
+    assert shared.prefix_cu_seqlens.tolist() == [0, 64, 128]
+    assert shared.computed_tokens == unshared.computed_tokens - 2 * 64 - 2 * 64
+
+    model, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
+    model.double().train()
+    model.activation_checkpointing = True
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.05)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    weights = torch.randn(shared.markers.shape, dtype=torch.float64)
+    results = []
+    for batch in (shared, unshared):
+        logits = model(batch)
+        results.append((logits.detach(), torch.autograd.grad((logits * weights).sum(), trainable)))
+    (logits, grads), (expected_logits, expected_grads) = results
+    assert ((logits - expected_logits).abs().max() / expected_logits.abs().max()).item() <= 1e-5
+    for ours, reference in zip(grads, expected_grads):
+        assert ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-12)).item() <= 1e-5
+
+
+
+def test_chunk_plan_lists_every_64_token_chunk_of_every_sequence():
+    assert chunk_plan([63, 1, 130, 64]).tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [2, 2], [3, 0]]
+    assert chunk_plan([]).shape == (0, 2)
+    assert chunk_plan([0, 5], 4).tolist() == [[1, 0], [1, 1]] and chunk_plan([5]).dtype == torch.int32
+
+
+@pytest.mark.gpu
+def test_chunk_plan_equals_flash_linear_attentions_own():
+    from fla.ops.utils.index import prepare_chunk_indices
+
+    lengths = [63, 1, 130, 64, 200]
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    assert torch.equal(chunk_plan(lengths).cuda(), prepare_chunk_indices(cu, 64).to(torch.int32))

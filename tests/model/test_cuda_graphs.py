@@ -1,0 +1,104 @@
+"""CUDA graphs of the inference forward against the eager forward (GPU tests), and the layout key."""
+
+import dataclasses
+
+import pytest
+import torch
+from PIL import Image
+
+from dohnuts.model.base import load_backbone
+from dohnuts.model.cuda_graphs import GraphedScores, layout_key
+from dohnuts.model.decision import DecisionModel, new_head
+from dohnuts.schema import parse_request
+
+QUESTIONS = {
+    "red": {"type": "noul", "instructions": "Is the square red?"},
+    "colour": {"type": "choice", "instructions": "What colour?", "criteria": ["red", "green", "blue"]},
+}
+
+
+def _batch(template, colour, note="a square on a page, drawn for the test " * 4):
+    image = Image.new("RGB", (64, 64), "white")
+    image.paste(colour, (8, 8, 40, 40))
+    request = parse_request({"note": note, "image": image}, QUESTIONS, template.reserved)
+    encoded = template.encode_image(request.image)
+    return template.collate(template.encode(request, 4096, 0, encoded), [encoded])
+
+
+def test_layout_key_ignores_contents_but_not_the_plan(tiny):
+    template = tiny.template()
+    red, green = _batch(template, (220, 20, 20)), _batch(template, (20, 220, 20))
+    assert red.fork is not None  # the rows share a prefix, so the key covers a fork
+    assert layout_key(red) == layout_key(green)
+    longer = _batch(template, (220, 20, 20), note="a longer note " * 30)
+    assert layout_key(longer) != layout_key(red)
+    moved = dataclasses.replace(red, cu_seqlens_cpu=red.cu_seqlens_cpu + torch.tensor([0, 1, 1], dtype=torch.int32))
+    assert layout_key(moved) != layout_key(red)
+
+
+def test_eager_on_the_cpu_equals_the_model(tiny):
+    template = tiny.template()
+    backbone = load_backbone(tiny.base, torch.float32).eval()
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
+    graphed = GraphedScores(model)
+    batch = _batch(template, (220, 20, 20))
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(graphed(batch), model(batch))
+    assert graphed.stats == {"eager": 3, "captures": 0, "replays": 0}
+
+
+def _on_cuda(tiny, dtype):
+    """(template, the tiny model on CUDA, its GraphedScores)."""
+    backbone = load_backbone(tiny.base, dtype).cuda().eval()
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01).cuda()).eval()
+    return tiny.template(), model, GraphedScores(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replayed_graphs_equal_the_eager_forward_for_new_contents(tiny, dtype):
+    template, model, graphed = _on_cuda(tiny, dtype)
+    colours = [(220, 20, 20), (220, 20, 20), (20, 220, 20), (20, 20, 220)]
+    with torch.no_grad():
+        for colour in colours:
+            batch = _batch(template, colour).to("cuda")
+            torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
+    # First sight eager, second captures, then replays with other images (same layout).
+    assert graphed.stats == {"eager": 1, "captures": 1, "replays": 3}
+    assert not graphed.failed
+
+
+@pytest.mark.gpu
+def test_a_graph_replayed_after_many_other_layouts_still_equals_eager(tiny):
+    """Eager calls of other layouts churn flash-linear-attention's plan memo; the captured graph
+    owns its plans, so its replay stays right."""
+    template, model, graphed = _on_cuda(tiny, torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(2):
+            graphed(_batch(template, (220, 20, 20)).to("cuda"))
+        for index in range(12):
+            graphed(_batch(template, (20, 220, 20), note="another note " * (index + 1)).to("cuda"))
+        batch = _batch(template, (20, 20, 220)).to("cuda")
+        torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
+    assert graphed.stats["captures"] == 1 and not graphed.failed
+
+
+@pytest.mark.gpu
+def test_graphs_are_dropped_when_the_model_changes(tiny):
+    template, model, graphed = _on_cuda(tiny, torch.bfloat16)
+    batch = _batch(template, (220, 20, 20)).to("cuda")
+    with torch.no_grad():
+        for _ in range(2):
+            graphed(batch)
+        assert len(graphed.graphs) == 1
+        # In place, on a weight the forward derives a cached constant from (RMSNorm's 1 + weight).
+        model.backbone.language_model.layers[0].input_layernorm.weight.add_(0.5)
+        torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
+        assert len(graphed.graphs) == 0
+        graphed(batch)  # seen twice again: captured with the new constant
+        torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
+        assert graphed.stats["captures"] == 2 and len(graphed.graphs) == 1
+        model.changed()
+        graphed(batch)
+        assert graphed.stats["captures"] == 2 and len(graphed.graphs) == 0  # seen again from scratch

@@ -1,0 +1,87 @@
+"""The decision model against Hugging Face's Qwen3_5Model: hidden states and logits at the markers."""
+
+import inspect
+
+import torch
+from PIL import Image
+
+from dohnuts.model.base import load_backbone
+from dohnuts.model.decision import DecisionModel, new_head
+from dohnuts.schema import parse_request
+
+TOLERANCE = 1e-4  # float32, max abs error on final hidden states
+
+
+def _image() -> Image.Image:
+    image = Image.new("RGB", (64, 48), "white")
+    image.paste((220, 20, 20), (8, 8, 40, 40))
+    return image
+
+
+def _rows(template):
+    """An image request with two questions whose shared beginning (image block and a long state)
+    exceeds 64 tokens, and a text request with one question: rows of unequal length, one shared
+    prefix and one row without."""
+    questions = {
+        "colour": {"type": "choice", "instructions": "What colour is the square?",
+                   "criteria": ["red", "green", "blue"]},
+        "big": {"type": "noul", "instructions": "Is it big?"},
+    }
+    note = "a red square on a white page, drawn by hand for the test " * 3
+    image_request = parse_request({"note": note, "image": _image()}, questions, template.reserved)
+    encoded = template.encode_image(image_request.image)
+    rows = template.encode(image_request, 4096, 0, encoded)
+    text_request = parse_request("Customer: I was billed twice.", {
+        "urgent": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "high", "critical"]}},
+        template.reserved)
+    rows += template.encode(text_request, 4096)
+    return rows, [encoded]
+
+
+def _hugging_face_hidden(backbone, row, image):
+    """Reference: Hugging Face's own forward (and its own M-RoPE positions) on one unpadded row."""
+    ids = torch.tensor([row.input_ids])
+    kwargs = {}
+    if row.image is not None:
+        kwargs = {"pixel_values": image.pixel_values, "image_grid_thw": image.grid_thw}
+        if "mm_token_type_ids" in inspect.signature(backbone.forward).parameters:
+            kwargs["mm_token_type_ids"] = (ids == backbone.config.image_token_id).int()
+    return backbone(input_ids=ids, use_cache=False, **kwargs).last_hidden_state[0]
+
+
+def _model_and_batch(tiny):
+    template = tiny.template()
+    backbone = load_backbone(tiny.base, torch.float32).eval()
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
+    rows, images = _rows(template)
+    return model, rows, images, template.collate(rows, images)
+
+
+def _own_tokens(batch, index):
+    """The slice of the packed rows' part that holds row `index`'s own tokens."""
+    return slice(int(batch.cu_seqlens[index]), int(batch.cu_seqlens[index + 1]))
+
+
+def test_forward_matches_hugging_face_with_images_shared_prefix_and_unequal_rows(tiny):
+    model, rows, images, batch = _model_and_batch(tiny)
+    assert batch.fork is not None and batch.fork.parents.tolist() == [0, 0, -1]  # shared, and a row without
+    backbone = model.backbone
+    with torch.no_grad():
+        ours = model.hidden_states(batch)
+        for index, row in enumerate(rows):
+            reference = _hugging_face_hidden(backbone, row, images[0])
+            own = ours[_own_tokens(batch, index)]
+            error = (own - reference[len(row.input_ids) - len(own):]).abs().max().item()
+            assert error <= TOLERANCE, f"row {index}: max abs error {error}"
+
+
+def test_logits_are_read_at_the_markers(tiny):
+    model, rows, _, batch = _model_and_batch(tiny)
+    with torch.no_grad():
+        hidden = model.hidden_states(batch)
+        logits = model(batch)
+    for index, row in enumerate(rows):
+        own = hidden[_own_tokens(batch, index)]
+        expected = model.head(own[torch.tensor(row.markers) - (len(row.input_ids) - len(own))]).squeeze(-1)
+        torch.testing.assert_close(logits[index, : len(row.markers)], expected)
+        assert (logits[index, len(row.markers):] == 0).all()

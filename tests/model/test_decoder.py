@@ -1,0 +1,286 @@
+"""Our packed Qwen3.5 language forward against Hugging Face's padded one."""
+
+import pytest
+import torch
+
+from dohnuts.config import LoraConfig
+from dohnuts.model import decoder
+from dohnuts.model.adapters import build_training_model
+from dohnuts.model.base import load_backbone
+from dohnuts.model.decoder import Prefixes, Segments, packed_forward, project
+from dohnuts.ops import kernels
+from dohnuts.ops.plan import plan_fork
+from dohnuts.schema import parse_request
+
+TOLERANCE = 1e-4  # float32, max abs error on final hidden states
+# Gradients: max abs error relative to the largest gradient. Hugging Face's chunked delta rule
+# runs in float32 whatever the model dtype, so even float64 models differ by about 2e-4.
+GRADIENT_TOLERANCE = 1e-3
+
+
+def _rows(tiny):
+    """Two text requests of different lengths: three rows."""
+    template = tiny.template()
+    first = parse_request({"customer": "Mina", "plan": "business"}, {
+        "plan": {"type": "choice", "instructions": "Which plan?", "criteria": ["free", "business", "enterprise"]},
+        "angry": {"type": "noul", "instructions": "Is the customer angry?"},
+    }, template.reserved)
+    second = parse_request("Customer: I was billed twice and want a refund today.", {
+        "urgent": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "high"]}}, template.reserved)
+    return template.encode(first, 4096) + template.encode(second, 4096)
+
+
+def _packed_inputs(language_model, rows):
+    ids = torch.tensor([token for row in rows for token in row.input_ids], device=language_model.device)
+    positions = torch.cat([torch.arange(len(row.input_ids)) for row in rows]).expand(3, -1)
+    cu = torch.tensor([0] + [len(row.input_ids) for row in rows]).cumsum(0)
+    return language_model.get_input_embeddings()(ids), positions, cu
+
+
+def _hugging_face(language_model, rows, device="cpu"):
+    """Reference: Hugging Face's padded batch forward, unpadded afterwards."""
+    length = max(len(row.input_ids) for row in rows)
+    ids = torch.zeros((len(rows), length), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for index, row in enumerate(rows):
+        ids[index, : len(row.input_ids)] = torch.tensor(row.input_ids)
+        mask[index, : len(row.input_ids)] = 1
+    hidden = language_model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False).last_hidden_state
+    return torch.cat([hidden[index, : len(row.input_ids)] for index, row in enumerate(rows)])
+
+
+def test_packed_forward_matches_hugging_face_padded_forward(tiny):
+    language_model = load_backbone(tiny.base, torch.float32).language_model.eval()
+    rows = _rows(tiny)
+    embeds, positions, cu = _packed_inputs(language_model, rows)
+    with torch.no_grad():
+        ours = packed_forward(language_model, embeds, positions, cu)
+        reference = _hugging_face(language_model, rows)
+    assert (ours - reference).abs().max().item() <= TOLERANCE
+
+
+def test_packed_forward_gradients_match_hugging_face_with_lora_and_checkpointing(tiny):
+    model, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.05)
+    language_model = model.backbone.language_model.train()
+    rows = _rows(tiny)
+    weights = torch.randn(sum(len(row.input_ids) for row in rows), language_model.config.hidden_size)
+    lora = [p for name, p in language_model.named_parameters() if "lora_" in name]
+
+    embeds, positions, cu = _packed_inputs(language_model, rows)
+    ours = torch.autograd.grad((packed_forward(language_model, embeds, positions, cu, True) * weights).sum(), lora)
+    reference = torch.autograd.grad((_hugging_face(language_model, rows) * weights).sum(), lora)
+    for ours_grad, reference_grad in zip(ours, reference):
+        scale = reference_grad.abs().max().clamp_min(1e-8)
+        assert ((ours_grad - reference_grad).abs().max() / scale).item() <= GRADIENT_TOLERANCE
+
+
+def test_packed_attention_with_prefix_keys_equals_attention_of_each_row_alone():
+    """Bottom-right causal attention: queries [5, 1, 9] after [3, 0, 4] prefix keys, 4 query heads
+    on 2 key heads, against per-row SDPA with an explicit mask."""
+    queries, prefixes = [5, 1, 9], [3, 0, 4]
+    keys = [q + p for q, p in zip(queries, prefixes)]
+    cu_q = torch.tensor([0] + queries).cumsum(0).int()
+    cu_k = torch.tensor([0] + keys).cumsum(0).int()
+    query = torch.randn(sum(queries), 4, 8)
+    key, value = torch.randn(sum(keys), 2, 8), torch.randn(sum(keys), 2, 8)
+    out = kernels.attention(query, key, value, cu_q, cu_k, max(queries), max(keys), 0.5)
+    for index, (count, lead) in enumerate(zip(queries, prefixes)):
+        q = query[cu_q[index]:cu_q[index + 1]].transpose(0, 1)
+        k, v = (x[cu_k[index]:cu_k[index + 1]].repeat_interleave(2, dim=1).transpose(0, 1) for x in (key, value))
+        mask = torch.ones(count, count + lead, dtype=torch.bool).tril(diagonal=lead)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5)
+        torch.testing.assert_close(out[cu_q[index]:cu_q[index + 1]], expected.transpose(0, 1))
+
+
+@pytest.mark.gpu
+def test_packed_forward_matches_hugging_face_on_cuda(tiny):
+    """Fused kernels and packing on the GPU against Hugging Face's padded forward (float32)."""
+    language_model = load_backbone(tiny.base, torch.float32).language_model.cuda().eval()
+    rows = _rows(tiny)
+    embeds, positions, cu = _packed_inputs(language_model, rows)
+    with torch.no_grad():
+        ours = packed_forward(language_model, embeds, positions.cuda(), cu.cuda())
+        reference = _hugging_face(language_model, rows, device="cuda")
+    assert (ours - reference).abs().max().item() <= 2e-3  # TF32 matmuls and chunked kernels
+
+
+def _shared_case(tiny, language_model):
+    """Two requests (3 and 2 questions) as full rows and as shared prefixes plus suffixes."""
+    template = tiny.template()
+    first = parse_request({"customer": "Mina", "plan": "business", "note": "billed twice"}, {
+        "plan": {"type": "choice", "instructions": "Which plan?", "criteria": ["free", "business", "enterprise"]},
+        "angry": {"type": "noul", "instructions": "Is the customer angry?"},
+        "urgent": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "mid", "high"]},
+    }, template.reserved)
+    second = parse_request("Customer: the app crashes at login.", {
+        "topic": {"type": "choice", "instructions": "Topic?", "criteria": ["login", "billing"]},
+        "angry": {"type": "noul", "instructions": "Is the customer angry?"},
+    }, template.reserved)
+    groups = [template.encode(first, 4096), template.encode(second, 4096)]
+    embed = language_model.get_input_embeddings()
+    full, prefixes, suffixes, parents = [], [], [], []
+    for parent, rows in enumerate(groups):
+        split = min(next(i for i, (a, b) in enumerate(zip(rows[0].input_ids, rows[1].input_ids)) if a != b),
+                    min(row.markers[0] for row in rows))
+        prefixes.append(torch.tensor(rows[0].input_ids[:split]))
+        for row in rows:
+            full.append(torch.tensor(row.input_ids))
+            suffixes.append(torch.tensor(row.input_ids[split:]))
+            parents.append(parent)
+        assert all(row.input_ids[:split] == rows[0].input_ids[:split] for row in rows)
+
+    def packed(sequences, offsets=None):
+        ids = torch.cat(sequences)
+        starts = offsets or [0] * len(sequences)
+        positions = torch.cat([torch.arange(len(s)) + start for s, start in zip(sequences, starts)]).expand(3, -1)
+        cu = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0)
+        return embed(ids), positions, cu
+
+    split_of = [len(prefixes[p]) for p in parents]
+    fork = plan_fork([len(p) for p in prefixes], [len(s) for s in suffixes], parents)
+    (head, head_positions, head_cu), (tail, tail_positions, tail_cu) = packed(prefixes), packed(suffixes, split_of)
+    shared = (torch.cat([head, tail]), torch.cat([head_positions, tail_positions], dim=1), tail_cu)
+    return packed(full), shared, Prefixes(len(head), Segments.of(head_cu), fork), split_of
+
+
+def _float64_lora_model(tiny):
+    """(language model in float64 and train mode, its LoRA parameters), B matrices non-zero."""
+    model, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
+    model.double()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.05)
+    language_model = model.backbone.language_model.train()
+    return language_model, [p for name, p in language_model.named_parameters() if "lora_" in name]
+
+
+def test_shared_prefixes_match_unshared_rows_in_outputs_and_gradients(tiny):
+    # float64 so that the comparison sees the algorithm, not float32 rounding, at 1e-5 relative.
+    language_model, lora = _float64_lora_model(tiny)
+    full, shared_inputs, prefixes, split_of = _shared_case(tiny, language_model)
+
+    unshared = packed_forward(language_model, *full, activation_checkpointing=True)
+    # The suffix tokens of each full row, in row order.
+    keep = torch.cat([torch.arange(start + split, end) for start, end, split
+                      in zip(full[2][:-1].tolist(), full[2][1:].tolist(), split_of)])
+    unshared = unshared[keep]
+    shared = packed_forward(language_model, *shared_inputs, activation_checkpointing=True, prefixes=prefixes)
+    scale = unshared.abs().max()
+    assert ((shared - unshared).abs().max() / scale).item() <= 1e-5
+
+    weights = torch.randn(unshared.shape, dtype=unshared.dtype)
+    expected = torch.autograd.grad((unshared * weights).sum(), lora, retain_graph=True)
+    actual = torch.autograd.grad((shared * weights).sum(), lora)
+    for ours, reference in zip(actual, expected):
+        assert ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-12)).item() <= 1e-5
+
+
+def _lora_linear(dtype, dropout=0.0, lora_bias=False):
+    """A peft LoRA Linear (adapters in float32, as peft keeps them) with a non-zero B."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    torch.manual_seed(0)
+    outer = torch.nn.Sequential(torch.nn.Linear(24, 40, bias=False)).to(dtype)
+    config = PeftLoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["0"], lora_bias=lora_bias)
+    peft_model = get_peft_model(outer, config)
+    module = peft_model.base_model.model[0]
+    with torch.no_grad():
+        module.lora_B["default"].weight.normal_(0.0, 0.5)
+        if lora_bias:
+            module.lora_B["default"].bias.normal_(0.0, 0.5)
+    return peft_model, module
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_project_equals_peft_lora_in_outputs_and_gradients(dtype, tolerance):
+    """Max abs error relative to the largest value: 1e-6 in float32, where both run the same
+    math; bf16 tolerance in bfloat16, where ours keeps the adapter in bf16 and peft in float32."""
+    _, module = _lora_linear(dtype)
+    adapter = [module.lora_A["default"].weight, module.lora_B["default"].weight]
+    x = torch.randn(2, 7, 24, dtype=dtype, requires_grad=True)
+    weights = torch.randn(2, 7, 40)
+    results = []
+    for run in (project, lambda m, h: m(h)):
+        out = run(module, x)
+        results.append((out, *torch.autograd.grad((out.float() * weights).sum(), [x] + adapter)))
+    assert results[0][0].dtype == dtype
+    for ours, reference in zip(*results):
+        scale = reference.float().abs().max()
+        assert scale > 0 and ((ours.float() - reference.float()).abs().max() / scale).item() <= tolerance
+
+
+def test_project_runs_modules_own_forward_when_merged_disabled_or_plain():
+    peft_model, module = _lora_linear(torch.float32, dropout=0.3)
+    x = torch.randn(5, 24)
+    torch.manual_seed(1)
+    dropped = project(module, x)  # training mode: the same dropout mask as peft's for the same seed
+    torch.manual_seed(1)
+    assert torch.allclose(dropped, module(x), atol=1e-6)
+    module.eval()  # dropout off: merged and unmerged outputs agree
+    unmerged = project(module, x)
+    with peft_model.disable_adapter():
+        assert torch.equal(project(module, x), module.base_layer(x))
+    module.merge()
+    merged = project(module, x)
+    assert torch.equal(merged, module.base_layer(x)) and torch.allclose(merged, unmerged, atol=1e-5)
+    plain = torch.nn.Linear(24, 3)
+    assert torch.equal(project(plain, x), plain(x))
+    _, biased = _lora_linear(torch.float32, lora_bias=True)  # a LoRA bias: peft's own forward
+    assert torch.equal(project(biased, x), biased(x))
+
+
+@pytest.mark.parametrize("keep_tokens", [8192, 1])
+def test_checkpointing_recomputes_only_what_follows_the_delta_rule_and_changes_no_gradient(tiny, monkeypatch,
+                                                                                         keep_tokens):
+    """float64, shared prefixes: outputs and LoRA and input gradients with and without activation
+    checkpointing agree to rounding. In the backward, each MLP reruns once more; a delta-rule
+    layer's projections (hence its convolution and delta rule) rerun only when the batch is over
+    MIXER_KEEP_TOKENS (here forced to 1)."""
+    monkeypatch.setattr(decoder, "MIXER_KEEP_TOKENS", keep_tokens)
+    language_model, lora = _float64_lora_model(tiny)
+    _, (embeds, positions, cu), prefixes, _ = _shared_case(tiny, language_model)
+    embeds = embeds.detach().requires_grad_()
+    calls = {"mlp": 0, "delta": 0}
+    layers = list(zip(language_model.layers, language_model.config.layer_types))
+    assert {"linear_attention", "full_attention"} <= {kind for _, kind in layers}
+    handles = []
+    for layer, kind in layers:
+        handles.append(layer.mlp.gate_proj.lora_dropout["default"].register_forward_hook(
+            lambda *_: calls.__setitem__("mlp", calls["mlp"] + 1)))
+        if kind == "linear_attention":
+            handles.append(layer.linear_attn.in_proj_qkv.lora_dropout["default"].register_forward_hook(
+                lambda *_: calls.__setitem__("delta", calls["delta"] + 1)))
+    deltas = sum(kind == "linear_attention" for _, kind in layers)
+    results = {}
+    for checkpointed in (False, True):
+        calls.update(mlp=0, delta=0)
+        out = packed_forward(language_model, embeds, positions, cu, checkpointed, prefixes)
+        weights = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(0))
+        grads = torch.autograd.grad((out * weights).sum(), lora + [embeds])
+        results[checkpointed] = (out.detach(), grads)
+        recomputed_mixers = checkpointed and embeds.shape[0] > keep_tokens
+        expected = {"mlp": len(layers) * (2 if checkpointed else 1), "delta": deltas * (2 if recomputed_mixers else 1)}
+        assert calls == expected
+    for handle in handles:
+        handle.remove()
+    (plain, plain_grads), (recomputed, recomputed_grads) = results[False], results[True]
+    assert ((plain - recomputed).abs().max() / plain.abs().max()).item() <= 1e-12
+    for ours, reference in zip(recomputed_grads, plain_grads):
+        assert ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item() <= 1e-12
+
+
+def test_plan_fork_lays_out_each_rows_keys_as_its_prefix_then_its_own_tokens():
+    # Token axis: prefix 0 = 0..2, prefix 1 = 3..4, then rows of 2, 1 and 2 tokens (5..6, 7, 8..9)
+    # continuing prefix 1, none and prefix 0.
+    fork = plan_fork([3, 2], [2, 1, 2], [1, -1, 0])
+    assert fork.key_index.tolist() == [0, 1, 2, 3, 4, 3, 4, 5, 6, 7, 0, 1, 2, 8, 9]
+    assert fork.cu_seqlens_q.tolist() == [0, 3, 5, 7, 8, 10] and fork.cu_seqlens_k.tolist() == [0, 3, 5, 9, 10, 15]
+    assert fork.parents.tolist() == [1, -1, 0] and fork.plan() == (3, 5, True)
+    assert fork.key_index.dtype == torch.long and fork.cu_seqlens_k.dtype == torch.int32
+    assert plan_fork([4], [1, 2], [0, 0]).plan() == (4, 6, False)

@@ -1,0 +1,100 @@
+"""The deployable checkpoint: calibrate writes it, Predictor loads it and applies temperatures."""
+
+import math
+
+import pytest
+import torch
+from PIL import Image
+
+from dohnuts import Predictor
+from dohnuts.config import CalibrateConfig, LoraConfig
+from dohnuts.io import write_json, write_manifest
+from dohnuts.model.adapters import ADAPTER, build_training_model, save_adapter
+from dohnuts.pipeline.calibrate import calibrate
+from dohnuts.pipeline.merge import merge
+
+QUESTIONS = {
+    "colour": {"type": "choice", "instructions": "What colour is the square?", "criteria": ["red", "green", "blue"]},
+    "warm": {"type": "noul", "instructions": "Is the colour warm?"},
+    "size": {"type": "score", "instructions": "How big?", "criteria": ["small", "medium", "large"]},
+}
+
+
+@pytest.fixture(scope="module")
+def deployable(tiny, tmp_path_factory):
+    root = tmp_path_factory.mktemp("deploy")
+    model, peft_model = build_training_model(tiny.base, "float32", LoraConfig(), 0.5, seed=0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.05)
+    (root / "adapter").mkdir()
+    save_adapter(root / "adapter" / ADAPTER, model, peft_model)
+    write_json(root / "adapter" / "config.json", {"lora": {"rank": 8, "alpha": 16.0, "dropout": 0.0,
+                                                           "targets": list(LoraConfig().targets)}})
+    write_manifest(root / "adapter")
+    error = merge(tiny.base, root / "adapter", tiny.model, LoraConfig(), root / "merged")
+    assert error <= 1e-4
+    metrics = calibrate(root / "merged", tiny.partition("calibration"), CalibrateConfig(min_rows=2),
+                        root / "checkpoint")
+    return root, metrics
+
+
+def test_calibrate_writes_temperatures_that_predict_applies(deployable):
+    root, metrics = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    assert predictor.temperatures == pytest.approx(metrics["temperatures"])
+    assert any(abs(t - 1.0) > 1e-3 for t in predictor.temperatures.values())
+    state = {"note": "a square", "image": Image.new("RGB", (64, 64), (220, 20, 20))}
+    result = predictor.predict(state, QUESTIONS)
+    batch, request = predictor.encode(state, QUESTIONS)
+    with torch.no_grad():
+        logits = predictor.model(batch).double()
+    for index, question in enumerate(request.questions):
+        count = len(question.labels)
+        expected = torch.softmax(logits[index, :count] / predictor.temperatures[question.kind], -1).tolist()
+        answer = result["answers"][question.qid]
+        assert list(answer["probabilities"].values()) == pytest.approx(expected, abs=1e-9)
+    score = result["answers"]["size"]
+    assert score["score"] == pytest.approx(sum(i * p for i, p in enumerate(score["probabilities"].values())))
+    warm = result["answers"]["warm"]
+    assert warm["noul"] == pytest.approx(warm["probabilities"]["true"])
+    template = predictor.template
+    rows = template.encode(request, 4096, 0, template.encode_image(request.image))
+    assert result["usage"] == {"input_tokens": sum(len(row.input_ids) for row in rows), "images": 1}
+
+
+def test_calibration_lowers_each_types_nll_on_the_calibration_partition(deployable):
+    _, metrics = deployable
+    assert set(metrics["types"]) == {"choice", "noul", "score"}
+    for kind, values in metrics["types"].items():
+        assert math.isfinite(values["nll_raw"])
+        assert values["nll_calibrated"] <= values["nll_raw"] + 1e-9, kind
+
+
+def test_an_uncalibrated_merged_folder_is_refused_with_a_clear_message(deployable):
+    root, _ = deployable
+    with pytest.raises(ValueError, match="merged model without temperatures: run the calibrate stage"):
+        Predictor.from_checkpoint(root / "merged", device="cpu")
+
+
+def test_invalid_requests_reach_the_caller_as_value_errors(deployable):
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    with pytest.raises(ValueError, match="questions is empty"):
+        predictor.predict("state", {})
+    with pytest.raises(ValueError, match="over the budget of 4096"):
+        predictor.predict("word " * 5000, QUESTIONS)
+
+
+def test_a_cached_image_skips_preprocessing_and_the_vision_tower(deployable):
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    processor, preprocessed, encoded = predictor.template.image_processor, [], []
+    predictor.template.image_processor = lambda *args, **kwargs: preprocessed.append(1) or processor(*args, **kwargs)
+    predictor.model.backbone.visual.register_forward_hook(lambda *args: encoded.append(1))
+    state = {"note": "a square", "image": Image.new("RGB", (64, 64), (220, 20, 20))}
+    first = predictor.predict(state, QUESTIONS)
+    second = predictor.predict(state, QUESTIONS)
+    assert first == second
+    assert preprocessed == [1] and encoded == [1]  # the second call did neither

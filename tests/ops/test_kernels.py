@@ -1,0 +1,389 @@
+"""Kernel references against independent formulas (CPU) and fused kernels against references (GPU)."""
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dohnuts.ops import kernels
+
+LENGTHS = [63, 1, 17, 64]  # odd sizes, a single token, exactly one 64-token chunk
+
+
+def _cu(lengths, device="cpu"):
+    return torch.tensor([0] + lengths, device=device).cumsum(0)
+
+
+def _naive_delta_rule(q, k, v, g, beta, state):
+    """Per-token, per-head delta rule written with explicit matrices. q, k [T, H, K]; v [T, H, V]."""
+    q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12) * q.shape[-1] ** -0.5
+    k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    out = torch.zeros(v.shape)
+    for t in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            decayed = state[h] * torch.exp(g[t, h])
+            error = v[t, h] - decayed.T @ k[t, h]
+            state[h] = decayed + torch.outer(k[t, h], beta[t, h] * error)
+            out[t, h] = state[h].T @ q[t, h]
+    return out, state
+
+
+def _delta_inputs(total, heads=2, value_heads=4, key_dim=8, value_dim=6, device="cpu", dtype=torch.float32):
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=generator).to(device, dtype)  # noqa: E731
+    q, k, v = make(1, total, heads, key_dim), make(1, total, heads, key_dim), make(1, total, value_heads, value_dim)
+    g = -F.softplus(make(1, total, value_heads)).float()
+    beta = torch.sigmoid(make(1, total, value_heads))
+    return q, k, v, g, beta
+
+
+def test_derived_constants_are_kept_per_version_and_never_cut_gradients():
+    weight = torch.nn.Parameter(torch.randn(5), requires_grad=False)
+    calls = []
+
+    def plus_one(w):
+        calls.append(1)
+        return 1.0 + w.float()
+
+    first = kernels.derived(weight, "1+w", plus_one)
+    assert kernels.derived(weight, "1+w", plus_one) is first and len(calls) == 1
+    assert kernels.derived(weight, "other", plus_one) is not first and len(calls) == 2  # tags are separate
+    with torch.no_grad():
+        weight.mul_(3.0)  # in place: a new version
+    torch.testing.assert_close(kernels.derived(weight, "1+w", plus_one), 1.0 + weight, rtol=0, atol=0)
+    assert len(calls) == 3
+    weight.data = torch.randn(5, dtype=torch.float64)  # new storage and dtype
+    torch.testing.assert_close(kernels.derived(weight, "1+w", plus_one), 1.0 + weight.float(), rtol=0, atol=0)
+    trained = torch.nn.Parameter(torch.randn(5))
+    out = kernels.derived(trained, "1+w", plus_one)
+    out.sum().backward()
+    torch.testing.assert_close(trained.grad, torch.ones(5))  # computed afresh, in the autograd graph
+    assert kernels.derived(trained, "1+w", plus_one) is not out
+    # A derivation that gives the parameter back (float() of a float32 weight) is not kept:
+    # the entry would keep its own weak key alive.
+    plain = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+    assert kernels.derived(plain, "float", torch.Tensor.float) is plain
+    assert "float" not in kernels._DERIVED.get(plain, {})
+
+
+def test_delta_rule_reference_matches_explicit_per_head_recurrence_on_packed_sequences():
+    total = sum(LENGTHS)
+    q, k, v, g, beta = _delta_inputs(total)
+    start = torch.randn(len(LENGTHS), 4, 8, 6)
+    out, final = kernels.gated_delta_rule_reference(q, k, v, g, beta, start.clone(), True, _cu(LENGTHS))
+    for index, (begin, end) in enumerate(zip(_cu(LENGTHS)[:-1].tolist(), _cu(LENGTHS)[1:].tolist())):
+        # Grouped values: key head h serves value heads 2h and 2h + 1.
+        span = slice(begin, end)
+        expected, state = _naive_delta_rule(q[0, span].repeat_interleave(2, 1), k[0, span].repeat_interleave(2, 1),
+                                            v[0, span], g[0, span], beta[0, span], start[index].clone())
+        torch.testing.assert_close(out[0, begin:end], expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final[index], state, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [64, 16, 5])
+def test_chunked_delta_rule_equals_the_recurrence_in_outputs_states_and_gradients(chunk_size):
+    inputs = [t.double().requires_grad_() for t in _delta_inputs(sum(LENGTHS))]
+    start = torch.randn(len(LENGTHS), 4, 8, 6, dtype=torch.float64)
+    cu = _cu(LENGTHS)
+    # float64 inputs are computed in float32 inside; compare at float32 precision.
+    out, final = kernels.gated_delta_rule_chunked(*inputs, start, True, cu, chunk_size=chunk_size)
+    ref, ref_final = kernels.gated_delta_rule_reference(*inputs, start, True, cu)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(final, ref_final, rtol=1e-5, atol=1e-5)
+    weights = torch.randn_like(out)
+    grads = torch.autograd.grad((out * weights).sum(), inputs)
+    ref_grads = torch.autograd.grad((ref * weights).sum(), inputs)
+    for name, grad, expected in zip(["q", "k", "v", "g", "beta"], grads, ref_grads):
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_delta_rule_state_carries_a_sequence_across_a_split():
+    q, k, v, g, beta = _delta_inputs(40)
+    whole, whole_state = kernels.gated_delta_rule_reference(q, k, v, g, beta, None, True)
+    head, tail = slice(None, 25), slice(25, None)
+    first, state = kernels.gated_delta_rule_reference(*(x[:, head] for x in (q, k, v, g, beta)), None, True)
+    second, final = kernels.gated_delta_rule_reference(*(x[:, tail] for x in (q, k, v, g, beta)), state, True)
+    torch.testing.assert_close(torch.cat([first, second], 1), whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(final, whole_state, rtol=1e-5, atol=1e-6)
+
+
+def test_causal_conv_reference_matches_conv1d_per_sequence_with_carried_state():
+    dim, width = 5, 4
+    x = torch.randn(1, sum(LENGTHS), dim)
+    weight = torch.randn(dim, width)
+    start = torch.randn(len(LENGTHS), dim, width)
+    out, final = kernels.causal_conv1d_reference(x, weight, start, True, _cu(LENGTHS))
+    for index, (begin, end) in enumerate(zip(_cu(LENGTHS)[:-1].tolist(), _cu(LENGTHS)[1:].tolist())):
+        sequence = torch.cat([start[index], x[0, begin:end].T], dim=1)  # [D, W + L]
+        expected = F.silu(F.conv1d(sequence[None], weight[:, None, :], groups=dim)[0, :, 1:]).T
+        torch.testing.assert_close(out[0, begin:end], expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(final[index], sequence[:, -width:])
+
+
+def test_norms_follow_the_qwen3_5_conventions():
+    x, gate, weight = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
+    rms = x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+    torch.testing.assert_close(kernels.rms_norm_reference(x, weight, 1e-6), rms * (1 + weight))
+    torch.testing.assert_close(kernels.rms_norm_gated_reference(x, gate, weight, 1e-6), rms * weight * F.silu(gate))
+
+
+# -- fused kernels on the GPU, against the references, in bf16 tolerance ----------------------
+
+BF16 = {"rtol": 2e-2, "atol": 2e-2}
+
+
+def _relative_error(actual, expected):
+    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-6)).item()
+
+
+def _assert_gradients_close(ours, reference, inputs: dict, limit: float):
+    """The gradients of sum(out * probe) over the outputs, for one random probe per output,
+    reach every named input within `limit` relative error of the reference's."""
+    probes = [torch.randn(out.shape, device=out.device) for out in ours]
+    grads = torch.autograd.grad(sum((out.float() * p).sum() for out, p in zip(ours, probes)), list(inputs.values()))
+    expected = torch.autograd.grad(sum((out.float() * p).sum() for out, p in zip(reference, probes)),
+                                   list(inputs.values()))
+    for name, grad, reference_grad in zip(inputs, grads, expected):
+        assert _relative_error(grad, reference_grad) < limit, name
+
+
+@pytest.mark.gpu
+def test_fused_kernels_are_installed_on_cuda():
+    assert kernels.fused(torch.zeros(1, device="cuda")) is not None, "flash-linear-attention is not importable"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", [63, 128, 1024])
+def test_fused_norms_and_swiglu_match_references(width):
+    assert kernels._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    x = torch.randn(2, 63, width, device="cuda", dtype=torch.bfloat16)
+    gate = torch.randn(2, 63, width, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), kernels.rms_norm_reference(x, weight, 1e-6), **BF16)
+    torch.testing.assert_close(kernels.rms_norm_gated(x, gate, weight + 1, 1e-6),
+                               kernels.rms_norm_gated_reference(x, gate, weight + 1, 1e-6), **BF16)
+    torch.testing.assert_close(kernels.swiglu(x, gate), kernels.swiglu_reference(x, gate), **BF16)
+
+
+@pytest.mark.gpu
+def test_triton_rms_norm_and_swiglu_gradients_match_references():
+    """Our Triton RMSNorm on a [T, H, D] view read with strides (as the attention's q norm reads
+    it) and on 2-D rows of the hidden width, the gated RMSNorm of the delta rule's output, and
+    SwiGLU: outputs and gradients in bf16."""
+    assert kernels._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    wide = torch.randn(63, 8, 512, device="cuda", dtype=torch.bfloat16)
+    for x in (wide[..., :256].detach(), torch.randn(63, 1024, device="cuda", dtype=torch.bfloat16)):
+        x.requires_grad_()
+        weight = (torch.randn(x.shape[-1], device="cuda") * 0.1).to(torch.bfloat16).requires_grad_()
+        ours, reference = kernels.rms_norm(x, weight, 1e-6), kernels.rms_norm_reference(x, weight, 1e-6)
+        torch.testing.assert_close(ours, reference, **BF16)
+        _assert_gradients_close([ours], [reference], {"x": x, "weight": weight}, 2e-2)
+    x, z = (torch.randn(63, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    weight = (1.0 + 0.1 * torch.randn(128, device="cuda")).to(torch.bfloat16).requires_grad_()
+    ours, reference = kernels.rms_norm_gated(x, z, weight, 1e-6), kernels.rms_norm_gated_reference(x, z, weight, 1e-6)
+    torch.testing.assert_close(ours, reference, **BF16)
+    _assert_gradients_close([ours], [reference], {"x": x, "gate": z, "weight": weight}, 2e-2)
+    gate, up = (torch.randn(63, 3584, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    ours, reference = kernels.swiglu(gate, up), kernels.swiglu_reference(gate, up)
+    torch.testing.assert_close(ours, reference, **BF16)
+    _assert_gradients_close([ours], [reference], {"gate": gate, "up": up}, 2e-2)
+
+
+@pytest.mark.gpu
+def test_fused_gated_delta_rule_matches_reference_forward_and_gradients():
+    total = sum(LENGTHS)
+    inputs = [t.requires_grad_() for t in _delta_inputs(total, heads=2, value_heads=4, key_dim=64, value_dim=64,
+                                                         device="cuda", dtype=torch.bfloat16)]
+    start = torch.randn(len(LENGTHS), 4, 64, 64, device="cuda") * 0.1
+    cu = _cu(LENGTHS, "cuda").to(torch.int32)
+    out, final = kernels.chunk_gated_delta_rule(*inputs, start, True, cu)
+    ref, ref_final = kernels.gated_delta_rule_reference(*inputs, start, True, cu.long())
+    assert _relative_error(out, ref) < 1e-2 and _relative_error(final, ref_final) < 1e-2
+    grads = torch.autograd.grad(out.float().square().sum(), inputs)
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), inputs)
+    for name, grad, expected in zip(["q", "k", "v", "g", "beta"], grads, ref_grads):
+        assert _relative_error(grad, expected) < 2e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_gated_delta_rule_with_the_decay_in_kernel_matches_reference(dtype):
+    # float32 compiles FLA's backward afresh (tilelang): minutes on a cold cache.
+    """The raw gate input with A_log and dt_bias (FLA computes Qwen3.5's decay as it reads it)
+    against the reference on the decay computed apart: forward and every gradient."""
+    assert kernels.fused(torch.zeros(1, device="cuda")) is not None, "flash-linear-attention is not importable"
+    total = sum(LENGTHS)
+    q, k, v, _, beta = _delta_inputs(total, heads=2, value_heads=4, key_dim=64, value_dim=64, device="cuda",
+                                     dtype=dtype)
+    generator = torch.Generator(device="cpu").manual_seed(1)
+    gate = torch.randn(1, total, 4, generator=generator).to("cuda", dtype)
+    A_log, dt_bias = (torch.randn(4, generator=generator).to("cuda", dtype) * 0.5 for _ in range(2))
+    inputs = [t.requires_grad_() for t in (q, k, v, gate, beta, A_log, dt_bias)]
+    start = torch.randn(len(LENGTHS), 4, 64, 64, device="cuda") * 0.1
+    cu = _cu(LENGTHS, "cuda").to(torch.int32)
+    out, final = kernels.chunk_gated_delta_rule(q, k, v, gate, beta, start, True, cu, A_log=A_log, dt_bias=dt_bias)
+    ref, ref_final = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta, start,
+                                                        True, cu.long())
+    assert _relative_error(out, ref) < 1e-2 and _relative_error(final, ref_final) < 1e-2
+    grads = torch.autograd.grad(out.float().square().sum(), inputs)
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), inputs)
+    for name, grad, expected in zip(["q", "k", "v", "gate", "beta", "A_log", "dt_bias"], grads, ref_grads):
+        assert _relative_error(grad, expected) < 2e-2, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, value_heads, width", [(16, 16, 128), (2, 4, 40)])
+def test_delta_rule_rows_matches_reference_and_fla_on_forked_states(heads, value_heads, width):
+    """The one-program-a-row kernel (bf16, rows of 1 to 64 tokens continuing forked states, some
+    without a parent) against the float32 recurrence and FLA's chunked kernels on the same rows."""
+    lengths = [1, 15, 16, 17, 33, 63, 64, 28, 44]
+    total = sum(lengths)
+    q, k, v, _, beta = _delta_inputs(total, heads=heads, value_heads=value_heads, key_dim=width, value_dim=width,
+                                     device="cuda", dtype=torch.bfloat16)
+    q, k = kernels.l2norm(q.float()).bfloat16(), kernels.l2norm(k.float()).bfloat16()
+    generator = torch.Generator(device="cpu").manual_seed(2)
+    gate = torch.randn(1, total, value_heads, generator=generator).to("cuda", torch.bfloat16)
+    A_log, dt_bias = (torch.randn(value_heads, generator=generator).to("cuda") * 0.5 for _ in range(2))
+    states = torch.randn(3, value_heads, width, width, generator=generator).to("cuda") * 0.1
+    parents = torch.tensor([n % 4 - 1 for n in range(len(lengths))], device="cuda")
+    cu = _cu(lengths, "cuda").to(torch.int32)
+    with torch.no_grad():
+        ours = kernels._triton_ops().delta_rule_rows(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu,
+                                                     max(lengths), A_log, dt_bias)[None]
+        forked = kernels.fork_states(states, parents, True)
+        fla, _ = kernels.chunk_gated_delta_rule(q, k, v, gate, beta, forked, False, cu, False, cu.cpu(), None,
+                                                A_log, dt_bias)
+    reference, _ = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta, forked,
+                                                      False, cu.long(), normalise=False)
+    assert _relative_error(ours, reference) < 1e-2
+    assert _relative_error(ours, fla) < 1e-2
+
+
+def test_triton_kernels_match_references_under_triton_interpreter():
+    """dohnuts.triton_ops on the CPU through Triton's interpreter (tests/triton_interpreted.py):
+    conv_split_heads, the norms and SwiGLU against their references, outputs and every gradient, on
+    packed sequences of 1 to 130 tokens with and without carried and final states; delta_rule_rows
+    against the recurrence on forked states (also on badly conditioned blocks, against float64);
+    and the decoder with them (its CUDA path) against its CPU path, with prefixes forked to rows,
+    short rows taking delta_rule_rows only without gradients."""
+    pytest.importorskip("triton")
+    script = Path(__file__).with_name("triton_interpreted.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, carried", [(torch.bfloat16, True), (torch.float32, True), (torch.bfloat16, False)])
+def test_triton_conv_split_heads_matches_reference_forward_and_gradients(dtype, carried):
+    """The fused convolution and head split on packed sequences [63, 1, 17, 64, 130] of the
+    Qwen3.5-0.8B widths, from carried states and keeping final states (or neither): outputs,
+    final states and the gradients of the input, the weight and the carried state."""
+    assert kernels._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    heads, key_dim, value_heads, value_dim, width = 16, 128, 16, 128, 4
+    channels = 2 * heads * key_dim + value_heads * value_dim
+    lengths = LENGTHS + [130]
+    cu_cpu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    cu = cu_cpu.cuda()
+    x = torch.randn(sum(lengths), channels, device="cuda", dtype=dtype, requires_grad=True)
+    weight = (torch.randn(channels, width, device="cuda") * 0.5).to(dtype).requires_grad_()
+    state = (torch.randn(len(lengths), channels, width, device="cuda", dtype=dtype, requires_grad=True)
+             if carried else None)
+    inputs = (x, weight, state) if carried else (x, weight)
+    ours = kernels.conv_split_heads(x, weight, state, carried, cu, cu_cpu, None, heads, key_dim, value_heads,
+                                    value_dim)
+    reference = kernels.conv_split_heads_reference(x, weight, state, carried, cu.long(), heads, key_dim, value_heads,
+                                                   value_dim)
+    assert (ours[3] is None) == (not carried)
+    ours, reference = [out for out in ours if out is not None], [out for out in reference if out is not None]
+    tolerance = BF16 if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
+    for out, expected in zip(ours, reference):
+        torch.testing.assert_close(out, expected, **tolerance)
+    _assert_gradients_close(ours, reference, dict(zip(["x", "weight", "state"], inputs)),
+                            2e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.gpu
+def test_varlen_attention_matches_reference_with_prefix_keys_and_grouped_heads():
+    """Flash varlen attention (bf16) against the padded reference: queries [63, 1, 17, 64] after
+    [64, 0, 5, 128] prefix keys, 8 query heads on 2 key heads, forward and gradients."""
+    queries, prefixes = LENGTHS, [64, 0, 5, 128]
+    keys = [q + p for q, p in zip(queries, prefixes)]
+    cu_q, cu_k = _cu(queries, "cuda").to(torch.int32), _cu(keys, "cuda").to(torch.int32)
+    q = torch.randn(sum(queries), 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(sum(keys), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(sum(keys), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = kernels.attention(q, k, v, cu_q, cu_k, max(queries), max(keys), 0.125)
+    ref = kernels.attention_reference(q.float(), k.float(), v.float(), cu_q, cu_k, 0.125)
+    assert _relative_error(out, ref) < 1e-2
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    for name, grad, expected in zip(["q", "k", "v"], grads, ref_grads):
+        assert _relative_error(grad, expected) < 2e-2, name
+
+
+def test_uncached_plans_sets_flas_switch_for_nested_users_and_restores_it(monkeypatch):
+    utils = types.ModuleType("fla.utils")
+    utils.FLA_DISABLE_TENSOR_CACHE = False
+    monkeypatch.setitem(sys.modules, "fla.utils", utils)
+    monkeypatch.setattr(kernels, "_fla", lambda: {})
+    with kernels.uncached_plans():
+        with kernels.uncached_plans():
+            assert utils.FLA_DISABLE_TENSOR_CACHE is True
+        assert utils.FLA_DISABLE_TENSOR_CACHE is True  # the outer user still needs it
+    assert utils.FLA_DISABLE_TENSOR_CACHE is False
+
+
+def test_first_fused_delta_rule_call_of_a_head_shape_tunes_on_the_tuning_batch(monkeypatch):
+    """FLA keeps the kernel configuration its first call of a head shape chose; that first call
+    must be the tuning batch (many short rows with carried states), not the caller's batch."""
+    calls = []
+
+    def fake(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, **options):
+        calls.append({"q": q.shape, "v": v.shape, "state": None if initial_state is None else initial_state.shape,
+                      "cu": cu_seqlens.tolist(), "options": options, "grad": torch.is_grad_enabled(),
+                      "rng": torch.get_rng_state()})
+        if options["chunk_indices"] is not None:  # the plan FLA would make: (row, chunk) of 64 tokens
+            lengths = cu_seqlens.diff().tolist()
+            assert options["chunk_indices"].tolist() == [[n, c] for n, length in enumerate(lengths)
+                                                         for c in range(-(-length // 64))]
+            assert options["cu_seqlens_cpu"].tolist() == cu_seqlens.tolist()
+        return torch.zeros_like(v), None
+
+    monkeypatch.setattr(kernels, "fused", lambda x: {"chunk_gated_delta_rule": fake})
+    monkeypatch.setattr(kernels, "_TUNED", set())
+    A_log, dt_bias = torch.randn(4, requires_grad=True), torch.randn(4)
+
+    def call(heads, key_dim, value_heads, value_dim, tokens=70):
+        """The global generator's state once the inputs are made."""
+        q, v = torch.randn(1, tokens, heads, key_dim), torch.randn(1, tokens, value_heads, value_dim)
+        a, b = torch.randn(1, tokens, value_heads), torch.rand(1, tokens, value_heads)
+        rng = torch.get_rng_state()
+        kernels.chunk_gated_delta_rule(
+            q, q.clone(), v, a, b, None, True, torch.tensor([0, 64, tokens], dtype=torch.int32),
+            use_qk_l2norm_in_kernel=False, A_log=A_log[:value_heads], dt_bias=dt_bias[:value_heads],
+            cu_seqlens_cpu=torch.tensor([0, 64, tokens], dtype=torch.int32), chunk_indices=None)
+        return rng
+
+    rng = call(2, 8, 4, 6)
+    # The tuning call came first, on its own packed batch, with the caller's options.
+    rows, length = kernels.TUNING_ROWS, kernels.TUNING_LENGTH
+    assert len(calls) == 2
+    tuning, real = calls
+    assert tuning["q"] == (1, rows * length, 2, 8) and tuning["v"] == (1, rows * length, 4, 6)
+    assert tuning["state"] == (rows, 4, 8, 6)
+    assert tuning["cu"] == list(range(0, rows * length + 1, length))
+    assert tuning["options"].keys() == real["options"].keys()
+    assert tuning["options"]["use_gate_in_kernel"] is True and not tuning["grad"]
+    assert real["q"] == (1, 70, 2, 8) and real["cu"] == [0, 64, 70]
+    assert torch.equal(real["rng"], rng)  # tuning left the global generator untouched
+    # The same head shape again: no second tuning; a new head shape tunes once more.
+    call(2, 8, 4, 6, tokens=90)
+    assert len(calls) == 3
+    call(1, 8, 2, 6)
+    assert len(calls) == 5 and calls[3]["v"] == (1, rows * length, 2, 6)

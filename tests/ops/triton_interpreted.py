@@ -1,0 +1,265 @@
+"""Our Triton kernels (dohnuts.triton_ops) against their references, run on the CPU by Triton's
+interpreter. `test_kernels.py` runs this file in a subprocess with TRITON_INTERPRET=1, which
+Triton reads when the kernels are defined. Exits non-zero on the first mismatch."""
+
+import os
+import sys
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+from dohnuts.ops import kernels, triton_ops
+
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def close(name, actual, expected):
+    try:
+        torch.testing.assert_close(actual, expected, **TOLERANCE)
+    except AssertionError as error:
+        sys.exit(f"{name}: {error}")
+
+
+def grads(outputs, inputs, seed):
+    generator = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(out.shape, generator=generator) for out in outputs]
+    total = sum((out * w).sum() for out, w in zip(outputs, weights))
+    return torch.autograd.grad(total, inputs, allow_unused=True)
+
+
+def check_conv_split_heads():
+    default = triton_ops.TOKENS
+    try:
+        for tokens in sorted({default, 16, 64}):  # whole planned chunks a program, and blocks of them
+            triton_ops.TOKENS = tokens
+            check_conv_split_heads_blocks()
+    finally:
+        triton_ops.TOKENS = default
+
+
+def check_conv_split_heads_blocks():
+    heads, key_dim, value_heads, value_dim, width = 2, 8, 4, 6, 4
+    channels = 2 * heads * key_dim + value_heads * value_dim
+    for lengths in ([63, 1, 17, 64, 130], [3], [2, 70]):
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        for with_state in (False, True):
+            for keep in (False, True):
+                x = torch.randn(sum(lengths), channels, requires_grad=True)
+                weight = torch.randn(channels, width, requires_grad=True)
+                state = torch.randn(len(lengths), channels, width, requires_grad=True) if with_state else None
+                inputs = [x, weight] + ([state] if with_state else [])
+                ours = triton_ops.conv_split_heads(x, weight, state, keep, cu, cu, None, heads, key_dim, value_heads,
+                                                   value_dim)
+                reference = kernels.conv_split_heads_reference(x, weight, state, keep, cu.long(), heads, key_dim,
+                                                               value_heads, value_dim)
+                case = f"conv_split_heads tokens={triton_ops.TOKENS} lengths={lengths} state={with_state} final={keep}"
+                for name, a, b in zip(["q", "k", "v", "final"], ours, reference):
+                    if b is None:
+                        assert a is None, f"{case}: {name}"
+                    else:
+                        close(f"{case} {name}", a, b)
+                outputs = [out for out in ours if out is not None]
+                expected = [out for out in reference if out is not None]
+                for name, a, b in zip(["x", "weight", "state"], grads(outputs, inputs, 1), grads(expected, inputs, 1)):
+                    close(f"{case} grad {name}", a, b)
+
+
+def check_norms_and_swiglu():
+    generator = torch.Generator().manual_seed(3)
+    wide = torch.randn(21, 3, 80, generator=generator)
+    cases = [torch.randn(37, 96, generator=generator),  # rows of a 2-D tensor
+             wide.view(21, 3, 2, 40)[:, :, 0],  # [T, H, D] read with strides, as the q norm reads
+             torch.randn(2, 3, 5, 16, generator=generator)]  # any contiguous shape
+    for x in cases:
+        x = x.clone().requires_grad_() if x.is_contiguous() else x.detach().requires_grad_()
+        weight = (torch.randn(x.shape[-1], generator=generator) * 0.2).requires_grad_()
+        ours = triton_ops.rms_norm(x, 1.0 + weight, 1e-6)
+        reference = kernels.rms_norm_reference(x, weight, 1e-6)
+        close(f"rms_norm {tuple(x.shape)}", ours, reference)
+        for name, a, b in zip(["x", "weight"], grads([ours], [x, weight], 4), grads([reference], [x, weight], 4)):
+            close(f"rms_norm {tuple(x.shape)} grad {name}", a, b)
+    # A saved-tensor hook may hand the backward a repacked x: its gradient must not change.
+    x = wide.view(21, 3, 2, 40)[:, :, 1].detach().requires_grad_()
+    weight = torch.randn(40, generator=generator) * 0.2
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.contiguous().clone(), lambda t: t):
+        repacked = triton_ops.rms_norm(x, 1.0 + weight, 1e-6)
+    plain = kernels.rms_norm_reference(x, weight, 1e-6)
+    close("rms_norm grad through a repacking hook", grads([repacked], [x], 7)[0], grads([plain], [x], 7)[0])
+    for shape in [(19, 4, 24), (7, 130)]:
+        x = torch.randn(*shape, generator=generator, requires_grad=True)
+        z = torch.randn(*shape, generator=generator, requires_grad=True)
+        weight = (1.0 + 0.2 * torch.randn(shape[-1], generator=generator)).requires_grad_()
+        ours = triton_ops.rms_norm_gated(x, z, weight, 1e-6)
+        reference = kernels.rms_norm_gated_reference(x, z, weight, 1e-6)
+        close(f"rms_norm_gated {shape}", ours, reference)
+        for name, a, b in zip(["x", "gate", "weight"], grads([ours], [x, z, weight], 6),
+                              grads([reference], [x, z, weight], 6)):
+            close(f"rms_norm_gated {shape} grad {name}", a, b)
+    gate = torch.randn(33, 70, generator=generator, requires_grad=True)
+    up = torch.randn(33, 70, generator=generator, requires_grad=True)
+    ours, reference = triton_ops.swiglu(gate, up), kernels.swiglu_reference(gate, up)
+    close("swiglu", ours, reference)
+    for name, a, b in zip(["gate", "up"], grads([ours], [gate, up], 5), grads([reference], [gate, up], 5)):
+        close(f"swiglu grad {name}", a, b)
+
+
+def check_delta_rule_rows():
+    """delta_rule_rows against the token-by-token reference on forked states: rows of 1 to 64
+    tokens (each part boundary), grouped heads, rows without a parent, value blocks of 16 with a
+    partial last one."""
+    default = triton_ops.VALUES
+    generator = torch.Generator().manual_seed(8)
+    heads, key_dim, value_heads = 2, 8, 4
+    try:
+        for value_dim, values in ((6, default), (40, 16)):
+            triton_ops.VALUES = values
+            for lengths in ([1, 15, 16, 17, 33, 63, 64], [5], [17, 30], [33, 2, 40], [64, 2, 48]):
+                total, states = sum(lengths), torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
+                cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+                q, k = (kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
+                v = torch.randn(total, value_heads, value_dim, generator=generator)
+                gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
+                A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
+                parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
+                ours = triton_ops.delta_rule_rows(q, k, v, gate, beta, states, parents, cu, max(lengths), A_log,
+                                                  dt_bias)
+                reference, _ = kernels.gated_delta_rule_reference(
+                    q[None], k[None], v[None], kernels.decay(gate, A_log, dt_bias)[None], beta[None],
+                    kernels.fork_states(states, parents, True), False, cu.long(), normalise=False)
+                close(f"delta_rule_rows lengths={lengths} V={value_dim} block={values}", ours, reference[0])
+    finally:
+        triton_ops.VALUES = default
+    # Badly conditioned blocks: nearly parallel keys, beta near 1 and almost no decay make the
+    # higher powers of each block large, so every factor of the kernel's inverse matters. The
+    # kernel's float32 products then lose more than forward substitution would: against the
+    # float64 recurrence it stays within 1e-3 of outputs of order 1, under bf16's resolution.
+    lengths, key_dim = [64, 64], 16
+    total = sum(lengths)
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    base = torch.randn(1, heads, key_dim, generator=generator)
+    k = kernels.l2norm(base + 0.05 * torch.randn(total, heads, key_dim, generator=generator))
+    q = kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator))
+    v = torch.randn(total, value_heads, 6, generator=generator)
+    gate, beta = torch.full((total, value_heads), -8.0), 0.9 + 0.1 * torch.rand(total, value_heads)
+    A_log, dt_bias = torch.zeros(value_heads), torch.zeros(value_heads)
+    states, parents = torch.randn(1, value_heads, key_dim, 6, generator=generator), torch.tensor([0, -1])
+    ours = triton_ops.delta_rule_rows(q, k, v, gate, beta, states, parents, cu, 64, A_log, dt_bias)
+    reference, _ = kernels.gated_delta_rule_reference(
+        *(x[None].double() for x in (q, k, v, kernels.decay(gate, A_log, dt_bias), beta)),
+        kernels.fork_states(states, parents, True).double(), False, cu.long(), normalise=False)
+    error = (ours.double() - reference[0]).abs().max().item()
+    if not error < 1e-3:
+        sys.exit(f"delta_rule_rows on badly conditioned blocks: max error {error:.2e} (outputs up to "
+                 f"{reference.abs().max().item():.2f})")
+
+
+def check_decoder_with_triton_kernels():
+    """The decoder as it runs on CUDA (our Triton kernels for the convolution and head split,
+    RMSNorm, gated RMSNorm and SwiGLU), against its CPU path: a random tiny Qwen3.5, shared prefixes forked to
+    rows with and without one, outputs and input gradients."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextConfig, Qwen3_5TextModel
+
+    from dohnuts.model.decoder import Prefixes, Segments, packed_forward
+    from dohnuts.ops.plan import chunk_plan, cumulative, plan_fork
+
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=6, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_interleaved": True, "mrope_section": [2, 1, 1]})
+    model = Qwen3_5TextModel(config).eval()
+    with torch.no_grad():  # norm weights away from their zero init, so every path matters
+        for name, parameter in model.named_parameters():
+            if "norm" in name or "dt_bias" in name:
+                parameter.normal_(0.0, 0.3)
+    prefix_lengths, row_lengths, parents = [70, 5], [3, 40, 1, 66], [0, 1, -1, 0]
+    prefix_cu = cumulative(prefix_lengths)
+    prefix_segments = Segments.of(prefix_cu, prefix_cu, chunk_plan(prefix_lengths))
+
+    def layout(lengths):
+        """(embeddings, M-RoPE positions, cu_seqlens, Prefixes) of rows of own `lengths` continuing
+        the prefixes above."""
+        total = sum(prefix_lengths) + sum(lengths)
+        embeds = torch.randn(total, config.hidden_size, requires_grad=True)
+        positions = torch.cat([torch.arange(n) for n in prefix_lengths]
+                              + [torch.arange(n) + (prefix_lengths[p] if p >= 0 else 0)
+                                 for n, p in zip(lengths, parents)]).expand(3, -1)
+        fork = plan_fork(prefix_lengths, lengths, parents)
+        return embeds, positions, cumulative(lengths), Prefixes(sum(prefix_lengths), prefix_segments, fork)
+
+    embeds, positions, cu, prefixes = layout(row_lengths)
+
+    def run():
+        out = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(row_lengths))
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+        return out.detach(), torch.autograd.grad((out * weights).sum(), embeds)[0]
+
+    reference = run()
+    # What kernels.py chooses on CUDA, routed to our Triton kernels for these CPU tensors.
+    cuda_path = {
+        "conv_split_heads": lambda x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, *heads: (
+            triton_ops.conv_split_heads(x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, *heads)),
+        "rms_norm": lambda x, weight, eps: triton_ops.rms_norm(x, 1.0 + weight.float(), eps),
+        "swiglu": triton_ops.swiglu,
+        "rms_norm_gated": triton_ops.rms_norm_gated,
+    }
+    cpu_path = {name: getattr(kernels, name) for name in cuda_path}
+    calls = dict.fromkeys(cuda_path, 0)
+
+    def counted(name):
+        def call(*args):
+            calls[name] += 1
+            return cuda_path[name](*args)
+        return call
+
+    for name in cuda_path:
+        setattr(kernels, name, counted(name))
+    try:
+        fused = run()
+    finally:
+        for name, function in cpu_path.items():
+            setattr(kernels, name, function)
+    assert all(calls.values()), calls
+    close("decoder output with Triton kernels", fused[0], reference[0])
+    close("decoder input gradient with Triton kernels", fused[1], reference[1])
+
+    # Rows of at most 64 tokens take delta_rule_rows where CUDA would, but only when no gradient
+    # is needed: with one, they keep the differentiable path (the kernel has no backward).
+    short = [3, 40, 1, 64]
+    embeds, positions, cu, prefixes = layout(short)
+
+    def run_short(differentiable):
+        with torch.set_grad_enabled(differentiable):
+            out = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(short))
+        if not differentiable:
+            return out, None
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+        return out.detach(), torch.autograd.grad((out * weights).sum(), embeds)[0]
+
+    reference, (_, reference_grad) = run_short(False), run_short(True)
+    rows_calls = []
+    kernel, ours = triton_ops.delta_rule_rows, kernels._ours
+    triton_ops.delta_rule_rows = lambda *args: rows_calls.append(1) or kernel(*args)
+    kernels._ours = lambda x: triton_ops if x.dtype != torch.float64 else None
+    try:
+        inference = run_short(False)
+        assert len(rows_calls) == 3, rows_calls  # one call a delta-rule layer
+        training = run_short(True)
+        assert len(rows_calls) == 3, rows_calls  # none with gradients
+    finally:
+        triton_ops.delta_rule_rows, kernels._ours = kernel, ours
+    close("decoder output with delta_rule_rows", inference[0], reference[0])
+    close("decoder output with gradients, short rows", training[0], reference[0])
+    close("decoder input gradient, short rows", training[1], reference_grad)
+
+
+if __name__ == "__main__":
+    check_conv_split_heads()
+    check_delta_rule_rows()
+    check_norms_and_swiglu()
+    check_decoder_with_triton_kernels()
+    print("ok")

@@ -1,0 +1,54 @@
+"""The benchmark's training-update record on the CPU (tiny model)."""
+
+import torch
+
+from dohnuts.measure.telemetry import measure_ceilings
+from dohnuts.model.base import load_backbone
+from dohnuts.model.decision import DecisionModel, new_head
+from dohnuts.pipeline.benchmark import training_update_record
+
+
+def test_training_update_record_steps_lora_only_and_counts_shared_prefixes(tiny):
+    backbone = load_backbone(tiny.base, torch.float32)
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01))
+    frozen = {name: p.detach().clone() for name, p in model.named_parameters()}
+    record = training_update_record(model, tiny.template(), measure_ceilings(model.device), microbatches=2, rows=4,
+                                    timed=1)
+    assert record["microbatches"] == 2 and record["rows_per_microbatch"] == 4
+    # Rows of a state share their prefix: fewer tokens computed than given.
+    assert 0 < record["computed_tokens"] < record["input_tokens"]
+    assert record["p50_ms"] > 0 and record["tokens_per_second"] > 0
+    assert record["roofline"]["work"]["flops"]["total"] > 0
+    # peft renames a wrapped layer's own weight to base_layer.weight.
+    after = {name.replace(".base_layer", ""): p for name, p in model.named_parameters()}
+    changed = {name for name, p in after.items() if name not in frozen or not torch.equal(p, frozen[name])}
+    assert changed and all("lora_" in name or name.startswith("head.") for name in changed)
+    assert not model.training
+
+
+def test_shape_only_tokenizer_gives_each_qwen_split_piece_of_the_workloads_one_token():
+    from tokenizers import Regex, pre_tokenizers
+
+    from dohnuts.data import synthetic
+    from dohnuts.model.base import QWEN_SPLIT, special_tokens, train_tokenizer
+    from dohnuts.model.template import Template, pieces_of
+    from dohnuts.pipeline.benchmark import training_requests, workload_texts, workloads
+    from dohnuts.schema import parse_request
+
+    marker = "<|fim_suffix|>"
+    tokenizer = train_tokenizer(synthetic.corpus(0) + workload_texts(), special_tokens(marker), 4096, QWEN_SPLIT)
+    template = Template(tokenizer, None, marker)
+    split = pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated")
+    state, questions = workloads()["distinct_text_50q"]
+    request = parse_request(state, questions, template.reserved)
+    pieces = pieces_of(request)
+    expected = [len(split.pre_tokenize_str(piece)) for piece in pieces]
+    assert [len(ids) for ids in template.tokenize(pieces)] == expected
+    rows = template.encode(request, 4096)
+    # Upstream's Qwen tokenizer gave 5105 tokens, at most 113 a row; whole pieces give a few less.
+    total = sum(len(row.input_ids) for row in rows)
+    assert 4500 <= total <= 5105 and max(len(row.input_ids) for row in rows) <= 113
+    # The training update's states grow to the token size asked for, whatever the tokenizer.
+    for state, questions in training_requests(template, 1, 8, state_tokens=250):
+        (row, *_) = template.encode(parse_request(state, questions, template.reserved), 2048)
+        assert 250 <= row.shared < 250 + 20

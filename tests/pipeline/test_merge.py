@@ -1,0 +1,63 @@
+"""Merged LoRA equals unmerged LoRA; the written folder reloads with verified hashes."""
+
+import pytest
+import torch
+
+from dohnuts.config import LoraConfig
+from dohnuts.data.records import RecordReader, encode_examples, load_records
+from dohnuts.io import IntegrityError, write_json, write_manifest
+from dohnuts.model.adapters import ADAPTER, build_training_model, save_adapter
+from dohnuts.model.checkpoint import load_merged
+from dohnuts.pipeline.merge import merge
+
+TOLERANCE = 1e-5  # float32 logits, max abs error
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny, tmp_path_factory):
+    """An adapter whose LoRA B matrices are non-zero, so the merge changes the weights."""
+    folder = tmp_path_factory.mktemp("adapter")
+    model, peft_model = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.05, generator=generator)
+    save_adapter(folder / ADAPTER, model, peft_model)
+    write_json(folder / "config.json", {"note": "test adapter"})
+    write_manifest(folder)
+    return folder, model
+
+
+def _batch(tiny, template):
+    reader = RecordReader(tiny.partition("test"))
+    rows = load_records(tiny.partition("test"))
+    picked = rows.groupby("group").head(2)  # text and image rows of every group
+    examples = [reader.example(row) for _, row in picked.iterrows()]
+    encoded, images, _ = encode_examples(template, examples, 4096)
+    return template.collate(encoded, images)
+
+
+def test_merged_model_gives_the_unmerged_logits(tiny, adapter, tmp_path):
+    folder, unmerged = adapter
+    merge(tiny.base, folder, tiny.model, LoraConfig(), tmp_path / "merged")
+    merged, template, _, temperatures = load_merged(tmp_path / "merged", torch.device("cpu"))
+    batch = _batch(tiny, template)
+    assert batch.pixel_values is not None
+    with torch.no_grad():
+        expected = unmerged.eval()(batch)
+        actual = merged(batch)
+        plain, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
+        base_only = plain.eval()(batch)
+    assert temperatures is None
+    assert (actual - expected).abs().max().item() <= TOLERANCE
+    assert (base_only - expected).abs().max().item() > 100 * TOLERANCE  # the adapter matters
+
+
+def test_merged_folder_refuses_to_load_after_tampering(tiny, adapter, tmp_path):
+    folder, _ = adapter
+    merge(tiny.base, folder, tiny.model, LoraConfig(), tmp_path / "merged")
+    with open(tmp_path / "merged" / "head.safetensors", "ab") as handle:
+        handle.write(b"\0")
+    with pytest.raises(IntegrityError, match="head.safetensors has SHA-256"):
+        load_merged(tmp_path / "merged", torch.device("cpu"))
