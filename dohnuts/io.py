@@ -31,6 +31,12 @@ def write_json(path: Path, data) -> None:
     write_bytes(path, (json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode())
 
 
+def write_json_files(folder: Path, files: dict[str, object]) -> None:
+    """Write each `name -> data` as `folder/name.json`, each atomically (plot data, for one)."""
+    for name, data in files.items():
+        write_json(Path(folder) / f"{name}.json", data)
+
+
 def write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -59,10 +65,38 @@ def read_json(path: Path):
         return json.load(handle)
 
 
+def foreign_files(folder: Path, ignore: tuple[str, ...] = ()) -> list[str]:
+    """Files of an existing `folder` that dohnuts did not write: all of them (but the names in
+    `ignore` and dotfiles) unless its manifest lists them. Empty when the folder is missing."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    present = sorted(str(path.relative_to(folder)) for path in folder.rglob("*")
+                     if path.is_file() and path.name != MANIFEST and path.name not in ignore
+                     and not any(part.startswith(".") for part in path.relative_to(folder).parts))
+    if (folder / MANIFEST).is_file():
+        listed = set(read_json(folder / MANIFEST).get("files", {}))
+        return [name for name in present if name not in listed]
+    return present
+
+
 @contextlib.contextmanager
-def atomic_directory(path: Path):
-    """Yield a temporary sibling folder; on success it replaces `path` whole, else it is removed."""
+def atomic_directory(path: Path, ignore: tuple[str, ...] = ()):
+    """Yield a temporary sibling folder; on success it replaces `path` whole, else it is removed.
+
+    Nothing is deleted that dohnuts did not write: an existing `path` holding files its manifest
+    does not list (`foreign_files`; names in `ignore` and dotfiles aside) is refused before
+    anything is written.
+
+    Raises:
+        FileExistsError: `path` holds files dohnuts did not write.
+    """
     path = Path(path)
+    foreign = foreign_files(path, ignore)
+    if foreign:
+        raise FileExistsError(f"{path} holds files dohnuts did not write ({', '.join(foreign[:5])}"
+                              f"{', ...' if len(foreign) > 5 else ''}): refusing to replace it; "
+                              f"move them away or choose another folder")
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
@@ -93,11 +127,16 @@ def write_manifest(folder: Path, extra: dict | None = None) -> dict:
     return manifest
 
 
-def verify_manifest(folder: Path, required: tuple[str, ...] = ()) -> dict:
+def verify_manifest(folder: Path, required: tuple[str, ...] = (), complete: bool = False) -> dict:
     """Check every file listed in `folder`'s manifest; return the manifest.
 
+    Args:
+        complete: also refuse a file the manifest does not list (a README.md and dotfiles
+            aside), so nothing unverified sits beside what is loaded.
+
     Raises:
-        IntegrityError: the manifest or a required file is missing, or a hash differs.
+        IntegrityError: the manifest or a required file is missing, a hash differs, or (with
+            `complete`) a file is not listed.
     """
     folder = Path(folder)
     if not (folder / MANIFEST).is_file():
@@ -113,4 +152,7 @@ def verify_manifest(folder: Path, required: tuple[str, ...] = ()) -> dict:
         actual = sha256_file(path)
         if actual != entry["sha256"]:
             raise IntegrityError(f"{path} has SHA-256 {actual}, manifest says {entry['sha256']}")
+    unlisted = foreign_files(folder, ("README.md",)) if complete else []
+    if unlisted:
+        raise IntegrityError(f"{folder} holds files its {MANIFEST} does not list: {', '.join(unlisted[:5])}")
     return manifest

@@ -7,6 +7,7 @@ import click
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json
 from dohnuts.pipeline.benchmark import run
+from stages import user_errors
 
 
 @click.command()
@@ -20,6 +21,7 @@ from dohnuts.pipeline.benchmark import run
               help="DVC metrics: p50, decisions/s and efficiency per workload.")
 @click.option("--plots", type=click.Path(dir_okay=False), default="runs/benchmark/plots.json", show_default=True,
               help="DVC plots data: latency and efficiency per workload.")
+@user_errors
 def main(params_path, checkpoint, records, summary, plots):
     """Cold call, warm-up calls, then timed calls per workload; p50/p95/mean and decisions/s."""
     config = section(read_params(params_path), "benchmark")

@@ -8,6 +8,7 @@ import click
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json
 from dohnuts.pipeline.calibrate import calibrate
+from stages import user_errors
 
 
 @click.command()
@@ -19,6 +20,7 @@ from dohnuts.pipeline.calibrate import calibrate
 @click.option("--out", type=click.Path(file_okay=False), default="runs/calibrate/checkpoint", show_default=True,
               help="Deployable checkpoint folder (loads with dohnuts.Predictor.from_checkpoint).")
 @click.option("--metrics", type=click.Path(dir_okay=False), default="runs/calibrate/metrics.json", show_default=True)
+@user_errors
 def main(params_path, merged, data, out, metrics):
     """Fit temperatures for choice, noul and score; write the deployable checkpoint."""
     params = read_params(params_path)

@@ -7,6 +7,7 @@ import click
 
 from dohnuts.config import read_params, section
 from dohnuts.pipeline.merge import merge
+from stages import user_errors
 
 
 @click.command()
@@ -17,6 +18,7 @@ from dohnuts.pipeline.merge import merge
               show_default=True, help="Selected checkpoint folder.")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/merge/model", show_default=True,
               help="Merged model folder (backbone, head, tokenizer, processor, manifest).")
+@user_errors
 def main(params_path, base, adapter, out):
     """Write the merged model after checking its logits against the unmerged model's."""
     params = read_params(params_path)

@@ -7,7 +7,8 @@ import click
 
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json
-from dohnuts.pipeline.prepare import prepare
+from dohnuts.pipeline.prepare import describe, prepare
+from stages import user_errors
 
 
 @click.command()
@@ -19,12 +20,13 @@ from dohnuts.pipeline.prepare import prepare
               help="Root of the partition folders train/, dev/, calibration/, test/.")
 @click.option("--summary", type=click.Path(dir_okay=False), default="runs/prepare/summary.json", show_default=True,
               help="Row and state counts per partition and group.")
+@user_errors
 def main(params_path, base_out, data_root, summary):
     """Write the base model and the partitioned decision mixture, each with a SHA-256 manifest."""
     params = read_params(params_path)
-    counts = prepare(section(params, "model"), section(params, "data"), Path(base_out), Path(data_root))
-    write_json(Path(summary), counts)
-    click.echo(" ".join(f"{name}={value['rows']} rows" for name, value in counts.items()))
+    result = prepare(section(params, "model"), section(params, "data"), Path(base_out), Path(data_root))
+    write_json(Path(summary), result)
+    click.echo(describe(result))
 
 
 if __name__ == "__main__":

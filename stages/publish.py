@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from dohnuts.io import IntegrityError
 from dohnuts.pipeline.publish import publish
+from stages import user_errors
 
 
 @click.command()
@@ -18,12 +18,10 @@ from dohnuts.pipeline.publish import publish
               show_default=True, help="A checkpoint folder written by train or select.")
 @click.option("--target", type=click.Path(file_okay=False), default="data/parent", show_default=True,
               help="The parent checkpoint folder train reads when init is 'checkpoint'.")
+@user_errors
 def main(source, target):
     """Verify the source's SHA-256 manifest and copy it to the target."""
-    try:
-        publish(Path(source), Path(target))
-    except IntegrityError as error:
-        raise click.ClickException(str(error)) from None
+    publish(Path(source), Path(target))
     click.echo(f"published {source} -> {target}")
 
 

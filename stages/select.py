@@ -8,6 +8,7 @@ import click
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json
 from dohnuts.pipeline.select import select
+from stages import user_errors
 
 
 @click.command()
@@ -22,12 +23,15 @@ from dohnuts.pipeline.select import select
               help="Folder for the selected checkpoint.")
 @click.option("--table-out", type=click.Path(dir_okay=False), default="runs/select/selection.parquet",
               show_default=True, help="Selection table: dev accuracy of every checkpoint.")
+@click.option("--curve-out", type=click.Path(file_okay=False), default="runs/select/curve", show_default=True,
+              help="Plot data: dev macro accuracy per checkpoint step, and the selected step.")
 @click.option("--metrics", type=click.Path(dir_okay=False), default="runs/select/metrics.json", show_default=True)
-def main(params_path, checkpoints, base, data, adapter_out, table_out, metrics):
+@user_errors
+def main(params_path, checkpoints, base, data, adapter_out, table_out, curve_out, metrics):
     """Evaluate every checkpoint on the dev partition; ties go to the earliest."""
     params = read_params(params_path)
     result = select(Path(checkpoints), Path(base), Path(data), section(params, "model"), section(params, "lora"),
-                    section(params, "select"), Path(adapter_out), Path(table_out))
+                    section(params, "select"), Path(adapter_out), Path(table_out), Path(curve_out))
     write_json(Path(metrics), result)
     click.echo(f"selected step {result['selected_step']} (dev macro accuracy {result['dev_macro_accuracy']:.4f})")
 

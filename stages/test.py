@@ -6,8 +6,9 @@ from pathlib import Path
 import click
 
 from dohnuts.config import read_params, section
-from dohnuts.io import write_json, write_parquet
+from dohnuts.io import write_json, write_json_files, write_parquet
 from dohnuts.pipeline.test import test
+from stages import user_errors
 
 
 @click.command()
@@ -20,11 +21,15 @@ from dohnuts.pipeline.test import test
 @click.option("--predictions", type=click.Path(dir_okay=False), default="runs/test/predictions.parquet",
               show_default=True, help="Per-example predictions.")
 @click.option("--metrics", type=click.Path(dir_okay=False), default="runs/test/metrics.json", show_default=True)
-def main(params_path, checkpoint, data, predictions, metrics):
+@click.option("--reliability", type=click.Path(file_okay=False), default="runs/test/reliability", show_default=True,
+              help="Plot data: reliability diagrams per question type, raw and calibrated.")
+@user_errors
+def main(params_path, checkpoint, data, predictions, metrics, reliability):
     """Accuracy, soft accuracy, NLL, Brier, ECE, RPS and MAE per group and macro."""
     params = read_params(params_path)
-    table, result = test(Path(checkpoint), Path(data), section(params, "test"))
+    table, result, diagrams = test(Path(checkpoint), Path(data), section(params, "test"))
     write_parquet(Path(predictions), table)
+    write_json_files(Path(reliability), diagrams)
     write_json(Path(metrics), result)
     macro = result["calibrated"]["macro"]
     click.echo(f"test macro accuracy {macro['accuracy']:.4f} (chance {macro['chance']:.4f}), nll {macro['nll']:.4f}")

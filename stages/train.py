@@ -8,6 +8,7 @@ import click
 
 from dohnuts.config import init_mode, read_params, section
 from dohnuts.pipeline.train import TrainRun, train
+from stages import user_errors
 
 
 @click.command()
@@ -23,6 +24,7 @@ from dohnuts.pipeline.train import TrainRun, train
               help="Output folder: checkpoints/, state/, log.csv.")
 @click.option("--resume/--no-resume", default=False, show_default=True,
               help="Continue from the saved state in --out when it belongs to this configuration.")
+@user_errors
 def main(params_path, base, data, parent, out, resume):
     """Train; write checkpoints at step 0, every train.eval_every updates and at the end."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -32,10 +34,7 @@ def main(params_path, base, data, parent, out, resume):
         seed=int(params.get("seed", 0)), base=Path(base), data=Path(data), out=Path(out),
         parent=Path(parent) if init_mode(params) == "checkpoint" else None,
     )
-    try:
-        trainer = train(run, resume=resume)
-    except (FileNotFoundError, ValueError, FloatingPointError) as error:  # no parent, bad hash, misfit, NaN
-        raise click.ClickException(str(error)) from None
+    trainer = train(run, resume=resume)
     click.echo(f"trained to update {trainer.update}; checkpoints in {out}/checkpoints")
 
 

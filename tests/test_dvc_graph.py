@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from module_graph import closure, relative_file
+
+from dohnuts.pipeline.sources import closure, relative_file
 
 ROOT = Path(__file__).resolve().parents[1]
-PIPELINE = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+DEFINITION = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+PIPELINE = DEFINITION["stages"]
 STAGES = list(PIPELINE)
 
 
@@ -87,3 +89,13 @@ def test_each_stage_lists_exactly_the_params_it_reads(stage):
     used |= {"init"} if "init_mode(" in source else set()
     used |= {"seed"} if 'params.get("seed"' in source else set()
     assert set(PIPELINE[stage].get("params", [])) == used
+
+
+def test_every_plot_reads_files_a_stage_writes_and_nothing_reads_the_plot_data():
+    files = {path for plot in DEFINITION["plots"] for spec in plot.values() for path in spec["y"]}
+    outputs = {out: stage for stage in STAGES for out in _outs(stage)}
+    for path in files:
+        assert any(path == out or path.startswith(out + "/") for out in outputs), f"{path} is no stage's output"
+    for stage in STAGES:
+        for out in _paths(PIPELINE[stage].get("plots")):
+            assert not _consumers(out), f"{out} of {stage} feeds {_consumers(out)}"

@@ -9,6 +9,7 @@ def test_atomic_directory_leaves_nothing_behind_on_failure_and_keeps_the_old_fol
     target = tmp_path / "out"
     with atomic_directory(target) as tmp:
         (tmp / "a.txt").write_text("old")
+        write_manifest(tmp)
     with pytest.raises(RuntimeError), atomic_directory(target) as tmp:
         (tmp / "a.txt").write_text("new")
         raise RuntimeError("killed")
@@ -33,3 +34,42 @@ def test_manifest_detects_changed_missing_and_unlisted_required_files(tmp_path):
         verify_manifest(tmp_path)
     with pytest.raises(IntegrityError, match="has no manifest.json"):
         verify_manifest(tmp_path / "sub")
+
+
+def test_atomic_directory_replaces_only_what_dohnuts_wrote(tmp_path):
+    mine = tmp_path / "mine"
+    with atomic_directory(mine) as tmp:
+        (tmp / "w.bin").write_bytes(b"1")
+        write_manifest(tmp)
+    with atomic_directory(mine) as tmp:  # listed in its manifest: replaced
+        (tmp / "w.bin").write_bytes(b"2")
+        write_manifest(tmp)
+    assert (mine / "w.bin").read_bytes() == b"2"
+    (mine / "notes.txt").write_text("a user's file")
+    with pytest.raises(FileExistsError, match="holds files dohnuts did not write \\(notes.txt\\)"), \
+            atomic_directory(mine) as tmp:
+        (tmp / "w.bin").write_bytes(b"3")
+    assert (mine / "notes.txt").read_text() == "a user's file" and (mine / "w.bin").read_bytes() == b"2"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "photo.png").write_bytes(b"png")
+    with pytest.raises(FileExistsError, match="photo.png"), atomic_directory(theirs):
+        pass
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["mine", "theirs"]  # no temporary left
+    (tmp_path / "readme-only").mkdir()
+    (tmp_path / "readme-only" / "README.md").write_text("kept")
+    with atomic_directory(tmp_path / "readme-only", ignore=("README.md",)) as tmp:
+        (tmp / "w.bin").write_bytes(b"1")
+
+
+def test_a_complete_manifest_check_refuses_unlisted_files_but_a_readme(tmp_path):
+    (tmp_path / "w.bin").write_bytes(b"w")
+    write_manifest(tmp_path)
+    (tmp_path / "README.md").write_text("about this folder")
+    (tmp_path / ".gitignore").write_text("*")
+    verify_manifest(tmp_path, complete=True)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "extra.bin").write_bytes(b"x")
+    verify_manifest(tmp_path)  # listed files only
+    with pytest.raises(IntegrityError, match="does not list: sub/extra.bin"):
+        verify_manifest(tmp_path, complete=True)

@@ -10,7 +10,8 @@ import ast
 import sys
 
 import pytest
-from module_graph import PACKAGE, ROOT, imports, module_path, modules
+
+from dohnuts.pipeline.sources import PACKAGE, ROOT, imports, module_path, modules
 
 # Rank of each wing: an import may only go to a wing of lower rank, or stay inside its own.
 RANKS = {"config": 0, "io": 0, "schema": 0, "ops": 1, "scoring": 1, "model": 2, "data": 3, "measure": 4,

@@ -68,8 +68,11 @@ def worker_batches(build: Callable[[object], Item], keys: Sequence, device: torc
     """`build(key)` for every key, in order, run by worker processes; pinned when the device is
     CUDA. `build` must be a picklable callable (a module-level function or an object)."""
     workers = loader_workers(device) if workers is None else workers
+    # Its own generator: opening the loader draws a base seed from it, never from the global
+    # generator, whose state (LoRA dropout masks) a resumed run must continue exactly.
     return torch.utils.data.DataLoader(
         _Built(build, keys), batch_size=None, shuffle=False, num_workers=workers, collate_fn=_as_built,
+        generator=torch.Generator().manual_seed(0),
         pin_memory=device.type == "cuda", prefetch_factor=2 if workers else None,
         multiprocessing_context="fork" if workers else None)
 

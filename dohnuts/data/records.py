@@ -17,29 +17,13 @@ from ..io import atomic_directory, verify_manifest, write_bytes, write_manifest,
 from ..model.features import image_key
 from ..model.template import EncodedImage, Row, Template
 from ..schema import parse_request
+from .isolation import PARTITIONS, Unit, assign, cross_partition, stable_fraction
 
-PARTITIONS = ("train", "dev", "calibration", "test")
 RECORDS = "records.parquet"
 
 
-def stable_fraction(*parts) -> float:
-    """A number in [0, 1) from a SHA-256 of the parts: the same on every machine and run."""
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
-def assign_partition(seed: int, group: str, state_id: str, fractions: dict) -> str:
-    """Partition of a state by hashing its key: all questions of a state land together."""
-    total = sum(fractions.values())
-    point, edge = stable_fraction(seed, group, state_id) * total, 0.0
-    for name in PARTITIONS:
-        edge += fractions[name]
-        if point < edge:
-            return name
-    return PARTITIONS[-1]
-
-
-def write_partition(records: list[dict], images: dict[str, bytes], out: Path, partition: str) -> dict:
+def write_partition(records: list[dict], images: dict[str, bytes], out: Path, partition: str,
+                    isolation: dict | None = None) -> dict:
     """Write one partition folder atomically: records.parquet, images/*.png and a manifest.
 
     Returns:
@@ -52,38 +36,73 @@ def write_partition(records: list[dict], images: dict[str, bytes], out: Path, pa
         for name in sorted({record["image"] for record in records if record["image"]}):
             write_bytes(tmp / name, images[name])
         write_parquet(tmp / RECORDS, table)
-        write_manifest(tmp, {"partition": partition, "counts": counts})
+        write_manifest(tmp, {"partition": partition, "counts": counts, "isolation": isolation})
     return counts
 
 
-def write_mixture(states, root: Path, seed: int, fractions: dict) -> dict:
-    """Write synthetic states, one row per question, into one folder per partition under `root`.
+def _encoded(state) -> tuple[object, str | None, bytes | None, str | None]:
+    """(the state without its image, the image file name, its PNG bytes, its pixel digest)."""
+    value = state.state
+    if not (isinstance(value, dict) and "image" in value):
+        return value, None, None, None
+    buffer = io.BytesIO()
+    value["image"].save(buffer, format="PNG")
+    data = buffer.getvalue()
+    name = f"images/{hashlib.sha256(data).hexdigest()[:32]}.png"
+    return {key: item for key, item in value.items() if key != "image"}, name, data, image_key(value["image"])
 
-    Each partition has its own folder so the pipeline graph shows which stage reads which.
+
+def _state_text(value) -> str:
+    """The state text the template shows (the schema's rendering, image left out)."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def write_mixture(states, root: Path, seed: int, fractions: dict) -> dict:
+    """Write states, one row per question, into one folder per partition under `root`.
+
+    Partitions are assigned by content (`dohnuts.data.isolation`): states sharing a normalised
+    text, an image's pixels or a source id land in one partition, so no text or image sits in
+    two. A row repeating an earlier one exactly (group, state, image, question and target) is
+    dropped. Each partition has its own folder so the pipeline graph shows which stage reads
+    which; every partition's manifest carries the isolation report.
 
     Returns:
-        partition -> row, state and per-group row counts.
+        {"partitions": {partition: row, state and per-group row counts}, "isolation": what the
+        isolation joined and dropped, by reason, and the texts and images found in more than one
+        written partition (0 and 0)}
     """
+    encoded = [_encoded(state) for state in states]
+    units = [Unit(state.group, _state_text(value), pixels, getattr(state, "source", None),
+                  getattr(state, "split", None)) for state, (value, _, _, pixels) in zip(states, encoded)]
+    placed, report = assign(units, seed, fractions)
     records: dict[str, list[dict]] = {name: [] for name in PARTITIONS}
     images: dict[str, bytes] = {}
-    for state in states:
-        value, image_name = state.state, None
-        if isinstance(value, dict) and "image" in value:
-            buffer = io.BytesIO()
-            value["image"].save(buffer, format="PNG")
-            data = buffer.getvalue()
-            image_name = f"images/{hashlib.sha256(data).hexdigest()[:32]}.png"
+    seen: set[tuple] = set()
+    duplicates: dict[str, int] = {}
+    for state, (value, image_name, data, pixels), partition in zip(states, encoded, placed):
+        if partition is None:
+            continue
+        if image_name is not None:
             images[image_name] = data
-            value = {key: item for key, item in value.items() if key != "image"}
-        partition = assign_partition(seed, state.group, state.state_id, fractions)
+        text = json.dumps(value, ensure_ascii=False)
         for qid, question in state.questions.items():
-            records[partition].append({
-                "group": state.group, "state_id": state.state_id, "partition": partition,
-                "state": json.dumps(value, ensure_ascii=False), "image": image_name, "qid": qid,
-                "question": json.dumps(question, ensure_ascii=False),
-                "target": [float(x) for x in state.targets[qid]],
-            })
-    return {name: write_partition(records[name], images, Path(root) / name, name) for name in PARTITIONS}
+            row = {"group": state.group, "state_id": state.state_id, "partition": partition, "state": text,
+                   "image": image_name, "image_key": pixels, "qid": qid,
+                   "question": json.dumps(question, ensure_ascii=False),
+                   "target": [float(x) for x in state.targets[qid]]}
+            identity = (state.group, text, pixels, qid, row["question"], tuple(row["target"]))
+            if identity in seen:
+                duplicates[state.group] = duplicates.get(state.group, 0) + 1
+                continue
+            seen.add(identity)
+            records[partition].append(row)
+    if duplicates:
+        report["drops"]["exact_duplicate_rows"] = dict(sorted(duplicates.items()))
+    written = pd.DataFrame.from_records([row for rows in records.values() for row in rows],
+                                        columns=["partition", "state", "image_key"])
+    report["cross_partition"] = cross_partition(written)
+    counts = {name: write_partition(records[name], images, Path(root) / name, name, report) for name in PARTITIONS}
+    return {"partitions": counts, "isolation": report}
 
 
 def load_records(folder: Path) -> pd.DataFrame:

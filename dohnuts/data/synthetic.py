@@ -108,6 +108,7 @@ _AREA_NAMES = tuple(_AREAS)
 _COUNT_LEVELS = ("one square", "two squares", "three squares", "four squares")
 _CAPTIONS = ("A {colour} square.", "The square is {colour}.", "This picture shows a {colour} square.")
 _TEMPLATE_WORDS = ("State:", "question:", "Options:", "choice", "noul", "score", "level", "false", "true")
+_REFERENCE_WORDS = ("ticket", "T-", "Order", "Ticket", "Photo")  # before each state's reference number
 
 # Constant question texts; kept here so that corpus() sees exactly what generate() emits.
 _Q_TOPIC = "Which topic is the message about?"
@@ -152,6 +153,12 @@ def _score(instructions: str, levels) -> dict:
     return {"type": "score", "instructions": instructions, "criteria": list(levels)}
 
 
+def _references(rng: random.Random, n: int) -> list[int]:
+    """n distinct six-digit reference numbers: every state of a group carries its own, so no two
+    states repeat a text (isolation by content then joins nothing)."""
+    return rng.sample(range(10**5, 10**6), n)
+
+
 def _one_hot(index: int, k: int) -> list[float]:
     return [1.0 if i == index else 0.0 for i in range(k)]
 
@@ -189,8 +196,8 @@ def _ticket_fields(rng: random.Random, n: int, size: int):
     # One balanced stream per field, so the right option's position is balanced however
     # often that field happens to be asked.
     positions = {field: _Balanced(rng, 4) for field in _TICKET_VALUES}
-    for _ in range(n):
-        ticket = {field: rng.choice(values) for field, values in _TICKET_VALUES.items()}
+    for reference in _references(rng, n):
+        ticket = {"ticket": f"T-{reference}", **{field: rng.choice(values) for field, values in _TICKET_VALUES.items()}}
         questions, targets = {}, {}
         for field in rng.sample(list(_TICKET_VALUES), rng.randint(2, 4)):
             options = rng.sample([v for v in _TICKET_VALUES[field] if v != ticket[field]], 3)
@@ -203,7 +210,7 @@ def _ticket_fields(rng: random.Random, n: int, size: int):
 
 def _message_tone(rng: random.Random, n: int, size: int):
     topics, angry, refund = _Balanced(rng, len(_TOPICS)), _Balanced(rng, 2), _Balanced(rng, 2)
-    for _ in range(n):
+    for reference in _references(rng, n):
         topic = topics.draw()
         sentences, p_true = [], {}
         for qid, stream, (no, maybe, yes) in (
@@ -220,7 +227,7 @@ def _message_tone(rng: random.Random, n: int, size: int):
                 sentences.append(rng.choice(yes))
                 p_true[qid] = 1.0
         rng.shuffle(sentences)  # tone and refund in either order, so position is no cue
-        text = " ".join([rng.choice(_TOPICS[_TOPIC_NAMES[topic]]), *sentences])
+        text = " ".join([f"Order {reference}:", rng.choice(_TOPICS[_TOPIC_NAMES[topic]]), *sentences])
         questions = {"topic": _choice(_Q_TOPIC, list(_TOPIC_NAMES)), "angry": _noul(_Q_ANGRY),
                      "refund": _noul(_Q_REFUND)}
         targets = {
@@ -233,9 +240,9 @@ def _message_tone(rng: random.Random, n: int, size: int):
 
 def _urgency_score(rng: random.Random, n: int, size: int):
     levels, areas = _Balanced(rng, len(_URGENCY_LEVELS)), _Balanced(rng, len(_AREAS))
-    for _ in range(n):
+    for reference in _references(rng, n):
         level, area = levels.draw(), areas.draw()
-        text = f"{rng.choice(_AREAS[_AREA_NAMES[area]])} {rng.choice(_URGENCY_PHRASES[level])}"
+        text = f"Ticket {reference}: {rng.choice(_AREAS[_AREA_NAMES[area]])} {rng.choice(_URGENCY_PHRASES[level])}"
         questions = {
             "urgency": _score(_Q_URGENCY, _URGENCY_LEVELS),
             "today": _noul(_Q_TODAY),
@@ -269,8 +276,10 @@ def _image_count(rng: random.Random, n: int, size: int):
         image, draw = _canvas(size)
         fill = _COLOURS[rng.choice(_COLOUR_NAMES)]
         for cell in rng.sample(range(4), count):
+            # Each square sits in its quadrant with its own insets, so the images of one count differ.
             x0, y0 = (cell % 2) * half, (cell // 2) * half
-            draw.rectangle([x0 + margin, y0 + margin, x0 + half - margin - 1, y0 + half - margin - 1], fill=fill)
+            left, top, right, bottom = (rng.randint(max(1, margin // 2), margin + margin // 2) for _ in range(4))
+            draw.rectangle([x0 + left, y0 + top, x0 + half - right - 1, y0 + half - bottom - 1], fill=fill)
         questions = {"count": _score(_Q_COUNT, _COUNT_LEVELS), "more_than_two": _noul(_Q_MORE_THAN_TWO)}
         targets = {
             "count": _one_hot(count - 1, len(_COUNT_LEVELS)),
@@ -295,10 +304,11 @@ def _image_shape(rng: random.Random, n: int, size: int):
 
 def _captioned_image(rng: random.Random, n: int, size: int):
     colours, matches = _Balanced(rng, len(_COLOUR_NAMES)), _Balanced(rng, 2)
-    for _ in range(n):
+    for reference in _references(rng, n):
         colour, match = _COLOUR_NAMES[colours.draw()], matches.draw() == 1
         named = colour if match else rng.choice([c for c in _COLOUR_NAMES if c != colour])
-        state = {"caption": rng.choice(_CAPTIONS).format(colour=named), "image": _square_image(rng, size, colour)}
+        caption = f"Photo {reference}: {rng.choice(_CAPTIONS).format(colour=named)}"
+        state = {"caption": caption, "image": _square_image(rng, size, colour)}
         questions = {"match": _noul(_Q_MATCH), "caption_colour": _choice(_Q_CAPTION_COLOUR, list(_COLOUR_NAMES))}
         targets = {
             "match": _noul_target(1.0 if match else 0.0),
@@ -371,7 +381,7 @@ def _texts(state: SyntheticState) -> list[str]:
 def _vocabulary() -> list[str]:
     """Every phrase in the generator's tables, templates expanded, so rare values are covered
     whatever a sample happens to draw."""
-    phrases = [*_TEMPLATE_WORDS, *(str(digit) for digit in range(10)), *NOUL_DEFAULTS.values()]
+    phrases = [*_TEMPLATE_WORDS, *(str(digit) for digit in range(10)), *NOUL_DEFAULTS.values(), *_REFERENCE_WORDS]
     for field, values in _TICKET_VALUES.items():
         phrases += [field, _FIELD_QUESTION.format(field=field), *values]
     for table in (_TOPICS, _AREAS):

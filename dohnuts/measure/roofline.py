@@ -280,24 +280,26 @@ def useful_work(text_config: dict, vision_config: dict | None, geometry: Geometr
         "image_patches": geometry.image_patches}}
 
 
-def bounds(work: dict, ceilings: dict, transfer_bytes: int | None = None) -> dict:
+def bounds(work: dict, ceilings: dict, transfer_bytes: int | None = None,
+           stage_list: list[Stage] | None = None) -> dict:
     """Time bounds of `work` (from `useful_work`) under device `ceilings`.
 
     Terms: matrix (MATRIX_CATEGORIES at matrix_flops_per_s), vector (at vector_flops_per_s),
     recurrence (at recurrence_flops_per_s, else vector_flops_per_s), memory (bytes total at
     bandwidth_bytes_per_s) and, when `transfer_bytes` is given, transfer (at
-    transfer_bytes_per_s). They combine as `sum` (no
-    overlap), `max` (ideal overlap) and `critical_path`: the compute terms one after another,
-    overlapped with memory traffic, then the transfer, max(matrix + vector + recurrence, memory)
-    + transfer, which lies between max and sum by construction. t_lower = max(all FLOPs at the
-    matrix rate, bytes / bandwidth), the issue's lower bound. A term whose ceiling is missing
-    is None, and so is every combination that needs it (absent, never 0).
+    transfer_bytes_per_s). They combine as `sum` (no overlap) and `max` (ideal overlap).
+    `critical_path` comes from the work per stage (`stages`): stages run one after another,
+    each as long as the longer of its compute and its bytes, then the transfer; it needs
+    `stage_list`. t_lower = max(all FLOPs at the matrix rate, bytes / bandwidth), the issue's
+    lower bound. A term whose ceiling is missing is None, and so is every combination that needs
+    it (absent, never 0).
 
     Args:
         work: a `useful_work` result.
         ceilings: matrix_flops_per_s, vector_flops_per_s, bandwidth_bytes_per_s, optional
             recurrence_flops_per_s and transfer_bytes_per_s (a DEVICES entry fits).
         transfer_bytes: host-device bytes of the invocation, if known.
+        stage_list: the same work stage by stage, for the critical path.
 
     Returns:
         {"matrix_seconds", "vector_seconds", "recurrence_seconds", "memory_seconds",
@@ -323,7 +325,10 @@ def bounds(work: dict, ceilings: dict, transfer_bytes: int | None = None) -> dic
         compute = times["matrix"] + times["vector"] + times["recurrence"]
         result["sum_seconds"] = compute + times["memory"] + transfer
         result["max_seconds"] = max(times[name] for name in terms)
-        result["critical_path_seconds"] = max(compute, times["memory"]) + transfer
+        if stage_list is not None:
+            per_stage = [stage_seconds(stage, ceilings) for stage in stage_list]
+            if all(value is not None for value in per_stage):
+                result["critical_path_seconds"] = sum(per_stage) + transfer
     result["t_lower_seconds"] = _lower(flops["total"], work["bytes"]["total"], ceilings)
     return result
 
@@ -339,8 +344,126 @@ def _lower(flops: int, data: int, ceilings: dict) -> float | None:
     return max(flops / matrix, data / bandwidth)
 
 
+def efficiencies(bound: dict, measured_seconds: float) -> dict:
+    """Each bound of `bounds` over the measured time: the fraction of the time that term alone
+    explains (matrix, vector, recurrence, memory, transfer), the critical path's, and t_lower's
+    (the roofline efficiency); None where the bound is."""
+    names = ("matrix", "vector", "recurrence", "memory", "transfer", "critical_path", "t_lower")
+    return {name: efficiency(bound.get(f"{name}_seconds"), measured_seconds) for name in names}
+
+
 def efficiency(t_lower: float | None, measured_seconds: float) -> float | None:
     """The fraction of the roofline reached: t_lower / measured (None when t_lower is)."""
     if measured_seconds <= 0:
         raise ValueError(f"measured time must be positive, got {measured_seconds}")
     return None if t_lower is None else t_lower / measured_seconds
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of an invocation that must finish before the next can start (a layer's part):
+    its FLOPs by category, its necessary bytes, and whether activation checkpointing
+    recomputes it in the backward pass (the part of a delta-rule layer after the delta rule,
+    and the whole of an attention layer; `whole_delta` recomputes delta-rule layers whole)."""
+
+    name: str
+    flops: dict
+    bytes: int
+    recomputed: bool = False
+
+
+def stages(text_config: dict, vision_config: dict | None, geometry: Geometry, dtype_bytes: int = 2,
+           whole_delta: bool = False) -> list[Stage]:
+    """`useful_work` stage by stage, in the order the forward runs them: vision, embedding, per
+    layer its mixer's parts and its MLP, the final norm and the head. Summed over the stages,
+    FLOPs per category and bytes equal `useful_work`'s (each stage carries its own weights and
+    states; the hidden states in and out are the embedding's and the final norm's)."""
+    shape = _text_shape(text_config)
+    tokens, pairs, hidden = geometry.useful_tokens, attention_pairs(geometry), shape["hidden"]
+    state = shape["value_heads"] * shape["key_dim"] * shape["value_dim"]
+    maps = _linear_maps(shape)
+    inner, value_width = shape["intermediate"], shape["value_width"]
+    query_width, key_width = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+    rotated = shape["rotary"] * (shape["heads"] + shape["kv_heads"])
+
+    def work(name, recomputed=False, weights=0, data=0, **flops):
+        return Stage(name, {key: int(value) for key, value in flops.items()}, int(weights * dtype_bytes + data),
+                     recomputed)
+
+    mlp_matrix = 2 * tokens * sum(a * b for a, b in maps["full_attention"][4:])
+    mlp = dict(matrix=mlp_matrix, vector=tokens * (NORM_FLOPS * hidden + RESIDUAL_FLOPS * hidden + GATE_FLOPS * inner),
+               weights=sum(a * b for a, b in maps["full_attention"][4:]) + hidden)
+    forked = sum(parent >= 0 for parent in geometry.parents)
+    result = []
+    if geometry.image_patches:
+        merged = geometry.image_patches // vision_config["spatial_merge_size"] ** 2
+        result.append(work("vision", weights=vision_parameters(vision_config),
+                           data=(geometry.image_patches * _patch_width(vision_config)
+                                 + merged * vision_config["out_hidden_size"]) * dtype_bytes,
+                           vision=_vision_flops(vision_config, geometry.image_patches)))
+    result.append(work("embedding", data=2 * tokens * hidden * dtype_bytes))  # the rows looked up, the hidden in
+    for index, kind in enumerate(text_config["layer_types"]):
+        if kind == "linear_attention":
+            projections = maps["linear_attention"][:4]
+            result += [
+                work(f"{index}.delta.projections", whole_delta, weights=sum(a * b for a, b in projections) + hidden,
+                     matrix=2 * tokens * sum(a * b for a, b in projections), vector=tokens * NORM_FLOPS * hidden),
+                work(f"{index}.delta.convolution", whole_delta,
+                     weights=shape["conv_channels"] * shape["conv_kernel"] + 2 * shape["value_heads"],
+                     vector=tokens * (2 * shape["conv_kernel"] * shape["conv_channels"]
+                                      + GATE_FLOPS * shape["conv_channels"] + NORM_FLOPS * 2 * shape["key_width"]
+                                      + 2 * GATE_FLOPS * shape["value_heads"])),
+                work(f"{index}.delta.rule", whole_delta, recurrence=DELTA_RULE_FLOPS * state * tokens,
+                     data=state * STATE_BYTES * (len(geometry.prefix_lengths) + forked)),
+                work(f"{index}.delta.output", True, weights=value_width * hidden + shape["value_dim"],
+                     matrix=2 * tokens * value_width * hidden,
+                     vector=tokens * ((NORM_FLOPS + GATE_FLOPS) * value_width + RESIDUAL_FLOPS * hidden)),
+            ]
+        else:
+            projections = maps["full_attention"][:3]
+            biases = (2 * query_width + 2 * key_width + hidden) if shape["bias"] else 0
+            result += [
+                work(f"{index}.attention.projections", True,
+                     weights=sum(a * b for a, b in projections) + biases + 2 * shape["head_dim"] + hidden,
+                     matrix=2 * tokens * sum(a * b for a, b in projections),
+                     vector=tokens * (NORM_FLOPS * hidden + NORM_FLOPS * (query_width + key_width)
+                                      + ROTARY_FLOPS * rotated)),
+                work(f"{index}.attention.scores", True, attention=2 * 2 * query_width * pairs,
+                     vector=SOFTMAX_FLOPS * shape["heads"] * pairs),
+                work(f"{index}.attention.output", True, weights=query_width * hidden,
+                     matrix=2 * tokens * query_width * hidden,
+                     vector=tokens * (GATE_FLOPS * query_width + RESIDUAL_FLOPS * hidden)),
+            ]
+        result.append(work(f"{index}.mlp", True, weights=mlp["weights"], matrix=mlp["matrix"], vector=mlp["vector"]))
+    result.append(work("final norm", weights=hidden, data=tokens * hidden * dtype_bytes,
+                       vector=tokens * NORM_FLOPS * hidden))
+    result.append(work("head", data=hidden * HEAD_BYTES, head=2 * hidden * geometry.candidates))
+    return result
+
+
+def stage_seconds(stage: Stage, ceilings: dict) -> float | None:
+    """A stage's bound: its compute (each category at its ceiling) or its bytes at the
+    bandwidth, whichever is longer; None when a ceiling it needs is missing."""
+    vector = ceilings.get("vector_flops_per_s")
+    rates = {**dict.fromkeys(MATRIX_CATEGORIES, ceilings.get("matrix_flops_per_s")),
+             **dict.fromkeys(VECTOR_CATEGORIES, vector),
+             **dict.fromkeys(RECURRENCE_CATEGORIES, ceilings.get("recurrence_flops_per_s") or vector)}
+    compute = 0.0
+    for name, amount in stage.flops.items():
+        if amount:
+            if not rates.get(name):
+                return None
+            compute += amount / rates[name]
+    bandwidth = ceilings.get("bandwidth_bytes_per_s")
+    if stage.bytes and not bandwidth:
+        return None
+    return max(compute, stage.bytes / bandwidth if stage.bytes else 0.0)
+
+
+def total(stage_list: list[Stage], recomputed_only: bool = False) -> dict:
+    """FLOPs by category and bytes summed over stages (those recomputed only, if asked): the
+    shape of `useful_work`'s flops and bytes totals."""
+    chosen = [stage for stage in stage_list if stage.recomputed or not recomputed_only]
+    flops = {name: sum(stage.flops.get(name, 0) for stage in chosen)
+             for name in ("matrix", "attention", "recurrence", "vector", "head", "vision")}
+    return {"flops": {**flops, "total": sum(flops.values())}, "bytes": {"total": sum(stage.bytes for stage in chosen)}}

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import LoraConfig, to_dict
-from ..io import read_json, verify_manifest
+from ..io import MANIFEST, read_json, verify_manifest, write_json, write_manifest
 from .base import load_backbone
 from .decision import DTYPES, HEAD_KEY, DecisionModel, new_head
 
 ADAPTER = "adapter.safetensors"  # unmerged LoRA + head weights in a checkpoint folder
+CONFIG = "config.json"  # beside it: the run's resolved configuration, LoRA settings and base
 
 
 def lora_target_pattern(targets) -> str:
@@ -86,14 +89,33 @@ def load_adapter(path: Path, model: DecisionModel, peft_model) -> None:
         model.head.weight.copy_(loaded[HEAD_KEY])
 
 
+def base_fingerprint(base: Path) -> str:
+    """SHA-256 of a base folder's manifest entries (every file's digest): which base weights,
+    tokenizer and processor an adapter was trained on."""
+    files = read_json(Path(base) / MANIFEST)["files"]
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def write_adapter_checkpoint(folder: Path, model: DecisionModel, peft_model, config: dict,
+                             manifest: dict | None = None) -> None:
+    """An unmerged checkpoint in `folder` (which must exist, empty): adapter.safetensors,
+    config.json (`config`, which must hold the "lora" settings and the "base" fingerprint the
+    loaders check) and a SHA-256 manifest (with `manifest`'s entries)."""
+    missing = {"lora", "base"} - set(config)
+    if missing:
+        raise ValueError(f"an adapter checkpoint's config must state {sorted(missing)}")
+    save_adapter(Path(folder) / ADAPTER, model, peft_model)
+    write_json(Path(folder) / CONFIG, config)
+    write_manifest(folder, manifest)
+
+
 def load_adapter_model(base: Path, dtype: str, lora: LoraConfig, folder: Path, device):
-    """The base with LoRA and head from a checkpoint folder whose manifest is verified first.
+    """The base with LoRA and head from a checkpoint folder, after `verify_adapter_checkpoint`.
 
     Returns:
         (DecisionModel in eval mode on `device`, peft model)
     """
-    verify_manifest(folder, required=(ADAPTER,))
-    check_adapter_config(folder, lora)
+    verify_adapter_checkpoint(folder, lora, base)
     model, peft_model = build_training_model(base, dtype, lora, head_std=0.01, seed=0)
     load_adapter(Path(folder) / ADAPTER, model, peft_model)
     return model.to(device).eval(), peft_model
@@ -104,31 +126,40 @@ def verify_base(base: Path) -> None:
     verify_manifest(base, required=("config.json",))
 
 
-def check_adapter_config(folder: Path, lora: LoraConfig) -> None:
-    """Refuse a checkpoint trained with other LoRA settings: alpha or dropout differences keep
-    every shape yet change what the weights mean.
+def verify_adapter_checkpoint(folder: Path, lora: LoraConfig, base: Path) -> Path:
+    """Check an unmerged checkpoint before loading it: every SHA-256 of its manifest, no file
+    beside them that the manifest does not list, the LoRA settings it states (alpha or dropout
+    differences keep every shape yet change what the weights mean) and the base it was trained
+    on (by `base_fingerprint`). Returns its adapter file.
 
     Raises:
-        ValueError: naming each differing setting.
+        IntegrityError: a missing, changed or unlisted file; ValueError: a missing or differing
+            setting, or another base, each named.
     """
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        return
-    saved = read_json(path).get("lora")
-    if saved is None:
-        return
+    folder = Path(folder)
+    verify_manifest(folder, required=(ADAPTER, CONFIG), complete=True)
+    saved = read_json(folder / CONFIG)
+    if not isinstance(saved.get("lora"), dict):
+        raise ValueError(f"{folder}/{CONFIG} does not state its LoRA settings (no 'lora' mapping): it cannot be "
+                         f"checked against the params, so it is refused")
     wanted = to_dict(lora)
-    differ = {key: (saved.get(key), wanted[key]) for key in wanted if saved.get(key) != wanted[key]}
+    differ = {key: (saved["lora"].get(key), wanted[key]) for key in wanted if saved["lora"].get(key) != wanted[key]}
     if differ:
         details = ", ".join(f"lora.{key}: checkpoint {a!r}, params {b!r}" for key, (a, b) in differ.items())
         raise ValueError(f"{folder} was trained with other LoRA settings ({details})")
+    expected = base_fingerprint(base)
+    if saved.get("base") != expected:
+        raise ValueError(f"{folder} was trained on another base (fingerprint {saved.get('base')!r}; this base "
+                         f"{base} is {expected!r}): its LoRA weights would not mean what they meant")
+    return folder / ADAPTER
 
 
-def verify_parent(parent: Path) -> Path:
-    """The parent's adapter file after checking every SHA-256 of its manifest.
+def verify_parent(parent: Path, lora: LoraConfig, base: Path) -> Path:
+    """The parent's adapter file for `init: checkpoint`, after `verify_adapter_checkpoint`.
 
     Raises:
-        FileNotFoundError: no parent checkpoint there; IntegrityError: a hash differs.
+        FileNotFoundError: no parent checkpoint there; IntegrityError, ValueError: as
+            `verify_adapter_checkpoint`.
     """
     parent = Path(parent)
     if not (parent / ADAPTER).is_file():
@@ -136,5 +167,4 @@ def verify_parent(parent: Path) -> Path:
             f"init: checkpoint needs a parent checkpoint in {parent}, but it holds no {ADAPTER}; "
             f"publish one first (python -m stages.publish --source runs/select/adapter --target {parent})"
         )
-    verify_manifest(parent, required=(ADAPTER,))
-    return parent / ADAPTER
+    return verify_adapter_checkpoint(parent, lora, base)

@@ -12,16 +12,12 @@ layout: a replay copies the new embeddings and index tensors into the graph's in
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections import OrderedDict
 
 import torch
 
 from ..ops import kernels
 from .batch import Batch
-
-LOG = logging.getLogger(__name__)
-
 
 # The batch fields `DecisionModel.scores` reads on the device (plus the fork); the others
 # (token ids, pixels, image slots) only feed the eager embeddings. The plan fields hold values
@@ -104,7 +100,7 @@ class GraphedScores:
         self.failed: set[tuple] = set()
         self.pool = None
         self.generation, self.parameters, self.versions = None, [], None
-        self.stats = {"eager": 0, "captures": 0, "replays": 0}
+        self.stats = {"eager": 0, "captures": 0, "replays": 0, "failed": 0}
 
     def __call__(self, batch: Batch) -> torch.Tensor:
         model = self.model
@@ -146,8 +142,10 @@ class GraphedScores:
             graph = _Graph(self.model, embeds, batch, self.pool)
         except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager
             self.failed.add(key)
-            LOG.warning("CUDA graph capture failed for a layout of %d tokens; it runs eagerly (%s: %s)",
-                        int(batch.input_ids.shape[0]), type(error).__name__, error)
+            self.stats["failed"] += 1
+            kernels.slow_path("cuda-graph-capture", f"a CUDA graph capture failed (a layout of "
+                                                    f"{int(batch.input_ids.shape[0])} tokens), so that layout runs "
+                                                    f"eagerly: {type(error).__name__}: {error}")
             torch.cuda.synchronize()
             return None
         self.stats["captures"] += 1

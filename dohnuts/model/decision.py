@@ -8,6 +8,7 @@ from torch import nn
 from .batch import Batch
 from .decoder import Prefixes, Segments, packed_forward
 from .features import ImageFeatureCache
+from .vision import image_features, linear_patch_projection
 
 HEAD_KEY = "head.weight"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -16,14 +17,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def default_device() -> torch.device:
     """CUDA when present, else the CPU: the one execution policy picks the device, not a flag."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def image_features(visual, pixel_values, grid_thw) -> torch.Tensor:
-    """Frozen vision tower: the merged features of every image, concatenated [tokens, D]."""
-    with torch.no_grad():
-        output = visual(pixel_values.to(visual.dtype), grid_thw=grid_thw)
-    # transformers >= 5 returns a model output whose pooler_output holds the merged features.
-    return getattr(output, "pooler_output", output)
 
 
 class DecisionModel(nn.Module):
@@ -39,6 +32,7 @@ class DecisionModel(nn.Module):
         self.head = head
         self.activation_checkpointing = activation_checkpointing  # recompute layers in training
         self.backbone.visual.requires_grad_(False)
+        linear_patch_projection(self.backbone.visual)
         self.image_cache = ImageFeatureCache()  # new and empty for every model
         self.generation = 0  # bumped whenever parameters may have moved (see `changed`)
 

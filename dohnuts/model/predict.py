@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from ..schema import answer, parse_request
+from ..schema import Request, answer, parse_request
 from ..scoring.calibration import apply_temperatures
 from ..scoring.metrics import masked_softmax
-from .batch import EncodedImage
+from .batch import Batch, EncodedImage
 from .checkpoint import load_merged
 from .cuda_graphs import GraphedScores
 from .decision import default_device
@@ -38,19 +39,39 @@ class Predictor:
 
     def encode(self, state, questions):
         """Validate and encode a request into a batch. Returns (batch, request)."""
-        request = parse_request(state, questions, self.template.reserved)
-        image = None
-        if request.image is not None:
-            key = image_key(request.image)
-            grid = self.model.image_cache.grid(key)
-            # A cached image needs no preprocessing: its features and grid are known.
-            if grid is not None:
-                image = EncodedImage(None, grid, key)
-            else:
-                image = self.template.encode_image(request.image, key)
-        rows = self.template.encode(request, self.config.max_tokens, 0, image)
-        batch = self.template.collate(rows, [image] if image is not None else [])
-        return batch, request
+        batch, requests, _ = self.encode_many([(state, questions)])
+        return batch, requests[0]
+
+    def encode_many(self, requests: Sequence[tuple[object, dict]]) -> tuple[Batch, list[Request], list[int]]:
+        """Validate and encode several requests into one batch: their rows in request order,
+        each request's own prefix shared among its rows, each distinct image once.
+
+        Returns:
+            (batch, the validated requests, each request's input tokens)
+
+        Raises:
+            TypeError, ValueError: an invalid request (see `dohnuts.schema.parse_request`).
+        """
+        template, cache = self.template, self.model.image_cache
+        parsed = [parse_request(state, questions, template.reserved) for state, questions in requests]
+        images: list[EncodedImage] = []
+        seen: dict[str, int] = {}
+        rows, tokens = [], []
+        for request in parsed:
+            index = None
+            if request.image is not None:
+                key = image_key(request.image)
+                if key not in seen:
+                    grid = cache.grid(key)
+                    # A cached image needs no preprocessing: its features and grid are known.
+                    seen[key] = len(images)
+                    images.append(EncodedImage(None, grid, key) if grid is not None
+                                  else template.encode_image(request.image, key))
+                index = seen[key]
+            own = template.encode(request, self.config.max_tokens, index, images[index] if index is not None else None)
+            rows += own
+            tokens.append(sum(len(row.input_ids) for row in own))
+        return template.collate(rows, images), parsed, tokens
 
     @torch.no_grad()
     def predict(self, state, questions) -> dict:
@@ -68,13 +89,43 @@ class Predictor:
         Raises:
             TypeError, ValueError: invalid request (see `dohnuts.schema.parse_request`).
         """
-        batch, request = self.encode(state, questions)
+        return self.predict_many([(state, questions)])[0]
+
+    @torch.no_grad()
+    def predict_many(self, requests: Sequence[tuple[object, dict]], raw_logits: bool = False) -> list[dict]:
+        """Answer several requests in one forward pass; each gets what `predict` gives it alone
+        (batched rows differ only by floating-point summation order).
+
+        Args:
+            requests: (state, questions) pairs, as `predict` takes them.
+            raw_logits: also give each result "logits": {qid: the candidates' logits before the
+                temperature}, for evaluation.
+
+        Returns:
+            One `predict` result per request, in order.
+
+        Raises:
+            TypeError, ValueError: an invalid request; nothing is run then.
+        """
+        batch, parsed, tokens = self.encode_many(requests)
         # The logits [B, K] come to the host at once (the call's one synchronisation): the few
         # small operations after them cost less there than as device launches, each a host
         # round trip once the forward has finished, and the temperatures need no copy to the device.
         logits = self.scores(batch.to(self.model.device)).cpu()
-        logits = apply_temperatures(logits.double(), [q.kind for q in request.questions], self.temperatures)
-        probs = masked_softmax(logits, batch.candidate_mask).tolist()  # one conversion, not one a question
-        answers = {q.qid: answer(q, probs[index][: len(q.labels)]) for index, q in enumerate(request.questions)}
-        usage = {"input_tokens": batch.input_tokens, "images": int(request.image is not None)}
-        return {"answers": answers, "usage": usage}
+        kinds = [question.kind for request in parsed for question in request.questions]
+        scaled = apply_temperatures(logits.double(), kinds, self.temperatures)
+        probs = masked_softmax(scaled, batch.candidate_mask).tolist()  # one conversion, not one a question
+        raw = logits.tolist() if raw_logits else None
+        results, row = [], 0
+        for request, count in zip(parsed, tokens):
+            answers = {}
+            for question in request.questions:
+                answers[question.qid] = answer(question, probs[row][: len(question.labels)])
+                row += 1
+            result = {"answers": answers, "usage": {"input_tokens": count, "images": int(request.image is not None)}}
+            if raw is not None:
+                first = row - len(request.questions)
+                result["logits"] = {question.qid: raw[first + index][: len(question.labels)]
+                                    for index, question in enumerate(request.questions)}
+            results.append(result)
+        return results

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import sys
 import threading
@@ -24,15 +25,36 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .plan import chunk_plan, cumulative
 
+LOG = logging.getLogger(__name__)
+TRITON_TESTED = (3, 6)  # the oldest Triton our kernels are tested on
+# FLA may dispatch the delta rule to other backends (FlashQLA, intra-card context parallelism)
+# that ignore the chunk plan we pass. The project sets these, whatever the environment says: a
+# user's environment must not silently change which kernels run. FLA reads them on every call.
+FLA_SETTINGS = {"FLA_FLASH_QLA": "0", "FLA_INTRACARD_CP": "0"}
+_SLOW: dict[str, str] = {}
+
+
+def slow_path(key: str, reason: str) -> None:
+    """Record a slower path the runtime takes, and why; the first time per key it is logged as
+    a warning. The benchmark's environment record lists them all (`slow_paths`)."""
+    if key not in _SLOW:
+        _SLOW[key] = reason
+        LOG.warning("%s", reason)
+
+
+def slow_paths() -> dict[str, str]:
+    """Every slower path taken in this process so far: key -> why."""
+    return dict(_SLOW)
+
 
 @functools.cache
 def _fla():
     """The FLA functions, or None when FLA (or a GPU for it) is not there."""
-    # FLA may dispatch the delta rule to other backends (FlashQLA, intra-card context
-    # parallelism) that ignore the chunk plan we pass; keep its own Triton kernels, which
-    # honour it (FLA reads these settings on every call; a user's own setting wins).
-    os.environ.setdefault("FLA_FLASH_QLA", "0")
-    os.environ.setdefault("FLA_INTRACARD_CP", "0")
+    for name, value in FLA_SETTINGS.items():
+        if os.environ.get(name, value) != value:
+            slow_path(f"env:{name}", f"{name}={os.environ[name]} in the environment is overridden with {value}: "
+                                     f"that FLA backend ignores the chunk plan dohnuts passes")
+        os.environ[name] = value
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
@@ -47,13 +69,25 @@ def _triton_ops():
         from . import triton_ops
     except ImportError:
         return None
+    import triton
+
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
+    if version < TRITON_TESTED:
+        slow_path("triton-version", f"Triton {triton.__version__} is older than {'.'.join(map(str, TRITON_TESTED))}, "
+                                    f"the oldest our kernels are tested on")
     return triton_ops
 
 
 def _ours(x: torch.Tensor):
     """Our Triton kernels for a CUDA tensor they serve (they compute in float32, so float64
     keeps its exact reference), else None."""
-    return _triton_ops() if x.is_cuda and x.dtype != torch.float64 else None
+    if not x.is_cuda or x.dtype == torch.float64:
+        return None
+    ops = _triton_ops()
+    if ops is None:
+        slow_path("triton", "Triton is not importable on this CUDA machine: norms, SwiGLU, the delta rule's "
+                            "convolution and its short rows run plain PyTorch (pip install -e '.[cuda]')")
+    return ops
 
 
 _PLANS_LOCK = threading.Lock()
@@ -128,7 +162,13 @@ def wide(x: torch.Tensor) -> torch.Tensor:
 
 def fused(x: torch.Tensor):
     """The FLA functions when `x` lives on a CUDA device and FLA is installed, else None."""
-    return _fla() if x.is_cuda else None
+    if not x.is_cuda:
+        return None
+    functions = _fla()
+    if functions is None:
+        slow_path("fla", "flash-linear-attention is not installed on this CUDA machine: the gated delta rule runs "
+                         "its plain-PyTorch chunked reference, many times slower (pip install -e '.[cuda]')")
+    return functions
 
 
 # -- normalisation and activation -------------------------------------------------------------
@@ -228,6 +268,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
     Returns:
         [Tq, H, D]
     """
+    if q.is_cuda and q.dtype not in (torch.bfloat16, torch.float16):
+        slow_path("attention-dtype", f"{q.dtype} on CUDA: attention runs the padded reference, since flash varlen "
+                                     f"attention takes bfloat16 or float16 (set model.dtype: bfloat16)")
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         # Flash attention's variable-length kernel: no padding, bottom-right causal mask.
         varlen_attn, options = _varlen()

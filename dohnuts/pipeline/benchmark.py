@@ -18,12 +18,24 @@ from ..data import synthetic
 from ..data.loader import loader_workers
 from ..data.records import RecordReader, load_records, write_mixture
 from ..io import write_bytes
-from ..measure.roofline import DEVICES, bounds, efficiency, geometry_from_batch, useful_work
+from ..measure.roofline import (
+    DEVICES,
+    Stage,
+    bounds,
+    efficiencies,
+    efficiency,
+    geometry_from_batch,
+    stages,
+    total,
+    useful_work,
+)
 from ..measure.shapes import shape_only_predictor
 from ..measure.telemetry import Telemetry, measure_ceilings, synchronize
 from ..model.adapters import with_lora
+from ..model.decoder import MIXER_KEEP_TOKENS
 from ..model.predict import Predictor
 from ..model.template import pieces_of
+from ..ops import kernels
 from ..schema import parse_request
 from ..scoring.objective import pack_targets
 from .evaluate import EvaluationBatches, evaluate, plan_batches, result_rows
@@ -112,10 +124,12 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def _measure(call, device: torch.device, warmup: int, timed: int) -> tuple[float, list[float], object]:
+def _measure(call, device: torch.device, warmup: int, timed: int,
+             counters=None) -> tuple[float, list[float], object, dict]:
     """One cold call, `warmup` warm-up calls, then `timed` calls, each bracketed by syncs.
 
-    Returns (cold ms, timed samples in ms, the cold call's result)."""
+    Returns (cold ms, timed samples in ms, the cold call's result, how much each of the
+    `counters()` counts grew over the timed calls alone)."""
     def once():
         synchronize(device)
         start = time.perf_counter()
@@ -126,7 +140,10 @@ def _measure(call, device: torch.device, warmup: int, timed: int) -> tuple[float
     cold_ms, result = once()
     for _ in range(warmup):
         once()
-    return cold_ms, [once()[0] for _ in range(timed)], result
+    before = dict(counters()) if counters is not None else {}
+    samples = [once()[0] for _ in range(timed)]
+    grown = {name: value - before[name] for name, value in counters().items()} if counters is not None else {}
+    return cold_ms, samples, result, grown
 
 
 def _baseline_rows(predictor, state, questions):
@@ -165,27 +182,50 @@ def hugging_face_logits(predictor, state, questions) -> torch.Tensor:
     return predictor.model.head(picked.to(predictor.model.head.weight.dtype)).squeeze(-1)
 
 
+def distinct_tokens(rows) -> int:
+    """Tokens that are distinct computations: a token is the same computation in two rows when
+    the rows' images and every token up to it are the same (the model is causal). The size of
+    a trie of the rows, one root per image."""
+    nodes: set = set()
+    for row in rows:
+        node = ("image", row.image)
+        for token in row.input_ids:
+            node = (hash(node), token)
+            nodes.add(node)
+    return len(nodes)
+
+
 def _padded_baseline(rows) -> dict:
-    """Tokens the padded, unshared baseline computes beyond the useful ones."""
+    """Tokens the padded, unshared baseline computes: beyond the useful ones, its padding, and
+    the tokens it computes more than once (the shared beginning of a request's rows, once per
+    row after the first)."""
     lengths = [len(row.input_ids) for row in rows]
     computed = len(rows) * max(lengths)
     return {"computed_tokens": computed, "padding_tokens": computed - sum(lengths),
-            "repeated_prefix_tokens": sum(lengths)}
+            "repeated_prefix_tokens": sum(lengths) - distinct_tokens(rows)}
 
 
-def roofline_record(model, batch, p50_ms: float, ceilings: dict, passes: int = 1) -> dict:
+def roofline_record(model, batch, p50_ms: float, ceilings: dict, passes: int = 1, recomputed: bool = False) -> dict:
     """The useful work of `batch` (run `passes` times; vision only for the images it carries
     pixels of), its bounds under the measured `ceilings` (`measure_ceilings`) and under the
     datasheet of the device they were measured on (absent when that device is not in the
-    table), and efficiency t_lower / p50 against each."""
+    table), efficiency t_lower / p50 against each, and each bound's share of p50. With
+    `recomputed`, the work activation checkpointing repeats in the backward pass (a training
+    update) is counted apart, as repeated work, never as useful."""
     config = model.backbone.config
+    text, vision = config.text_config.to_dict(), config.vision_config.to_dict()
     dtype_bytes = torch.finfo(model.backbone.dtype).bits // 8
-    work = useful_work(config.text_config.to_dict(), config.vision_config.to_dict(), geometry_from_batch(batch),
-                       dtype_bytes)
+    geometry = geometry_from_batch(batch)
+    work = useful_work(text, vision, geometry, dtype_bytes)
     for part in ("flops", "bytes"):
         work[part] = {name: passes * value for name, value in work[part].items()}
+    layers = stages(text, vision, geometry, dtype_bytes, whole_delta=batch.computed_tokens > MIXER_KEEP_TOKENS)
+    parts = [Stage(stage.name, {name: passes * value for name, value in stage.flops.items()}, passes * stage.bytes,
+                   stage.recomputed) for stage in layers]
     transfer = sum(tensor.numel() * tensor.element_size() for tensor in batch.device_tensors())
-    record = {"work": work, "transfer_bytes": transfer, "bounds": {}, "efficiency": {}}
+    record = {"work": work, "transfer_bytes": transfer, "bounds": {}, "efficiency": {}, "efficiency_by_bound": {}}
+    if recomputed:
+        record["repeated_work"] = total(layers, recomputed_only=True)
     device_name = ceilings["device"]
     sheets = {"measured": ceilings}
     sheet = DEVICES.get(device_name)
@@ -195,9 +235,10 @@ def roofline_record(model, batch, p50_ms: float, ceilings: dict, passes: int = 1
         record["efficiency"]["datasheet"] = {"absent": f"no datasheet entry for {device_name!r}"}
     for label, limits in sheets.items():
         # A CPU run has no host-device link to cross.
-        bound = bounds(work, limits, transfer if device_name != "CPU" else None)
+        bound = bounds(work, limits, transfer if device_name != "CPU" else None, parts)
         record["bounds"][label] = bound
         record["efficiency"][label] = efficiency(bound["t_lower_seconds"], p50_ms / 1000.0)
+        record["efficiency_by_bound"][label] = efficiencies(bound, p50_ms / 1000.0)
     return record
 
 
@@ -216,8 +257,12 @@ def run_workload(predictor, name: str, state, questions, warmup: int, timed: int
         return predictor.predict(state, questions)
 
     with Telemetry(device) as telemetry:
-        cold_ms, samples, result = _measure(call, device, warmup, timed)
-    _, baseline, _ = _measure(lambda: hugging_face_logits(predictor, state, questions), device, warmup, timed)
+        cold_ms, samples, result, calls = _measure(call, device, warmup, timed, lambda: predictor.scores.stats)
+    _, baseline, _, _ = _measure(lambda: hugging_face_logits(predictor, state, questions), device, warmup, timed)
+    ours = predictor.predict_many([(state, questions)], raw_logits=True)[0]["logits"]
+    theirs = hugging_face_logits(predictor, state, questions).float().cpu()
+    difference = max((theirs[index, : len(values)] - torch.tensor(values)).abs().max().item()
+                     for index, values in enumerate(ours.values()))
     if cache_miss:
         model.image_cache.clear()  # the batch as the timed calls built it: pixels included
     batch, _ = predictor.encode(state, questions)
@@ -232,6 +277,9 @@ def run_workload(predictor, name: str, state, questions, warmup: int, timed: int
         "shared_prefixes": 0 if batch.fork is None else len(batch.prefix_cu_seqlens) - 1,
         "image_grid_thw": None if batch.image_grid_thw_cpu is None else batch.image_grid_thw_cpu.tolist(),
         "vision_encoded": any(batch.image_has_pixels),
+        "timed_calls": {"graph_replays": calls["replays"], "graph_captures": calls["captures"],
+                        "eager": calls["eager"]},
+        "max_abs_logit_difference_to_hugging_face": difference,
         "roofline": roofline_record(model, batch, p50, ceilings),
         "telemetry": telemetry.summary(),
         "samples_ms": samples, "hugging_face_samples_ms": baseline,
@@ -297,32 +345,35 @@ def training_update_record(model, template, ceilings: dict, microbatches: int = 
                            timed: int = 10) -> dict:
     """Seconds per `training_update` (which injects fresh LoRA into `model`), with its roofline.
 
-    Useful work of an update: 3 forward passes' worth of its packed batch, FLOPs and bytes (the
-    forward, its recomputation under activation checkpointing, and the backward's input
-    gradients; the frozen base needs no weight gradients, and LoRA's are negligible)."""
+    Useful work of an update: 2 forward passes' worth of its packed batch, FLOPs and bytes (the
+    forward and the backward's input gradients; the frozen base needs no weight gradients, and
+    LoRA's are negligible). What activation checkpointing recomputes in the backward pass is
+    repeated work, recorded apart (`repeated_work`), never counted as useful."""
     update, batch = training_update(model, template, microbatches, rows)
     device = model.device
     with Telemetry(device) as telemetry:
-        cold_ms, samples, _ = _measure(update, device, 1, timed)
+        cold_ms, samples, _, _ = _measure(update, device, 1, timed)
     model.eval()
     p50 = percentile(samples, 0.5)
     record = {
         "workload": "training_update", "microbatches": microbatches, "rows_per_microbatch": rows,
         "input_tokens": batch.input_tokens, "computed_tokens": batch.computed_tokens,
         "cold_ms": cold_ms, "p50_ms": p50, "samples_ms": samples, "telemetry": telemetry.summary(),
-        "roofline": roofline_record(model, batch, p50, ceilings, passes=3),
+        "roofline": roofline_record(model, batch, p50, ceilings, passes=2, recomputed=True),
     }
     record["tokens_per_second"] = 1000.0 * record["input_tokens"] / p50
     return record
 
 
 def environment(predictor) -> dict:
+    """The machine and model a record was made on, and every slower path the runtime has taken
+    in this process so far, with why (`dohnuts.ops.kernels.slow_paths`)."""
     device = predictor.model.device
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "device_type": device.type, "torch": torch.__version__, "threads": torch.get_num_threads(),
         "dtype": predictor.config.dtype, "base": predictor.config.base,
-        "shape_only": predictor.config.base.startswith("shape-only:"),
+        "shape_only": predictor.config.base.startswith("shape-only:"), "slow_paths": kernels.slow_paths(),
     }
 
 
@@ -391,7 +442,6 @@ def benchmark(predictor, warmup: int, timed: int, progress=None) -> tuple[list[d
     Returns:
         (raw records, summary for DVC metrics, plot rows: one per workload)
     """
-    env = environment(predictor)
     device = predictor.model.device
     ceilings = measure_ceilings(device)
     records = []
@@ -399,22 +449,25 @@ def benchmark(predictor, warmup: int, timed: int, progress=None) -> tuple[list[d
         variants = (False, True) if isinstance(state, dict) and "image" in state else (False,)
         for cache_miss in variants:
             record = run_workload(predictor, name, state, questions, warmup, timed, ceilings, cache_miss)
-            records.append({**record, "environment": env})
+            records.append({**record, "environment": environment(predictor)})
             if progress is not None:
                 progress(records)
     with tempfile.TemporaryDirectory() as scratch:
         throughput = {**evaluation_throughput_record(predictor.model, predictor.template, predictor.config.max_tokens,
-                                                     Path(scratch)), "environment": env}
+                                                     Path(scratch)), "environment": environment(predictor)}
     if progress is not None:
         progress(records + [throughput])
-    training = {**training_update_record(predictor.model, predictor.template, ceilings), "environment": env}
+    training = {**training_update_record(predictor.model, predictor.template, ceilings),
+                "environment": environment(predictor)}
     if progress is not None:
         progress(records + [throughput, training])
     keys = ("p50_ms", "p95_ms", "cold_ms", "decisions_per_second", "hugging_face_p50_ms")
+    keys += ("max_abs_logit_difference_to_hugging_face", "timed_calls")
     summary = {
-        "environment": env, "ceilings": ceilings,
+        "environment": environment(predictor), "ceilings": ceilings,
         "workloads": {record["workload"]: {**{key: record[key] for key in keys},
-                                           "efficiency": record["roofline"]["efficiency"]["measured"]}
+                                           "efficiency": record["roofline"]["efficiency"]["measured"],
+                                           "efficiency_by_bound": record["roofline"]["efficiency_by_bound"]["measured"]}
                       for record in records},
         "training_update": {"p50_ms": training["p50_ms"], "tokens_per_second": training["tokens_per_second"],
                             "efficiency": training["roofline"]["efficiency"]["measured"]},

@@ -4,43 +4,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from ..config import CalibrateConfig
 from ..data.records import RecordReader, load_records
 from ..io import atomic_directory, read_json
 from ..model.checkpoint import load_merged, write_merged
 from ..model.decision import default_device
-from ..scoring.calibration import fit_temperatures
-from ..scoring.metrics import soft_nll
+from ..scoring.calibration import calibrated_temperatures
 from .evaluate import evaluate, padded, score_table
 
 
 def calibrate(merged: Path, data: Path, config: CalibrateConfig, out: Path) -> dict:
     """Fit one temperature per question type on the calibration partition with the merged model;
-    write the deployable checkpoint to `out`. Returns the metrics dict."""
+    write the deployable checkpoint to `out`. A type whose fit would not lower its row-mean NLL
+    keeps 1.0 (`calibrated_temperatures`; its metrics say why). Returns the metrics dict."""
     device = default_device()
     model, template, model_config, _ = load_merged(merged, device)
     rows = load_records(data)
     table = evaluate(model, template, RecordReader(data), rows, config.batch_rows, model_config.max_tokens,
                      desc="calibrate")
     logits, mask, targets = padded(table)
-    temperatures = fit_temperatures(logits, mask, targets, list(table.kind), min_rows=config.min_rows,
-                                    lr=config.lr, iterations=config.iterations,
-                                    bounds=(config.min_temperature, config.max_temperature))
+    temperatures, per_type = calibrated_temperatures(
+        logits, mask, targets, list(table.kind), min_rows=config.min_rows, lr=config.lr,
+        iterations=config.iterations, bounds=(config.min_temperature, config.max_temperature))
     _, raw = score_table(table)
     _, calibrated = score_table(table, temperatures)
     resolved = {**read_json(Path(merged) / "dohnuts.json")["resolved"], "calibrate": vars(config)}
     with atomic_directory(out) as tmp:
         write_merged(tmp, model.backbone, model.head, template.tokenizer, template.image_processor,
                      model_config, resolved, temperatures)
-    per_type = {}
-    for kind, temperature in temperatures.items():
-        rows_of_kind = torch.tensor([k == kind for k in table.kind])
-        if rows_of_kind.any():
-            chosen = (logits[rows_of_kind], mask[rows_of_kind], targets[rows_of_kind])
-            per_type[kind] = {"rows": int(rows_of_kind.sum()), "nll_raw": float(soft_nll(*chosen)),
-                              "nll_calibrated": float(soft_nll(chosen[0] / temperature, *chosen[1:]))}
     # The fit minimises the row-mean NLL of each type; the macro (group-mean) NLL may still rise.
     return {"temperatures": temperatures, "types": per_type,
             "macro_nll_raw": raw["macro"]["nll"], "macro_nll_calibrated": calibrated["macro"]["nll"]}

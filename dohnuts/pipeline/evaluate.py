@@ -35,6 +35,12 @@ def plan_batches(rows: pd.DataFrame, batch_rows: int) -> list[list[pd.DataFrame]
     return batches
 
 
+def request_of(reader: RecordReader, table: pd.DataFrame) -> tuple[object, dict]:
+    """(state, questions) of one state's records, as a user would send them to `predict`."""
+    questions = {qid: json.loads(question) for qid, question in zip(table.qid, table.question)}
+    return reader.state(table.iloc[0]), questions
+
+
 class EvaluationBatches:
     """Builds one evaluation batch from its requests (runs in loader workers)."""
 
@@ -45,8 +51,7 @@ class EvaluationBatches:
         template = self.template
         encoded_rows, images, meta = [], [], []
         for table in tables:
-            questions = {qid: json.loads(question) for qid, question in zip(table.qid, table.question)}
-            request = parse_request(self.reader.state(table.iloc[0]), questions, template.reserved)
+            request = parse_request(*request_of(self.reader, table), template.reserved)
             image = template.encode_image(request.image) if request.image is not None else None
             rows = template.encode(request, self.max_tokens, len(images), image)
             if image is not None:
@@ -59,14 +64,19 @@ class EvaluationBatches:
         return Item(template.collate(encoded_rows, images), meta=meta)
 
 
-def _to_host(logits: torch.Tensor):
-    """Start copying logits to (pinned) host memory without waiting. Returns (host, event)."""
+def _to_host(logits: torch.Tensor, stream):
+    """Start copying logits to pinned host memory on the side `stream`, without waiting: the
+    copy waits for the forward that made them, and the compute stream goes on with the next
+    batch. Returns (host, event recorded after the copy)."""
     if not logits.is_cuda:
         return logits, None
     host = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
-    host.copy_(logits, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
+    stream.wait_stream(torch.cuda.current_stream(logits.device))
+    with torch.cuda.stream(stream):
+        host.copy_(logits, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(stream)
+    logits.record_stream(stream)  # the allocator keeps them until the side stream has read them
     return host, done
 
 
@@ -92,7 +102,8 @@ def evaluate(model, template: Template, reader: RecordReader, rows: pd.DataFrame
     """Logits of every row; all questions of a state go into one request.
 
     Batches are built by loader workers and prefetched; each batch's logits are copied to
-    the host without blocking, and its result rows are made while the next batch runs.
+    pinned host memory on a side stream, and its result rows are made while the next batch's
+    forward runs.
 
     Returns:
         One row per record: group, state_id, qid, kind, labels, logits, target.
@@ -102,9 +113,10 @@ def evaluate(model, template: Template, reader: RecordReader, rows: pd.DataFrame
     bar = tqdm(total=len(rows), desc=desc, unit="row", dynamic_ncols=True)
     plan = plan_batches(rows, batch_rows)
     batches = worker_batches(EvaluationBatches(template, reader, max_tokens), plan, model.device, workers)
+    results_stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
     previous = None
     for item in prefetch(batches, model.device):
-        current = (*_to_host(model(item.batch)), item.meta)
+        current = (*_to_host(model(item.batch), results_stream), item.meta)
         if previous is not None:
             results.extend(_results(*previous))
             bar.update(len(previous[2]))
@@ -130,20 +142,28 @@ def padded(table: pd.DataFrame) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return logits, mask, targets
 
 
-def score_table(table: pd.DataFrame, temperatures: dict[str, float] | None = None) -> tuple[pd.DataFrame, dict]:
+def score_table(table: pd.DataFrame, temperatures: dict[str, float] | None = None,
+                probabilities: list[list[float]] | None = None) -> tuple[pd.DataFrame, dict]:
     """Per-row metrics and the per-group/macro summary of an evaluation table.
 
     Args:
         table: from `evaluate`.
         temperatures: per question type; None means raw (T = 1).
+        probabilities: each row's candidate probabilities as they were served (`Predictor`),
+            scored instead of those of the logits.
 
     Returns:
         (table with probabilities, prediction and per-row metrics added, summary dict)
     """
     logits, mask, targets = padded(table)
-    if temperatures is not None:
-        logits = apply_temperatures(logits, list(table.kind), temperatures)
-    probs = masked_softmax(logits, mask)
+    if probabilities is not None:
+        probs = torch.zeros_like(logits)
+        for index, row in enumerate(probabilities):
+            probs[index, : len(row)] = torch.tensor(row, dtype=probs.dtype)
+    else:
+        if temperatures is not None:
+            logits = apply_temperatures(logits, list(table.kind), temperatures)
+        probs = masked_softmax(logits, mask)
     ordinal = torch.tensor([kind == "score" for kind in table.kind])
     metrics = row_metrics(probs, mask, targets, ordinal)
     scored = table.assign(

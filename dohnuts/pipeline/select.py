@@ -9,7 +9,7 @@ import pandas as pd
 
 from ..config import LoraConfig, ModelConfig, SelectConfig
 from ..data.records import RecordReader, hash_order, load_records
-from ..io import atomic_directory, read_json, write_parquet
+from ..io import atomic_directory, read_json, write_json_files, write_parquet
 from ..model.adapters import load_adapter_model, verify_base
 from ..model.base import load_processors
 from ..model.decision import default_device
@@ -18,11 +18,12 @@ from .evaluate import evaluate, score_table
 
 
 def select(checkpoints: Path, base: Path, data: Path, model: ModelConfig, lora: LoraConfig,
-           config: SelectConfig, adapter_out: Path, table_out: Path) -> dict:
+           config: SelectConfig, adapter_out: Path, table_out: Path, curve_out: Path) -> dict:
     """Evaluate every checkpoint on the dev subset; keep the best macro accuracy (ties: earliest).
 
-    Writes the selected checkpoint folder to `adapter_out` and the selection table (Parquet)
-    to `table_out`; returns the metrics dict.
+    Writes the selected checkpoint folder to `adapter_out`, the selection table (Parquet) to
+    `table_out` and the selection curve's plot data to `curve_out` (curve.json: dev macro
+    accuracy per step; selected.json: the selected step); returns the metrics dict.
     """
     folders = sorted(Path(checkpoints).glob("step-*"))
     if not folders:
@@ -46,6 +47,10 @@ def select(checkpoints: Path, base: Path, data: Path, model: ModelConfig, lora: 
     with atomic_directory(adapter_out) as tmp:
         shutil.copytree(Path(checkpoints) / best.checkpoint, tmp, dirs_exist_ok=True)
     write_parquet(table_out, selection)
+    points = [{"step": int(row.step), "macro_accuracy": float(row.macro_accuracy)}
+              for row in selection.sort_values("step").itertuples()]
+    write_json_files(curve_out, {"curve": points, "selected": [
+        {"step": int(best.step), "macro_accuracy": float(best.macro_accuracy)}]})
     return {"selected_step": int(best.step), "dev_macro_accuracy": float(best.macro_accuracy),
             "dev_rows": int(len(dev)), "checkpoints": int(len(selection))}
 

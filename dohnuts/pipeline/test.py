@@ -5,24 +5,65 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+from tqdm import tqdm
 
 from ..config import TestConfig
 from ..data.records import RecordReader, load_records
 from ..model.predict import Predictor
-from .evaluate import evaluate, score_table
+from ..schema import QUESTION_TYPES
+from ..scoring.metrics import reliability
+from .evaluate import plan_batches, request_of, score_table
 
 
-def test(checkpoint: Path, data: Path, config: TestConfig) -> tuple[pd.DataFrame, dict]:
-    """Raw and calibrated metrics on the test partition with the deployable checkpoint.
+def predictions(predictor: Predictor, rows: pd.DataFrame, reader: RecordReader, batch_rows: int) -> pd.DataFrame:
+    """Every record of a partition answered through `Predictor.predict_many`, what a user of
+    the checkpoint gets (its CUDA graphs, temperatures and `answer`): one request per state,
+    whole requests per batch of about `batch_rows` rows.
 
     Returns:
-        (per-example predictions, metrics dict)
+        One row per record: group, state_id, qid, kind, labels, logits (raw), target and
+        served (the calibrated probabilities of the answer).
+    """
+    records = []
+    bar = tqdm(total=len(rows), desc="test", unit="row", dynamic_ncols=True)
+    for tables in plan_batches(rows, batch_rows):
+        results = predictor.predict_many([request_of(reader, table) for table in tables], raw_logits=True)
+        for table, result in zip(tables, results):
+            for record in table.itertuples():
+                answer = result["answers"][record.qid]
+                records.append({"group": record.group, "state_id": record.state_id, "qid": record.qid,
+                                "kind": answer["type"], "labels": list(answer["probabilities"]),
+                                "logits": result["logits"][record.qid], "target": [float(x) for x in record.target],
+                                "served": list(answer["probabilities"].values())})
+            bar.update(len(table))
+    bar.close()
+    return pd.DataFrame.from_records(records)
+
+
+def reliability_diagrams(raw: pd.DataFrame, calibrated: pd.DataFrame) -> dict[str, list[dict]]:
+    """Plot data of the reliability diagrams: per question type, raw and calibrated, the 15
+    confidence bins of the ECE (mean confidence, accuracy, rows); and the diagonal of perfect
+    calibration. Every type has its files, empty when the partition has no question of it."""
+    diagrams = {"diagonal": [{"confidence": value, "accuracy": value} for value in (0.0, 1.0)]}
+    for kind in QUESTION_TYPES:
+        for name, scored in (("raw", raw), ("calibrated", calibrated)):
+            rows = scored[scored.kind == kind]
+            diagrams[f"{kind}_{name}"] = reliability(rows.confidence, rows.correct) if len(rows) else []
+    return diagrams
+
+
+def test(checkpoint: Path, data: Path, config: TestConfig) -> tuple[pd.DataFrame, dict, dict[str, list[dict]]]:
+    """Raw and calibrated metrics on the test partition with the deployable checkpoint.
+
+    The calibrated metrics score the probabilities `Predictor` served; the raw ones the same
+    forward's logits at temperature 1.
+
+    Returns:
+        (per-example predictions, metrics dict, reliability diagrams: file name -> rows)
     """
     predictor = Predictor.from_checkpoint(checkpoint)
-    rows = load_records(data)
-    table = evaluate(predictor.model, predictor.template, RecordReader(data), rows, config.batch_rows,
-                     predictor.config.max_tokens, desc="test")
-    _, raw = score_table(table)
-    scored, calibrated = score_table(table, predictor.temperatures)
-    return scored, {
-        "calibrated": calibrated, "raw": raw, "temperatures": predictor.temperatures}
+    table = predictions(predictor, load_records(data), RecordReader(data), config.batch_rows)
+    raw_rows, raw = score_table(table)
+    scored, calibrated = score_table(table.drop(columns="served"), probabilities=list(table.served))
+    metrics = {"calibrated": calibrated, "raw": raw, "temperatures": predictor.temperatures}
+    return scored, metrics, reliability_diagrams(raw_rows, scored)

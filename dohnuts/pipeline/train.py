@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from ..config import LoraConfig, ModelConfig, TrainConfig, to_dict
@@ -32,20 +33,23 @@ from ..io import (
 )
 from ..model.adapters import (
     ADAPTER,
+    base_fingerprint,
     build_training_model,
-    check_adapter_config,
     load_adapter,
     save_adapter,
     verify_base,
     verify_parent,
+    write_adapter_checkpoint,
 )
 from ..model.base import load_processors
 from ..model.decision import DecisionModel, default_device
 from ..model.template import Template
 from ..scoring.objective import microbatch_losses, microbatch_slices, pack_targets
 from .schedule import lr_factor
+from .sources import executed_by, module_path, relative_file
 
 LOG = logging.getLogger(__name__)
+RUN_MARKER = "dohnuts-train-run.json"  # marks a folder train made, so a fresh start may clear it
 LOG_FIELDS = ("step", "loss", "reward", "cross_entropy", "accuracy", "lr", "grad_norm", "seconds")
 
 
@@ -115,20 +119,20 @@ def checkpoint_name(step: int) -> str:
 
 
 def resolved_config(run: TrainRun) -> dict:
-    """The configuration written beside every checkpoint."""
+    """The configuration written beside every checkpoint, with the fingerprint of its base."""
     return {"model": to_dict(run.model), "lora": to_dict(run.lora), "train": to_dict(run.train),
-            "seed": run.seed, "init": "checkpoint" if run.parent else "base"}
+            "seed": run.seed, "init": "checkpoint" if run.parent else "base", "base": base_fingerprint(run.base)}
 
 
 def source_digests() -> dict[str, str]:
-    """SHA-256 of every module of the dohnuts package (all wings), by path inside it."""
-    package = Path(__file__).resolve().parents[1]
-    return {path.relative_to(package).as_posix(): sha256_file(path) for path in sorted(package.rglob("*.py"))}
+    """SHA-256 of every module training executes (`dohnuts.pipeline.sources`), by file: an edit
+    to what training runs starts a new run, an edit elsewhere (the benchmark, say) does not."""
+    return {relative_file(name): sha256_file(module_path(name)) for name in executed_by(__name__)}
 
 
 def _fingerprint(run: TrainRun) -> str:
     """Identity of a run for resuming: config but the step budget (which may grow), input
-    manifests, and the package's source, so changed code never continues an old run."""
+    manifests, and the source of what training runs, so changed code never continues an old run."""
     config = resolved_config(run)
     config["train"] = {key: value for key, value in config["train"].items() if key != "steps"}
     inputs = [read_json(run.data / "manifest.json")["files"], read_json(run.base / "manifest.json")["files"]]
@@ -193,6 +197,38 @@ def update_step(model: DecisionModel, optimizer: torch.optim.Optimizer, batch, t
     return {**totals, "grad_norm": float(grad_norm)}
 
 
+GENERATORS = "generators.safetensors"  # torch, CUDA and noise generator states
+HOST_GENERATORS = "generators.json"  # Python's and numpy's
+
+
+def save_generators(folder: Path, noise: torch.Generator) -> None:
+    """Every random generator's state, as tensors and JSON (nothing a load would unpickle)."""
+    tensors = {"torch": torch.get_rng_state(), "noise": noise.get_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda.{index}": state for index, state in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(tensors, str(folder / GENERATORS))
+    version, internal, gauss = random.getstate()
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    write_json(folder / HOST_GENERATORS, {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(position), int(has_gauss), float(cached)]})
+
+
+def load_generators(folder: Path, noise: torch.Generator) -> None:
+    """Restore what `save_generators` wrote."""
+    tensors = load_file(str(folder / GENERATORS))
+    torch.set_rng_state(tensors["torch"])
+    noise.set_state(tensors["noise"])
+    cuda = [tensors[f"cuda.{index}"] for index in range(len(tensors)) if f"cuda.{index}" in tensors]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    host = read_json(folder / HOST_GENERATORS)
+    version, internal, gauss = host["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, position, has_gauss, cached = host["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
+
+
 class Trainer:
     """Owns the model, optimizer, samplers and RNG of one run; `run()` trains to the budget."""
 
@@ -204,9 +240,7 @@ class Trainer:
         self.model, self.peft_model = build_training_model(
             run.base, run.model.dtype, run.lora, run.train.head_init_std, run.seed)
         if run.parent:
-            adapter = verify_parent(run.parent)
-            check_adapter_config(run.parent, run.lora)
-            load_adapter(adapter, self.model, self.peft_model)
+            load_adapter(verify_parent(run.parent, run.lora, run.base), self.model, self.peft_model)
         self.model.to(self.device)
         self.model.activation_checkpointing = run.train.activation_checkpointing
         tokenizer, processor = load_processors(run.base, run.model)
@@ -223,6 +257,7 @@ class Trainer:
         self.noise = torch.Generator(device=self.device).manual_seed(run.seed)
         self.update = 0
         self.log: list[dict] = []
+        self.config = resolved_config(run)
         self.fingerprint = _fingerprint(run)
 
     # -- persistence -------------------------------------------------------------------
@@ -230,18 +265,15 @@ class Trainer:
     def save_checkpoint(self) -> None:
         folder = self.run.out / "checkpoints" / checkpoint_name(self.update)
         with atomic_directory(folder) as tmp:
-            save_adapter(tmp / ADAPTER, self.model, self.peft_model)
-            write_json(tmp / "config.json", resolved_config(self.run))
-            write_manifest(tmp, {"step": self.update, "fingerprint": self.fingerprint})
+            write_adapter_checkpoint(tmp, self.model, self.peft_model, self.config,
+                                     {"step": self.update, "fingerprint": self.fingerprint})
 
     def save_state(self) -> None:
         """Everything needed to continue exactly: weights, optimizer, RNG, update count, log."""
         with atomic_directory(self.run.out / "state") as tmp:
             save_adapter(tmp / ADAPTER, self.model, self.peft_model)
-            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-            torch.save({"torch": torch.get_rng_state(), "noise": self.noise.get_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                        "python": random.getstate(), "numpy": np.random.get_state()}, tmp / "rng.pt")
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")  # tensors and numbers only
+            save_generators(tmp, self.noise)
             write_json(tmp / "progress.json", {"update": self.update, "fingerprint": self.fingerprint, "log": self.log})
             write_manifest(tmp)
 
@@ -266,14 +298,9 @@ class Trainer:
             return (f"the saved run reached update {progress['update']}, past train.steps = "
                     f"{self.run.train.steps} (only the budget may grow on resume)")
         load_adapter(state / ADAPTER, self.model, self.peft_model)
-        self.optimizer.load_state_dict(torch.load(state / "optimizer.pt", map_location=self.device))
-        rng = torch.load(state / "rng.pt", weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        self.noise.set_state(rng["noise"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
+        self.optimizer.load_state_dict(torch.load(state / "optimizer.pt", map_location=self.device,
+                                                  weights_only=True))
+        load_generators(state, self.noise)
         self.update, self.log = progress["update"], progress["log"]
         return None
 
@@ -356,8 +383,16 @@ class Trainer:
 def train(run: TrainRun, resume: bool, on_update=None) -> Trainer:
     """Train a run; with `resume`, continue from its saved state when that state is this run's.
 
-    A fresh start clears the output folder first, so no checkpoint of another run survives.
+    A fresh start clears the output folder first, so no checkpoint of another run survives; it
+    clears only a folder a training run made (one holding RUN_MARKER), never another one.
+
+    Raises:
+        FileExistsError: `run.out` holds files but is not a training run's folder.
     """
+    marker = run.out / RUN_MARKER
+    if run.out.is_dir() and any(run.out.iterdir()) and not marker.is_file():
+        raise FileExistsError(f"{run.out} is not empty and holds no {RUN_MARKER}: it is not a training run's "
+                              f"folder, so train will not clear it; empty it or choose another output folder")
     trainer = Trainer(run)
     reason = trainer.try_resume() if resume else "resume not asked for"
     if reason is None:
@@ -367,5 +402,6 @@ def train(run: TrainRun, resume: bool, on_update=None) -> Trainer:
             LOG.warning("starting %s afresh and clearing it: %s", run.out, reason)
             shutil.rmtree(run.out)
         run.out.mkdir(parents=True)
+        write_json(marker, {"written_by": "dohnuts train", "note": "train clears this folder when a run starts afresh"})
     trainer.run_to_budget(on_update)
     return trainer

@@ -116,13 +116,26 @@ def ece(confidence, correct, bins: int = ECE_BINS) -> float:
     Returns:
         sum over bins of |bin| / B * |mean correct - mean confidence|.
     """
+    _, correct_sum, confidence_sum = _binned(confidence, correct, bins)
+    # |bin| / B * |mean gap| equals |sum of gaps in the bin| / B.
+    return float(np.abs(correct_sum - confidence_sum).sum() / len(_as_numpy(confidence)))
+
+
+def reliability(confidence, correct, bins: int = ECE_BINS) -> list[dict]:
+    """The reliability diagram of `ece`'s bins: per non-empty bin its index, row count, mean
+    confidence and accuracy (plain floats, ready for JSON)."""
+    counts, correct_sum, confidence_sum = _binned(confidence, correct, bins)
+    return [{"bin": int(index), "rows": int(counts[index]), "confidence": float(confidence_sum[index] / counts[index]),
+             "accuracy": float(correct_sum[index] / counts[index])} for index in np.flatnonzero(counts)]
+
+
+def _binned(confidence, correct, bins: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per equal-width confidence bin: row counts, sums of correct and sums of confidence."""
     confidence = _as_numpy(confidence)
     correct = _as_numpy(correct)
     index = np.clip(np.floor(confidence * bins).astype(int), 0, bins - 1)
-    # |bin| / B * |mean gap| equals |sum of gaps in the bin| / B.
-    correct_sum = np.bincount(index, weights=correct, minlength=bins)
-    confidence_sum = np.bincount(index, weights=confidence, minlength=bins)
-    return float(np.abs(correct_sum - confidence_sum).sum() / len(confidence))
+    return (np.bincount(index, minlength=bins), np.bincount(index, weights=correct, minlength=bins),
+            np.bincount(index, weights=confidence, minlength=bins))
 
 
 def macro_f1(pred, true, num_classes: int) -> float:

@@ -60,22 +60,40 @@ def test_batches_hold_whole_requests_and_every_row_once(evaluation):
     assert all(sum(len(t) for t in tables) - len(tables[-1]) < 4 for tables in plan)
 
 
+def _synchronous_rows(model, build, rows, table):
+    """The plain loop's result rows: build a batch, run it, read its logits."""
+    expected = []
+    with torch.no_grad():
+        for tables in plan_batches(rows, 4):
+            item = build(tables)
+            logits = model(item.batch.to(model.device)).cpu()
+            for index, meta in enumerate(item.meta):
+                record = {key: value for key, value in meta.items() if key != "candidates"}
+                expected.append({**record, "logits": logits[index, : meta["candidates"]].tolist()})
+    return pd.DataFrame.from_records(expected, columns=table.columns)
+
+
 def test_overlapped_evaluation_writes_exactly_the_rows_of_the_synchronous_loop(tiny, evaluation):
     template, reader, rows, build = evaluation
     backbone = load_backbone(tiny.base, torch.float32).eval()
     model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
     table = evaluate(model, template, reader, rows, 4, 4096, workers=1)
-    expected = []
-    with torch.no_grad():
-        for tables in plan_batches(rows, 4):
-            item = build(tables)
-            logits = model(item.batch)
-            for index, meta in enumerate(item.meta):
-                record = {key: value for key, value in meta.items() if key != "candidates"}
-                expected.append({**record, "logits": logits[index, : meta["candidates"]].tolist()})
-    expected = pd.DataFrame.from_records(expected, columns=table.columns)
     assert len(table) == len(rows)
-    pd.testing.assert_frame_equal(table, expected)
+    pd.testing.assert_frame_equal(table, _synchronous_rows(model, build, rows, table))
+
+
+@pytest.mark.gpu
+def test_evaluation_on_cuda_copies_results_on_a_side_stream_in_order_and_content(tiny, evaluation):
+    """The logits come back through pinned memory on a side stream while the next batch's
+    forward runs; in bf16 the rows, their order and their logits equal the synchronous loop's."""
+    template, reader, rows, build = evaluation
+    backbone = load_backbone(tiny.base, torch.bfloat16).eval()
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).to("cuda").eval()
+    table = evaluate(model, template, reader, rows, 4, 4096, workers=1)
+    expected = _synchronous_rows(model, build, rows, table)
+    assert list(zip(table.state_id, table.qid)) == list(zip(expected.state_id, expected.qid))
+    for ours, reference in zip(table.logits, expected.logits):
+        assert ours == pytest.approx(reference, abs=1e-6)  # the same kernels on the same inputs
 
 
 @pytest.mark.gpu

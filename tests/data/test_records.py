@@ -4,25 +4,26 @@ import pandas as pd
 import pytest
 
 from dohnuts.data import synthetic
-from dohnuts.data.records import PARTITIONS, assign_partition, hash_order, load_records, write_mixture
+from dohnuts.data.isolation import PARTITIONS, hashed_partition
+from dohnuts.data.records import hash_order, load_records, write_mixture
 from dohnuts.io import IntegrityError
 
 FRACTIONS = {"train": 0.7, "dev": 0.1, "calibration": 0.1, "test": 0.1}
 
 
-def test_partition_is_a_stable_hash_of_the_state_key_with_the_configured_shares():
-    keys = [("g", f"s{i}") for i in range(4000)]
-    first = [assign_partition(0, g, s, FRACTIONS) for g, s in keys]
-    assert first == [assign_partition(0, g, s, FRACTIONS) for g, s in keys]
+def test_partition_is_a_stable_salted_hash_with_the_configured_shares():
+    keys = [f"s{i}" for i in range(4000)]
+    first = [hashed_partition(0, key, FRACTIONS) for key in keys]
+    assert first == [hashed_partition(0, key, FRACTIONS) for key in keys]
     shares = pd.Series(first).value_counts(normalize=True)
     for name, fraction in FRACTIONS.items():
         assert shares[name] == pytest.approx(fraction, abs=0.03)
-    assert first != [assign_partition(1, g, s, FRACTIONS) for g, s in keys]
+    assert first != [hashed_partition(1, key, FRACTIONS) for key in keys]
 
 
 def test_every_state_lands_whole_in_exactly_one_partition(tmp_path):
     states = synthetic.generate(seed=0, states_per_group=30, image_size=32)
-    counts = write_mixture(states, tmp_path, seed=0, fractions=FRACTIONS)
+    counts = write_mixture(states, tmp_path, seed=0, fractions=FRACTIONS)["partitions"]
     tables = {name: load_records(tmp_path / name) for name in PARTITIONS}
     seen = {}
     for name, table in tables.items():

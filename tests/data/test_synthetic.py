@@ -178,7 +178,8 @@ def test_colour_squares_span_at_least_half_the_canvas(mixture):
 def test_corpus_covers_every_word_the_generator_emits(mixture):
     vocabulary = {word for phrase in corpus(0) for word in WORD.findall(phrase)}
     emitted = {word for s in mixture for text in _texts(s) for word in WORD.findall(text)}
-    assert emitted - vocabulary == set()
+    # Reference numbers are digits, which the corpus holds one by one.
+    assert {word for word in emitted - vocabulary if not word.isdigit()} == set()
     template = {"State", "question", "Options", "choice", "noul", "score", "level", "false", "true"}
     assert template | set("0123456789") <= vocabulary
 

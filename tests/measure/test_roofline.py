@@ -8,10 +8,15 @@ import torch
 from dohnuts.measure.roofline import (
     DEVICES,
     Geometry,
+    Stage,
     bounds,
+    efficiencies,
     efficiency,
     geometry_from_batch,
     language_parameters,
+    stage_seconds,
+    stages,
+    total,
     useful_work,
     vision_parameters,
 )
@@ -149,8 +154,7 @@ def test_bounds_terms_and_their_combinations():
     assert result["memory_seconds"] == pytest.approx(work["bytes"]["total"] / 1e4)
     assert result["transfer_seconds"] == pytest.approx(0.5)
     compute = result["matrix_seconds"] + result["vector_seconds"] + result["recurrence_seconds"]
-    assert result["critical_path_seconds"] == pytest.approx(max(compute, result["memory_seconds"]) + 0.5)
-    assert result["max_seconds"] <= result["critical_path_seconds"] <= result["sum_seconds"]
+    assert result["critical_path_seconds"] is None  # it needs the work per stage
     assert result["sum_seconds"] == pytest.approx(compute + result["memory_seconds"] + 0.5)
     assert result["t_lower_seconds"] == pytest.approx(max(flops["total"] / 1e6, work["bytes"]["total"] / 1e4))
     assert result["terms"] == ["matrix", "vector", "recurrence", "memory", "transfer"]
@@ -180,10 +184,11 @@ def test_efficiency_is_the_lower_bound_over_the_measured_time():
 
 
 def test_a_record_of_work_and_bounds_on_every_device_is_json():
-    work = useful_work(QWEN3_5_0_8B["text_config"], QWEN3_5_0_8B["vision_config"],
-                       Geometry((128,), (20, 30), (0, 0), candidates=6, image_patches=1024))
+    geometry = Geometry((128,), (20, 30), (0, 0), candidates=6, image_patches=1024)
+    work = useful_work(QWEN3_5_0_8B["text_config"], QWEN3_5_0_8B["vision_config"], geometry)
+    parts = stages(QWEN3_5_0_8B["text_config"], QWEN3_5_0_8B["vision_config"], geometry)
     for name, ceilings in DEVICES.items():
-        result = bounds(work, ceilings, transfer_bytes=4 * 1024 * 1536)
+        result = bounds(work, ceilings, transfer_bytes=4 * 1024 * 1536, stage_list=parts)
         record = {"device": name, "source": ceilings["source"], "work": work, "bounds": result,
                   "efficiency": efficiency(result["t_lower_seconds"], 0.01)}
         assert json.loads(json.dumps(record)) == record
@@ -216,3 +221,60 @@ def test_geometry_from_a_batch_with_an_image_encoded_or_cached():
     encoded = geometry_from_batch(batch)
     assert encoded == Geometry((), (7,), (-1,), candidates=1, image_patches=16)
     assert geometry_from_batch(batch, vision_encoded=False).image_patches == 0
+
+
+def _geometry():
+    return Geometry((64,), (5, 9), (0, 0), candidates=5, image_patches=16)
+
+
+def test_stages_sum_to_the_useful_work_by_category():
+    geometry = _geometry()
+    work = useful_work(TEXT, VISION, geometry)
+    parts = stages(TEXT, VISION, geometry)
+    summed = total(parts)
+    assert summed["flops"] == work["flops"]
+    assert summed["bytes"]["total"] == work["bytes"]["total"]
+    names = [stage.name for stage in parts]
+    assert names[:2] == ["vision", "embedding"] and names[-2:] == ["final norm", "head"]
+    assert names.index("0.delta.rule") < names.index("0.mlp") < names.index("1.attention.scores")
+
+
+def test_checkpointing_recomputes_the_delta_layers_tail_and_whole_attention_layers():
+    geometry = _geometry()
+    parts = {stage.name: stage for stage in stages(TEXT, None, Geometry((64,), (5, 9), (0, 0), 5, 0))}
+    recomputed = {name for name, stage in parts.items() if stage.recomputed}
+    assert recomputed == {"0.delta.output", "0.mlp", "1.attention.projections", "1.attention.scores",
+                          "1.attention.output", "1.mlp"}
+    again = total(stages(TEXT, None, Geometry((64,), (5, 9), (0, 0), 5, 0)), recomputed_only=True)
+    tokens = geometry.useful_tokens
+    # Hand count: the delta layer's out_proj and both MLPs, then the attention layer's maps and scores.
+    matrix = 2 * tokens * (8 * 8 + 2 * (8 * 16 + 8 * 16 + 16 * 8) + (8 * 16 + 8 * 4 + 8 * 4) + 8 * 8)
+    assert again["flops"]["matrix"] == matrix and again["flops"]["recurrence"] == 0
+    whole = total(stages(TEXT, None, Geometry((64,), (5, 9), (0, 0), 5, 0), whole_delta=True), recomputed_only=True)
+    assert whole["flops"]["recurrence"] == RECURRENCE_PER_TOKEN * tokens  # the delta rule itself is recomputed too
+
+
+def test_the_critical_path_adds_each_stage_at_its_own_bound():
+    # Two stages: one all compute (2 s at 1 FLOP/s), one all bytes (3 s at 1 B/s). Whole-work
+    # overlap would say max(2, 3) = 3 s; one after another they take 5 s, plus the transfer.
+    slow = {"matrix_flops_per_s": 1.0, "vector_flops_per_s": 1.0, "bandwidth_bytes_per_s": 1.0,
+            "transfer_bytes_per_s": 1.0}
+    parts = [Stage("compute", {"matrix": 2}, 0), Stage("memory", {}, 3)]
+    work = {"flops": {**total(parts)["flops"]}, "bytes": {"total": 3}}
+    result = bounds(work, slow, transfer_bytes=1, stage_list=parts)
+    assert result["max_seconds"] == 3 and result["critical_path_seconds"] == 6 and result["sum_seconds"] == 6
+    mixed = [Stage("a", {"matrix": 2}, 1), Stage("b", {"vector": 1}, 3)]  # a: 2 s compute; b: 3 s memory
+    result = bounds({"flops": total(mixed)["flops"], "bytes": {"total": 4}}, slow, stage_list=mixed)
+    assert result["critical_path_seconds"] == 5 and result["max_seconds"] == 4 and result["sum_seconds"] == 7
+    assert stage_seconds(Stage("x", {"vector": 1}, 0), {"matrix_flops_per_s": 1.0}) is None  # a missing ceiling
+
+
+def test_efficiency_against_each_bound():
+    geometry = _geometry()
+    work = useful_work(TEXT, VISION, geometry)
+    result = bounds(work, CEILINGS, transfer_bytes=500, stage_list=stages(TEXT, VISION, geometry))
+    shares = efficiencies(result, 2.0)
+    assert set(shares) == {"matrix", "vector", "recurrence", "memory", "transfer", "critical_path", "t_lower"}
+    for name, share in shares.items():
+        assert share == pytest.approx(result[f"{name}_seconds"] / 2.0)
+    assert result["max_seconds"] <= result["critical_path_seconds"] <= result["sum_seconds"]

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import state_of_tokens
 
 from dohnuts.config import LoraConfig
 from dohnuts.model.adapters import build_training_model
@@ -81,16 +82,6 @@ def test_image_block_cut_by_the_split_feeds_each_part_its_features():
     assert torch.equal(batch.position_ids[:, 64:64 + len(rows[0].input_ids) - 64], full[:, 64:])
 
 
-def _state_of_tokens(template, tokens: int) -> str:
-    """A text state whose rendered beginning "State: ...\\n" is exactly `tokens` long."""
-    for repeats in range(200):
-        for tail in ("", ".", "!?", " ."):
-            state = "ok " * repeats + tail
-            if len(template.tokenizer(f"State: {state}\n", add_special_tokens=False)["input_ids"]) == tokens:
-                return state
-    raise AssertionError(f"no state renders to {tokens} tokens")
-
-
 def test_shared_prefixes_of_64_and_127_tokens_match_unshared_logits_and_gradients(tiny):
     """Two requests whose beginnings are exactly 64 and 127 tokens, and a one-question request,
     in one batch: logits and LoRA and head gradients equal the unshared batch (float64, 1e-5
@@ -103,7 +94,7 @@ def test_shared_prefixes_of_64_and_127_tokens_match_unshared_logits_and_gradient
     }
     rows = []
     for tokens in (64, 127):
-        rows += template.encode(parse_request(_state_of_tokens(template, tokens), questions, template.reserved), 4096)
+        rows += template.encode(parse_request(state_of_tokens(template, tokens), questions, template.reserved), 4096)
     rows += template.encode(parse_request("short", {"plan": questions["plan"]}, template.reserved), 4096)
     assert [row.shared for row in rows[:6:3]] == [64, 127]
     shared = template.collate(rows, [])
@@ -145,3 +136,40 @@ def test_chunk_plan_equals_flash_linear_attentions_own():
     lengths = [63, 1, 130, 64, 200]
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
     assert torch.equal(chunk_plan(lengths).cuda(), prepare_chunk_indices(cu, 64).to(torch.int32))
+
+
+@pytest.mark.gpu
+def test_shared_prefixes_match_unshared_rows_end_to_end_on_cuda_in_bf16(tiny):
+    """The whole decision model in bf16 on the GPU (fused kernels, flash attention, our delta
+    rule of forked rows at inference): a batch of requests with shared prefixes against the same
+    rows run whole, in logits (eval, no gradient) and in LoRA and head gradients (training)."""
+    template = tiny.template()
+    questions = {
+        "plan": {"type": "choice", "instructions": "Which plan?", "criteria": ["free", "business", "enterprise"]},
+        "angry": {"type": "noul", "instructions": "Is the customer angry?"},
+        "urgent": {"type": "score", "instructions": "How urgent?", "criteria": ["low", "mid", "high"]},
+    }
+    rows = []
+    for tokens in (127, 200):
+        rows += template.encode(parse_request(state_of_tokens(template, tokens), questions, template.reserved), 4096)
+    shared = template.collate(rows, [])
+    whole = template.collate([dataclasses.replace(row, shared=0) for row in rows], [])
+    assert shared.fork is not None and whole.fork is None
+    model, _ = build_training_model(tiny.base, "bfloat16", LoraConfig(), 0.5, seed=0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.05)
+    model.to("cuda")
+    model.eval()
+    with torch.no_grad():
+        ours, reference = model(shared.to("cuda")), model(whole.to("cuda"))
+    assert ((ours - reference).abs().max() / reference.abs().max()).item() < 2e-2
+    model.train()
+    lora = [p for name, p in model.named_parameters() if p.requires_grad]
+    weights = torch.randn(reference.shape, device="cuda")
+    grads = torch.autograd.grad((model(shared.to("cuda")) * weights).sum(), lora)
+    expected = torch.autograd.grad((model(whole.to("cuda")) * weights).sum(), lora)
+    for grad, reference_grad in zip(grads, expected):
+        scale = reference_grad.abs().max().clamp_min(1e-6)
+        assert ((grad - reference_grad).abs().max() / scale).item() < 5e-2

@@ -45,7 +45,7 @@ def test_eager_on_the_cpu_equals_the_model(tiny):
     with torch.no_grad():
         for _ in range(3):
             assert torch.equal(graphed(batch), model(batch))
-    assert graphed.stats == {"eager": 3, "captures": 0, "replays": 0}
+    assert graphed.stats == {"eager": 3, "captures": 0, "replays": 0, "failed": 0}
 
 
 def _on_cuda(tiny, dtype):
@@ -65,7 +65,7 @@ def test_replayed_graphs_equal_the_eager_forward_for_new_contents(tiny, dtype):
             batch = _batch(template, colour).to("cuda")
             torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
     # First sight eager, second captures, then replays with other images (same layout).
-    assert graphed.stats == {"eager": 1, "captures": 1, "replays": 3}
+    assert graphed.stats == {"eager": 1, "captures": 1, "replays": 3, "failed": 0}
     assert not graphed.failed
 
 

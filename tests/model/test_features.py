@@ -4,9 +4,13 @@ import pytest
 import torch
 from PIL import Image
 
+from dohnuts.config import LoraConfig
+from dohnuts.model.adapters import build_training_model
 from dohnuts.model.base import load_backbone
+from dohnuts.model.batch import EncodedImage
 from dohnuts.model.decision import DecisionModel, new_head
 from dohnuts.model.features import ImageFeatureCache, image_key
+from dohnuts.model.vision import image_features
 from dohnuts.schema import parse_request
 
 MERGE = 4  # patches per merged token
@@ -127,3 +131,38 @@ def test_model_hits_skip_the_vision_tower_and_give_identical_logits(tiny):
     assert len(fresh.image_cache) == 0 and len(model.image_cache) == 2
     model.double()
     assert len(model.image_cache) == 0  # a dtype or device change empties it
+
+
+def test_features_cached_in_training_serve_prediction_and_survive_lora_updates(tiny):
+    """One model trains and predicts: an image encoded in a training step is a cache hit for a
+    later prediction, after optimizer steps have moved LoRA (the vision tower is frozen, so its
+    features are still exact: they equal a fresh encoding)."""
+    template = tiny.template()
+    model, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    calls = []
+    model.backbone.visual.register_forward_hook(lambda *args: calls.append(1))
+    image = Image.new("RGB", (64, 64), "white")
+    image.paste((20, 160, 40), (8, 8, 56, 40))
+    model.train()
+    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    for _ in range(2):
+        model(_image_batch(template, image)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    moved = [p for p in model.parameters() if p.requires_grad]
+    assert any(not torch.equal(a, b) for a, b in zip(before, moved))  # LoRA and the head moved
+    assert len(calls) == 1 and model.image_cache.stats["hits"] == 1  # the second step hit the cache
+    key = image_key(image)
+    cached = model.image_cache.entries[key][0].clone()
+    model.eval()
+    with torch.no_grad():
+        grid = model.image_cache.grid(key)
+        hit = template.collate(template.encode(parse_request(
+            {"note": "a square", "image": image}, {"red": {"type": "noul", "instructions": "Is it red?"}},
+            template.reserved), 4096, 0, EncodedImage(None, grid, key)), [EncodedImage(None, grid, key)])
+        model(hit)  # built as prediction builds a hit: no pixels at all
+        assert len(calls) == 1
+        encoded = template.encode_image(image)
+        fresh = image_features(model.backbone.visual, encoded.pixel_values, encoded.grid_thw)
+    assert torch.equal(fresh, cached)

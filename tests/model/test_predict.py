@@ -7,37 +7,12 @@ import torch
 from PIL import Image
 
 from dohnuts import Predictor
-from dohnuts.config import CalibrateConfig, LoraConfig
-from dohnuts.io import write_json, write_manifest
-from dohnuts.model.adapters import ADAPTER, build_training_model, save_adapter
-from dohnuts.pipeline.calibrate import calibrate
-from dohnuts.pipeline.merge import merge
 
 QUESTIONS = {
     "colour": {"type": "choice", "instructions": "What colour is the square?", "criteria": ["red", "green", "blue"]},
     "warm": {"type": "noul", "instructions": "Is the colour warm?"},
     "size": {"type": "score", "instructions": "How big?", "criteria": ["small", "medium", "large"]},
 }
-
-
-@pytest.fixture(scope="module")
-def deployable(tiny, tmp_path_factory):
-    root = tmp_path_factory.mktemp("deploy")
-    model, peft_model = build_training_model(tiny.base, "float32", LoraConfig(), 0.5, seed=0)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 0.05)
-    (root / "adapter").mkdir()
-    save_adapter(root / "adapter" / ADAPTER, model, peft_model)
-    write_json(root / "adapter" / "config.json", {"lora": {"rank": 8, "alpha": 16.0, "dropout": 0.0,
-                                                           "targets": list(LoraConfig().targets)}})
-    write_manifest(root / "adapter")
-    error = merge(tiny.base, root / "adapter", tiny.model, LoraConfig(), root / "merged")
-    assert error <= 1e-4
-    metrics = calibrate(root / "merged", tiny.partition("calibration"), CalibrateConfig(min_rows=2),
-                        root / "checkpoint")
-    return root, metrics
 
 
 def test_calibrate_writes_temperatures_that_predict_applies(deployable):

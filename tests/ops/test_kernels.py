@@ -1,5 +1,6 @@
 """Kernel references against independent formulas (CPU) and fused kernels against references (GPU)."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -237,6 +238,40 @@ def test_fused_gated_delta_rule_with_the_decay_in_kernel_matches_reference(dtype
 
 
 @pytest.mark.gpu
+def test_fla_gradient_flows_into_the_forked_prefix_state():
+    """Training's path for rows continuing shared prefixes (`gated_delta_rule_forked` with
+    gradients: the prefix states forked, then FLA's chunked kernels) against the float32
+    recurrence: the output and the gradients of q, k, v, the gate, beta, A_log, dt_bias and of
+    the prefix states themselves, which carry every row's gradient back into its prefix (bf16)."""
+    assert kernels.fused(torch.zeros(1, device="cuda")) is not None, "flash-linear-attention is not importable"
+    lengths = [40, 17, 64, 5, 30]
+    total = sum(lengths)
+    q, k, v, _, beta = _delta_inputs(total, heads=2, value_heads=4, key_dim=64, value_dim=64, device="cuda",
+                                     dtype=torch.bfloat16)
+    q, k = kernels.l2norm(q.float()).bfloat16(), kernels.l2norm(k.float()).bfloat16()
+    generator = torch.Generator(device="cpu").manual_seed(3)
+    gate = torch.randn(1, total, 4, generator=generator).to("cuda", torch.bfloat16)
+    A_log, dt_bias = (torch.randn(4, generator=generator).to("cuda") * 0.5 for _ in range(2))
+    states = (torch.randn(2, 4, 64, 64, generator=generator) * 0.1).to("cuda")
+    parents = torch.tensor([0, 1, 0, -1, 1], device="cuda")
+    inputs = [t.requires_grad_() for t in (q, k, v, gate, beta, A_log, dt_bias, states)]
+    cu = _cu(lengths, "cuda").to(torch.int32)
+    out = kernels.gated_delta_rule_forked(q, k, v, gate, beta, states, parents, True, cu, cu.cpu(), max(lengths),
+                                          None, A_log, dt_bias)
+    reference, _ = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta,
+                                                      kernels.fork_states(states, parents, True), False, cu.long(),
+                                                      normalise=False)
+    assert _relative_error(out, reference) < 1e-2
+    weights = torch.randn(out.shape, generator=generator).to("cuda")
+    grads = torch.autograd.grad((out.float() * weights).sum(), inputs)
+    expected = torch.autograd.grad((reference.float() * weights).sum(), inputs)
+    names = ["q", "k", "v", "gate", "beta", "A_log", "dt_bias", "prefix states"]
+    for name, grad, reference_grad in zip(names, grads, expected):
+        assert _relative_error(grad, reference_grad) < 2e-2, name
+    assert grads[-1][0].abs().sum() > 0 and grads[-1][1].abs().sum() > 0  # both prefixes get their rows' gradient
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads, value_heads, width", [(16, 16, 128), (2, 4, 40)])
 def test_delta_rule_rows_matches_reference_and_fla_on_forked_states(heads, value_heads, width):
     """The one-program-a-row kernel (bf16, rows of 1 to 64 tokens continuing forked states, some
@@ -387,3 +422,30 @@ def test_first_fused_delta_rule_call_of_a_head_shape_tunes_on_the_tuning_batch(m
     assert len(calls) == 3
     call(1, 8, 2, 6)
     assert len(calls) == 5 and calls[3]["v"] == (1, rows * length, 2, 6)
+
+
+def test_slow_paths_are_recorded_once_with_their_reason(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "_SLOW", {})
+    monkeypatch.setattr(kernels, "_fla", lambda: None)
+    monkeypatch.setattr(kernels, "_triton_ops", lambda: None)
+    on_cuda = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)  # what the dispatch reads of a tensor
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        for _ in range(3):
+            assert kernels.fused(on_cuda) is None and kernels._ours(on_cuda) is None
+    assert kernels.fused(torch.zeros(1)) is None  # the CPU takes the reference: not a slow path
+    paths = kernels.slow_paths()
+    assert set(paths) == {"fla", "triton"} and "plain-PyTorch chunked reference" in paths["fla"]
+    assert [record.message for record in caplog.records] == [paths["fla"], paths["triton"]]
+
+
+def test_fla_backend_settings_are_set_by_the_project_not_the_environment(monkeypatch):
+    monkeypatch.setattr(kernels, "_SLOW", {})
+    monkeypatch.setenv("FLA_FLASH_QLA", "1")
+    monkeypatch.delenv("FLA_INTRACARD_CP", raising=False)
+    kernels._fla.cache_clear()
+    try:
+        kernels._fla()
+        assert os.environ["FLA_FLASH_QLA"] == "0" and os.environ["FLA_INTRACARD_CP"] == "0"
+        assert "overridden" in kernels.slow_paths()["env:FLA_FLASH_QLA"]
+    finally:
+        kernels._fla.cache_clear()

@@ -2,10 +2,19 @@
 
 import torch
 
+from dohnuts import Predictor
 from dohnuts.measure.telemetry import measure_ceilings
 from dohnuts.model.base import load_backbone
+from dohnuts.model.batch import Row
 from dohnuts.model.decision import DecisionModel, new_head
-from dohnuts.pipeline.benchmark import training_update_record
+from dohnuts.pipeline.benchmark import (
+    _padded_baseline,
+    distinct_tokens,
+    environment,
+    run_workload,
+    training_update_record,
+    workloads,
+)
 
 
 def test_training_update_record_steps_lora_only_and_counts_shared_prefixes(tiny):
@@ -18,7 +27,12 @@ def test_training_update_record_steps_lora_only_and_counts_shared_prefixes(tiny)
     # Rows of a state share their prefix: fewer tokens computed than given.
     assert 0 < record["computed_tokens"] < record["input_tokens"]
     assert record["p50_ms"] > 0 and record["tokens_per_second"] > 0
-    assert record["roofline"]["work"]["flops"]["total"] > 0
+    roofline = record["roofline"]
+    assert roofline["work"]["flops"]["total"] > 0
+    # Useful work is the forward and the input gradients; the checkpointed recomputation is apart.
+    repeated = roofline["repeated_work"]["flops"]
+    assert 0 < repeated["total"] < roofline["work"]["flops"]["total"] / 2
+    assert repeated["recurrence"] == 0  # a delta-rule layer recomputes only what follows the delta rule
     # peft renames a wrapped layer's own weight to base_layer.weight.
     after = {name.replace(".base_layer", ""): p for name, p in model.named_parameters()}
     changed = {name for name, p in after.items() if name not in frozen or not torch.equal(p, frozen[name])}
@@ -52,3 +66,33 @@ def test_shape_only_tokenizer_gives_each_qwen_split_piece_of_the_workloads_one_t
     for state, questions in training_requests(template, 1, 8, state_tokens=250):
         (row, *_) = template.encode(parse_request(state, questions, template.reserved), 2048)
         assert 250 <= row.shared < 250 + 20
+
+
+def _rows(*sequences, shared=0, image=None):
+    return [Row(tuple(ids), (len(ids) - 1,), None, shared, image, None) for ids in sequences]
+
+
+def test_repeated_prefix_tokens_count_what_the_padded_baseline_computes_twice():
+    assert _padded_baseline(_rows(range(39)))["repeated_prefix_tokens"] == 0  # one question: nothing repeated
+    three = _rows([*range(40), 100], [*range(40), 101, 102], [*range(40), 103])  # 40 tokens shared by 3 rows
+    assert distinct_tokens(three) == 40 + 1 + 2 + 1
+    assert _padded_baseline(three) == {"computed_tokens": 3 * 42, "padding_tokens": 3 * 42 - 41 - 42 - 41,
+                                       "repeated_prefix_tokens": 2 * 40}
+    # The same token ids after different images are different computations.
+    assert distinct_tokens(_rows(range(5), image=0) + _rows(range(5), image=1)) == 10
+
+
+def test_a_workload_record_counts_graph_replays_and_its_difference_to_hugging_face(deployable):
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    state, questions = workloads()["distinct_text_5q"]
+    record = run_workload(predictor, "distinct_text_5q", state, questions, warmup=1, timed=3,
+                          ceilings=measure_ceilings("cpu", matrix_size=64, copy_bytes=2**20, repeats=2))
+    assert record["timed_calls"] == {"graph_replays": 0, "graph_captures": 0, "eager": 3}  # no graphs on a CPU
+    assert 0 <= record["max_abs_logit_difference_to_hugging_face"] < 1e-4  # float32: summation order only
+    assert record["hugging_face"]["repeated_prefix_tokens"] > 0  # 5 rows repeat the state
+    by_bound = record["roofline"]["efficiency_by_bound"]["measured"]
+    assert by_bound["t_lower"] == record["roofline"]["efficiency"]["measured"]
+    # Stages one after another take at least as long as any one bound's total.
+    assert by_bound["critical_path"] >= max(by_bound[name] for name in ("matrix", "vector", "recurrence", "memory"))
+    assert "slow_paths" in environment(predictor)

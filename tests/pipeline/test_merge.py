@@ -5,8 +5,8 @@ import torch
 
 from dohnuts.config import LoraConfig
 from dohnuts.data.records import RecordReader, encode_examples, load_records
-from dohnuts.io import IntegrityError, write_json, write_manifest
-from dohnuts.model.adapters import ADAPTER, build_training_model, save_adapter
+from dohnuts.io import IntegrityError
+from dohnuts.model.adapters import build_training_model, write_adapter_checkpoint
 from dohnuts.model.checkpoint import load_merged
 from dohnuts.pipeline.merge import merge
 
@@ -23,9 +23,7 @@ def adapter(tiny, tmp_path_factory):
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
                 parameter.normal_(0.0, 0.05, generator=generator)
-    save_adapter(folder / ADAPTER, model, peft_model)
-    write_json(folder / "config.json", {"note": "test adapter"})
-    write_manifest(folder)
+    write_adapter_checkpoint(folder, model, peft_model, tiny.adapter_config())
     return folder, model
 
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import yaml
 
@@ -63,9 +64,13 @@ def test_repro_produces_every_stage_output_and_then_is_up_to_date(project):
                  "runs/test/predictions.parquet", "runs/test/metrics.json",
                  "runs/benchmark/benchmarks/dohnuts.jsonl", "runs/benchmark/summary.json"):
         assert (project / path).is_file(), path
+    prepared = json.loads((project / "runs/prepare/summary.json").read_text())
+    assert prepared["isolation"]["cross_partition"] == {"texts": 0, "images": 0}
+    assert all(prepared["partitions"][name]["rows"] > 0 for name in ("train", "dev", "calibration", "test"))
     metrics = json.loads((project / "runs/test/metrics.json").read_text())
     assert set(metrics["calibrated"]["groups"]) == set(metrics["raw"]["groups"])
-    assert len(metrics["calibrated"]["groups"]) >= 6
+    assert set(metrics["calibrated"]["groups"]) == set(prepared["partitions"]["test"]["groups"])
+    assert len(metrics["calibrated"]["groups"]) >= 4
     summary = json.loads((project / "runs/benchmark/summary.json").read_text())
     assert set(summary["workloads"]) >= {"distinct_text_50q", "vision_protocol_image_1q",
                                          "vision_protocol_image_1q_cache_miss"}
@@ -88,6 +93,20 @@ def test_repro_produces_every_stage_output_and_then_is_up_to_date(project):
     assert throughput["overlapped_rows_per_second"] > 0 and throughput["synchronous_rows_per_second"] > 0
     plots = json.loads((project / "runs/benchmark/plots.json").read_text())
     assert {row["workload"] for row in plots} == set(summary["workloads"])
+    curve = json.loads((project / "runs/select/curve/curve.json").read_text())
+    selected = json.loads((project / "runs/select/curve/selected.json").read_text())
+    assert [point["step"] for point in curve] == [0, 2, 4] and selected[0] in curve
+    predictions = pd.read_parquet(project / "runs/test/predictions.parquet")
+    for kind in ("choice", "noul", "score"):
+        for variant in ("raw", "calibrated"):
+            bins = json.loads((project / f"runs/test/reliability/{kind}_{variant}.json").read_text())
+            assert sum(row["rows"] for row in bins) == int((predictions.kind == kind).sum())
+            assert all(0 <= row["accuracy"] <= 1 and 0 < row["confidence"] <= 1 for row in bins)
+    shown = json.loads(_run(project, "dvc", "plots", "show", "--json").stdout)["data"]
+    assert {"selection", "reliability_choice", "reliability_noul", "reliability_score"} <= set(shown)
+    points = shown["selection"][0]["content"]["data"]["values"]
+    drawn = {(float(point["step"]), float(point["macro_accuracy"])) for point in points}
+    assert drawn == {(float(point["step"]), float(point["macro_accuracy"])) for point in curve}
     again = _run(project, "dvc", "repro")
     assert "Data and pipelines are up to date" in again.stdout
 

@@ -1,20 +1,19 @@
 """Training: resume equivalence, init from a verified checkpoint, abort on non-finite loss, sampling."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import state_of_tokens
 from safetensors.torch import load_file
 
-import dohnuts
 from dohnuts.config import LoraConfig, TrainConfig
 from dohnuts.data.records import Example, GroupSampler, load_records, shuffled_choice
-from dohnuts.io import IntegrityError, write_manifest
-from dohnuts.model.adapters import ADAPTER, adapter_state, build_training_model, save_adapter
+from dohnuts.io import IntegrityError, read_json, write_json, write_manifest
+from dohnuts.model.adapters import ADAPTER, adapter_state, build_training_model, write_adapter_checkpoint
 from dohnuts.pipeline.publish import publish
 from dohnuts.pipeline.schedule import lr_factor
-from dohnuts.pipeline.train import Trainer, TrainRun, source_digests, train
+from dohnuts.pipeline.train import RUN_MARKER, Trainer, TrainRun, source_digests, train
 from dohnuts.scoring.objective import rlcd_loss
 
 
@@ -53,16 +52,28 @@ def test_checkpoints_at_zero_every_interval_and_end_with_a_step_log(uninterrupte
 
 def test_resume_after_a_kill_matches_the_uninterrupted_run(tiny, tmp_path, uninterrupted):
     whole, _ = uninterrupted
-    out = tmp_path / "train"
+    _kill_and_resume(tiny, tmp_path / "train", whole, LoraConfig())
+
+
+def test_resume_is_exact_with_lora_dropout(tiny, tmp_path):
+    """Dropout masks come from the global generator: a resumed run continues its stream only if
+    nothing else (the loader, when its stream reopens) draws from it."""
+    lora = LoraConfig(dropout=0.1)
+    whole = tmp_path / "whole"
+    train(_run(tiny, whole, lora=lora), resume=False)
+    _kill_and_resume(tiny, tmp_path / "train", whole, lora)
+
+
+def _kill_and_resume(tiny, out, whole, lora):
 
     def kill(update):
         if update == 3:  # after the checkpoint at 2, before the one at 4
             raise Killed
 
     with pytest.raises(Killed):
-        train(_run(tiny, out), resume=False, on_update=kill)
+        train(_run(tiny, out, lora=lora), resume=False, on_update=kill)
     assert not (out / "checkpoints" / "step-000004").exists()
-    resumed = train(_run(tiny, out), resume=True)
+    resumed = train(_run(tiny, out, lora=lora), resume=True)
     assert resumed.update == 5 and [row["step"] for row in resumed.log] == [1, 2, 3, 4, 5]
     expected, actual = _final(whole, 5), _final(out, 5)
     assert expected.keys() == actual.keys()
@@ -112,9 +123,47 @@ def test_init_from_checkpoint_refuses_weights_of_another_shape(tiny, tmp_path):
     parent = tmp_path / "parent"
     parent.mkdir()
     model, peft_model = build_training_model(tiny.base, "float32", LoraConfig(rank=4), 0.01, seed=0)
-    save_adapter(parent / ADAPTER, model, peft_model)
-    write_manifest(parent)
+    write_adapter_checkpoint(parent, model, peft_model, tiny.adapter_config())  # it says rank 8
     with pytest.raises(ValueError, match="does not fit this model"):
+        Trainer(_run(tiny, tmp_path / "child", parent=parent))
+
+
+def _published(whole, parent):
+    publish(whole / "checkpoints" / "step-000005", parent)
+    return parent
+
+
+def test_init_from_checkpoint_refuses_a_parent_that_does_not_state_its_settings(tiny, tmp_path, uninterrupted):
+    whole, _ = uninterrupted
+    parent = _published(whole, tmp_path / "parent")
+    config = read_json(parent / "config.json")
+    write_json(parent / "config.json", {key: value for key, value in config.items() if key != "lora"})
+    write_manifest(parent)
+    with pytest.raises(ValueError, match="does not state its LoRA settings"):
+        Trainer(_run(tiny, tmp_path / "child", parent=parent))
+    (parent / "config.json").unlink()
+    write_manifest(parent)
+    with pytest.raises(IntegrityError, match="does not list required file 'config.json'"):
+        Trainer(_run(tiny, tmp_path / "child", parent=parent))
+
+
+def test_init_from_checkpoint_refuses_a_parent_of_another_base(tiny, tmp_path, uninterrupted):
+    whole, _ = uninterrupted
+    parent = _published(whole, tmp_path / "parent")
+    config = read_json(parent / "config.json")
+    write_json(parent / "config.json", {**config, "base": "0" * 64})
+    write_manifest(parent)
+    with pytest.raises(ValueError, match="was trained on another base"):
+        Trainer(_run(tiny, tmp_path / "child", parent=parent))
+
+
+def test_init_from_checkpoint_refuses_a_file_the_manifest_does_not_list(tiny, tmp_path, uninterrupted):
+    whole, _ = uninterrupted
+    parent = _published(whole, tmp_path / "parent")
+    (parent / "README.md").write_text("kept: a README is not loaded\n")
+    Trainer(_run(tiny, tmp_path / "child", parent=parent))  # accepted
+    (parent / "extra.safetensors").write_bytes(b"unverified")
+    with pytest.raises(IntegrityError, match="does not list: extra.safetensors"):
         Trainer(_run(tiny, tmp_path / "child", parent=parent))
 
 
@@ -193,6 +242,38 @@ def test_an_update_averages_its_microbatch_gradients_at_one_snapshot_and_sets_th
         [run.train.lora_lr * factor, run.train.head_lr * factor])
 
 
+def test_an_update_clips_the_global_gradient_once_when_the_clip_binds(tiny, tmp_path):
+    """The mean gradient of the update's microbatches is clipped once, as one vector: with a
+    clip far below its norm, the step sees exactly that gradient scaled to the clip's norm (not
+    each microbatch clipped, nor each parameter)."""
+    clip = 1e-3
+    run = _run(tiny, tmp_path / "train")
+    run = TrainRun(run.model, run.lora, TrainConfig(**{**vars(run.train), "grad_clip": clip}), run.seed,
+                   run.base, run.data, run.out)
+    trainer = Trainer(run)
+    parameters = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    noise = trainer.noise.get_state()
+    trainer.model.train()
+    separate = []
+    for micro in range(run.train.microbatches_per_update):
+        batch, targets, ordinal = trainer.microbatch(micro)
+        loss = rlcd_loss(trainer.model(batch), batch.candidate_mask, targets, ordinal, run.train.objective,
+                         trainer.noise).loss
+        separate.append(torch.autograd.grad(loss, parameters))
+    mean = [sum(grads[index] for grads in separate) / len(separate) for index in range(len(parameters))]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in mean]))
+    assert norm > 100 * clip  # the clip binds
+    trainer.noise.set_state(noise)
+    captured = []
+    trainer.optimizer.step = lambda: captured.append([p.grad.clone() for p in parameters])
+    record = trainer.step()
+    assert record["grad_norm"] == pytest.approx(float(norm), rel=1e-5)  # the norm before clipping
+    clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in captured[0]]))
+    assert float(clipped) == pytest.approx(clip, rel=1e-4)
+    for grad, expected in zip(captured[0], mean):
+        torch.testing.assert_close(grad, expected * (clip / (norm + 1e-6)), rtol=1e-4, atol=1e-10)
+
+
 def test_an_update_packs_its_microbatches_rows_in_order_with_each_ones_targets_and_width(tiny):
     from dohnuts.data.records import GroupSampler, RecordReader, load_records
     from dohnuts.pipeline.train import TrainingBatches, TrainingUpdates
@@ -250,12 +331,10 @@ class _OneStateMicrobatches:
 def test_prefixes_shared_across_an_updates_microbatches_give_each_rows_own_logits(tiny):
     """Rows of different microbatches with the same beginning share one prefix in the packed
     update; each microbatch's logits equal those of the microbatch run alone (float64, 1e-9)."""
-    from test_batch import _state_of_tokens
-
     from dohnuts.pipeline.train import TrainingUpdates
 
     template = tiny.template()
-    source = _OneStateMicrobatches(template, _state_of_tokens(template, 127))
+    source = _OneStateMicrobatches(template, state_of_tokens(template, 127))
     item = TrainingUpdates(source, 3)(0)
     batch = item.batch
     assert batch.fork is not None and batch.fork.parents.tolist() == [0] * 9  # one prefix, all 9 rows
@@ -272,8 +351,49 @@ def test_prefixes_shared_across_an_updates_microbatches_give_each_rows_own_logit
             start += count
 
 
-def test_the_resume_fingerprint_covers_every_module_of_the_package():
-    package = Path(dohnuts.__file__).parent
+def test_the_resume_fingerprint_covers_what_training_runs_and_nothing_else():
     digests = source_digests()
-    assert set(digests) == {path.relative_to(package).as_posix() for path in package.rglob("*.py")}
-    assert {"ops/kernels.py", "ops/triton_ops.py", "model/decoder.py", "pipeline/train.py"} <= set(digests)
+    assert {"dohnuts/ops/kernels.py", "dohnuts/ops/triton_ops.py", "dohnuts/model/decoder.py",
+            "dohnuts/pipeline/train.py", "dohnuts/__init__.py", "dohnuts/ops/__init__.py"} <= set(digests)
+    unrelated = {"dohnuts/pipeline/benchmark.py", "dohnuts/measure/roofline.py", "dohnuts/model/predict.py"}
+    assert not unrelated & set(digests)  # an edit to the benchmark keeps a run's checkpoints
+    assert all(len(digest) == 64 for digest in digests.values())
+
+
+def test_train_refuses_to_clear_a_folder_it_did_not_create(tiny, tmp_path):
+    out = tmp_path / "train"
+    out.mkdir()
+    (out / "thesis.tex").write_text("a user's file")
+    with pytest.raises(FileExistsError, match="not a training run's folder"):
+        train(_run(tiny, out, steps=1), resume=True)
+    assert [path.name for path in out.iterdir()] == ["thesis.tex"]
+    made = tmp_path / "made"
+    train(_run(tiny, made, steps=1), resume=False)
+    assert (made / RUN_MARKER).is_file()
+    (made / "scratch.txt").write_text("inside a run's folder")
+    train(_run(tiny, made, steps=1, lora=LoraConfig(rank=4)), resume=True)  # another run: cleared and rerun
+    assert not (made / "scratch.txt").exists() and (made / "checkpoints" / "step-000001").is_dir()
+
+
+def test_publish_refuses_a_target_holding_other_files(tmp_path, uninterrupted):
+    whole, _ = uninterrupted
+    target = tmp_path / "parent"
+    target.mkdir()
+    (target / "README.md").write_text("kept")
+    publish(whole / "checkpoints" / "step-000005", target)
+    publish(whole / "checkpoints" / "step-000004", target)  # a published checkpoint is replaced
+    assert (target / "README.md").read_text() == "kept" and read_json(target / "manifest.json")["step"] == 4
+    (target / "mine.bin").write_bytes(b"x")
+    with pytest.raises(FileExistsError, match="mine.bin"):
+        publish(whole / "checkpoints" / "step-000005", target)
+    assert read_json(target / "manifest.json")["step"] == 4
+
+
+def test_the_saved_state_holds_no_pickle(uninterrupted):
+    out, _ = uninterrupted
+    names = sorted(path.name for path in (out / "state").iterdir())
+    assert names == ["adapter.safetensors", "generators.json", "generators.safetensors", "manifest.json",
+                     "optimizer.pt", "progress.json"]
+    # optimizer.pt is tensors and numbers: it loads without unpickling arbitrary objects.
+    state = torch.load(out / "state" / "optimizer.pt", weights_only=True)
+    assert set(state) == {"state", "param_groups"}

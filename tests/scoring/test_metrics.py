@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from dohnuts.scoring.metrics import ece, macro_f1, masked_softmax, row_metrics, summarize
+from dohnuts.scoring.metrics import ece, macro_f1, masked_softmax, reliability, row_metrics, summarize
 
 # Three rows padded to K = 4:
 #   row 0: 3 valid, not ordinal, one-hot target on index 0.
@@ -195,3 +195,14 @@ def test_summarize_returns_plain_json_without_nan(summary):
     assert json.loads(text) == summary
     assert type(summary["groups"]["choice"]["rows"]) is int
     assert summary["macro"]["rows"] == 6  # the total, not a mean
+
+
+def test_reliability_bins_are_the_eces_and_json_ready():
+    confidence = torch.tensor([0.05, 0.5, 0.52, 0.99, 1.0])
+    correct = torch.tensor([0.0, 1.0, 0.0, 1.0, 1.0])
+    bins = reliability(confidence, correct)
+    assert json.loads(json.dumps(bins)) == bins
+    assert [row["bin"] for row in bins] == [0, 7, 14] and [row["rows"] for row in bins] == [1, 2, 2]
+    assert bins[1]["confidence"] == pytest.approx(0.51) and bins[1]["accuracy"] == 0.5
+    gaps = sum(row["rows"] / 5 * abs(row["accuracy"] - row["confidence"]) for row in bins)
+    assert gaps == pytest.approx(ece(confidence, correct))

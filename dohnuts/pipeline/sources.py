@@ -1,7 +1,8 @@
-"""The import graph of the dohnuts package, read from the source (no module is executed).
+"""The import graph of the dohnuts package, read from its source (no module is executed).
 
-Shared by the layering test and the DVC-dependency test: every `import` and `from ... import`,
-at module level or inside a function, resolved to dotted dohnuts module names.
+Every `import` and `from ... import`, at module level or inside a function, resolved to dotted
+dohnuts module names. The resume fingerprint of `train` hashes the modules it executes; the
+layering test and the DVC-dependency test read the same graph.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import ast
 from functools import cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "dohnuts"
+PACKAGE = Path(__file__).resolve().parents[1]  # the dohnuts folder
+ROOT = PACKAGE.parent
 
 
 def module_path(name: str) -> Path:
@@ -91,5 +92,11 @@ def closure(path: Path) -> set[str]:
 
 
 def relative_file(name: str) -> str:
-    """A module's file relative to the repository root, as dvc.yaml names it."""
+    """A module's file relative to the folder holding dohnuts (the repository root), as dvc.yaml
+    names it."""
     return module_path(name).relative_to(ROOT).as_posix()
+
+
+def executed_by(module: str) -> list[str]:
+    """The dohnuts modules running `module` executes, itself included, sorted."""
+    return sorted(closure(module_path(module)) | set(loaded(module)))

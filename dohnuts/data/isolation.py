@@ -1,0 +1,155 @@
+"""Partitions by content: states that share a text, an image or a source id land in one partition.
+
+A held-out metric means something only if no row of it was seen in training. Hashing a state's
+index does not ensure that: two states with the same text (or the same pixels, or the same
+source record) could land on both sides. Here every state is a node. States are joined
+(union-find, across all groups) when they share a normalised state text, the SHA-256 of their
+decoded pixels, or a source id. Each joined component then goes whole into one partition, chosen
+by a salted hash of its content. States pinned to a partition (a source's official split) win:
+a component takes the pinned partition of highest priority (test > dev > calibration > train),
+and a member pinned elsewhere is dropped, counted by reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from collections import Counter
+from dataclasses import dataclass
+
+PARTITIONS = ("train", "dev", "calibration", "test")
+PRIORITY = ("test", "dev", "calibration", "train")  # a joined component keeps the first present
+_SPACE = re.compile(r"\s+")
+
+
+def normalise_text(text: str | None) -> str | None:
+    """The form under which two state texts count as the same: Unicode NFKC, case folded,
+    whitespace runs collapsed to one space. None for a text with nothing in it ("", or the
+    "{}" of a state that holds only an image), which joins nothing."""
+    if text is None:
+        return None
+    normal = _SPACE.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
+    return None if normal in ("", "{}") else normal
+
+
+def stable_fraction(*parts) -> float:
+    """A number in [0, 1) from a SHA-256 of the parts: the same on every machine and run."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def hashed_partition(seed: int, key: str, fractions: dict) -> str:
+    """The partition of `key` by a salted hash, in proportion to `fractions`."""
+    total = sum(fractions.values())
+    point, edge = stable_fraction(seed, key) * total, 0.0
+    for name in PARTITIONS:
+        edge += fractions[name]
+        if point < edge:
+            return name
+    return PARTITIONS[-1]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One state to place. text: its rendered text (normalised here); image: the SHA-256 of its
+    decoded pixels (`dohnuts.model.features.image_key`); source: an id shared by states of one
+    source record (None: none); split: a pinned partition (None: by hash)."""
+
+    group: str
+    text: str | None
+    image: str | None = None
+    source: str | None = None
+    split: str | None = None
+
+    def __post_init__(self):
+        if self.split is not None and self.split not in PARTITIONS:
+            raise ValueError(f"split must be one of {PARTITIONS} or null, got {self.split!r}")
+
+    def join_keys(self) -> list[tuple[str, str]]:
+        """What this state is joined by."""
+        found = []
+        text = normalise_text(self.text)
+        if text is not None:
+            found.append(("text", text))
+        if self.image is not None:
+            found.append(("image", self.image))
+        if self.source is not None:
+            found.append(("source", self.source))
+        return found
+
+    def content(self) -> str:
+        """A digest of the state's content (not of its position in the source)."""
+        parts = [normalise_text(self.text) or "", self.image or "", self.source or ""]
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def components(units: list[Unit]) -> list[int]:
+    """The component of every unit (the index of its representative): units sharing any key are
+    joined, transitively."""
+    parent = list(range(len(units)))
+
+    def root(index: int) -> int:
+        while parent[index] != index:
+            parent[index] = parent[parent[index]]
+            index = parent[index]
+        return index
+
+    owner: dict[tuple[str, str], int] = {}
+    for index, unit in enumerate(units):
+        for key in unit.join_keys():
+            if key in owner:
+                a, b = root(owner[key]), root(index)
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+            else:
+                owner[key] = index
+    return [root(index) for index in range(len(units))]
+
+
+def assign(units: list[Unit], seed: int, fractions: dict) -> tuple[list[str | None], dict]:
+    """The partition of every unit (None: dropped) and a report of what isolation did.
+
+    A component's partition is its highest-priority pinned split, else a salted hash of the
+    smallest content digest among its members (so it does not depend on the order of states).
+
+    Returns:
+        (partitions, {"states", "components", "joined_states" (states sharing a component with
+        another), "drops": {reason: {group: count}}})
+    """
+    roots = components(units)
+    members: dict[int, list[int]] = {}
+    for index, root in enumerate(roots):
+        members.setdefault(root, []).append(index)
+    partitions: list[str | None] = [None] * len(units)
+    drops: dict[str, Counter] = {}
+    for indices in members.values():
+        pinned = {units[i].split for i in indices if units[i].split is not None}
+        if pinned:
+            chosen = next(name for name in PRIORITY if name in pinned)
+        else:
+            chosen = hashed_partition(seed, min(units[i].content() for i in indices), fractions)
+        for i in indices:
+            if units[i].split is not None and units[i].split != chosen:
+                drops.setdefault("pinned_split_conflict", Counter())[units[i].group] += 1
+            else:
+                partitions[i] = chosen
+    report = {"states": len(units), "components": len(members),
+              "joined_states": sum(len(indices) for indices in members.values() if len(indices) > 1),
+              "drops": {reason: dict(sorted(counts.items())) for reason, counts in sorted(drops.items())}}
+    return partitions, report
+
+
+def cross_partition(rows) -> dict:
+    """How many normalised state texts and image pixel digests occur in more than one partition
+    of written rows (columns partition, state, image_key): 0 and 0 when isolation held."""
+    texts: dict[str, set] = {}
+    images: dict[str, set] = {}
+    for partition, state, image in zip(rows.partition, rows.state, rows.image_key):
+        text = normalise_text(state)
+        if text is not None:
+            texts.setdefault(text, set()).add(partition)
+        if isinstance(image, str):
+            images.setdefault(image, set()).add(partition)
+    return {"texts": sum(len(seen) > 1 for seen in texts.values()),
+            "images": sum(len(seen) > 1 for seen in images.values())}
