@@ -93,19 +93,30 @@ class LoraConfig:
         _check(not unknown, f"lora.targets has unknown modules {sorted(unknown)}; known: {LORA_TARGETS}")
 
 
+DATA_SOURCES = ("synthetic", "records")
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    """The synthetic decision mixture and its partitions."""
+    """Where the decision records come from, and their partitions.
+
+    `source: synthetic` generates the embedded mixture (`seed`, `states_per_group`,
+    `image_size`); `source: records` reads the user's decision records (JSONL or Parquet) from
+    `path`, a file or a folder (`dohnuts.data.user_records`), and `skip_invalid` drops invalid
+    records (counted) instead of failing on them.
+    """
 
     source: str = "synthetic"
+    path: str = "data/records"
+    skip_invalid: bool = False
     seed: int = 0
     states_per_group: int = 400
     image_size: int = 64
     partitions: dict = field(default_factory=lambda: {"train": 0.7, "dev": 0.1, "calibration": 0.1, "test": 0.1})
 
     def __post_init__(self):
-        _check(self.source == "synthetic",
-               f"data.source must be 'synthetic' (the only source so far), got {self.source!r}")
+        _check(self.source in DATA_SOURCES, f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")
+        _check(bool(self.path), "data.path must name a file or a folder of decision records")
         _check(self.states_per_group >= 8, f"data.states_per_group must be >= 8, got {self.states_per_group}")
         _check(set(self.partitions) == {"train", "dev", "calibration", "test"},
                f"data.partitions must name train, dev, calibration and test, got {sorted(self.partitions)}")

@@ -6,7 +6,8 @@ from pathlib import Path
 import click
 
 from dohnuts.config import read_params, section
-from dohnuts.io import write_json
+from dohnuts.data.doctor import describe as describe_report
+from dohnuts.io import read_json, write_json
 from dohnuts.pipeline.prepare import describe, prepare
 from stages import user_errors
 
@@ -19,13 +20,19 @@ from stages import user_errors
 @click.option("--data-root", type=click.Path(file_okay=False), default="runs/prepare", show_default=True,
               help="Root of the partition folders train/, dev/, calibration/, test/.")
 @click.option("--summary", type=click.Path(dir_okay=False), default="runs/prepare/summary.json", show_default=True,
-              help="Row and state counts per partition and group.")
+              help="Row and state counts per partition and group, what isolation joined and dropped.")
+@click.option("--doctor", type=click.Path(dir_okay=False), default="runs/prepare/doctor.json", show_default=True,
+              help="The data doctor's report (also printed).")
 @user_errors
-def main(params_path, base_out, data_root, summary):
-    """Write the base model and the partitioned decision mixture, each with a SHA-256 manifest."""
+def main(params_path, base_out, data_root, summary, doctor):
+    """Validate the records, then write the base model and the partitioned decision mixture, each
+    with a SHA-256 manifest, and the data doctor's report."""
     params = read_params(params_path)
-    result = prepare(section(params, "model"), section(params, "data"), Path(base_out), Path(data_root))
+    result = prepare(section(params, "model"), section(params, "data"), section(params, "train").max_tokens,
+                     Path(base_out), Path(data_root))
+    write_json(Path(doctor), result.pop("doctor"))
     write_json(Path(summary), result)
+    click.echo(describe_report(read_json(Path(doctor))))
     click.echo(describe(result))
 
 

@@ -42,7 +42,7 @@ def tiny(tmp_path_factory) -> Tiny:
     root = tmp_path_factory.mktemp("tiny")
     model = ModelConfig(image_pixels=64 * 64)
     data = DataConfig(states_per_group=12)
-    prepare(model, data, root / "base", root)
+    prepare(model, data, 2048, root / "base", root)
     return Tiny(root, model, data)
 
 

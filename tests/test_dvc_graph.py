@@ -88,7 +88,8 @@ def test_each_stage_lists_exactly_the_params_it_reads(stage):
     used = set(re.findall(r'section\([^,]+, "(\w+)"\)', source))
     used |= {"init"} if "init_mode(" in source else set()
     used |= {"seed"} if 'params.get("seed"' in source else set()
-    assert set(PIPELINE[stage].get("params", [])) == used
+    # A stage may declare one key of a section it reads for one value (prepare: train.max_tokens).
+    assert {name.split(".")[0] for name in PIPELINE[stage].get("params", [])} == used
 
 
 def test_every_plot_reads_files_a_stage_writes_and_nothing_reads_the_plot_data():

@@ -57,19 +57,16 @@ def _state_text(value) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def write_mixture(states, root: Path, seed: int, fractions: dict) -> dict:
-    """Write states, one row per question, into one folder per partition under `root`.
-
-    Partitions are assigned by content (`dohnuts.data.isolation`): states sharing a normalised
-    text, an image's pixels or a source id land in one partition, so no text or image sits in
-    two. A row repeating an earlier one exactly (group, state, image, question and target) is
-    dropped. Each partition has its own folder so the pipeline graph shows which stage reads
-    which; every partition's manifest carries the isolation report.
+def partition_rows(states, seed: int, fractions: dict, exclude=None) -> tuple[dict, dict, dict]:
+    """The rows of every partition, one per question, assigned by content
+    (`dohnuts.data.isolation`): states sharing a normalised text, an image's pixels or a source
+    id land in one partition, so no text or image sits in two. A row repeating an earlier one
+    exactly (group, state, image, question and target) is dropped, and so is a row for which
+    `exclude(state, qid, partition)` gives a reason (a token budget); every drop is counted.
 
     Returns:
-        {"partitions": {partition: row, state and per-group row counts}, "isolation": what the
-        isolation joined and dropped, by reason, and the texts and images found in more than one
-        written partition (0 and 0)}
+        ({partition: rows}, {image file: PNG bytes}, the isolation report: what it joined and
+        dropped, by reason, and the texts and images found in more than one partition's rows)
     """
     encoded = [_encoded(state) for state in states]
     units = [Unit(state.group, _state_text(value), pixels, getattr(state, "source", None),
@@ -78,12 +75,10 @@ def write_mixture(states, root: Path, seed: int, fractions: dict) -> dict:
     records: dict[str, list[dict]] = {name: [] for name in PARTITIONS}
     images: dict[str, bytes] = {}
     seen: set[tuple] = set()
-    duplicates: dict[str, int] = {}
+    drops: dict[str, dict[str, int]] = {}
     for state, (value, image_name, data, pixels), partition in zip(states, encoded, placed):
         if partition is None:
             continue
-        if image_name is not None:
-            images[image_name] = data
         text = json.dumps(value, ensure_ascii=False)
         for qid, question in state.questions.items():
             row = {"group": state.group, "state_id": state.state_id, "partition": partition, "state": text,
@@ -91,16 +86,33 @@ def write_mixture(states, root: Path, seed: int, fractions: dict) -> dict:
                    "question": json.dumps(question, ensure_ascii=False),
                    "target": [float(x) for x in state.targets[qid]]}
             identity = (state.group, text, pixels, qid, row["question"], tuple(row["target"]))
-            if identity in seen:
-                duplicates[state.group] = duplicates.get(state.group, 0) + 1
+            reason = "exact_duplicate_rows" if identity in seen else exclude and exclude(state, qid, partition)
+            if reason:
+                counts = drops.setdefault(reason, {})
+                counts[state.group] = counts.get(state.group, 0) + 1
                 continue
             seen.add(identity)
             records[partition].append(row)
-    if duplicates:
-        report["drops"]["exact_duplicate_rows"] = dict(sorted(duplicates.items()))
+            if image_name is not None:
+                images[image_name] = data
+    for reason, counts in drops.items():
+        report["drops"][reason] = dict(sorted(counts.items()))
     written = pd.DataFrame.from_records([row for rows in records.values() for row in rows],
                                         columns=["partition", "state", "image_key"])
     report["cross_partition"] = cross_partition(written)
+    return records, images, report
+
+
+def write_mixture(states, root: Path, seed: int, fractions: dict, exclude=None) -> dict:
+    """Write states, one row per question, into one folder per partition under `root`
+    (`partition_rows` assigns them). Each partition has its own folder so the pipeline graph
+    shows which stage reads which; every partition's manifest carries the isolation report.
+
+    Returns:
+        {"partitions": {partition: row, state and per-group row counts}, "isolation": the
+        isolation report of `partition_rows`}
+    """
+    records, images, report = partition_rows(states, seed, fractions, exclude)
     counts = {name: write_partition(records[name], images, Path(root) / name, name, report) for name in PARTITIONS}
     return {"partitions": counts, "isolation": report}
 

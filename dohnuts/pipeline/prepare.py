@@ -6,23 +6,56 @@ from pathlib import Path
 
 from ..config import DataConfig, ModelConfig, to_dict
 from ..data import synthetic
-from ..data.records import write_mixture
+from ..data.doctor import budget_exclusion, diagnose, token_lengths
+from ..data.records import partition_rows, write_partition
+from ..data.user_records import RecordsError, read_records
 from ..io import atomic_directory, write_manifest
-from ..model.base import prepare_base
+from ..model.base import load_processors, prepare_base, special_tokens
+from ..model.template import Template
 
 
-def prepare(model: ModelConfig, data: DataConfig, base_out: Path, data_root: Path) -> dict:
+def source_states(model: ModelConfig, data: DataConfig) -> tuple[list, list]:
+    """The states of the configured source and the problems of its invalid records.
+
+    Raises:
+        RecordsError: invalid records, unless data.skip_invalid (then they are left out).
+    """
+    if data.source == "synthetic":
+        return synthetic.generate(data.seed, data.states_per_group, data.image_size), []
+    states, problems = read_records(Path(data.path), tuple(special_tokens(model.marker_token)))
+    if problems and not data.skip_invalid:
+        raise RecordsError(problems)
+    return states, problems
+
+
+def prepare(model: ModelConfig, data: DataConfig, train_tokens: int, base_out: Path, data_root: Path) -> dict:
     """Write the base (HF format) to `base_out` and one folder per partition under `data_root`.
+
+    The records are validated before anything is written. Rows over the inference budget
+    (model.max_tokens) leave every partition, rows over the training budget (`train_tokens`)
+    leave train; both are counted, never truncated.
 
     Returns:
         {"partitions": row, state and group counts per partition, "isolation": what isolation by
-        content joined and dropped (`dohnuts.data.records.write_mixture`)}
+        content joined and dropped (`dohnuts.data.records.partition_rows`), "doctor": the data
+        doctor's report (`dohnuts.data.doctor.diagnose`)}
+
+    Raises:
+        RecordsError: invalid records (nothing is written), unless data.skip_invalid.
     """
+    states, problems = source_states(model, data)
     with atomic_directory(base_out) as tmp:
         prepare_base(model, tmp, synthetic.corpus(data.seed))
         write_manifest(tmp, {"model": to_dict(model)})
-    states = synthetic.generate(data.seed, data.states_per_group, data.image_size)
-    return write_mixture(states, data_root, data.seed, data.partitions)
+    tokenizer, processor = load_processors(base_out, model)
+    lengths = token_lengths(Template(tokenizer, processor, model.marker_token), states)
+    records, images, isolation = partition_rows(states, data.seed, data.partitions,
+                                                budget_exclusion(lengths, train_tokens, model.max_tokens))
+    report = diagnose(states, problems, records, isolation, lengths,
+                      {"training": train_tokens, "inference": model.max_tokens})
+    counts = {name: write_partition(rows, images, Path(data_root) / name, name, isolation)
+              for name, rows in records.items()}
+    return {"partitions": counts, "isolation": isolation, "doctor": report}
 
 
 def describe(summary: dict) -> str:

@@ -42,7 +42,7 @@ def _run(project: Path, *command: str, check: bool = True) -> subprocess.Complet
 def project(tmp_path_factory) -> Path:
     project = tmp_path_factory.mktemp("pipeline") / "project"
     project.mkdir()
-    for name in ("dohnuts", "stages", "data"):
+    for name in ("dohnuts", "stages", "data", "examples"):
         shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__", "*.safetensors",
                                                                                     "manifest.json", "config.json"))
     shutil.copy(ROOT / "dvc.yaml", project)
@@ -143,3 +143,21 @@ def test_init_from_checkpoint_experiment_needs_a_published_parent(project):
     assert "init" in params and "checkpoint" in params
     metrics = _run(project, "dvc", "metrics", "diff", "--all").stdout
     assert "runs/test/metrics.json" in metrics and "calibrated.macro.accuracy" in metrics
+
+
+def test_own_records_run_through_the_pipeline_and_are_a_declared_dependency(project):
+    _run(project, "git", "add", "-A")
+    _run(project, "git", "commit", "-qm", "before the records experiment")
+    _run(project, "dvc", "exp", "run", "--set-param", "init=base", "--set-param", "data.source=records",
+         "--set-param", "data.path=examples/support")
+    doctor = json.loads((project / "runs/prepare/doctor.json").read_text())
+    assert doctor["records"] == 168 and doctor["problem_count"] == 0
+    assert set(doctor["groups"]) == {"product_photos", "ticket_routing"}
+    metrics = json.loads((project / "runs/test/metrics.json").read_text())
+    assert set(metrics["calibrated"]["groups"]) == {"product_photos", "ticket_routing"}
+    assert "runs/test/metrics.json" in _run(project, "dvc", "metrics", "diff").stdout
+    assert "Data and pipelines are up to date" in _run(project, "dvc", "status").stdout
+    records = project / "examples/support/ticket_routing.jsonl"
+    records.write_text(records.read_text() + records.read_text().splitlines()[0].replace("t-0000", "t-9999") + "\n")
+    status = _run(project, "dvc", "status", "prepare").stdout
+    assert "changed deps" in status and "examples/support" in status

@@ -1,0 +1,281 @@
+"""The user's decision records: JSONL (one request per line) or Parquet, validated into states.
+
+A record is the request a user later sends to `predict`, plus labels:
+
+    {"id": "t-0001", "group": "ticket_routing", "split": null,
+     "state": {"message": "I was billed twice", "image": "images/t-0001.png"},
+     "questions": {"team": {"type": "choice", "instructions": "...", "criteria": [...]}, ...},
+     "labels": {"team": "billing", "refund": 0.9, "urgency": {"0": 0.0, "1": 0.3, "2": 0.7}}}
+
+`state` and `questions` go through `dohnuts.schema.parse_request`, as in `predict` (same
+checks, same messages); `state.image` is a path relative to the records file, or a
+`data:image/...;base64,` URL, decoded with Pillow. A label is hard or soft: choice an option
+name or {option: probability}; noul true/false or P(true); score a level index or
+{level index: probability}; soft labels sum to 1 over the question's candidates. `group`
+defaults to the file's name without extension, `id` to "file:line", `split` (a pinned
+partition) to none. In Parquet, each of state, questions and labels is a column of JSON text
+(or of native mappings); line numbers are rows, from 1.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from PIL import Image, UnidentifiedImageError
+
+from ..schema import parse_request
+from .isolation import PARTITIONS
+
+SUFFIXES = (".jsonl", ".parquet")
+KEYS = {"id", "group", "split", "state", "questions", "labels"}
+SOFT_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True)
+class SourceState:
+    """One validated state with its questions and target distributions, from any source.
+
+    group, state_id: as written to the partitions; state: a string, or a mapping whose
+    optional "image" holds a decoded PIL image; questions: qid -> question as `predict` takes
+    it; targets: qid -> probabilities in candidate order; split: a pinned partition or None;
+    source: an id that joins states of one source record (isolation); where: "file:line".
+    """
+
+    group: str
+    state_id: str
+    state: object
+    questions: dict
+    targets: dict
+    split: str | None = None
+    source: str | None = None
+    where: str = ""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why one record (or one of its questions) is invalid."""
+
+    where: str  # file:line
+    reason: str
+    qid: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.where}: question {self.qid}: {self.reason}" if self.qid else f"{self.where}: {self.reason}"
+
+
+class RecordsError(ValueError):
+    """Invalid decision records: every problem, one line each (the first `shown`)."""
+
+    def __init__(self, problems: list[Problem], shown: int = 50):
+        self.problems = problems
+        lines = [str(problem) for problem in problems[:shown]]
+        more = f"\n... and {len(problems) - shown} more" if len(problems) > shown else ""
+        super().__init__(f"{len(problems)} invalid records or labels (nothing was written; set "
+                         f"data.skip_invalid: true to drop them instead):\n" + "\n".join(lines) + more)
+
+
+def record_files(path: Path) -> list[Path]:
+    """The records files of `path`: the file itself, or every *.jsonl and *.parquet under a
+    folder (hidden files and folders left out), sorted.
+
+    Raises:
+        FileNotFoundError: nothing there, or no records file in the folder.
+    """
+    path = Path(path)
+    if path.is_file():
+        if path.suffix not in SUFFIXES:
+            raise ValueError(f"{path}: decision records are {' or '.join(SUFFIXES)} files")
+        return [path]
+    if not path.is_dir():
+        raise FileNotFoundError(f"data.path {path} does not exist")
+    files = sorted(file for file in path.rglob("*") if file.suffix in SUFFIXES and file.is_file()
+                   and not any(part.startswith(".") for part in file.relative_to(path).parts))
+    if not files:
+        raise FileNotFoundError(f"data.path {path} holds no {' or '.join(SUFFIXES)} files")
+    return files
+
+
+def _lines(file: Path) -> Iterator[tuple[int, object]]:
+    """(line number, decoded record or the Problem reason) of every non-empty line or row."""
+    if file.suffix == ".parquet":
+        table = pd.read_parquet(file)
+        for index, row in enumerate(table.to_dict("records"), start=1):
+            yield index, {key: value for key, value in row.items() if not _missing(value)}
+        return
+    with open(file, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as error:
+                yield number, f"not valid JSON ({error.msg} at column {error.colno})"
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _json_field(value, name: str):
+    """A Parquet cell may hold JSON text for a mapping field."""
+    if isinstance(value, str) and name in ("questions", "labels"):
+        return json.loads(value)
+    if isinstance(value, str) and name == "state" and value[:1] in ('"', "{"):
+        return json.loads(value)
+    return value
+
+
+def read_records(path: Path, reserved: tuple[str, ...] = ()) -> tuple[list[SourceState], list[Problem]]:
+    """Every record of `path` validated: the valid states, and a Problem for each invalid
+    record (a record with any problem is left out whole).
+
+    Args:
+        path: a records file or a folder of them (`record_files`).
+        reserved: special-token strings no text may contain (the template's).
+    """
+    states, problems = [], []
+    seen_lines = 0
+    for file in record_files(path):
+        for number, record in _lines(file):
+            seen_lines += 1
+            where = f"{file}:{number}"
+            found = _record(file, number, record, reserved)
+            if isinstance(found, SourceState):
+                states.append(found)
+            else:
+                problems.extend(Problem(where, reason, qid) for qid, reason in found)
+    if not seen_lines:
+        problems.append(Problem(str(path), "no records: every file is empty"))
+    return states, problems
+
+
+def _record(file: Path, number: int, record, reserved) -> SourceState | list[tuple[str | None, str]]:
+    """A SourceState, or the (qid or None, reason) problems of one record."""
+    if isinstance(record, str):
+        return [(None, record)]
+    if not isinstance(record, Mapping):
+        return [(None, f"a record must be a JSON object, got {type(record).__name__}")]
+    problems = []
+    unknown = set(record) - KEYS
+    if unknown:
+        problems.append((None, f"unknown keys {sorted(unknown)}; a record has {sorted(KEYS)}"))
+    try:
+        record = {key: _json_field(value, key) for key, value in record.items()}
+    except json.JSONDecodeError as error:
+        return [(None, f"a Parquet cell is not valid JSON ({error.msg})")]
+    for key in ("state", "questions", "labels"):
+        if key not in record:
+            problems.append((None, f"missing {key!r}"))
+    split = record.get("split")
+    if split is not None and split not in PARTITIONS:
+        problems.append((None, f"split must be one of {PARTITIONS} or null, got {split!r}"))
+    for key in ("id", "group"):
+        if key in record and not (isinstance(record[key], str) and record[key]):
+            problems.append((None, f"{key} must be a non-empty string, got {record[key]!r}"))
+    if problems:
+        return problems
+    state, image_problem = decoded_state(file.parent, record["state"])
+    if image_problem:
+        return [(None, image_problem)]
+    try:
+        request = parse_request(state, record["questions"], reserved)
+    except (TypeError, ValueError) as error:
+        return [(None, str(error))]
+    labels = record["labels"]
+    if not isinstance(labels, Mapping):
+        return [(None, f"labels must be a mapping qid -> label, got {type(labels).__name__}")]
+    targets = {}
+    for question in request.questions:
+        if question.qid not in labels:
+            problems.append((question.qid, "no label"))
+            continue
+        target = label_target(question, labels[question.qid])
+        if isinstance(target, str):
+            problems.append((question.qid, target))
+        else:
+            targets[question.qid] = target
+    asked = {question.qid for question in request.questions}
+    problems.extend((qid, "a label for a question that is not asked") for qid in labels if qid not in asked)
+    if problems:
+        return problems
+    identifier = record.get("id", f"{file.name}:{number}")
+    return SourceState(group=record.get("group", file.stem), state_id=identifier, state=state,
+                       questions=dict(record["questions"]), targets=targets, split=split,
+                       source=f"id:{identifier}", where=f"{file}:{number}")
+
+
+def decoded_state(folder: Path, state) -> tuple[object, str | None]:
+    """The state with its image decoded (a path relative to `folder`, the records file's, or a
+    data: URL), and None; or the state and why its image cannot be decoded."""
+    if not isinstance(state, Mapping) or "image" not in state:
+        return state, None
+    value = state["image"]
+    if not isinstance(value, str):
+        return state, f"state.image must be a path relative to the records file or a data: URL, got {value!r}"
+    try:
+        if value.startswith("data:"):
+            header, _, payload = value.partition(",")
+            if not header.startswith("data:image/") or ";base64" not in header:
+                return state, "state.image data URL must be data:image/...;base64,..."
+            data = base64.b64decode(payload, validate=True)
+        else:
+            image_path = Path(folder) / value
+            if not image_path.is_file():
+                return state, f"state.image: no such file {value} (in {folder})"
+            data = image_path.read_bytes()
+        with Image.open(io.BytesIO(data)) as image:
+            decoded = image.convert("RGB")
+    except (binascii.Error, ValueError) as error:
+        return state, f"state.image data URL is not valid base64 ({error})"
+    except (UnidentifiedImageError, OSError) as error:
+        return state, f"state.image {value[:60]} cannot be decoded as an image ({type(error).__name__})"
+    return {**state, "image": decoded}, None
+
+
+def label_target(question, label) -> list[float] | str:
+    """The target distribution of a label in candidate order, or why the label is invalid.
+
+    choice: an option name, or {option: probability}; noul: true/false or P(true); score: a
+    level index, or {level index: probability}. Probabilities lie in [0, 1] and a soft label
+    sums to 1 within 1e-6 over the question's candidates.
+    """
+    labels = list(question.labels)
+    kind = question.kind
+    if kind == "noul":
+        if isinstance(label, bool):
+            return [0.0, 1.0] if label else [1.0, 0.0]
+        if isinstance(label, (int, float)) and 0.0 <= label <= 1.0:
+            return [1.0 - float(label), float(label)]
+        return f"a noul label is true, false or P(true) in [0, 1], got {label!r}"
+    if isinstance(label, Mapping):
+        keys = [str(key) for key in label]
+        unknown = [key for key in keys if key not in labels]
+        if unknown:
+            what = "options" if kind == "choice" else "levels"
+            return f"soft label names unknown {what} {unknown}; the {what} are {labels}"
+        values = list(label.values())
+        if any(isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0
+               for value in values):
+            return f"soft label probabilities must be numbers in [0, 1], got {dict(label)}"
+        total = sum(values)
+        if abs(total - 1.0) > SOFT_TOLERANCE:
+            return f"soft label sums to {total:.6g}, not 1 (within {SOFT_TOLERANCE})"
+        table = dict(zip(keys, (float(value) for value in values)))
+        return [table.get(name, 0.0) for name in labels]
+    if kind == "choice":
+        if isinstance(label, (int, float)) and not isinstance(label, bool):
+            label = str(label)  # numeric criteria items are labelled by their text
+        if isinstance(label, str) and label in labels:
+            return [1.0 if name == label else 0.0 for name in labels]
+        return f"unknown option {label!r}; the options are {labels}"
+    if isinstance(label, int) and not isinstance(label, bool) and 0 <= label < len(labels):
+        return [1.0 if index == label else 0.0 for index in range(len(labels))]
+    return f"a score label is a level index in 0..{len(labels) - 1} or {{level: probability}}, got {label!r}"

@@ -1,0 +1,162 @@
+"""The user's decision records: label forms, every bad-record error, isolation, pinning, formats."""
+
+import base64
+import io
+import json
+
+import pandas as pd
+import pytest
+from PIL import Image
+
+from dohnuts.config import DataConfig, ModelConfig
+from dohnuts.data.isolation import PARTITIONS
+from dohnuts.data.records import partition_rows
+from dohnuts.data.user_records import RecordsError, read_records
+from dohnuts.pipeline.prepare import prepare
+
+QUESTIONS = {
+    "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments", "tech": ""}},
+    "refund": {"type": "noul", "instructions": "Refund asked?"},
+    "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["none", "low", "high"]},
+}
+FRACTIONS = {"train": 0.7, "dev": 0.1, "calibration": 0.1, "test": 0.1}
+
+
+def _record(index, labels=None, **fields):
+    return {"id": f"r-{index}", "state": {"message": f"message {index}"}, "questions": QUESTIONS,
+            "labels": labels or {"team": "billing", "refund": True, "urgency": 2}, **fields}
+
+
+def _write(path, records):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in records))
+    return path
+
+
+def _png(colour, **save) -> bytes:
+    buffer = io.BytesIO()
+    image = Image.new("RGB", (40, 40), "white")
+    image.paste(colour, (5, 5, 30, 30))
+    image.save(buffer, format="PNG", **save)
+    return buffer.getvalue()
+
+
+def test_every_label_form_becomes_the_target_in_candidate_order(tmp_path):
+    forms = [
+        ({"team": "tech", "refund": False, "urgency": 0}, {"team": [0, 1], "refund": [1, 0], "urgency": [1, 0, 0]}),
+        ({"team": {"billing": 0.25, "tech": 0.75}, "refund": 0.9, "urgency": {"0": 0.0, "1": 0.3, "2": 0.7}},
+         {"team": [0.25, 0.75], "refund": [0.1, 0.9], "urgency": [0.0, 0.3, 0.7]}),
+        ({"team": {"tech": 1.0}, "refund": 1, "urgency": {"2": 1.0}},  # options left out have 0
+         {"team": [0.0, 1.0], "refund": [0.0, 1.0], "urgency": [0, 0, 1]}),
+    ]
+    _write(tmp_path / "tickets.jsonl", [_record(i, labels) for i, (labels, _) in enumerate(forms)])
+    states, problems = read_records(tmp_path)
+    assert problems == []
+    for state, (_, expected) in zip(states, forms):
+        assert {qid: pytest.approx(values) for qid, values in expected.items()} == state.targets
+        assert state.group == "tickets" and state.split is None and state.source == f"id:{state.state_id}"
+    defaults = _write(tmp_path / "other" / "plain.jsonl", [{k: v for k, v in _record(9).items() if k != "id"}])
+    (state,), _ = read_records(defaults)
+    assert state.state_id == "plain.jsonl:1" and state.group == "plain"
+
+
+def test_each_kind_of_mistake_is_one_clear_line_and_prepare_writes_nothing(tmp_path):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "broken.png").write_bytes(b"not a png")
+    mistakes = [
+        "{not json",
+        [1, 2],
+        _record(2, extra=1),
+        {"id": "r-3", "questions": QUESTIONS, "labels": {}},
+        _record(4, {"team": "sales", "refund": True, "urgency": 2}),
+        _record(5, {"team": {"billing": 0.5, "tech": 0.4}, "refund": True, "urgency": 2}),
+        _record(6, {"team": "billing", "refund": True, "urgency": 2, "mood": "calm"}),
+        _record(7, {"team": "billing", "refund": True}),
+        _record(8, {"team": "billing", "refund": 1.5, "urgency": 2}),
+        _record(9, {"team": "billing", "refund": True, "urgency": 3}),
+        {**_record(10), "state": {"message": "x", "image": "images/missing.png"}},
+        {**_record(11), "state": {"message": "x", "image": "images/broken.png"}},
+        _record(12, split="validation"),
+        {**_record(13), "questions": {"q": {"type": "choice", "instructions": "one option?", "criteria": ["a"]}},
+         "labels": {"q": "a"}},
+        {**_record(14), "state": "the marker <|fim_suffix|> inside"},
+        {**_record(15), "state": {"message": "x", "image": "data:image/png;base64,@@@"}},
+    ]
+    file = _write(tmp_path / "bad.jsonl", mistakes + [_record(16)])
+    out = tmp_path / "runs" / "prepare"
+    with pytest.raises(RecordsError) as caught:
+        prepare(ModelConfig(), DataConfig(source="records", path=str(tmp_path)), 2048, out / "base", out)
+    assert not out.exists()  # nothing written, not even the base
+    lines = str(caught.value).splitlines()[1:]
+    expected = [
+        (1, "not valid JSON"), (2, "must be a JSON object"), (3, "unknown keys ['extra']"), (4, "missing 'state'"),
+        (5, "question team: unknown option 'sales'"), (6, "question team: soft label sums to 0.9, not 1"),
+        (7, "question mood: a label for a question that is not asked"), (8, "question urgency: no label"),
+        (9, "question refund: a noul label is true, false or P(true)"), (10, "question urgency: a score label is"),
+        (11, "state.image: no such file images/missing.png"), (12, "cannot be decoded as an image"),
+        (13, "split must be one of"), (14, "question 'q' has 1 candidates"),
+        (15, "contains the reserved candidate marker"), (16, "not valid base64"),
+    ]
+    assert len(lines) == len(expected)
+    for line, (number, reason) in zip(lines, expected):
+        assert line.startswith(f"{file}:{number}: ") and reason in line, line
+    states, problems = read_records(tmp_path, ("<|fim_suffix|>",))
+    assert [state.state_id for state in states] == ["r-16"] and len(problems) == len(expected)
+
+
+def test_skip_invalid_drops_bad_records_and_the_doctor_counts_them(tmp_path):
+    _write(tmp_path / "records" / "tickets.jsonl", [_record(i) for i in range(30)] + ["{broken"])
+    out = tmp_path / "runs"
+    result = prepare(ModelConfig(image_pixels=64 * 64), DataConfig(source="records", path=str(tmp_path / "records"),
+                                                                   skip_invalid=True), 2048, out / "base", out)
+    report = result["doctor"]
+    assert report["records"] == 30 and report["invalid_records"] == 1 and "not valid JSON" in report["problems"][0]
+    assert sum(value["rows"] for value in result["partitions"].values()) == 30 * 3
+    assert report["groups"]["tickets"]["tokens"]["row"]["max"] > 10
+
+
+def test_a_re_encoded_image_and_a_text_in_two_groups_land_in_one_partition(tmp_path):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "a.png").write_bytes(_png((200, 20, 20)))
+    (tmp_path / "images" / "b.png").write_bytes(_png((200, 20, 20), compress_level=0))  # other bytes, same pixels
+    assert (tmp_path / "images" / "a.png").read_bytes() != (tmp_path / "images" / "b.png").read_bytes()
+    url = "data:image/png;base64," + base64.b64encode(_png((200, 20, 20), optimize=True)).decode()
+    photos = [{**_record(i), "state": {"caption": f"caption {i}", "image": image}}
+              for i, image in enumerate(["images/a.png", "images/b.png", url])]
+    _write(tmp_path / "photos.jsonl", photos + [_record(10 + i) for i in range(40)])
+    _write(tmp_path / "emails.jsonl", [{**_record(100), "state": {"message": "MESSAGE  13"}}])  # r-13 in photos
+    states, problems = read_records(tmp_path)
+    assert not problems
+    for seed in range(10):
+        records, _, report = partition_rows(states, seed, FRACTIONS)
+        where = {row["state_id"]: name for name, rows in records.items() for row in rows}
+        assert where["r-0"] == where["r-1"] == where["r-2"]
+        assert where["r-100"] == where["r-13"]  # one text in two groups
+        assert report["cross_partition"] == {"texts": 0, "images": 0}
+
+
+def test_pinned_splits_are_kept_and_a_conflicting_pin_is_dropped(tmp_path):
+    records = [_record(i, split="test" if i < 3 else None) for i in range(20)]
+    records.append({**_record(50, split="train"), "state": {"message": "message 1"}})  # r-1's text, pinned elsewhere
+    _write(tmp_path / "tickets.jsonl", records)
+    states, _ = read_records(tmp_path)
+    rows, _, report = partition_rows(states, 0, FRACTIONS)
+    where = {row["state_id"]: name for name, group in rows.items() for row in group}
+    assert where["r-0"] == where["r-1"] == where["r-2"] == "test"
+    assert "r-50" not in where and report["drops"] == {"pinned_split_conflict": {"tickets": 1}}
+
+
+def test_jsonl_and_parquet_give_identical_partitions(tmp_path):
+    records = [_record(i, split="dev" if i == 4 else None) for i in range(25)]
+    _write(tmp_path / "jsonl" / "tickets.jsonl", records)
+    table = pd.DataFrame([{**record, **{key: json.dumps(record[key]) for key in ("state", "questions", "labels")}}
+                          for record in records])
+    (tmp_path / "parquet").mkdir()
+    table.to_parquet(tmp_path / "parquet" / "tickets.parquet")
+    from_jsonl, _ = read_records(tmp_path / "jsonl")
+    from_parquet, problems = read_records(tmp_path / "parquet")
+    assert not problems
+    first, _, _ = partition_rows(from_jsonl, 0, FRACTIONS)
+    second, _, _ = partition_rows(from_parquet, 0, FRACTIONS)
+    assert first == second
+    assert any(first[name] for name in PARTITIONS if name != "train")

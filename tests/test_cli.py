@@ -1,0 +1,32 @@
+"""The `dohnuts` command: the data doctor on the example records and on broken ones."""
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from dohnuts.cli import main
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "support"
+
+
+def test_doctor_reports_the_example_with_token_lengths_and_writes_json(tiny, tmp_path):
+    report = tmp_path / "doctor.json"
+    result = CliRunner().invoke(main, ["doctor", str(EXAMPLE), "--params", str(tmp_path / "none.yaml"),
+                                       "--base", str(tiny.base), "--report", str(report)])
+    assert result.exit_code == 0, result.output
+    assert "168 valid records, 0 invalid" in result.output and "ticket_routing" in result.output
+    data = json.loads(report.read_text())
+    assert data["token_lengths_checked"] and set(data["groups"]) == {"product_photos", "ticket_routing"}
+    urgency = data["groups"]["ticket_routing"]["types"]["score"]
+    assert urgency["questions"] == 96 and urgency["soft_labels"] > 0
+    assert data["groups"]["product_photos"]["images"]["count"] == 72
+
+
+def test_doctor_exits_1_and_names_each_broken_line(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"state": "s", "questions": {}, "labels": {}}\nnot json\n')
+    result = CliRunner().invoke(main, ["doctor", str(tmp_path), "--params", str(tmp_path / "none.yaml")])
+    assert result.exit_code == 1
+    assert f"{tmp_path / 'bad.jsonl'}:1: questions is empty" in result.output
+    assert f"{tmp_path / 'bad.jsonl'}:2: not valid JSON" in result.output
+    assert "token lengths not checked" in result.output
