@@ -1,4 +1,4 @@
-"""The `dohnuts` command: the data doctor.
+"""The `dohnuts` command: the data doctor, the `/v1/systemone` server, batch prediction.
 
 The one module of the library that imports click: a console entry point, like the stage
 scripts, above every wing.
@@ -42,6 +42,70 @@ def doctor(path, params_path, base, report):
     click.echo(describe(result))
     if result["problem_count"]:
         raise SystemExit(1)
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=int, help="Port to listen on.")
+@click.option("--api-key-env", default=None, metavar="VAR",
+              help="Name of an environment variable holding the API key clients must send (Authorization: Bearer); "
+                   "without it, any or no key is accepted.")
+@click.option("--model-name", default=None, help="The served model's name (default: the checkpoint folder's name); "
+                                                 "requests may also ask for jev-latest.")
+@click.option("--device", default=None, help="torch device (default: CUDA when present, else the CPU).")
+def serve(checkpoint, host, port, api_key_env, model_name, device):
+    """Serve a calibrated CHECKPOINT (runs/calibrate/checkpoint) over TypeSafe Jev's /v1/systemone."""
+    import os
+
+    import uvicorn
+
+    from .serve.app import create_app
+
+    api_key = None
+    if api_key_env is not None:
+        api_key = os.environ.get(api_key_env)
+        if not api_key:
+            raise click.ClickException(f"--api-key-env {api_key_env}: that environment variable is empty or unset")
+    folder = Path(checkpoint)
+    predictor = _load(folder, device)
+    app = create_app(predictor, model_name or folder.resolve().name, api_key,
+                     release_date=_release_date(folder))
+    uvicorn.run(app, host=host, port=port, log_level="info")
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.option("--input", "source", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Requests, one JSON object a line: the record format without labels.")
+@click.option("--output", required=True, type=click.Path(dir_okay=False),
+              help="Answers, one line per input line in order; a rerun skips lines already answered.")
+@click.option("--device", default=None, help="torch device (default: CUDA when present, else the CPU).")
+def predict(checkpoint, source, output, device):
+    """Answer every request of --input with a calibrated CHECKPOINT into --output."""
+    from .serve.batch_predict import predict_file
+
+    counts = predict_file(_load(Path(checkpoint), device), Path(source), Path(output))
+    click.echo(f"{counts['answered']} answered, {counts['errors']} invalid, {counts['skipped']} already answered "
+               f"of {counts['lines']} lines -> {output}")
+
+
+def _load(folder: Path, device):
+    from .model.predict import Predictor
+
+    try:
+        return Predictor.from_checkpoint(folder, device)
+    except (ValueError, FileNotFoundError) as error:
+        raise click.ClickException(str(error)) from None
+
+
+def _release_date(folder: Path) -> str:
+    """The date the checkpoint's manifest was written (YYYY-MM-DD)."""
+    import datetime
+
+    stamp = (folder / "manifest.json").stat().st_mtime if (folder / "manifest.json").is_file() else None
+    day = datetime.date.fromtimestamp(stamp) if stamp is not None else datetime.date.today()
+    return day.isoformat()
 
 
 if __name__ == "__main__":

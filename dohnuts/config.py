@@ -225,15 +225,22 @@ SHAPE_NAMES = ("qwen3_5-0.8b",)  # the shapes dohnuts.measure.shapes can build
 @dataclass(frozen=True)
 class BenchmarkConfig:
     """The latency protocol: cold call, warm-up calls, timed calls; `shape` names a model shape
-    to benchmark with random weights instead of the checkpoint (records say shape-only)."""
+    to benchmark with random weights instead of the checkpoint (records say shape-only); the
+    serving workload sends `serving_requests` varied requests to the server over loopback at each
+    count of concurrent clients in `serving_clients`."""
 
     warmup: int = 3
     timed: int = 20
     shape: str | None = None
+    serving_requests: int = 128
+    serving_clients: tuple[int, ...] = (1, 8, 64)
 
     def __post_init__(self):
         _check(self.timed >= 2 and self.warmup >= 0,
                f"benchmark.timed must be >= 2 and warmup >= 0, got {self.timed}, {self.warmup}")
+        _check(self.serving_requests >= 1 and bool(self.serving_clients) and min(self.serving_clients) >= 1,
+               f"benchmark.serving_requests must be >= 1 and serving_clients positive counts, got "
+               f"{self.serving_requests}, {self.serving_clients}")
         _check(self.shape is None or self.shape in SHAPE_NAMES,
                f"benchmark.shape must be null or one of {SHAPE_NAMES}, got {self.shape!r}")
 
@@ -267,8 +274,11 @@ def _typed(hint, value, path: str):
     if dataclasses.is_dataclass(hint):
         return build(hint, value, path)
     if typing.get_origin(hint) is tuple:
-        _check(isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value),
-               f"{path} must be a list of strings, got {value!r}")
+        item_type = typing.get_args(hint)[0]
+        name = {str: "strings", int: "integers"}[item_type]
+        _check(isinstance(value, (list, tuple)) and all(isinstance(item, item_type) and not isinstance(item, bool)
+                                                        for item in value),
+               f"{path} must be a list of {name}, got {value!r}")
         return tuple(value)
     allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     if value is None:

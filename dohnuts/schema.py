@@ -11,7 +11,7 @@ from PIL import Image
 
 QUESTION_TYPES = ("choice", "noul", "score")
 MIN_CANDIDATES = 2
-MAX_CANDIDATES = 128
+MAX_CANDIDATES = 255  # the wire format's bound on choice options (score levels: 10 there)
 NOUL_DEFAULTS = {
     "false": "no, the statement does not hold",
     "true": "yes, the statement holds",
@@ -106,9 +106,11 @@ def _parse_question(qid, question) -> Question:
     kind = question.get("type")
     if kind not in QUESTION_TYPES:
         raise ValueError(f"question {qid!r} has unknown type {kind!r}; expected one of {QUESTION_TYPES}")
-    instructions = question.get("instructions")
-    if not isinstance(instructions, str) or not instructions.strip():
-        raise TypeError(f"question {qid!r} needs non-empty string instructions, got {instructions!r}")
+    # Instructions may be left out (the wire format allows it): the candidates then carry the
+    # question alone.
+    instructions = question.get("instructions", "")
+    if not isinstance(instructions, str):
+        raise TypeError(f"question {qid!r} needs string instructions, got {instructions!r}")
     criteria = question.get("criteria")
     labels, candidates = {"choice": _choice, "noul": _noul, "score": _score}[kind](qid, criteria)
     if not MIN_CANDIDATES <= len(labels) <= MAX_CANDIDATES:

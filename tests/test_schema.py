@@ -51,14 +51,14 @@ def test_mapping_state_renders_as_json_without_the_image():
     ("s", [("q", {})], TypeError, "must be a mapping"),
     ("s", {"q": {"type": "rank", "instructions": "x"}}, ValueError, "unknown type 'rank'"),
     ("s", {"q": {"type": "choice", "instructions": "x", "criteria": ["only"]}}, ValueError, "1 candidates"),
-    ("s", {"q": {"type": "choice", "instructions": "x", "criteria": [str(i) for i in range(129)]}},
-     ValueError, "129 candidates"),
+    ("s", {"q": {"type": "choice", "instructions": "x", "criteria": [str(i) for i in range(256)]}},
+     ValueError, "256 candidates"),
     ("s", {"q": {"type": "choice", "instructions": "x", "criteria": ["a", "b", "a"]}}, ValueError,
      "duplicate labels ['a']"),
     ("s", {"q": {"type": "choice", "instructions": "x", "criteria": "ab"}}, TypeError, "list or a mapping"),
     ("s", {"q": {"type": "score", "instructions": "x", "criteria": ["one"]}}, ValueError, "1 candidates"),
     ("s", {"q": {"type": "noul", "instructions": "x", "criteria": {"maybe": "?"}}}, ValueError, "'false'/'true'"),
-    ("s", {"q": {"type": "noul", "instructions": ""}}, TypeError, "non-empty string instructions"),
+    ("s", {"q": {"type": "noul", "instructions": 3}}, TypeError, "needs string instructions"),
     ("s", {"q": {"type": "noul", "instructions": "x", "extra": 1}}, ValueError, "unknown keys ['extra']"),
     ("a <|fim_suffix|> b", NOUL, ValueError, "state contains the reserved candidate marker"),
     ("s", {"q": {"type": "noul", "instructions": "x<|fim_suffix|>"}}, ValueError, "reserved candidate marker"),
@@ -96,3 +96,9 @@ def test_score_answer_is_the_expected_level():
     result = answer(request.questions[0], [0.5, 0.0, 0.5])
     assert result["score"] == pytest.approx(1.0)
     assert result["confidence"] == pytest.approx(1 - math.log(2) / math.log(3))
+
+
+def test_instructions_may_be_left_out_and_choice_takes_255_options():
+    request = parse_request("s", {"ok": {"type": "noul"}, "big": {"type": "choice",
+                                                                  "criteria": [str(i) for i in range(255)]}})
+    assert [q.instructions for q in request.questions] == ["", ""] and len(request.questions[1].labels) == 255

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,8 +21,10 @@ from .features import image_key
 class Predictor:
     """Answers `predict(state, questions)` with calibrated probabilities in one forward pass.
 
-    One Predictor serves one caller at a time: its image-feature cache and CUDA graphs are
-    not shared safely between threads (use one Predictor per thread)."""
+    Safe to call from several threads: calls are serialised by a lock (the token cache, the
+    image-feature cache and the CUDA graphs' buffers are shared state). To run concurrent
+    requests together, batch them into one `predict_many` call (the server does).
+    """
 
     def __init__(self, model, template, model_config, temperatures: dict[str, float]):
         self.model = model
@@ -29,6 +32,7 @@ class Predictor:
         self.config = model_config
         self.temperatures = temperatures
         self.scores = GraphedScores(model)  # CUDA graphs for repeated request layouts; eager elsewhere
+        self.lock = threading.RLock()
 
     @classmethod
     def from_checkpoint(cls, path, device: str | torch.device | None = None) -> Predictor:
@@ -52,26 +56,45 @@ class Predictor:
         Raises:
             TypeError, ValueError: an invalid request (see `dohnuts.schema.parse_request`).
         """
+        with self.lock:
+            batch, parsed, tokens, failures = self._encode(requests, collect=False)
+        return batch, parsed, tokens
+
+    def _encode(self, requests, collect: bool):
+        """(batch or None, validated requests, input tokens, {index: error}) of `requests`; with
+        `collect`, an invalid request is left out and its error kept, else it raises."""
         template, cache = self.template, self.model.image_cache
-        parsed = [parse_request(state, questions, template.reserved) for state, questions in requests]
         images: list[EncodedImage] = []
         seen: dict[str, int] = {}
-        rows, tokens = [], []
-        for request in parsed:
-            index = None
-            if request.image is not None:
-                key = image_key(request.image)
-                if key not in seen:
-                    grid = cache.grid(key)
-                    # A cached image needs no preprocessing: its features and grid are known.
-                    seen[key] = len(images)
-                    images.append(EncodedImage(None, grid, key) if grid is not None
-                                  else template.encode_image(request.image, key))
-                index = seen[key]
-            own = template.encode(request, self.config.max_tokens, index, images[index] if index is not None else None)
+        rows, parsed, tokens, failures = [], [], [], {}
+        for index, (state, questions) in enumerate(requests):
+            try:
+                request = parse_request(state, questions, template.reserved)
+                image, image_index = None, None
+                if request.image is not None:
+                    key = image_key(request.image)
+                    image_index = seen.get(key, len(images))
+                    if key in seen:
+                        image = images[image_index]
+                    else:
+                        # A cached image needs no preprocessing: its features and grid are known.
+                        grid = cache.grid(key)
+                        image = EncodedImage(None, grid, key) if grid is not None else template.encode_image(
+                            request.image, key)
+                own = template.encode(request, self.config.max_tokens, image_index, image)
+            except (TypeError, ValueError) as error:
+                if not collect:
+                    raise
+                failures[index] = error
+                continue
+            if image is not None and image.key not in seen:  # only a valid request's image joins the batch
+                seen[image.key] = len(images)
+                images.append(image)
             rows += own
+            parsed.append(request)
             tokens.append(sum(len(row.input_ids) for row in own))
-        return template.collate(rows, images), parsed, tokens
+        batch = template.collate(rows, images) if rows else None
+        return batch, parsed, tokens, failures
 
     @torch.no_grad()
     def predict(self, state, questions) -> dict:
@@ -92,7 +115,8 @@ class Predictor:
         return self.predict_many([(state, questions)])[0]
 
     @torch.no_grad()
-    def predict_many(self, requests: Sequence[tuple[object, dict]], raw_logits: bool = False) -> list[dict]:
+    def predict_many(self, requests: Sequence[tuple[object, dict]], raw_logits: bool = False,
+                     errors: str = "raise") -> list:
         """Answer several requests in one forward pass; each gets what `predict` gives it alone
         (batched rows differ only by floating-point summation order).
 
@@ -100,14 +124,22 @@ class Predictor:
             requests: (state, questions) pairs, as `predict` takes them.
             raw_logits: also give each result "logits": {qid: the candidates' logits before the
                 temperature}, for evaluation.
+            errors: "raise" (an invalid request raises, nothing is run) or "return" (its place in
+                the results holds its TypeError or ValueError; the others are answered).
 
         Returns:
             One `predict` result per request, in order.
 
         Raises:
-            TypeError, ValueError: an invalid request; nothing is run then.
+            TypeError, ValueError: an invalid request, with errors="raise".
         """
-        batch, parsed, tokens = self.encode_many(requests)
+        with self.lock:
+            batch, parsed, tokens, failures = self._encode(requests, collect=errors == "return")
+            answered = self._answers(batch, parsed, tokens, raw_logits) if batch is not None else []
+        results = iter(answered)
+        return [failures[index] if index in failures else next(results) for index in range(len(requests))]
+
+    def _answers(self, batch: Batch, parsed: list[Request], tokens: list[int], raw_logits: bool) -> list[dict]:
         # The logits [B, K] come to the host at once (the call's one synchronisation): the few
         # small operations after them cost less there than as device launches, each a host
         # round trip once the forward has finished, and the temperatures need no copy to the device.

@@ -12,6 +12,10 @@ from .features import image_key
 PIECE_CACHE_CHARS = 4 * 2**20  # characters of recently tokenised text kept
 
 
+class OverBudget(ValueError):
+    """A row is longer than the token budget: inputs are rejected, never truncated."""
+
+
 def pieces_of(request: Request) -> list[str]:
     """The texts the template tokenises, each on its own: the state, then per question its
     header followed by its candidates."""
@@ -85,7 +89,7 @@ class Template:
             image: the request's encoded image (required when the request has one).
 
         Raises:
-            ValueError: a row is over the token budget.
+            OverBudget: a row is over the token budget (a ValueError).
         """
         pieces = iter(self.tokenize(pieces_of(request)))
         prefix, grid = [], None
@@ -104,7 +108,7 @@ class Template:
                 ids.append(self.marker_id)
                 markers.append(len(ids) - 1)
             if len(ids) > max_tokens:
-                raise ValueError(
+                raise OverBudget(
                     f"question {question.qid!r}: the input is {len(ids)} tokens, over the budget of "
                     f"{max_tokens}; inputs are rejected, never truncated"
                 )

@@ -38,6 +38,7 @@ from ..model.template import pieces_of
 from ..ops import kernels
 from ..schema import parse_request
 from ..scoring.objective import pack_targets
+from ..serve.load import serving_record
 from .evaluate import EvaluationBatches, evaluate, plan_batches, result_rows
 from .train import build_optimizer, update_step
 
@@ -433,11 +434,13 @@ PUBLISHED_P50_MS = {
 }
 
 
-def benchmark(predictor, warmup: int, timed: int, progress=None) -> tuple[list[dict], dict, list[dict]]:
-    """Run every workload (image workloads also with a cold image-feature cache), then one
-    training-update record (which injects fresh LoRA into the predictor's model, so it comes
-    last). Ceilings are measured first, in the same process. `progress(records so far)`
-    follows each record.
+def benchmark(predictor, warmup: int, timed: int, progress=None, serving_requests: int = 0,
+              serving_clients: tuple[int, ...] = ()) -> tuple[list[dict], dict, list[dict]]:
+    """Run every workload (image workloads also with a cold image-feature cache), evaluation
+    throughput, the serving workload (`serving_requests` varied requests over loopback at each
+    count of `serving_clients`; none when 0), then one training-update record (which injects
+    fresh LoRA into the predictor's model, so it comes last). Ceilings are measured first, in
+    the same process. `progress(records so far)` follows each record.
 
     Returns:
         (raw records, summary for DVC metrics, plot rows: one per workload)
@@ -455,12 +458,21 @@ def benchmark(predictor, warmup: int, timed: int, progress=None) -> tuple[list[d
     with tempfile.TemporaryDirectory() as scratch:
         throughput = {**evaluation_throughput_record(predictor.model, predictor.template, predictor.config.max_tokens,
                                                      Path(scratch)), "environment": environment(predictor)}
+    extra = [throughput]
     if progress is not None:
-        progress(records + [throughput])
+        progress(records + extra)
+    serving = None
+    if serving_requests:
+        serving = {**serving_record(predictor, serving_requests, serving_clients),
+                   "environment": environment(predictor)}
+        extra.append(serving)
+        if progress is not None:
+            progress(records + extra)
     training = {**training_update_record(predictor.model, predictor.template, ceilings),
                 "environment": environment(predictor)}
+    extra.append(training)
     if progress is not None:
-        progress(records + [throughput, training])
+        progress(records + extra)
     keys = ("p50_ms", "p95_ms", "cold_ms", "decisions_per_second", "hugging_face_p50_ms")
     keys += ("max_abs_logit_difference_to_hugging_face", "timed_calls")
     summary = {
@@ -473,16 +485,24 @@ def benchmark(predictor, warmup: int, timed: int, progress=None) -> tuple[list[d
                             "efficiency": training["roofline"]["efficiency"]["measured"]},
         "evaluation_rows_per_second": {name: throughput[f"{name}_rows_per_second"]
                                        for name in ("overlapped", "synchronous")},
+        "serving": {f"clients_{level['clients']}": {key: level[key] for key in (
+            "requests_per_second", "decisions_per_second", "p50_ms", "p99_ms", "mean_batch_requests", "failed",
+            "lost")} for level in serving["levels"]} if serving else {},
         "published_p50_ms": PUBLISHED_P50_MS,
     }
     plots = [{"workload": record["workload"], "p50_ms": record["p50_ms"],
               "hugging_face_p50_ms": record["hugging_face_p50_ms"],
               "efficiency": record["roofline"]["efficiency"]["measured"]} for record in records]
-    return records + [throughput, training], summary, plots
+    return records + extra, summary, plots
 
 
 def describe(record: dict) -> str:
     """One progress line for a benchmark record."""
+    if record["workload"] == "serving":
+        return "serving                              " + "; ".join(
+            f"{level['clients']} clients {level['decisions_per_second']:.1f} decisions/s p50 {level['p50_ms']:.1f} ms"
+            f" batch {level['mean_batch_requests'] or 0:.1f} failed {level['failed']} lost {level['lost']}"
+            for level in record["levels"])
     if "p50_ms" not in record:
         return f"{record['workload']:36s} {json.dumps({k: v for k, v in record.items() if k != 'environment'})}"
     baseline = f"  Hugging Face {record['hugging_face_p50_ms']:8.2f} ms" if "hugging_face_p50_ms" in record else ""
@@ -510,5 +530,6 @@ def run(config: BenchmarkConfig, checkpoint: Path, records: Path, echo=print) ->
         write_bytes(Path(records), "".join(json.dumps(record) + "\n" for record in done).encode())
         echo(describe(done[-1]))
 
-    _, summary, plots = benchmark(predictor, config.warmup, config.timed, progress=progress)
+    _, summary, plots = benchmark(predictor, config.warmup, config.timed, progress=progress,
+                                  serving_requests=config.serving_requests, serving_clients=config.serving_clients)
     return summary, plots

@@ -1,5 +1,6 @@
 """The deployable checkpoint: calibrate writes it, Predictor loads it and applies temperatures."""
 
+import concurrent.futures
 import math
 
 import pytest
@@ -73,3 +74,38 @@ def test_a_cached_image_skips_preprocessing_and_the_vision_tower(deployable):
     second = predictor.predict(state, QUESTIONS)
     assert first == second
     assert preprocessed == [1] and encoded == [1]  # the second call did neither
+
+
+def _requests(count):
+    return [({"note": f"request {index}", "image": Image.new("RGB", (64, 64), (20 * index % 255, 40, 200))}
+             if index % 3 == 0 else f"text request number {index}",
+             dict(list(QUESTIONS.items())[: 1 + index % 3])) for index in range(count)]
+
+
+def test_predictor_called_from_many_threads_gives_the_sequential_answers(deployable):
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    requests = _requests(24)
+    expected = [predictor.predict(*request) for request in requests]
+    predictor.model.image_cache.clear()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda request: predictor.predict(*request), requests))
+    assert results == expected  # the lock serialises calls: the same single-request batches
+
+
+def test_predict_many_answers_each_request_as_alone_and_returns_each_invalid_ones_error(deployable):
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    requests = _requests(6)
+    broken = [*requests[:2], ("s", {}), *requests[2:4], ({"image": "not an image"}, QUESTIONS), *requests[4:]]
+    results = predictor.predict_many(broken, errors="return")
+    assert isinstance(results[2], ValueError) and "questions is empty" in str(results[2])
+    assert isinstance(results[5], TypeError)
+    alone = [predictor.predict(*request) for request in requests]
+    for result, reference in zip([r for r in results if isinstance(r, dict)], alone):
+        assert result["usage"] == reference["usage"]
+        for qid, answer in result["answers"].items():
+            expected = list(reference["answers"][qid]["probabilities"].values())
+            assert list(answer["probabilities"].values()) == pytest.approx(expected, abs=1e-5)
+    with pytest.raises(ValueError, match="questions is empty"):
+        predictor.predict_many(broken)

@@ -23,7 +23,7 @@ def _smoke_params() -> dict:
     params["model"]["image_pixels"] = 64 * 64
     params["train"].update(steps=4, eval_every=2)
     params["select"]["dev_rows_per_group"] = 16
-    params["benchmark"].update(warmup=1, timed=2)
+    params["benchmark"].update(warmup=1, timed=2, serving_requests=8, serving_clients=[1, 4])
     return params
 
 
@@ -89,6 +89,13 @@ def test_repro_produces_every_stage_output_and_then_is_up_to_date(project):
     hit, miss = (next(r for r in records if r["workload"] == name)
                  for name in ("vision_protocol_image_1q", "vision_protocol_image_1q_cache_miss"))
     assert miss["roofline"]["work"]["flops"]["vision"] > 0 == hit["roofline"]["work"]["flops"]["vision"]
+    serving = next(record for record in records if record["workload"] == "serving")
+    assert [level["clients"] for level in serving["levels"]] == [1, 4]
+    for level in serving["levels"]:  # every request answered, none lost or failed
+        assert level["answered"] == 8 and level["failed"] == level["lost"] == 0 and level["decisions_per_second"] > 0
+    assert serving["levels"][0]["mean_batch_requests"] == 1.0  # one client: one request an invocation
+    assert serving["levels"][0]["timed_calls"]["eager"] == serving["levels"][0]["invocations"]  # the CPU: no graphs
+    assert summary["serving"]["clients_4"]["failed"] == 0
     throughput = next(record for record in records if record["workload"] == "evaluation_throughput")
     assert throughput["overlapped_rows_per_second"] > 0 and throughput["synchronous_rows_per_second"] > 0
     plots = json.loads((project / "runs/benchmark/plots.json").read_text())

@@ -1,0 +1,95 @@
+"""Offline batch prediction: a JSONL of requests in, one answer line per request out, resumable."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ..data.user_records import decoded_state
+
+CHUNK = 64  # requests a model invocation, and a chunk of output written and synced together
+
+
+def _request(line: str, folder: Path) -> tuple[object, dict]:
+    """(state, questions) of one input line: the record format without labels; an image path is
+    relative to the input file, as in records."""
+    record = json.loads(line)
+    if not isinstance(record, dict):
+        raise ValueError(f"a request line must be a JSON object, got {type(record).__name__}")
+    unknown = set(record) - {"id", "state", "questions", "group", "labels", "split"}
+    if unknown:
+        raise ValueError(f"unknown keys {sorted(unknown)}")
+    if "state" not in record or "questions" not in record:
+        raise ValueError("a request needs 'state' and 'questions'")
+    state, problem = decoded_state(folder, record["state"])
+    if problem:
+        raise ValueError(problem)
+    return state, record["questions"]
+
+
+def answered_lines(output: Path) -> int:
+    """Complete lines already in `output` (a line cut by a kill is removed), so a rerun skips them."""
+    if not output.is_file():
+        return 0
+    data = output.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        with open(output, "r+b") as handle:
+            handle.truncate(len(complete))
+    return complete.count(b"\n")
+
+
+def predict_file(predictor, source: Path, output: Path, chunk: int = CHUNK, progress: bool = True) -> dict:
+    """Answer every request line of `source` into `output`, in order, one line each: the
+    request's id (or null) and line number with its answers and usage, or with the error that
+    made it invalid (the run goes on). Lines already answered in `output` are skipped; each
+    chunk is appended and synced to disk before the next is run, so a kill loses nothing
+    answered. Blank input lines get an error line too, so output line n answers input line n.
+
+    Returns:
+        {"lines", "skipped" (answered before), "answered", "errors"}
+    """
+    source, output = Path(source), Path(output)
+    lines = source.read_text(encoding="utf-8").splitlines()
+    done = answered_lines(output)
+    counts = {"lines": len(lines), "skipped": min(done, len(lines)), "answered": 0, "errors": 0}
+    bar = tqdm(total=len(lines), initial=counts["skipped"], desc="predict", unit="request", disable=not progress)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with open(output, "a", encoding="utf-8") as handle:
+        for start in range(counts["skipped"], len(lines), chunk):
+            numbers = range(start + 1, min(start + chunk, len(lines)) + 1)
+            parsed, results = {}, {}
+            for number in numbers:
+                try:
+                    parsed[number] = _request(lines[number - 1], source.parent)
+                except (ValueError, TypeError) as error:  # json.JSONDecodeError is a ValueError
+                    results[number] = error
+            answers = predictor.predict_many(list(parsed.values()), errors="return") if parsed else []
+            results.update(zip(parsed, answers))
+            out = []
+            for number in numbers:
+                result = results[number]
+                identifier = _identifier(lines[number - 1])
+                if isinstance(result, BaseException):
+                    counts["errors"] += 1
+                    out.append({"id": identifier, "line": number, "error": f"{type(result).__name__}: {result}"})
+                else:
+                    counts["answered"] += 1
+                    out.append({"id": identifier, "line": number, **result})
+            handle.write("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in out))
+            handle.flush()
+            os.fsync(handle.fileno())
+            bar.update(len(numbers))
+    bar.close()
+    return counts
+
+
+def _identifier(line: str):
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record.get("id") if isinstance(record, dict) else None

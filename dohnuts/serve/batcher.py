@@ -1,0 +1,104 @@
+"""Concurrent requests gathered into one model invocation, run by one worker thread."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+
+class Overloaded(RuntimeError):
+    """More requests are waiting than the batcher queues: the caller should retry later."""
+
+
+@dataclass
+class _Pending:
+    state: object
+    questions: dict
+    future: Future = field(default_factory=Future)
+    enqueued: float = field(default_factory=time.monotonic)
+
+    @property
+    def rows(self) -> int:
+        return len(self.questions) if isinstance(self.questions, dict) else 1
+
+
+class Batcher:
+    """Runs `Predictor.predict_many` on one worker thread over the requests that arrive together.
+
+    The worker takes the first waiting request, then gathers more for up to `max_wait` seconds
+    or until `max_rows` question rows, and answers them in one forward pass; every request
+    still computes its own shared prefix once (the runtime's several-prefixes path), and its
+    answers equal those it gets alone. An invalid request fails alone. Nothing else touches the
+    model, so nothing races. At most `max_queue` requests wait; beyond, `submit` refuses.
+
+    `on_batch(requests, rows, seconds)` is called after every invocation (metrics).
+    """
+
+    def __init__(self, predictor, max_wait: float = 0.003, max_rows: int = 512, max_queue: int = 1024,
+                 on_batch=None):
+        self.predictor = predictor
+        self.max_wait, self.max_rows, self.max_queue = max_wait, max_rows, max_queue
+        self.on_batch = on_batch
+        self.waiting: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="dohnuts-batcher", daemon=True)
+        self.thread.start()
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting for the worker."""
+        return self.waiting.qsize()
+
+    def submit(self, state, questions) -> Future:
+        """Queue one request; its future gets the `predict` result, or the request's error.
+
+        Raises:
+            Overloaded: `max_queue` requests are already waiting.
+        """
+        if self.waiting.qsize() >= self.max_queue:
+            raise Overloaded(f"{self.max_queue} requests are waiting")
+        pending = _Pending(state, questions)
+        self.waiting.put(pending)
+        return pending.future
+
+    def close(self) -> None:
+        """Stop the worker once the requests already queued are answered."""
+        self.waiting.put(None)
+        self.thread.join()
+
+    def _gather(self, first: _Pending) -> tuple[list[_Pending], bool]:
+        batch, rows = [first], first.rows
+        deadline = time.monotonic() + self.max_wait
+        while rows < self.max_rows:
+            try:
+                # Whatever is already waiting joins at once; then up to the deadline.
+                item = self.waiting.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if item is None:
+                return batch, True
+            batch.append(item)
+            rows += item.rows
+        return batch, False
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            first = self.waiting.get()
+            if first is None:
+                break
+            batch, stop = self._gather(first)
+            started = time.monotonic()
+            try:
+                results = self.predictor.predict_many([(p.state, p.questions) for p in batch], errors="return")
+            except Exception as error:  # noqa: BLE001 - the batch fails as a whole: every caller hears why
+                results = [error] * len(batch)
+            for pending, result in zip(batch, results):
+                if isinstance(result, BaseException):
+                    pending.future.set_exception(result)
+                else:
+                    pending.future.set_result(result)
+            if self.on_batch is not None:
+                self.on_batch(len(batch), sum(p.rows for p in batch), time.monotonic() - started)

@@ -1,0 +1,174 @@
+"""The serving workload: the server on loopback, driven by concurrent clients over varied requests."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import random
+import socket
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from PIL import Image, ImageDraw
+
+WORDS = ("invoice", "refund", "parcel", "login", "password", "crash", "upgrade", "billing", "delivery", "account",
+         "error", "slow", "payment", "order", "support", "urgent", "tomorrow", "twice", "missing", "broken")
+
+
+def mixed_requests(count: int, seed: int = 0) -> list[dict]:
+    """`count` distinct wire request bodies: text and image states (one in four has an image,
+    sent as a base64 asset), 1 to 10 questions of all three types, states of a few to a few
+    hundred words. Seeded: the same set every run."""
+    rng = random.Random(seed)
+    bodies = []
+    for index in range(count):
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.choice((3, 12, 40, 120, 300))))
+        state: dict = {"ticket": f"T-{index:05d}", "message": words}
+        assets = {}
+        if index % 4 == 0:
+            image = Image.new("RGB", (rng.choice((64, 96, 160)), rng.choice((64, 96, 160))), "white")
+            ImageDraw.Draw(image).rectangle([8, 8, 40 + index % 20, 40], fill=(rng.randrange(256), 40, 200))
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            key = f"<image:{index:032x}>"
+            state["photo"] = key
+            encoded = base64.b64encode(buffer.getvalue()).decode()
+            assets[key] = {"type": "image", "format": "png", "data_base64": encoded}
+        questions = {}
+        for number in range(rng.randint(1, 10)):
+            kind = ("noul", "choice", "score")[number % 3]
+            if kind == "noul":
+                questions[f"q{number}"] = {"type": "noul", "instructions": f"Is the message about {rng.choice(WORDS)}?"}
+            elif kind == "choice":
+                options = rng.sample(WORDS, rng.randint(2, 6))
+                questions[f"q{number}"] = {"type": "choice", "instructions": "Which topic fits best?",
+                                           "criteria": dict.fromkeys(options)}
+            else:
+                questions[f"q{number}"] = {"type": "score", "instructions": "How urgent is it?",
+                                           "criteria": ["not at all", "somewhat", "very"][: rng.randint(2, 3)]}
+        bodies.append({"model": "jev-latest", "state": state, "questions": questions,
+                       **({"assets": assets} if assets else {})})
+    return bodies
+
+
+class LoopbackServer:
+    """The app on a free loopback port, in a background thread (uvicorn)."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 300
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the loopback server did not start")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+
+def _percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def drive(port: int, bodies: list[dict], clients: int, deadline_seconds: float = 600.0) -> dict:
+    """Send every body once with `clients` concurrent clients (each its own keep-alive
+    connection, taking the next body when its last is answered). Returns the level's figures:
+    requests/s and decisions/s over the wall time, latency p50/p95/p99, and the requests that
+    failed (a status other than 200) or were never sent before the deadline (lost)."""
+    payloads = [json.dumps(body).encode() for body in bodies]
+    decisions = [len(body["questions"]) for body in bodies]
+    next_index, lock = [0], threading.Lock()
+    latencies, failed, answered = [], [], []
+    stop_at = time.monotonic() + deadline_seconds
+
+    def client():
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        while time.monotonic() < stop_at:
+            with lock:
+                index = next_index[0]
+                next_index[0] += 1
+            if index >= len(payloads):
+                break
+            started = time.perf_counter()
+            try:
+                connection.request("POST", "/v1/systemone", payloads[index], {"content-type": "application/json"})
+                response = connection.getresponse()
+                response.read()
+                status = response.status
+            except (OSError, http.client.HTTPException) as error:
+                status = f"{type(error).__name__}"
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+            elapsed = time.perf_counter() - started
+            with lock:
+                if status == 200:
+                    latencies.append(elapsed)
+                    answered.append(index)
+                else:
+                    failed.append({"request": index, "status": status})
+        connection.close()
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=clients) as pool:
+        for _ in range(clients):
+            pool.submit(client)
+    wall = time.perf_counter() - started
+    done = sum(decisions[index] for index in answered)
+    return {"clients": clients, "requests": len(bodies), "answered": len(answered), "failed": len(failed),
+            "lost": len(bodies) - len(answered) - len(failed), "failures": failed[:10], "seconds": wall,
+            "requests_per_second": len(answered) / wall, "decisions_per_second": done / wall,
+            "p50_ms": 1000 * _percentile(latencies, 0.5) if latencies else None,
+            "p95_ms": 1000 * _percentile(latencies, 0.95) if latencies else None,
+            "p99_ms": 1000 * _percentile(latencies, 0.99) if latencies else None,
+            "mean_ms": 1000 * statistics.fmean(latencies) if latencies else None}
+
+
+def serving_record(predictor, requests: int, clients: tuple[int, ...], seed: int = 0) -> dict:
+    """The serving workload: `requests` varied requests (`mixed_requests`) sent to the server
+    on loopback at each count of concurrent `clients`; one client sending one request at a time
+    is the baseline. Each level also records the mean batch size the server ran (requests per
+    model invocation), from the batcher's own count, and how many invocations replayed a CUDA
+    graph, captured one or ran eagerly."""
+    from .app import create_app  # FastAPI and uvicorn (the serve extra) only when serving is measured
+
+    batches = []
+    app = create_app(predictor, "dohnuts-benchmark", on_batch=lambda count, rows, seconds: batches.append(count))
+    server = LoopbackServer(app)
+    bodies = mixed_requests(requests, seed)
+    try:
+        drive(server.port, bodies[: min(8, len(bodies))], 1)  # warm the path (not timed)
+        levels = []
+        for count in clients:
+            batches.clear()
+            before = dict(predictor.scores.stats)
+            level = drive(server.port, bodies, count)
+            level["mean_batch_requests"] = statistics.fmean(batches) if batches else None
+            level["invocations"] = len(batches)
+            level["timed_calls"] = {name: predictor.scores.stats[name] - before[name]
+                                    for name in ("replays", "captures", "eager")}
+            levels.append(level)
+    finally:
+        server.close()
+    baseline = next((level for level in levels if level["clients"] == 1), None)
+    for level in levels:
+        if baseline is not None and baseline["decisions_per_second"]:
+            level["decisions_per_second_vs_one_client"] = level["decisions_per_second"] / baseline[
+                "decisions_per_second"]
+    return {"workload": "serving", "requests": requests, "levels": levels,
+            "questions_per_request": statistics.fmean(len(body["questions"]) for body in bodies),
+            "images": sum("assets" in body for body in bodies)}

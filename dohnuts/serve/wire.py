@@ -1,0 +1,278 @@
+"""The /v1/systemone wire format (TypeSafe Jev): wire requests to Predictor inputs, Predictor results to answers."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+from collections.abc import Mapping
+
+from PIL import Image
+
+IMAGE_MARKER = "<image>"  # what an image's place in the state's text says
+QUESTION_TYPES = ("choice", "noul", "score")
+# The official client's own placeholder form: the only one that text can hold inside a longer string (str(image)).
+REFERENCE_PATTERN = re.compile(r"<image:[0-9a-f]{32}>")
+TOP_LEVEL = "images go at the top level of the state, as the whole state or as one of its values"
+
+
+class WireError(ValueError):
+    """A request the wire format or this model cannot take: its HTTP status, error type, and where."""
+
+    def __init__(self, message: str, status: int = 422, loc: tuple = ("body",), error_type: str = "value_error"):
+        super().__init__(message)
+        self.status = status
+        self.loc = tuple(loc)
+        self.error_type = error_type
+
+
+def parse_system_one(body: object, parts: dict[str, bytes] | None = None) -> tuple[object, dict, str]:
+    """A wire request -> (state, questions) as Predictor.predict takes them, and the requested model name.
+
+    Args:
+        body: the decoded JSON body (the "request" part of a multipart request).
+        parts: a multipart request's other parts, name -> bytes; None for a JSON request.
+
+    Returns:
+        (state, questions, model): state a string or a mapping (its "image" key holding the one decoded
+        image), questions in the form dohnuts.schema.parse_request validates, the model name as sent.
+
+    Raises:
+        WireError: with its status and FastAPI-style location, for any input this cannot take.
+    """
+    if not isinstance(body, Mapping):
+        raise WireError(f"the request body must be a JSON object, got {_json_type(body)}", error_type="dict_type")
+    for field in ("model", "state", "questions"):
+        if body.get(field) is None:
+            raise WireError(f"{field} is required", loc=("body", field), error_type="missing")
+    if not isinstance(body["model"], str):
+        raise WireError(f"model must be a string, got {_json_type(body['model'])}", loc=("body", "model"),
+                        error_type="string_type")
+    assets = {} if body.get("assets") is None else body["assets"]
+    if not isinstance(assets, Mapping):
+        raise WireError(f"assets must be an object, got {_json_type(assets)}", loc=("body", "assets"),
+                        error_type="dict_type")
+    for key, asset in assets.items():
+        _check_asset(key, asset)
+    state, placed = _state(body["state"], assets)
+    questions = _questions(body["questions"], assets)
+    # Decoding comes last: no image work for a request that fails on something cheaper.
+    if placed is not None:
+        image = _decode(placed, assets[placed], parts)
+        state = {"image": image} if state is None else {**state, "image": image}
+    return state, questions, body["model"]
+
+
+def render_response(result: dict, questions: dict, model_name: str) -> dict:
+    """A Predictor result (for the questions parse_system_one returned) -> the wire response body.
+
+    Args:
+        result: Predictor.predict's {"answers": {qid: answer}, "usage": {"input_tokens", ...}}.
+        questions: the questions parse_system_one returned for the request.
+        model_name: the served model's name.
+
+    Returns:
+        {"model", "answers", "usage"} as the official client parses it: answers in question order,
+        choice and score with the wire's confidence, noul without one, integer token counts.
+    """
+    answers = {qid: _answer(question, result["answers"][qid]) for qid, question in questions.items()}
+    usage = {"input_tokens": int(result["usage"]["input_tokens"]), "output_tokens": 0}
+    return {"model": model_name, "answers": answers, "usage": usage}
+
+
+def choice_confidence(probabilities: list[float]) -> float:
+    """The wire's choice confidence: how far the top probability is from uniform, (p_max - 1/n) / (1 - 1/n).
+
+    Args:
+        probabilities: the option probabilities.
+
+    Returns:
+        0 for a uniform answer, 1 for a certain one.
+    """
+    count = len(probabilities)
+    if count < 2:
+        return 1.0
+    value = (max(probabilities) - 1 / count) / (1 - 1 / count)
+    return float(min(1.0, max(0.0, value)))
+
+
+def score_confidence(probabilities: list[float]) -> float:
+    """The wire's score confidence: max(0, 1 - sum_i p_i |i - k| / D), k the most probable level.
+
+    D = (1/n) sum_i |i - (n-1)/2| is the mean distance of the levels from the middle of the scale.
+
+    Args:
+        probabilities: the level probabilities, low to high.
+
+    Returns:
+        1 when all mass is on one level, falling as mass spreads away from it.
+    """
+    count = len(probabilities)
+    spread = sum(abs(level - (count - 1) / 2) for level in range(count)) / count if count else 0.0
+    if spread == 0:
+        return 1.0
+    best = max(range(count), key=probabilities.__getitem__)
+    distance = sum(value * abs(level - best) for level, value in enumerate(probabilities))
+    return float(min(1.0, max(0.0, 1 - distance / spread)))
+
+
+def _state(state, assets) -> tuple[object, str | None]:
+    """The state without its image (None when the image is the whole state), and the placeholder placed."""
+    loc = ("body", "state")
+    if isinstance(state, str) and state in assets:
+        return None, state
+    if not isinstance(state, Mapping):
+        _reject_images(state, assets, loc)
+        return state if isinstance(state, str) else _json_text(state, loc), None
+    placed = {key: value for key, value in state.items() if isinstance(value, str) and value in assets}
+    for key, value in state.items():
+        _reject_images(key, assets, (*loc, key))
+        if key not in placed:
+            _reject_images(value, assets, (*loc, key))
+    if len(set(placed.values())) > 1:
+        raise WireError(f"this model takes one image per request; the state has {len(set(placed.values()))} "
+                        f"(under {', '.join(map(repr, placed))})", loc=loc)
+    if not placed:
+        return dict(state), None
+    if "image" in state and "image" not in placed:
+        # The image goes under "image", so the state's own text there would be lost without a word.
+        raise WireError(f'state key "image" is where this model puts the image placed under {next(iter(placed))!r}; '
+                        'rename that key', loc=(*loc, "image"))
+    text = {key: IMAGE_MARKER if key in placed else value for key, value in state.items() if key != "image"}
+    return text, next(iter(placed.values()))
+
+
+def _questions(questions, assets) -> dict:
+    loc = ("body", "questions")
+    if not isinstance(questions, Mapping):
+        raise WireError(f"questions must be an object of id -> question, got {_json_type(questions)}", loc=loc,
+                        error_type="dict_type")
+    if not questions:
+        raise WireError("questions is empty: a request needs at least one question", loc=loc, error_type="too_short")
+    return {qid: _question(qid, question, assets, (*loc, qid)) for qid, question in questions.items()}
+
+
+def _question(qid, question, assets, loc) -> dict:
+    if not isinstance(qid, str) or not qid:
+        raise WireError(f"question ids must be non-empty strings, got {qid!r}", loc=loc)
+    if not isinstance(question, Mapping):
+        raise WireError(f"question {qid!r} must be an object, got {_json_type(question)}", loc=loc,
+                        error_type="dict_type")
+    kind = question.get("type")
+    if kind is None:
+        raise WireError(f"question {qid!r} needs a type", loc=(*loc, "type"), error_type="missing")
+    if kind == "box":
+        raise WireError("box questions are not supported by this model", loc=(*loc, "type"))
+    if kind not in QUESTION_TYPES:
+        raise WireError(f"question {qid!r} has unknown type {kind!r}; expected one of {', '.join(QUESTION_TYPES)}",
+                        loc=(*loc, "type"), error_type="union_tag_invalid")
+    for field in ("instructions", "criteria"):
+        _reject_images(question.get(field), assets, (*loc, field))
+    parsed = dict(question)
+    instructions = parsed.pop("instructions", None)
+    if instructions is not None:
+        parsed["instructions"] = _text(instructions, (*loc, "instructions"))
+    elif kind == "noul":
+        parsed["instructions"] = ""
+    criteria = parsed.get("criteria")
+    where = (*loc, "criteria")
+    if kind == "choice" and isinstance(criteria, Mapping):
+        # A null description: the option's name alone describes it.
+        parsed["criteria"] = {name: "" if text is None else _text(text, (*where, name))
+                              for name, text in criteria.items()}
+    elif kind == "noul" and isinstance(criteria, Mapping):
+        parsed["criteria"] = {side: _text(text, (*where, side)) for side, text in criteria.items() if text is not None}
+    elif kind == "score" and isinstance(criteria, list):
+        parsed["criteria"] = [_text(text, (*where, level)) for level, text in enumerate(criteria)]
+    return parsed
+
+
+def _answer(question: dict, answer: dict) -> dict:
+    kind = question["type"]
+    if kind == "noul":
+        return {"type": "noul", "noul": float(answer["noul"])}
+    criteria = question["criteria"]
+    if kind == "choice":
+        # The schema's labels: a mapping's keys, or a list's items as text.
+        labels = list(criteria) if isinstance(criteria, Mapping) else [str(item) for item in criteria]
+        values = [float(answer["probabilities"][label]) for label in labels]
+        return {"type": "choice", "choice": answer["choice"], "probabilities": dict(zip(labels, values)),
+                "confidence": choice_confidence(values)}
+    levels = [str(level) for level in range(len(criteria))]
+    values = [float(answer["probabilities"][level]) for level in levels]
+    return {"type": "score", "score": float(answer["score"]), "legend": dict(zip(levels, criteria)),
+            "probabilities": dict(zip(levels, values)), "confidence": score_confidence(values)}
+
+
+def _check_asset(key, asset) -> None:
+    loc = ("body", "assets", key)
+    if not key:
+        raise WireError("asset placeholders must be non-empty strings", loc=loc)
+    if not isinstance(asset, Mapping):
+        raise WireError(f"asset {key!r} must be an object, got {_json_type(asset)}", loc=loc, error_type="dict_type")
+    # The format's schema leaves "type" optional: image is its only kind of asset.
+    if asset.get("type", "image") not in ("image", None):
+        raise WireError(f"asset {key!r} has type {asset['type']!r}; only image assets are supported",
+                        loc=(*loc, "type"))
+    source = "part" if asset.get("part") is not None else "data_base64"
+    if not isinstance(asset.get(source), str):
+        raise WireError(f"asset {key!r} needs a part name or data_base64 text", loc=(*loc, source),
+                        error_type="missing" if asset.get(source) is None else "string_type")
+
+
+def _decode(key: str, asset: Mapping, parts: dict[str, bytes] | None) -> Image.Image:
+    loc = ("body", "assets", key)
+    # With a part named, data_base64 is ignored (the format's rule).
+    if asset.get("part") is not None:
+        if parts is None or asset["part"] not in parts:
+            raise WireError(f"asset {key!r} names part {asset['part']!r}, which the request does not have",
+                            loc=(*loc, "part"))
+        data = parts[asset["part"]]
+    else:
+        try:
+            # Whitespace is dropped first, as the official client does: wrapped base64 is still base64.
+            data = base64.b64decode("".join(asset["data_base64"].split()), validate=True)
+        except ValueError:
+            raise WireError(f"asset {key!r}: data_base64 is not valid base64", loc=(*loc, "data_base64")) from None
+    if not data:
+        raise WireError(f"asset {key!r} is empty", loc=loc)
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+    except Exception as error:  # Pillow's decoders raise many types: OSError, SyntaxError, bomb errors...
+        raise WireError(f"asset {key!r} is not an image this server can decode: {error}", loc=loc) from None
+
+
+def _reject_images(value, assets, loc) -> None:
+    """Raise if a placeholder sits anywhere in value: this model takes images only at the state's top level."""
+    if not assets:
+        return
+    # A stack, not recursion: a body nested as deep as the JSON parser allows must not overflow here.
+    pending = [(value, loc)]
+    while pending:
+        item, where = pending.pop()
+        if isinstance(item, str):
+            if item in assets or any(match in assets for match in REFERENCE_PATTERN.findall(item)):
+                raise WireError(f"{'.'.join(map(str, where[1:]))} holds an image; {TOP_LEVEL}", loc=where)
+        elif isinstance(item, Mapping):
+            pending.extend((part, (*where, key)) for key, entry in item.items() for part in (key, entry))
+        elif isinstance(item, list):
+            pending.extend((entry, (*where, index)) for index, entry in enumerate(item))
+
+
+def _text(value, loc) -> object:
+    """Objects and arrays as their JSON text; anything else as it is, for the schema to judge."""
+    return _json_text(value, loc) if isinstance(value, Mapping | list) else value
+
+
+def _json_text(value, loc) -> str:
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (RecursionError, TypeError, ValueError) as error:
+        raise WireError(f"{'.'.join(map(str, loc[1:]))} cannot be rendered as JSON text: {error}", loc=loc) from None
+
+
+def _json_type(value) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return names.get(type(value), "a number" if isinstance(value, int | float) else type(value).__name__)

@@ -1,0 +1,91 @@
+"""`dohnuts predict`: one answer line per request line, invalid lines answered with their error,
+resumable after a kill."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from dohnuts import Predictor
+from dohnuts.cli import main
+from dohnuts.serve.batch_predict import answered_lines, predict_file
+
+QUESTIONS = {"refund": {"type": "noul", "instructions": "Refund?"},
+             "team": {"type": "choice", "instructions": "Which team?", "criteria": ["billing", "tech"]}}
+
+
+@pytest.fixture(scope="module")
+def predictor(deployable):
+    root, _ = deployable
+    return Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+
+
+def _requests(folder, count=9):
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (48, 48), (30, 60, 200)).save(folder / "images" / "blue.png")
+    lines = []
+    for index in range(count):
+        state = {"message": f"request {index}"} if index % 3 else {"note": "a photo", "image": "images/blue.png"}
+        lines.append(json.dumps({"id": f"q-{index}", "state": state, "questions": QUESTIONS}))
+    lines[min(4, count - 1)] = json.dumps({"id": "bad", "state": "s", "questions": {}})  # invalid: no question
+    if count > 6:
+        lines[6] = "{broken json"
+    (folder / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    return folder / "requests.jsonl", lines
+
+
+def test_every_line_gets_its_answer_or_its_error_in_order(tmp_path, predictor):
+    source, lines = _requests(tmp_path)
+    counts = predict_file(predictor, source, tmp_path / "answers.jsonl", chunk=4, progress=False)
+    assert counts == {"lines": 9, "skipped": 0, "answered": 7, "errors": 2}
+    out = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert [item["line"] for item in out] == list(range(1, 10))
+    assert out[4]["id"] == "bad" and "questions is empty" in out[4]["error"]
+    assert out[6]["id"] is None and "JSONDecodeError" in out[6]["error"]
+    image = Image.open(tmp_path / "images" / "blue.png").convert("RGB")
+    for index in (0, 1, 3):
+        state = {"note": "a photo", "image": image} if index % 3 == 0 else {"message": f"request {index}"}
+        alone = predictor.predict(state, QUESTIONS)["answers"]
+        assert out[index]["id"] == f"q-{index}"
+        assert out[index]["answers"]["team"]["probabilities"] == pytest.approx(alone["team"]["probabilities"],
+                                                                               abs=1e-5)
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_rerun_after_a_kill_keeps_what_was_answered_and_finishes(tmp_path, predictor):
+    source, _ = _requests(tmp_path)
+    output = tmp_path / "answers.jsonl"
+    calls = []
+
+    class DiesOnTheSecondChunk:
+        def predict_many(self, requests, errors="raise"):
+            calls.append(len(requests))
+            if len(calls) == 2:
+                raise Killed
+            return predictor.predict_many(requests, errors=errors)
+
+    with pytest.raises(Killed):
+        predict_file(DiesOnTheSecondChunk(), source, output, chunk=3, progress=False)
+    first = output.read_text()
+    assert answered_lines(output) == 3
+    with open(output, "a") as handle:
+        handle.write('{"id": "q-3", "line": 4, "answ')  # a line cut by the kill
+    counts = predict_file(predictor, source, output, chunk=3, progress=False)
+    assert counts["skipped"] == 3 and counts["answered"] + counts["errors"] == 6
+    text = output.read_text()
+    assert text.startswith(first) and [json.loads(line)["line"] for line in text.splitlines()] == list(range(1, 10))
+    assert predict_file(predictor, source, output, progress=False)["skipped"] == 9  # nothing left to do
+
+
+def test_the_predict_command_writes_the_answers(tmp_path, deployable):
+    root, _ = deployable
+    source, _ = _requests(tmp_path, count=5)
+    result = CliRunner().invoke(main, ["predict", str(root / "checkpoint"), "--input", str(source),
+                                       "--output", str(tmp_path / "out.jsonl"), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "4 answered, 1 invalid, 0 already answered of 5 lines" in result.output
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 5

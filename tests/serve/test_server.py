@@ -1,0 +1,209 @@
+"""The /v1/systemone server on a loopback port, driven by TypeSafe's official client."""
+
+import concurrent.futures
+import gzip
+import json
+import socket
+import threading
+import time
+
+import httpx2
+import pytest
+import uvicorn
+from PIL import Image
+from typesafe_sdk import (
+    Choice,
+    Noul,
+    Score,
+    TypeSafeAuthenticationError,
+    TypeSafeClient,
+    TypeSafeNotFoundError,
+    TypeSafeUnprocessableEntityError,
+)
+from typesafe_sdk import Image as SdkImage
+
+from dohnuts import Predictor
+from dohnuts.serve.app import create_app
+from dohnuts.serve.wire import IMAGE_MARKER, choice_confidence, score_confidence
+
+QUESTIONS = {
+    "refund": Noul(instructions="Does the customer ask for a refund?"),
+    "team": Choice(instructions="Which team?", criteria={"billing": "payments", "tech": None}),
+    "urgency": Score(instructions="How urgent?", criteria=["not urgent", "this week", "today"]),
+}
+OURS = {  # the same questions as Predictor.predict takes them
+    "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+    "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments", "tech": ""}},
+    "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["not urgent", "this week", "today"]},
+}
+
+
+PLACEHOLDERS = ["<image:" + digit * 32 + ">" for digit in "01"]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Served:
+    """A server in a background thread; `url` is its base URL."""
+
+    def __init__(self, app):
+        self.port = _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def predictor(deployable):
+    root, _ = deployable
+    return Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def served(predictor):
+    server = Served(create_app(predictor, "dohnuts-tiny", max_wait=0.05, max_body_bytes=2**20))
+    yield server
+    server.close()
+
+
+def _client(server, key="local", **options):
+    return TypeSafeClient(api_key=key, base_url=server.url, **options)
+
+
+def _alone(predictor, state):
+    return predictor.predict(state, OURS)["answers"]
+
+
+def test_the_official_client_parses_noul_choice_and_score_answers(served, predictor):
+    with _client(served) as client:
+        response = client.system_one(state={"message": "I was billed twice", "plan": "pro"}, questions=QUESTIONS)
+    alone = _alone(predictor, {"message": "I was billed twice", "plan": "pro"})
+    assert response.nouls["refund"].noul == pytest.approx(alone["refund"]["noul"], abs=1e-9)
+    team = response.choices["team"]
+    assert team.choice == alone["team"]["choice"] and dict(team.probabilities) == pytest.approx(
+        alone["team"]["probabilities"], abs=1e-9)
+    assert team.confidence == pytest.approx(choice_confidence(list(alone["team"]["probabilities"].values())))
+    urgency = response.scores["urgency"]
+    assert urgency.score == pytest.approx(alone["urgency"]["score"], abs=1e-9)
+    assert {str(level): text for level, text in urgency.legend.items()} == {"0": "not urgent", "1": "this week",
+                                                                            "2": "today"}
+    assert urgency.confidence == pytest.approx(score_confidence(list(alone["urgency"]["probabilities"].values())))
+    assert response.usage.input_tokens > 0 and response.usage.output_tokens == 0
+    assert response.model == "dohnuts-tiny" and response.request_id
+
+
+def test_an_image_sent_as_the_client_sends_it(served, predictor, tmp_path):
+    image = Image.new("RGB", (64, 48), "white")
+    image.paste((220, 20, 20), (8, 8, 40, 40))
+    image.save(tmp_path / "photo.png")
+    with _client(served) as client:
+        response = client.system_one(state={"photo": SdkImage(tmp_path / "photo.png"), "note": "parcel arrived"},
+                                     questions=QUESTIONS)
+    alone = _alone(predictor, {"photo": IMAGE_MARKER, "note": "parcel arrived", "image": image})
+    assert dict(response.choices["team"].probabilities) == pytest.approx(alone["team"]["probabilities"], abs=1e-6)
+    assert response.nouls["refund"].noul == pytest.approx(alone["refund"]["noul"], abs=1e-6)
+
+
+def test_a_large_zstd_or_gzip_body_is_decoded(served, predictor):
+    state = {"message": "I was billed twice. " * 150}  # over the client's 1 KiB compression threshold
+    with _client(served, compression="zstd") as client:
+        response = client.system_one(state=state, questions=QUESTIONS)
+    alone = _alone(predictor, state)
+    assert response.nouls["refund"].noul == pytest.approx(alone["refund"]["noul"], abs=1e-6)
+    body = {"model": "jev-latest", "state": state, "questions": OURS}
+    gzipped = httpx2.post(f"{served.url}/v1/systemone", content=gzip.compress(json.dumps(body).encode()),
+                          headers={"content-type": "application/json", "content-encoding": "gzip"})
+    assert gzipped.status_code == 200 and gzipped.json()["answers"]["refund"]["noul"] == pytest.approx(
+        alone["refund"]["noul"], abs=1e-6)
+
+
+def test_an_api_key_is_checked_when_configured_and_ignored_when_not(predictor, served):
+    locked = Served(create_app(predictor, "dohnuts-tiny", api_key="s3cret"))
+    try:
+        with _client(locked, key="wrong") as client, pytest.raises(TypeSafeAuthenticationError):
+            client.system_one(state="hello", questions={"ok": Noul(instructions="Is it ok?")})
+        raw = httpx2.post(f"{locked.url}/v1/systemone", json={"model": "jev-latest", "state": "s", "questions": OURS})
+        assert raw.status_code == 401 and raw.json()["detail"]["error_type"] == "authentication_error"
+        with _client(locked, key="s3cret") as client:
+            assert client.system_one(state="hello", questions={"ok": Noul(instructions="Is it ok?")}).nouls["ok"]
+    finally:
+        locked.close()
+    with _client(served, key="anything-at-all") as client:  # auth off: any key is accepted
+        assert client.system_one(state="hello", questions={"ok": Noul(instructions="Is it ok?")}).nouls["ok"]
+
+
+def _post(server, body, **options):
+    return httpx2.post(f"{server.url}/v1/systemone", timeout=30, **({"json": body} | options))
+
+
+def test_every_invalid_request_gets_its_4xx_and_the_server_keeps_serving(served):
+    good = {"model": "jev-latest", "state": "hello", "questions": {"ok": {"type": "noul"}}}
+    cases = [
+        (_post(served, None, content=b"{not json", headers={"content-type": "application/json"}), 422),
+        (_post(served, {**good, "questions": {}}), 422),
+        (_post(served, {**good, "questions": {"q": {"type": "choice", "criteria": {"only": None}}}}), 422),
+        (_post(served, {**good, "questions": {"q": {"type": "box", "instructions": "where?"}}}), 422),
+        (_post(served, {**good, "state": "word " * 5000}), 413),  # over the 4,096-token budget
+        (_post(served, None, content=b"x" * (2**20 + 1), headers={"content-type": "application/json"}), 413),
+        (_post(served, {**good, "model": "another-model"}), 404),
+        (_post(served, None, content=b"{}", headers={"content-type": "application/json",
+                                                     "content-encoding": "br"}), 415),
+        (_post(served, {**good, "state": "a <|fim_suffix|> b"}), 422),
+        (_post(served, {**good, "state": {"a": PLACEHOLDERS[0], "b": PLACEHOLDERS[1]},
+                        "assets": {key: {"type": "image", "format": "png", "data_base64": "AA=="}
+                                   for key in PLACEHOLDERS}}), 422),  # two images
+    ]
+    for response, status in cases:
+        assert response.status_code == status, response.text
+        assert "x-typesafe-request-id" in response.headers
+        detail = response.json()["detail"]
+        assert (isinstance(detail, list) and detail[0]["msg"]) if status == 422 else detail["message"]
+    schema = cases[2][0].json()["detail"][0]["msg"]
+    assert "question 'q' has 1 candidates" in schema  # the message predict raises
+    assert _post(served, good).status_code == 200
+    with _client(served) as client, pytest.raises(TypeSafeUnprocessableEntityError):
+        client.system_one(state="hello", questions={"q": Choice(instructions="Pick", criteria={"only": None})})
+    with _client(served, model="not-served") as client, pytest.raises(TypeSafeNotFoundError):
+        client.system_one(state="hello", questions={"ok": Noul(instructions="ok?")})
+
+
+def test_concurrent_requests_are_batched_and_get_their_answers_alone(served, predictor):
+    states = [{"message": f"ticket {index}: the app crashes", "plan": "pro"} for index in range(24)]
+    expected = [_alone(predictor, state) for state in states]
+
+    def ask(state):
+        with _client(served) as client:
+            return client.system_one(state=state, questions=QUESTIONS)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
+        responses = list(pool.map(ask, states))
+    for response, alone in zip(responses, expected):
+        assert dict(response.choices["team"].probabilities) == pytest.approx(alone["team"]["probabilities"], abs=1e-5)
+        assert response.scores["urgency"].score == pytest.approx(alone["urgency"]["score"], abs=1e-5)
+    metrics = httpx2.get(f"{served.url}/metrics").text
+    counts = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("dohnuts_")}
+    single = counts['dohnuts_batch_requests_bucket{le="1.0"}']
+    assert counts["dohnuts_batch_requests_count"] > single  # some invocation answered several requests
+    assert counts['dohnuts_requests_total{status="200"}'] >= 24
+
+
+def test_health_models_and_metrics(served):
+    assert httpx2.get(f"{served.url}/health").json() == {"status": "ready", "model": "dohnuts-tiny"}
+    with _client(served) as client:
+        models = client.models.list()
+    assert [model.name for model in models.models] == ["dohnuts-tiny"] and models.models[0].release_date
+    metrics = httpx2.get(f"{served.url}/metrics")
+    assert metrics.status_code == 200 and "dohnuts_request_seconds_bucket" in metrics.text
