@@ -245,10 +245,20 @@ class BenchmarkConfig:
                f"benchmark.shape must be null or one of {SHAPE_NAMES}, got {self.shape!r}")
 
 
+@dataclass(frozen=True)
+class DistributedConfig:
+    """How many processes train, select, calibrate and test run on (torchrun, one per GPU)."""
+
+    processes: int = 1
+
+    def __post_init__(self):
+        _check(self.processes >= 1, f"distributed.processes must be >= 1, got {self.processes}")
+
+
 SECTIONS = {
     "model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "train": TrainConfig,
     "select": SelectConfig, "calibrate": CalibrateConfig, "test": TestConfig,
-    "benchmark": BenchmarkConfig,
+    "benchmark": BenchmarkConfig, "distributed": DistributedConfig,
 }
 INIT_CHOICES = ("base", "checkpoint")
 

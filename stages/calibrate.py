@@ -8,6 +8,7 @@ import click
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json
 from dohnuts.pipeline.calibrate import calibrate
+from dohnuts.pipeline.distributed import relaunch
 from stages import user_errors
 
 
@@ -24,7 +25,12 @@ from stages import user_errors
 def main(params_path, merged, data, out, metrics):
     """Fit temperatures for choice, noul and score; write the deployable checkpoint."""
     params = read_params(params_path)
+    status = relaunch(section(params, "distributed").processes, "stages.calibrate")  # torchrun, one process per GPU
+    if status is not None:
+        raise SystemExit(status)
     result = calibrate(Path(merged), Path(data), section(params, "calibrate"), Path(out))
+    if result is None:  # another process's share; rank 0 writes
+        return
     write_json(Path(metrics), result)
     click.echo("temperatures " + " ".join(f"{k}={v:.3f}" for k, v in result["temperatures"].items()))
 

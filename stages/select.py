@@ -7,6 +7,7 @@ import click
 
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json
+from dohnuts.pipeline.distributed import relaunch
 from dohnuts.pipeline.select import select
 from stages import user_errors
 
@@ -30,8 +31,13 @@ from stages import user_errors
 def main(params_path, checkpoints, base, data, adapter_out, table_out, curve_out, metrics):
     """Evaluate every checkpoint on the dev partition; ties go to the earliest."""
     params = read_params(params_path)
+    status = relaunch(section(params, "distributed").processes, "stages.select")  # torchrun, one process per GPU
+    if status is not None:
+        raise SystemExit(status)
     result = select(Path(checkpoints), Path(base), Path(data), section(params, "model"), section(params, "lora"),
                     section(params, "select"), Path(adapter_out), Path(table_out), Path(curve_out))
+    if result is None:  # another process's share; rank 0 writes
+        return
     write_json(Path(metrics), result)
     click.echo(f"selected step {result['selected_step']} (dev macro accuracy {result['dev_macro_accuracy']:.4f})")
 

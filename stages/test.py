@@ -7,6 +7,7 @@ import click
 
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json, write_json_files, write_parquet
+from dohnuts.pipeline.distributed import relaunch
 from dohnuts.pipeline.test import test
 from stages import user_errors
 
@@ -27,7 +28,13 @@ from stages import user_errors
 def main(params_path, checkpoint, data, predictions, metrics, reliability):
     """Accuracy, soft accuracy, NLL, Brier, ECE, RPS and MAE per group and macro."""
     params = read_params(params_path)
-    table, result, diagrams = test(Path(checkpoint), Path(data), section(params, "test"))
+    status = relaunch(section(params, "distributed").processes, "stages.test")  # torchrun, one process per GPU
+    if status is not None:
+        raise SystemExit(status)
+    outputs = test(Path(checkpoint), Path(data), section(params, "test"))
+    if outputs is None:  # another process's share; rank 0 writes
+        return
+    table, result, diagrams = outputs
     write_parquet(Path(predictions), table)
     write_json_files(Path(reliability), diagrams)
     write_json(Path(metrics), result)

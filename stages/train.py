@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from dohnuts.config import init_mode, read_params, section
+from dohnuts.pipeline.distributed import relaunch
 from dohnuts.pipeline.train import TrainRun, train
 from stages import user_errors
 
@@ -29,13 +30,17 @@ def main(params_path, base, data, parent, out, resume):
     """Train; write checkpoints at step 0, every train.eval_every updates and at the end."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     params = read_params(params_path)
+    status = relaunch(section(params, "distributed").processes, "stages.train")  # torchrun, one process per GPU
+    if status is not None:
+        raise SystemExit(status)
     run = TrainRun(
         model=section(params, "model"), lora=section(params, "lora"), train=section(params, "train"),
         seed=int(params.get("seed", 0)), base=Path(base), data=Path(data), out=Path(out),
         parent=Path(parent) if init_mode(params) == "checkpoint" else None,
     )
     trainer = train(run, resume=resume)
-    click.echo(f"trained to update {trainer.update}; checkpoints in {out}/checkpoints")
+    if trainer.place.main:
+        click.echo(f"trained to update {trainer.update}; checkpoints in {out}/checkpoints")
 
 
 if __name__ == "__main__":

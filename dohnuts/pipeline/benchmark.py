@@ -39,8 +39,9 @@ from ..ops import kernels
 from ..schema import parse_request
 from ..scoring.objective import pack_targets
 from ..serve.load import serving_record
+from .distributed import World
 from .evaluate import EvaluationBatches, evaluate, plan_batches, result_rows
-from .train import build_optimizer, update_step
+from .train import build_optimizer, noise_generator, update_step
 
 TEXT_STATE = "Customer: I was billed twice."
 ONE_QUESTION = {"is_red": {"type": "noul", "instructions": "Is the square red?"}}
@@ -309,13 +310,15 @@ def training_requests(template, microbatch: int, rows: int, questions_per_state:
     return out
 
 
-def training_update(model, template, microbatches: int = 4, rows: int = 8):
+def training_update(model, template, microbatches: int = 4, rows: int = 8, place: World | None = None):
     """One training update as the trainer runs it, as a callable: fresh LoRA injected into
     `model` (in place), activation checkpointing, `microbatches` of `rows` rows at one snapshot
     packed into one batch, the trainer's optimizer and `update_step` at the recipe's defaults
-    (`TrainConfig()`), the batch copied to the device in every call.
+    (`TrainConfig()`), the batch copied to the device in every call. Under several processes
+    (`place`), this rank packs its share of the microbatches and DDP averages the gradients.
 
-    Returns (update, the packed batch)."""
+    Returns (update, the packed batch of this rank)."""
+    place = place or World(0, 1, model.device)
     with_lora(model.backbone, LoraConfig(), seed=0)
     model.changed()  # modules were replaced: no captured graph of the merged model applies
     model.activation_checkpointing = True
@@ -323,9 +326,12 @@ def training_update(model, template, microbatches: int = 4, rows: int = 8):
     device = model.device
     config = TrainConfig()
     optimizer = build_optimizer(model, config)
-    noise = torch.Generator(device=device).manual_seed(0)
+    if microbatches % place.size:
+        raise ValueError(f"{microbatches} microbatches do not divide among {place.size} processes")
+    share = range(place.rank * microbatches // place.size, (place.rank + 1) * microbatches // place.size)
+    noise = [noise_generator(0, micro, device) for micro in share]
     encoded, targets = [], []
-    for micro in range(microbatches):
+    for micro in share:
         own = []
         for state, questions in training_requests(template, micro, rows):
             own += template.encode(parse_request(state, questions, template.reserved), config.max_tokens)
@@ -335,35 +341,78 @@ def training_update(model, template, microbatches: int = 4, rows: int = 8):
     batch = template.collate(encoded, [])
     targets, sizes = pack_targets(targets)
     ordinal = torch.zeros(len(encoded), dtype=torch.bool)
+    forward = model
+    if place.distributed:
+        forward = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
 
     def update():
-        update_step(model, optimizer, batch.to(device), targets.to(device), ordinal.to(device), sizes, config, noise)
+        update_step(forward, optimizer, batch.to(device), targets.to(device), ordinal.to(device), sizes, config,
+                    noise, place=place)
 
     return update, batch
 
 
 def training_update_record(model, template, ceilings: dict, microbatches: int = 4, rows: int = 8,
-                           timed: int = 10) -> dict:
+                           timed: int = 10, place: World | None = None) -> dict:
     """Seconds per `training_update` (which injects fresh LoRA into `model`), with its roofline.
 
     Useful work of an update: 2 forward passes' worth of its packed batch, FLOPs and bytes (the
     forward and the backward's input gradients; the frozen base needs no weight gradients, and
     LoRA's are negligible). What activation checkpointing recomputes in the backward pass is
-    repeated work, recorded apart (`repeated_work`), never counted as useful."""
-    update, batch = training_update(model, template, microbatches, rows)
+    repeated work, recorded apart (`repeated_work`), never counted as useful. Under several
+    processes the record is rank 0's: its share of the update, the time of the whole update."""
+    place = place or World(0, 1, model.device)
+    update, batch = training_update(model, template, microbatches, rows, place)
     device = model.device
     with Telemetry(device) as telemetry:
         cold_ms, samples, _, _ = _measure(update, device, 1, timed)
     model.eval()
     p50 = percentile(samples, 0.5)
     record = {
-        "workload": "training_update", "microbatches": microbatches, "rows_per_microbatch": rows,
-        "input_tokens": batch.input_tokens, "computed_tokens": batch.computed_tokens,
+        "workload": "training_update", "processes": place.size, "microbatches": microbatches,
+        "rows_per_microbatch": rows, "input_tokens": batch.input_tokens, "computed_tokens": batch.computed_tokens,
         "cold_ms": cold_ms, "p50_ms": p50, "samples_ms": samples, "telemetry": telemetry.summary(),
         "roofline": roofline_record(model, batch, p50, ceilings, passes=2, recomputed=True),
     }
-    record["tokens_per_second"] = 1000.0 * record["input_tokens"] / p50
+    # Every rank packs the same number of tokens (the requests are alike): the update's tokens
+    # are this rank's times the process count.
+    record["tokens_per_second"] = 1000.0 * record["input_tokens"] * place.size / p50
     return record
+
+
+def multi_process_update_record(source: dict, processes: int, ceilings: dict, microbatches: int = 4, rows: int = 8,
+                                timed: int = 10) -> dict:
+    """The training update on `processes` processes of this machine (torchrun, one per GPU; gloo
+    on the CPU), for the model `source` names ({"checkpoint": folder} or {"shape": name}).
+
+    Raises:
+        RuntimeError: a process failed (its output is in the message).
+    """
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory() as scratch:
+        output = Path(scratch) / "record.json"
+        settings = {**source, "microbatches": microbatches, "rows": rows, "timed": timed, "ceilings": ceilings,
+                    "output": str(output)}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(processes), "-m", "dohnuts.pipeline.update_worker", json.dumps(settings)]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0 or not output.is_file():
+            raise RuntimeError(f"the {processes}-process training update failed:\n{result.stderr[-2000:]}")
+        return json.loads(output.read_text())
+
+
+def scaling(records: list[dict]) -> list[dict]:
+    """Each training-update record with its scaling efficiency: its tokens/s over the one-process
+    record's times the process count (1.0: perfect scaling)."""
+    single = next((record for record in records if record["processes"] == 1), None)
+    for record in records:
+        if single is not None:
+            record["scaling_efficiency"] = record["tokens_per_second"] / (
+                single["tokens_per_second"] * record["processes"])
+    return records
 
 
 def environment(predictor) -> dict:
@@ -435,12 +484,15 @@ PUBLISHED_P50_MS = {
 
 
 def benchmark(predictor, warmup: int, timed: int, progress=None, serving_requests: int = 0,
-              serving_clients: tuple[int, ...] = ()) -> tuple[list[dict], dict, list[dict]]:
+              serving_clients: tuple[int, ...] = (), shape: str | None = None,
+              checkpoint: Path | None = None) -> tuple[list[dict], dict, list[dict]]:
     """Run every workload (image workloads also with a cold image-feature cache), evaluation
     throughput, the serving workload (`serving_requests` varied requests over loopback at each
     count of `serving_clients`; none when 0), then one training-update record (which injects
-    fresh LoRA into the predictor's model, so it comes last). Ceilings are measured first, in
-    the same process. `progress(records so far)` follows each record.
+    fresh LoRA into the predictor's model, so it comes last), with one more per process count a
+    machine of several GPUs offers (the model rebuilt from `shape` or `checkpoint` in each
+    process). Ceilings are measured first, in the same process. `progress(records so far)`
+    follows each record.
 
     Returns:
         (raw records, summary for DVC metrics, plot rows: one per workload)
@@ -468,9 +520,16 @@ def benchmark(predictor, warmup: int, timed: int, progress=None, serving_request
         extra.append(serving)
         if progress is not None:
             progress(records + extra)
-    training = {**training_update_record(predictor.model, predictor.template, ceilings),
-                "environment": environment(predictor)}
-    extra.append(training)
+    environment_now = environment(predictor)
+    trainings = [training_update_record(predictor.model, predictor.template, ceilings)]
+    # One record per process count the machine offers: 2 .. its GPUs, each its own torchrun.
+    source = {"shape": shape} if shape else {"checkpoint": str(checkpoint)} if checkpoint else None
+    if device.type == "cuda" and source is not None:
+        trainings += [multi_process_update_record(source, count, ceilings)
+                      for count in range(2, torch.cuda.device_count() + 1)]
+    trainings = [{**record, "environment": environment_now} for record in scaling(trainings)]
+    training = trainings[0]
+    extra += trainings
     if progress is not None:
         progress(records + extra)
     keys = ("p50_ms", "p95_ms", "cold_ms", "decisions_per_second", "hugging_face_p50_ms")
@@ -482,6 +541,8 @@ def benchmark(predictor, warmup: int, timed: int, progress=None, serving_request
                                            "efficiency_by_bound": record["roofline"]["efficiency_by_bound"]["measured"]}
                       for record in records},
         "training_update": {"p50_ms": training["p50_ms"], "tokens_per_second": training["tokens_per_second"],
+                            "processes": training["processes"],
+                            "scaling": {str(record["processes"]): record["scaling_efficiency"] for record in trainings},
                             "efficiency": training["roofline"]["efficiency"]["measured"]},
         "evaluation_rows_per_second": {name: throughput[f"{name}_rows_per_second"]
                                        for name in ("overlapped", "synchronous")},
@@ -531,5 +592,6 @@ def run(config: BenchmarkConfig, checkpoint: Path, records: Path, echo=print) ->
         echo(describe(done[-1]))
 
     _, summary, plots = benchmark(predictor, config.warmup, config.timed, progress=progress,
-                                  serving_requests=config.serving_requests, serving_clients=config.serving_clients)
+                                  serving_requests=config.serving_requests, serving_clients=config.serving_clients,
+                                  shape=config.shape, checkpoint=None if config.shape else checkpoint)
     return summary, plots

@@ -8,20 +8,23 @@ from ..config import CalibrateConfig
 from ..data.records import RecordReader, load_records
 from ..io import atomic_directory, read_json
 from ..model.checkpoint import load_merged, write_merged
-from ..model.decision import default_device
 from ..scoring.calibration import calibrated_temperatures
+from .distributed import world
 from .evaluate import evaluate, padded, score_table
 
 
-def calibrate(merged: Path, data: Path, config: CalibrateConfig, out: Path) -> dict:
+def calibrate(merged: Path, data: Path, config: CalibrateConfig, out: Path) -> dict | None:
     """Fit one temperature per question type on the calibration partition with the merged model;
     write the deployable checkpoint to `out`. A type whose fit would not lower its row-mean NLL
-    keeps 1.0 (`calibrated_temperatures`; its metrics say why). Returns the metrics dict."""
-    device = default_device()
-    model, template, model_config, _ = load_merged(merged, device)
+    keeps 1.0 (`calibrated_temperatures`; its metrics say why). Returns the metrics dict (None
+    on ranks other than 0, which only evaluate their share)."""
+    place = world()
+    model, template, model_config, _ = load_merged(merged, place.device)
     rows = load_records(data)
     table = evaluate(model, template, RecordReader(data), rows, config.batch_rows, model_config.max_tokens,
-                     desc="calibrate")
+                     desc="calibrate", place=place)
+    if table is None:  # another rank's share: rank 0 fits and writes
+        return None
     logits, mask, targets = padded(table)
     temperatures, per_type = calibrated_temperatures(
         logits, mask, targets, list(table.kind), min_rows=config.min_rows, lr=config.lr,

@@ -14,6 +14,7 @@ from ..model.template import Template
 from ..schema import parse_request
 from ..scoring.calibration import apply_temperatures
 from ..scoring.metrics import masked_softmax, row_metrics, summarize
+from .distributed import World, gathered, shard
 
 
 def _requests(rows: pd.DataFrame) -> list[pd.DataFrame]:
@@ -98,33 +99,44 @@ def _results(host: torch.Tensor, done, meta: list[dict]) -> list[dict]:
 
 @torch.no_grad()
 def evaluate(model, template: Template, reader: RecordReader, rows: pd.DataFrame, batch_rows: int,
-             max_tokens: int, desc: str = "evaluate", workers: int | None = None) -> pd.DataFrame:
+             max_tokens: int, desc: str = "evaluate", workers: int | None = None,
+             place: World | None = None) -> pd.DataFrame | None:
     """Logits of every row; all questions of a state go into one request.
 
     Batches are built by loader workers and prefetched; each batch's logits are copied to
     pinned host memory on a side stream, and its result rows are made while the next batch's
-    forward runs.
+    forward runs. Under several processes (`place`), each rank evaluates every size-th batch
+    and rank 0 gathers the rows in the original order: the same batches, the same results.
 
     Returns:
-        One row per record: group, state_id, qid, kind, labels, logits, target.
+        One row per record: group, state_id, qid, kind, labels, logits, target (on rank 0; None
+        on the other ranks).
     """
+    place = place or World(0, 1, model.device)
     model.eval()
-    results: list[dict] = []
-    bar = tqdm(total=len(rows), desc=desc, unit="row", dynamic_ncols=True)
     plan = plan_batches(rows, batch_rows)
-    batches = worker_batches(EvaluationBatches(template, reader, max_tokens), plan, model.device, workers)
+    mine = shard(place, len(plan))
+    done: list[tuple[int, list[dict]]] = []
+    bar = tqdm(total=sum(sum(len(table) for table in plan[index]) for index in mine), desc=desc, unit="row",
+               dynamic_ncols=True, disable=not place.main)
+    batches = worker_batches(EvaluationBatches(template, reader, max_tokens), [plan[i] for i in mine], model.device,
+                             workers)
     results_stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
     previous = None
-    for item in prefetch(batches, model.device):
-        current = (*_to_host(model(item.batch), results_stream), item.meta)
+    for index, item in zip(mine, prefetch(batches, model.device)):
+        current = (index, *_to_host(model(item.batch), results_stream), item.meta)
         if previous is not None:
-            results.extend(_results(*previous))
-            bar.update(len(previous[2]))
+            done.append((previous[0], _results(*previous[1:])))
+            bar.update(len(previous[3]))
         previous = current
     if previous is not None:
-        results.extend(_results(*previous))
-        bar.update(len(previous[2]))
+        done.append((previous[0], _results(*previous[1:])))
+        bar.update(len(previous[3]))
     bar.close()
+    everything = gathered(place, done)
+    if everything is None:
+        return None
+    results = [row for _, part in sorted(everything, key=lambda pair: pair[0]) for row in part]
     columns = ["group", "state_id", "qid", "kind", "labels", "logits", "target"]
     return pd.DataFrame.from_records(results, columns=columns)
 

@@ -12,24 +12,27 @@ from ..data.records import RecordReader, hash_order, load_records
 from ..io import atomic_directory, read_json, write_json_files, write_parquet
 from ..model.adapters import load_adapter_model, verify_base
 from ..model.base import load_processors
-from ..model.decision import default_device
 from ..model.template import Template
+from .distributed import world
 from .evaluate import evaluate, score_table
 
 
 def select(checkpoints: Path, base: Path, data: Path, model: ModelConfig, lora: LoraConfig,
-           config: SelectConfig, adapter_out: Path, table_out: Path, curve_out: Path) -> dict:
+           config: SelectConfig, adapter_out: Path, table_out: Path, curve_out: Path) -> dict | None:
     """Evaluate every checkpoint on the dev subset; keep the best macro accuracy (ties: earliest).
 
     Writes the selected checkpoint folder to `adapter_out`, the selection table (Parquet) to
     `table_out` and the selection curve's plot data to `curve_out` (curve.json: dev macro
-    accuracy per step; selected.json: the selected step); returns the metrics dict.
+    accuracy per step; selected.json: the selected step); returns the metrics dict. Under
+    several processes the evaluation is sharded (`evaluate`); rank 0 alone writes and returns
+    the metrics, the others return None.
     """
     folders = sorted(Path(checkpoints).glob("step-*"))
     if not folders:
         raise FileNotFoundError(f"no step-* checkpoints in {checkpoints}: run the train stage first")
     verify_base(base)
-    device = default_device()
+    place = world()
+    device = place.device
     tokenizer, processor = load_processors(base, model)
     template = Template(tokenizer, processor, model.marker_token)
     reader = RecordReader(data)
@@ -37,11 +40,16 @@ def select(checkpoints: Path, base: Path, data: Path, model: ModelConfig, lora: 
     table = []
     for folder in folders:
         decision, _ = load_adapter_model(base, model.dtype, lora, folder, device)
-        logits = evaluate(decision, template, reader, dev, config.batch_rows, model.max_tokens, desc=folder.name)
+        logits = evaluate(decision, template, reader, dev, config.batch_rows, model.max_tokens, desc=folder.name,
+                          place=place)
+        if logits is None:
+            continue
         _, summary = score_table(logits)
         step = read_json(folder / "manifest.json")["step"]
         table.append({"checkpoint": folder.name, "step": step, "macro_accuracy": summary["macro"]["accuracy"],
                       **{f"accuracy/{g}": v["accuracy"] for g, v in summary["groups"].items()}})
+    if not place.main:
+        return None
     selection = pd.DataFrame(table)
     best = best_checkpoint(selection)
     with atomic_directory(adapter_out) as tmp:

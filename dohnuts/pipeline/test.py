@@ -12,21 +12,29 @@ from ..data.records import RecordReader, load_records
 from ..model.predict import Predictor
 from ..schema import QUESTION_TYPES
 from ..scoring.metrics import reliability
+from .distributed import World, gathered, shard, world
 from .evaluate import plan_batches, request_of, score_table
 
 
-def predictions(predictor: Predictor, rows: pd.DataFrame, reader: RecordReader, batch_rows: int) -> pd.DataFrame:
+def predictions(predictor: Predictor, rows: pd.DataFrame, reader: RecordReader, batch_rows: int,
+                place: World | None = None) -> pd.DataFrame | None:
     """Every record of a partition answered through `Predictor.predict_many`, what a user of
     the checkpoint gets (its CUDA graphs, temperatures and `answer`): one request per state,
     whole requests per batch of about `batch_rows` rows.
 
+    Under several processes (`place`) each rank answers every size-th batch and rank 0 gathers
+    the rows in the original order.
+
     Returns:
         One row per record: group, state_id, qid, kind, labels, logits (raw), target and
-        served (the calibrated probabilities of the answer).
+        served (the calibrated probabilities of the answer); None on ranks other than 0.
     """
-    records = []
-    bar = tqdm(total=len(rows), desc="test", unit="row", dynamic_ncols=True)
-    for tables in plan_batches(rows, batch_rows):
+    place = place or World(0, 1, predictor.model.device)
+    plan = plan_batches(rows, batch_rows)
+    done = []
+    bar = tqdm(total=len(rows), desc="test", unit="row", dynamic_ncols=True, disable=not place.main)
+    for index in shard(place, len(plan)):
+        tables, records = plan[index], []
         results = predictor.predict_many([request_of(reader, table) for table in tables], raw_logits=True)
         for table, result in zip(tables, results):
             for record in table.itertuples():
@@ -36,8 +44,12 @@ def predictions(predictor: Predictor, rows: pd.DataFrame, reader: RecordReader, 
                                 "logits": result["logits"][record.qid], "target": [float(x) for x in record.target],
                                 "served": list(answer["probabilities"].values())})
             bar.update(len(table))
+        done.append((index, records))
     bar.close()
-    return pd.DataFrame.from_records(records)
+    everything = gathered(place, done)
+    if everything is None:
+        return None
+    return pd.DataFrame.from_records([row for _, part in sorted(everything, key=lambda pair: pair[0]) for row in part])
 
 
 def reliability_diagrams(raw: pd.DataFrame, calibrated: pd.DataFrame) -> dict[str, list[dict]]:
@@ -52,17 +64,21 @@ def reliability_diagrams(raw: pd.DataFrame, calibrated: pd.DataFrame) -> dict[st
     return diagrams
 
 
-def test(checkpoint: Path, data: Path, config: TestConfig) -> tuple[pd.DataFrame, dict, dict[str, list[dict]]]:
+def test(checkpoint: Path, data: Path, config: TestConfig) -> tuple[pd.DataFrame, dict, dict[str, list[dict]]] | None:
     """Raw and calibrated metrics on the test partition with the deployable checkpoint.
 
     The calibrated metrics score the probabilities `Predictor` served; the raw ones the same
     forward's logits at temperature 1.
 
     Returns:
-        (per-example predictions, metrics dict, reliability diagrams: file name -> rows)
+        (per-example predictions, metrics dict, reliability diagrams: file name -> rows), or None
+        on ranks other than 0.
     """
-    predictor = Predictor.from_checkpoint(checkpoint)
-    table = predictions(predictor, load_records(data), RecordReader(data), config.batch_rows)
+    place = world()
+    predictor = Predictor.from_checkpoint(checkpoint, place.device)
+    table = predictions(predictor, load_records(data), RecordReader(data), config.batch_rows, place)
+    if table is None:  # another rank's share: rank 0 scores and writes
+        return None
     raw_rows, raw = score_table(table)
     scored, calibrated = score_table(table.drop(columns="served"), probabilities=list(table.served))
     metrics = {"calibrated": calibrated, "raw": raw, "temperatures": predictor.temperatures}

@@ -42,9 +42,10 @@ from ..model.adapters import (
     write_adapter_checkpoint,
 )
 from ..model.base import load_processors
-from ..model.decision import DecisionModel, default_device
+from ..model.decision import DecisionModel
 from ..model.template import Template
 from ..scoring.objective import microbatch_losses, microbatch_slices, pack_targets
+from .distributed import World, all_true, barrier, mean_over_ranks, world
 from .schedule import lr_factor
 from .sources import executed_by, module_path, relative_file
 
@@ -96,22 +97,37 @@ class TrainingUpdates:
     launches changes (a quarter with four microbatches, which is what bounds a training step on
     a GPU: docs/runtime.md). Memory grows with the update's tokens instead of a microbatch's.
 
-    Returns Item(batch, (targets [R, K], ordinal [R]), sizes): `sizes` holds each microbatch's
-    (rows, candidate width) in order; an image seen in several microbatches is encoded once.
+    Under several processes, rank `rank` of `ranks` builds its own share of the update's
+    microbatches, each by its absolute index in the one seeded stream.
+
+    Returns Item(batch, (targets [R, K], ordinal [R]), (sizes, indices)): `sizes` holds each
+    microbatch's (rows, candidate width) in order and `indices` their absolute indices; an image
+    seen in several microbatches is encoded once.
     """
 
-    def __init__(self, microbatches: TrainingBatches, per_update: int):
+    def __init__(self, microbatches: TrainingBatches, per_update: int, rank: int = 0, ranks: int = 1):
+        if per_update % ranks:
+            raise ValueError(f"train.microbatches_per_update = {per_update} does not divide among "
+                             f"{ranks} processes: each process takes an equal share of an update")
         self.microbatches, self.per_update = microbatches, per_update
+        self.share = per_update // ranks
+        self.first = rank * self.share
+
+    def indices(self, index: int) -> range:
+        """The absolute microbatch indices this rank builds for update `index`."""
+        start = index * self.per_update + self.first
+        return range(start, start + self.share)
 
     def __call__(self, index: int) -> Item:
         rows, images, seen, targets, ordinals = [], [], {}, [], []
-        for micro in range(index * self.per_update, (index + 1) * self.per_update):
+        for micro in self.indices(index):
             own_rows, images, own_targets, ordinal = self.microbatches.parts(micro, images, seen)
             rows += own_rows
             targets.append(own_targets)
             ordinals.append(ordinal)
         padded, sizes = pack_targets(targets)
-        return Item(self.microbatches.template.collate(rows, images), (padded, torch.cat(ordinals)), sizes)
+        return Item(self.microbatches.template.collate(rows, images), (padded, torch.cat(ordinals)),
+                    (sizes, list(self.indices(index))))
 
 
 def checkpoint_name(step: int) -> str:
@@ -149,19 +165,31 @@ def build_optimizer(model: DecisionModel, config: TrainConfig) -> torch.optim.Ad
         weight_decay=config.weight_decay)
 
 
-def update_step(model: DecisionModel, optimizer: torch.optim.Optimizer, batch, targets: torch.Tensor,
-                ordinal: torch.Tensor, sizes: list[tuple[int, int]], config: TrainConfig,
-                noise: torch.Generator | None, update: int = 0) -> dict:
+def noise_generator(seed: int, microbatch: int, device) -> torch.Generator:
+    """The generator of a microbatch's exploration noise, seeded by (run seed, absolute microbatch
+    index): the same draw whichever process runs it, and after a resume."""
+    mixed = hashlib.sha256(f"noise:{seed}:{microbatch}".encode()).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(mixed[:8], "big") >> 1)
+
+
+def update_step(model, optimizer: torch.optim.Optimizer, batch, targets: torch.Tensor, ordinal: torch.Tensor,
+                sizes: list[tuple[int, int]], config: TrainConfig, noise: list[torch.Generator] | None,
+                update: int = 0, place: World | None = None) -> dict:
     """One update: several microbatches at one parameter snapshot, averaged, clipped once, one
     optimizer step; run in one packed forward and backward (`TrainingUpdates`). Training and
-    the benchmark both run it.
+    the benchmark both run it. Under several processes each rank runs its share of the
+    microbatches; `model` is then wrapped in DistributedDataParallel, which averages the
+    gradients over the ranks (equal shares: the mean over all microbatches), and the clip acts
+    once on that global gradient.
 
     Args:
-        model: in training mode, on the batch's device.
+        model: the DecisionModel (or its DistributedDataParallel), in training mode, on the
+            batch's device.
         batch: the update's packed batch; targets [R, K], ordinal [R] and `sizes` (each
             microbatch's rows and candidate width) as `TrainingUpdates` builds them.
-        noise: the generator of the objective's exploration noise.
+        noise: one generator of exploration noise per microbatch (`noise_generator`).
         update: the update's index, for error messages.
+        place: this process's `World` (None: one process).
 
     Returns:
         The means over microbatches of loss, reward, cross_entropy and accuracy, and grad_norm.
@@ -169,14 +197,15 @@ def update_step(model: DecisionModel, optimizer: torch.optim.Optimizer, batch, t
     Raises:
         FloatingPointError: a non-finite loss or gradient norm (before the optimizer step).
     """
+    place = place or World(0, 1, batch.input_ids.device)
     logits = model(batch)
     outputs = microbatch_losses(logits, batch.candidate_mask, targets, ordinal, sizes, config.objective, noise)
     losses = torch.stack([out.loss for out in outputs])
     finite = torch.isfinite(losses).tolist()
-    if not all(finite):
-        micro = finite.index(False)
-        raise FloatingPointError(f"non-finite loss {losses[micro].item()} at update {update}, "
-                                 f"microbatch {micro}: aborting before the optimizer step")
+    if not all_true(place, all(finite)):  # every rank aborts together, none waits in a collective
+        micro = finite.index(False) if not all(finite) else None
+        where = f"microbatch {micro} of this process" if micro is not None else "another process"
+        raise FloatingPointError(f"non-finite loss at update {update}, {where}: aborting before the optimizer step")
     losses.mean().backward()
     with torch.no_grad():
         accuracy = []
@@ -184,8 +213,9 @@ def update_step(model: DecisionModel, optimizer: torch.optim.Optimizer, batch, t
             mask = batch.candidate_mask[rows, :width]
             predicted = logits[rows, :width].masked_fill(~mask, float("-inf")).argmax(-1)
             accuracy.append((predicted == targets[rows, :width].argmax(-1)).float().mean())
-        means = torch.stack([losses, torch.stack([out.reward_mean for out in outputs]),
-                             torch.stack([out.cross_entropy for out in outputs]), torch.stack(accuracy)]).mean(1)
+        means = mean_over_ranks(place, torch.stack([losses, torch.stack([out.reward_mean for out in outputs]),
+                                                    torch.stack([out.cross_entropy for out in outputs]),
+                                                    torch.stack(accuracy)]).mean(1))
     totals = dict(zip(("loss", "reward", "cross_entropy", "accuracy"), means.tolist()))
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
@@ -201,9 +231,10 @@ GENERATORS = "generators.safetensors"  # torch, CUDA and noise generator states
 HOST_GENERATORS = "generators.json"  # Python's and numpy's
 
 
-def save_generators(folder: Path, noise: torch.Generator) -> None:
-    """Every random generator's state, as tensors and JSON (nothing a load would unpickle)."""
-    tensors = {"torch": torch.get_rng_state(), "noise": noise.get_state()}
+def save_generators(folder: Path) -> None:
+    """Every global random generator's state (LoRA dropout draws from them), as tensors and JSON:
+    nothing a load would unpickle. The exploration noise needs none: it is seeded per microbatch."""
+    tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors.update({f"cuda.{index}": state for index, state in enumerate(torch.cuda.get_rng_state_all())})
     save_file(tensors, str(folder / GENERATORS))
@@ -214,11 +245,10 @@ def save_generators(folder: Path, noise: torch.Generator) -> None:
         "numpy": [kind, keys.tolist(), int(position), int(has_gauss), float(cached)]})
 
 
-def load_generators(folder: Path, noise: torch.Generator) -> None:
+def load_generators(folder: Path) -> None:
     """Restore what `save_generators` wrote."""
     tensors = load_file(str(folder / GENERATORS))
     torch.set_rng_state(tensors["torch"])
-    noise.set_state(tensors["noise"])
     cuda = [tensors[f"cuda.{index}"] for index in range(len(tensors)) if f"cuda.{index}" in tensors]
     if cuda and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(cuda)
@@ -232,9 +262,10 @@ def load_generators(folder: Path, noise: torch.Generator) -> None:
 class Trainer:
     """Owns the model, optimizer, samplers and RNG of one run; `run()` trains to the budget."""
 
-    def __init__(self, run: TrainRun):
+    def __init__(self, run: TrainRun, place: World | None = None):
         self.run = run
-        self.device = default_device()
+        self.place = place or world()
+        self.device = self.place.device
         torch.manual_seed(run.seed)
         verify_base(run.base)
         self.model, self.peft_model = build_training_model(
@@ -249,12 +280,18 @@ class Trainer:
         self.sampler = GroupSampler(load_records(run.data), run.seed,
                                     run.train.rows_per_microbatch, run.train.group_cap)
         self.builder = TrainingBatches(self.template, self.reader, self.sampler, run.train.max_tokens)
-        self.updates = TrainingUpdates(self.builder, run.train.microbatches_per_update)
+        self.updates = TrainingUpdates(self.builder, run.train.microbatches_per_update, self.place.rank,
+                                       self.place.size)
         self.stream = None  # updates from loader workers, opened at the first update
         config = run.train
         self.optimizer = build_optimizer(self.model, config)
         self.base_lrs = [config.lora_lr, config.head_lr]
-        self.noise = torch.Generator(device=self.device).manual_seed(run.seed)
+        # Under several processes the gradients are averaged by DDP during the backward pass.
+        self.forward = self.model
+        if self.place.distributed:
+            self.forward = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False)
         self.update = 0
         self.log: list[dict] = []
         self.config = resolved_config(run)
@@ -263,19 +300,26 @@ class Trainer:
     # -- persistence -------------------------------------------------------------------
 
     def save_checkpoint(self) -> None:
-        folder = self.run.out / "checkpoints" / checkpoint_name(self.update)
-        with atomic_directory(folder) as tmp:
-            write_adapter_checkpoint(tmp, self.model, self.peft_model, self.config,
-                                     {"step": self.update, "fingerprint": self.fingerprint})
+        """The checkpoint of this update (rank 0 writes; every rank waits for it)."""
+        if self.place.main:
+            folder = self.run.out / "checkpoints" / checkpoint_name(self.update)
+            with atomic_directory(folder) as tmp:
+                write_adapter_checkpoint(tmp, self.model, self.peft_model, self.config,
+                                         {"step": self.update, "fingerprint": self.fingerprint})
+        barrier(self.place)
 
     def save_state(self) -> None:
-        """Everything needed to continue exactly: weights, optimizer, RNG, update count, log."""
-        with atomic_directory(self.run.out / "state") as tmp:
-            save_adapter(tmp / ADAPTER, self.model, self.peft_model)
-            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")  # tensors and numbers only
-            save_generators(tmp, self.noise)
-            write_json(tmp / "progress.json", {"update": self.update, "fingerprint": self.fingerprint, "log": self.log})
-            write_manifest(tmp)
+        """Everything needed to continue exactly: weights, optimizer, RNG, update count, log
+        (rank 0 writes; every rank can resume from it, with any process count)."""
+        if self.place.main:
+            with atomic_directory(self.run.out / "state") as tmp:
+                save_adapter(tmp / ADAPTER, self.model, self.peft_model)
+                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")  # tensors and numbers only
+                save_generators(tmp)
+                write_json(tmp / "progress.json", {"update": self.update, "fingerprint": self.fingerprint,
+                                                   "log": self.log, "processes": self.place.size})
+                write_manifest(tmp)
+        barrier(self.place)
 
     def try_resume(self) -> str | None:
         """Restore the saved state if it belongs to this run.
@@ -300,11 +344,13 @@ class Trainer:
         load_adapter(state / ADAPTER, self.model, self.peft_model)
         self.optimizer.load_state_dict(torch.load(state / "optimizer.pt", map_location=self.device,
                                                   weights_only=True))
-        load_generators(state, self.noise)
+        load_generators(state)
         self.update, self.log = progress["update"], progress["log"]
         return None
 
     def write_log(self) -> None:
+        if not self.place.main:
+            return
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=LOG_FIELDS)
         writer.writeheader()
@@ -325,9 +371,13 @@ class Trainer:
         item = self.builder(index).to(self.device)
         return item.batch, *item.tensors
 
+    def noise(self, index: int) -> torch.Generator:
+        """The exploration-noise generator of microbatch `index` (`noise_generator`)."""
+        return noise_generator(self.run.seed, index, self.device)
+
     def next_update(self):
-        """The batch of this update (all its microbatches), built by loader workers and
-        prefetched: (batch, targets [R, K], ordinal [R], sizes)."""
+        """This rank's share of this update's microbatches, built by loader workers and
+        prefetched: (batch, targets [R, K], ordinal [R], (sizes, microbatch indices))."""
         if self.stream is None:
             # As many as the run asks for: the workers run a few updates ahead, no more.
             indices = range(self.update, self.update + 2**40)
@@ -340,9 +390,9 @@ class Trainer:
         started = time.perf_counter()
         factor = self.set_lr()
         self.model.train()
-        batch, targets, ordinal, sizes = self.next_update()
-        totals = update_step(self.model, self.optimizer, batch, targets, ordinal, sizes, self.run.train, self.noise,
-                             self.update)
+        batch, targets, ordinal, (sizes, indices) = self.next_update()
+        totals = update_step(self.forward, self.optimizer, batch, targets, ordinal, sizes, self.run.train,
+                             [self.noise(index) for index in indices], self.update, self.place)
         self.update += 1
         return {"step": self.update, **totals, "lr": factor * self.run.train.lora_lr,
                 "seconds": time.perf_counter() - started}
@@ -357,7 +407,8 @@ class Trainer:
         if self.update == 0:
             self.save_checkpoint()
             self.save_state()
-        bar = tqdm(total=config.steps, initial=self.update, desc="train", unit="update", dynamic_ncols=True)
+        bar = tqdm(total=config.steps, initial=self.update, desc="train", unit="update", dynamic_ncols=True,
+                   disable=not self.place.main)
         while self.update < config.steps:
             record = self.step()
             self.log.append(record)
@@ -394,14 +445,19 @@ def train(run: TrainRun, resume: bool, on_update=None) -> Trainer:
         raise FileExistsError(f"{run.out} is not empty and holds no {RUN_MARKER}: it is not a training run's "
                               f"folder, so train will not clear it; empty it or choose another output folder")
     trainer = Trainer(run)
+    place = trainer.place
     reason = trainer.try_resume() if resume else "resume not asked for"
-    if reason is None:
+    if not all_true(place, reason is None):  # every rank resumes, or every rank starts afresh
+        if place.main:
+            if run.out.exists():
+                LOG.warning("starting %s afresh and clearing it: %s", run.out, reason or "another process's state")
+                shutil.rmtree(run.out)
+            run.out.mkdir(parents=True)
+            write_json(marker, {"written_by": "dohnuts train",
+                                "note": "train clears this folder when a run starts afresh"})
+        barrier(place)
+        trainer = Trainer(run, place) if reason is None else trainer  # a rank that had resumed starts over
+    elif place.main:
         LOG.info("resuming %s at update %d of %d", run.out, trainer.update, run.train.steps)
-    else:
-        if run.out.exists():
-            LOG.warning("starting %s afresh and clearing it: %s", run.out, reason)
-            shutil.rmtree(run.out)
-        run.out.mkdir(parents=True)
-        write_json(marker, {"written_by": "dohnuts train", "note": "train clears this folder when a run starts afresh"})
     trainer.run_to_budget(on_update)
     return trainer

@@ -80,8 +80,10 @@ def microbatch_slices(sizes: list[tuple[int, int]]):
 
 def microbatch_losses(logits: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, ordinal: torch.Tensor,
                       sizes: list[tuple[int, int]], objective: ObjectiveConfig,
-                      generator: torch.Generator | None = None) -> list[ObjectiveOutput]:
+                      generators: list[torch.Generator | None] | None = None) -> list[ObjectiveOutput]:
     """The objective of each microbatch of a packed update, in order, each cut to its own rows
-    and candidate width, so the noise drawn is exactly the draw of that microbatch run alone."""
+    and candidate width, its exploration noise drawn from its own generator (the global one when
+    None), so the noise is exactly the draw of that microbatch run alone."""
+    generators = generators or [None] * len(sizes)
     return [rlcd_loss(logits[rows, :width], mask[rows, :width], targets[rows, :width], ordinal[rows], objective,
-                      generator) for rows, width in microbatch_slices(sizes)]
+                      generator) for (rows, width), generator in zip(microbatch_slices(sizes), generators)]

@@ -221,15 +221,13 @@ def test_an_update_averages_its_microbatch_gradients_at_one_snapshot_and_sets_th
                    run.base, run.data, run.out)
     trainer = Trainer(run)
     parameters = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-    noise = trainer.noise.get_state()
     trainer.model.train()
     separate = []
     for micro in range(run.train.microbatches_per_update):
         batch, targets, ordinal = trainer.microbatch(micro)
         loss = rlcd_loss(trainer.model(batch), batch.candidate_mask, targets, ordinal, run.train.objective,
-                         trainer.noise).loss
+                         trainer.noise(micro)).loss
         separate.append(torch.autograd.grad(loss, parameters))
-    trainer.noise.set_state(noise)
     captured = []
     trainer.optimizer.step = lambda: captured.append([p.grad.clone() for p in parameters])
     trainer.step()
@@ -252,18 +250,16 @@ def test_an_update_clips_the_global_gradient_once_when_the_clip_binds(tiny, tmp_
                    run.base, run.data, run.out)
     trainer = Trainer(run)
     parameters = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-    noise = trainer.noise.get_state()
     trainer.model.train()
     separate = []
     for micro in range(run.train.microbatches_per_update):
         batch, targets, ordinal = trainer.microbatch(micro)
         loss = rlcd_loss(trainer.model(batch), batch.candidate_mask, targets, ordinal, run.train.objective,
-                         trainer.noise).loss
+                         trainer.noise(micro)).loss
         separate.append(torch.autograd.grad(loss, parameters))
     mean = [sum(grads[index] for grads in separate) / len(separate) for index in range(len(parameters))]
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in mean]))
     assert norm > 100 * clip  # the clip binds
-    trainer.noise.set_state(noise)
     captured = []
     trainer.optimizer.step = lambda: captured.append([p.grad.clone() for p in parameters])
     record = trainer.step()
@@ -284,7 +280,9 @@ def test_an_update_packs_its_microbatches_rows_in_order_with_each_ones_targets_a
     item = TrainingUpdates(microbatches, 3)(1)  # update 1: microbatches 3, 4 and 5
     targets, ordinal = item.tensors
     start, keys = 0, []
-    for micro, (count, width) in zip(range(3, 6), item.meta):
+    sizes, indices = item.meta
+    assert indices == [3, 4, 5]
+    for micro, (count, width) in zip(indices, sizes):
         rows, images, own_targets, own_ordinal = microbatches.parts(micro)
         assert (count, width) == (len(rows), own_targets.shape[1])
         torch.testing.assert_close(targets[start:start + count, :width], own_targets, rtol=0, atol=0)
@@ -343,7 +341,7 @@ def test_prefixes_shared_across_an_updates_microbatches_give_each_rows_own_logit
     start = 0
     with torch.no_grad():
         logits = model(batch)
-        for micro, (count, width) in enumerate(item.meta):
+        for micro, (count, width) in enumerate(item.meta[0]):
             rows, images, targets, _ = source.parts(micro)
             alone = model(template.collate(rows, images))
             assert width == targets.shape[1] == alone.shape[1]
@@ -393,7 +391,7 @@ def test_the_saved_state_holds_no_pickle(uninterrupted):
     out, _ = uninterrupted
     names = sorted(path.name for path in (out / "state").iterdir())
     assert names == ["adapter.safetensors", "generators.json", "generators.safetensors", "manifest.json",
-                     "optimizer.pt", "progress.json"]
+                     "optimizer.pt", "progress.json"]  # no rng.pt
     # optimizer.pt is tensors and numbers: it loads without unpickling arbitrary objects.
     state = torch.load(out / "state" / "optimizer.pt", weights_only=True)
     assert set(state) == {"state", "param_groups"}

@@ -1,0 +1,38 @@
+"""One process of the benchmark's training update on several processes (started by torchrun).
+
+    python -m torch.distributed.run --standalone --nproc-per-node N -m dohnuts.pipeline.update_worker JSON
+
+JSON: {"checkpoint": folder, or "shape": name, "microbatches", "rows", "timed", "ceilings",
+"output"}. Rank 0 writes the record to "output".
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from ..io import write_json
+from ..measure.shapes import shape_only_predictor
+from ..model.predict import Predictor
+from .distributed import world
+
+
+def main(settings: dict) -> None:
+    place = world()
+    if settings.get("shape"):
+        from .benchmark import workload_texts
+
+        predictor = shape_only_predictor(settings["shape"], place.device, texts=workload_texts())
+    else:
+        predictor = Predictor.from_checkpoint(Path(settings["checkpoint"]), place.device)
+    from .benchmark import training_update_record
+
+    record = training_update_record(predictor.model, predictor.template, settings["ceilings"],
+                                    settings["microbatches"], settings["rows"], settings["timed"], place)
+    if place.main:
+        write_json(Path(settings["output"]), record)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
