@@ -2,8 +2,9 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node N -m dohnuts.pipeline.update_worker JSON
 
-JSON: {"checkpoint": folder, or "shape": name, "microbatches", "rows", "timed", "ceilings",
-"output"}. Rank 0 writes the record to "output".
+JSON: {"checkpoint": folder, or "shape": name, "microbatches", "rows", "timed", "ceilings" (measured
+here when absent), "output"}. Rank 0 writes the record to "output". Run without torchrun it is one
+process, so the same worker times the update with and without the launcher.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from ..io import write_json
 from ..measure.shapes import shape_only_predictor
+from ..measure.telemetry import measure_ceilings
 from ..model.predict import Predictor
 from .distributed import world
 
@@ -28,7 +30,8 @@ def main(settings: dict) -> None:
         predictor = Predictor.from_checkpoint(Path(settings["checkpoint"]), place.device)
     from .benchmark import training_update_record
 
-    record = training_update_record(predictor.model, predictor.template, settings["ceilings"],
+    ceilings = settings.get("ceilings") or measure_ceilings(place.device)
+    record = training_update_record(predictor.model, predictor.template, ceilings,
                                     settings["microbatches"], settings["rows"], settings["timed"], place)
     if place.main:
         write_json(Path(settings["output"]), record)
