@@ -10,7 +10,6 @@ import sys
 import torch
 
 from dohnuts.measure.shapes import shape_only_predictor
-from dohnuts.pipeline.benchmark import workload_texts
 from dohnuts.serve.load import mixed_requests
 from dohnuts.serve.wire import parse_system_one
 
@@ -18,7 +17,7 @@ from dohnuts.serve.wire import parse_system_one
 def main(count: int = 32) -> None:
     if not torch.cuda.is_available():
         sys.exit("batched_vs_alone: needs a CUDA device")
-    predictor = shape_only_predictor("qwen3_5-0.8b", texts=workload_texts())
+    predictor = shape_only_predictor("qwen3_5-0.8b")
     requests = [parse_system_one(body)[:2] for body in mixed_requests(count, seed=1)]
     batched = predictor.predict_many(requests)
     worst = 0.0

@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dohnuts.measure.shapes import shape_only_predictor
-from dohnuts.pipeline.benchmark import workload_texts, workloads
+from dohnuts.pipeline.benchmark import workloads
 
 
 def warmed_predictor(name: str, script: str):
@@ -28,7 +28,7 @@ def warmed_predictor(name: str, script: str):
     table = workloads()
     if name not in table:
         sys.exit(f"{script}: unknown workload {name!r}; known: {sorted(table)}")
-    predictor = shape_only_predictor("qwen3_5-0.8b", texts=workload_texts())
+    predictor = shape_only_predictor("qwen3_5-0.8b")
     state, questions = table[name]
     for _ in range(5):
         predictor.predict(state, questions)

@@ -12,14 +12,14 @@ import sys
 import torch
 
 from dohnuts.measure.shapes import shape_only_predictor
-from dohnuts.pipeline.benchmark import describe, environment, workload_texts
+from dohnuts.pipeline.benchmark import describe, environment
 from dohnuts.serve.load import serving_record
 
 
 def main(requests: int = 256, clients: tuple[int, ...] = (1, 8, 64)) -> None:
     if not torch.cuda.is_available():
         sys.exit("serving_workload: needs a CUDA device")
-    predictor = shape_only_predictor("qwen3_5-0.8b", texts=workload_texts())
+    predictor = shape_only_predictor("qwen3_5-0.8b")
     record = {**serving_record(predictor, requests, clients), "environment": environment(predictor)}
     print(describe(record), file=sys.stderr)
     print(json.dumps(record))

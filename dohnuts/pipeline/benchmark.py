@@ -107,16 +107,6 @@ def workloads() -> dict[str, tuple[object, dict]]:
     return cases
 
 
-def workload_texts() -> list[str]:
-    """The template's text pieces of every workload and of the training update's rows: a
-    shape-only tokenizer trained with them holds their words whole, as Qwen's does."""
-    texts = []
-    cases = list(workloads().values()) + training_requests(None, 0, 4)
-    for state, questions in cases:
-        texts += pieces_of(parse_request(state, questions))
-    return texts
-
-
 def percentile(samples: list[float], q: float) -> float:
     """Linear interpolation at index q * (n - 1) of the sorted samples."""
     ordered = sorted(samples)
@@ -291,8 +281,8 @@ def run_workload(predictor, name: str, state, questions, warmup: int, timed: int
 def training_requests(template, microbatch: int, rows: int, questions_per_state: int = 4,
                       state_tokens: int = 250) -> list[tuple[dict, dict]]:
     """(state, questions) of `rows` rows of about 300 tokens: states of at least `state_tokens`
-    tokens under `template` (one note line when it is None), `questions_per_state` questions
-    each, so the rows of a state share a prefix."""
+    tokens under `template`, `questions_per_state` questions each, so the rows of a state
+    share a prefix."""
     names = list(distinct_questions(50).items())
     out = []
     for state_index in range(rows // questions_per_state):
@@ -301,8 +291,6 @@ def training_requests(template, microbatch: int, rows: int, questions_per_state:
         while True:
             lines.append(f"line {microbatch}-{state_index}-{len(lines)}: the customer wrote again about the invoice.")
             state = {**DISTINCT_STATE, "note": " ".join(lines)}
-            if template is None:
-                break
             state_piece = pieces_of(parse_request(state, chosen, template.reserved))[0]
             if len(template.tokenize([state_piece])[0]) >= state_tokens:
                 break
@@ -582,7 +570,7 @@ def run(config: BenchmarkConfig, checkpoint: Path, records: Path, echo=print) ->
         (summary for DVC metrics, plot rows)
     """
     if config.shape is not None:
-        predictor = shape_only_predictor(config.shape, texts=workload_texts())
+        predictor = shape_only_predictor(config.shape)
         echo(f"shape-only: random weights of {config.shape}, not the checkpoint")
     else:
         predictor = Predictor.from_checkpoint(checkpoint)

@@ -23,9 +23,7 @@ from .distributed import world
 def main(settings: dict) -> None:
     place = world()
     if settings.get("shape"):
-        from .benchmark import workload_texts
-
-        predictor = shape_only_predictor(settings["shape"], place.device, texts=workload_texts())
+        predictor = shape_only_predictor(settings["shape"], place.device)
     else:
         predictor = Predictor.from_checkpoint(Path(settings["checkpoint"]), place.device)
     from .benchmark import training_update_record
