@@ -226,18 +226,21 @@ SHAPE_NAMES = ("qwen3_5-0.8b",)  # the shapes dohnuts.measure.shapes can build
 class BenchmarkConfig:
     """The latency protocol: cold call, warm-up calls, timed calls; `shape` names a model shape
     to benchmark with random weights instead of the checkpoint (records say shape-only); the
+    varied-traffic workload times `varied_requests` requests of distinct layouts; the
     serving workload sends `serving_requests` varied requests to the server over loopback at each
     count of concurrent clients in `serving_clients`."""
 
     warmup: int = 3
     timed: int = 20
     shape: str | None = None
+    varied_requests: int = 60
     serving_requests: int = 128
     serving_clients: tuple[int, ...] = (1, 8, 64)
 
     def __post_init__(self):
         _check(self.timed >= 2 and self.warmup >= 0,
                f"benchmark.timed must be >= 2 and warmup >= 0, got {self.timed}, {self.warmup}")
+        _check(self.varied_requests >= 1, f"benchmark.varied_requests must be >= 1, got {self.varied_requests}")
         _check(self.serving_requests >= 1 and bool(self.serving_clients) and min(self.serving_clients) >= 1,
                f"benchmark.serving_requests must be >= 1 and serving_clients positive counts, got "
                f"{self.serving_requests}, {self.serving_clients}")

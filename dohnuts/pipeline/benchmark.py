@@ -31,7 +31,9 @@ from ..measure.roofline import (
 )
 from ..measure.shapes import shape_only_predictor
 from ..measure.telemetry import Telemetry, measure_ceilings, synchronize
+from ..measure.traffic import varied_requests
 from ..model.adapters import with_lora
+from ..model.cuda_graphs import layout_key
 from ..model.decoder import MIXER_KEEP_TOKENS
 from ..model.predict import Predictor
 from ..model.template import pieces_of
@@ -278,6 +280,78 @@ def run_workload(predictor, name: str, state, questions, warmup: int, timed: int
     }
 
 
+def varied_traffic(predictor, count: int, seed: int = 0, warmup: int = 8) -> tuple[list, list]:
+    """(warm-up requests, timed requests) for the varied-traffic workload: `count` requests of
+    `measure.traffic.varied_requests`, each with a layout (rows, prefixes, image grid: what a
+    captured graph is keyed on) that no other request and no warm-up request has."""
+    def layout(request) -> tuple:
+        return layout_key(predictor.encode(*request)[0])
+
+    warm = varied_requests(warmup, seed + 1)
+    seen = {layout(request) for request in warm}
+    timed = []
+    for request in varied_requests(8 * count, seed):
+        key = layout(request)
+        if key not in seen:
+            seen.add(key)
+            timed.append(request)
+            if len(timed) == count:
+                return warm, timed
+    raise RuntimeError(f"varied_requests gave fewer than {count} distinct layouts in {8 * count} requests")
+
+
+def _timed_pass(predictor, requests) -> dict:
+    """Each request once, bracketed by syncs: latency percentiles and what each call ran."""
+    device, stats = predictor.model.device, predictor.scores.stats
+    samples, calls = [], {"graph_replays": 0, "graph_captures": 0, "eager": 0}
+    for state, questions in requests:
+        before = dict(stats)
+        synchronize(device)
+        start = time.perf_counter()
+        predictor.predict(state, questions)
+        synchronize(device)
+        samples.append((time.perf_counter() - start) * 1000.0)
+        for name, counter in (("graph_replays", "replays"), ("graph_captures", "captures"), ("eager", "eager")):
+            calls[name] += stats[counter] - before[counter]
+    images = [ms for ms, (state, _) in zip(samples, requests) if "image" in state]
+    texts = [ms for ms, (state, _) in zip(samples, requests) if "image" not in state]
+    return {"p50_ms": percentile(samples, 0.5), "p95_ms": percentile(samples, 0.95),
+            "p99_ms": percentile(samples, 0.99), "mean_ms": statistics.fmean(samples), "max_ms": max(samples),
+            "text_p50_ms": percentile(texts, 0.5) if texts else None,
+            "image_p50_ms": percentile(images, 0.5) if images else None,
+            "decisions_per_second": 1000.0 * sum(len(q) for _, q in requests) / sum(samples),
+            "timed_calls": calls, "samples_ms": samples}
+
+
+def varied_traffic_record(predictor, count: int, seed: int = 0, warmup: int = 8) -> dict:
+    """The varied-traffic workload: after a warm-up on other requests (each sent twice), `count`
+    requests of distinct layouts, each timed on first sight (its images new to the feature
+    cache), then the whole set once more; Hugging Face's padded forward once on each."""
+    warm, timed = varied_traffic(predictor, count, seed, warmup)
+    for state, questions in warm + warm:
+        predictor.predict(state, questions)
+    first = _timed_pass(predictor, timed)
+    second = _timed_pass(predictor, timed)
+    for state, questions in warm:
+        hugging_face_logits(predictor, state, questions)
+    baseline = []
+    for state, questions in timed:
+        synchronize(predictor.model.device)
+        start = time.perf_counter()
+        hugging_face_logits(predictor, state, questions)
+        synchronize(predictor.model.device)
+        baseline.append((time.perf_counter() - start) * 1000.0)
+    tokens = [sum(len(row.input_ids) for row in _baseline_rows(predictor, *request)[1]) for request in timed]
+    return {
+        "workload": "varied_traffic", "requests": len(timed), "seed": seed, "warmup_requests": len(warm),
+        "image_requests": sum("image" in state for state, _ in timed),
+        "questions": [len(questions) for _, questions in timed], "input_tokens": tokens,
+        "first_sight": first, "second_pass": second,
+        "hugging_face_p50_ms": percentile(baseline, 0.5), "hugging_face_p99_ms": percentile(baseline, 0.99),
+        "hugging_face_samples_ms": baseline,
+    }
+
+
 def training_requests(template, microbatch: int, rows: int, questions_per_state: int = 4,
                       state_tokens: int = 250) -> list[tuple[dict, dict]]:
     """(state, questions) of `rows` rows of about 300 tokens: states of at least `state_tokens`
@@ -473,8 +547,9 @@ PUBLISHED_P50_MS = {
 
 def benchmark(predictor, warmup: int, timed: int, progress=None, serving_requests: int = 0,
               serving_clients: tuple[int, ...] = (), shape: str | None = None,
-              checkpoint: Path | None = None) -> tuple[list[dict], dict, list[dict]]:
-    """Run every workload (image workloads also with a cold image-feature cache), evaluation
+              checkpoint: Path | None = None, varied_requests: int = 60) -> tuple[list[dict], dict, list[dict]]:
+    """Run every repeated workload (image workloads also with a cold image-feature cache), the
+    varied-traffic workload (`varied_requests` requests of distinct layouts), evaluation
     throughput, the serving workload (`serving_requests` varied requests over loopback at each
     count of `serving_clients`; none when 0), then one training-update record (which injects
     fresh LoRA into the predictor's model, so it comes last), with one more per process count a
@@ -495,10 +570,13 @@ def benchmark(predictor, warmup: int, timed: int, progress=None, serving_request
             records.append({**record, "environment": environment(predictor)})
             if progress is not None:
                 progress(records)
+    varied = {**varied_traffic_record(predictor, varied_requests), "environment": environment(predictor)}
+    if progress is not None:
+        progress([*records, varied])
     with tempfile.TemporaryDirectory() as scratch:
         throughput = {**evaluation_throughput_record(predictor.model, predictor.template, predictor.config.max_tokens,
                                                      Path(scratch)), "environment": environment(predictor)}
-    extra = [throughput]
+    extra = [varied, throughput]
     if progress is not None:
         progress(records + extra)
     serving = None
@@ -528,6 +606,10 @@ def benchmark(predictor, warmup: int, timed: int, progress=None, serving_request
                                            "efficiency": record["roofline"]["efficiency"]["measured"],
                                            "efficiency_by_bound": record["roofline"]["efficiency_by_bound"]["measured"]}
                       for record in records},
+        "varied_traffic": {
+            "requests": varied["requests"], "hugging_face_p50_ms": varied["hugging_face_p50_ms"],
+            **{name: {key: value for key, value in varied[name].items() if key != "samples_ms"}
+               for name in ("first_sight", "second_pass")}},
         "training_update": {"p50_ms": training["p50_ms"], "tokens_per_second": training["tokens_per_second"],
                             "processes": training["processes"],
                             "scaling": {str(record["processes"]): record["scaling_efficiency"] for record in trainings},
@@ -542,6 +624,9 @@ def benchmark(predictor, warmup: int, timed: int, progress=None, serving_request
     plots = [{"workload": record["workload"], "p50_ms": record["p50_ms"],
               "hugging_face_p50_ms": record["hugging_face_p50_ms"],
               "efficiency": record["roofline"]["efficiency"]["measured"]} for record in records]
+    plots += [{"workload": f"varied_traffic_{name}", "p50_ms": varied[name]["p50_ms"],
+               "hugging_face_p50_ms": varied["hugging_face_p50_ms"], "efficiency": None}
+              for name in ("first_sight", "second_pass")]
     return records + extra, summary, plots
 
 
@@ -552,6 +637,11 @@ def describe(record: dict) -> str:
             f"{level['clients']} clients {level['decisions_per_second']:.1f} decisions/s p50 {level['p50_ms']:.1f} ms"
             f" batch {level['mean_batch_requests'] or 0:.1f} failed {level['failed']} lost {level['lost']}"
             for level in record["levels"])
+    if record["workload"] == "varied_traffic":
+        return "varied_traffic                       " + "; ".join(
+            f"{name.replace('_', ' ')} p50 {record[name]['p50_ms']:.2f} p99 {record[name]['p99_ms']:.2f} ms "
+            f"{record[name]['timed_calls']}" for name in ("first_sight", "second_pass")) + (
+            f"; Hugging Face p50 {record['hugging_face_p50_ms']:.2f} ms")
     if "p50_ms" not in record:
         return f"{record['workload']:36s} {json.dumps({k: v for k, v in record.items() if k != 'environment'})}"
     baseline = f"  Hugging Face {record['hugging_face_p50_ms']:8.2f} ms" if "hugging_face_p50_ms" in record else ""
@@ -581,5 +671,6 @@ def run(config: BenchmarkConfig, checkpoint: Path, records: Path, echo=print) ->
 
     _, summary, plots = benchmark(predictor, config.warmup, config.timed, progress=progress,
                                   serving_requests=config.serving_requests, serving_clients=config.serving_clients,
-                                  shape=config.shape, checkpoint=None if config.shape else checkpoint)
+                                  shape=config.shape, checkpoint=None if config.shape else checkpoint,
+                                  varied_requests=config.varied_requests)
     return summary, plots

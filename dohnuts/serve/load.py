@@ -6,50 +6,31 @@ import base64
 import http.client
 import io
 import json
-import random
 import socket
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from PIL import Image, ImageDraw
-
-WORDS = ("invoice", "refund", "parcel", "login", "password", "crash", "upgrade", "billing", "delivery", "account",
-         "error", "slow", "payment", "order", "support", "urgent", "tomorrow", "twice", "missing", "broken")
+from ..measure.traffic import varied_requests
 
 
 def mixed_requests(count: int, seed: int = 0) -> list[dict]:
-    """`count` distinct wire request bodies: text and image states (one in four has an image,
-    sent as a base64 asset), 1 to 10 questions of all three types, states of a few to a few
-    hundred words. Seeded: the same set every run."""
-    rng = random.Random(seed)
+    """`count` distinct wire request bodies: `measure.traffic.varied_requests`, each image sent
+    as a base64 PNG asset placed under "photo", choice candidates as the client's mapping."""
     bodies = []
-    for index in range(count):
-        words = " ".join(rng.choice(WORDS) for _ in range(rng.choice((3, 12, 40, 120, 300))))
-        state: dict = {"ticket": f"T-{index:05d}", "message": words}
+    for index, (state, questions) in enumerate(varied_requests(count, seed)):
+        state = dict(state)
         assets = {}
-        if index % 4 == 0:
-            image = Image.new("RGB", (rng.choice((64, 96, 160)), rng.choice((64, 96, 160))), "white")
-            ImageDraw.Draw(image).rectangle([8, 8, 40 + index % 20, 40], fill=(rng.randrange(256), 40, 200))
+        if "image" in state:
             buffer = io.BytesIO()
-            image.save(buffer, format="PNG")
+            state.pop("image").save(buffer, format="PNG")
             key = f"<image:{index:032x}>"
             state["photo"] = key
             encoded = base64.b64encode(buffer.getvalue()).decode()
             assets[key] = {"type": "image", "format": "png", "data_base64": encoded}
-        questions = {}
-        for number in range(rng.randint(1, 10)):
-            kind = ("noul", "choice", "score")[number % 3]
-            if kind == "noul":
-                questions[f"q{number}"] = {"type": "noul", "instructions": f"Is the message about {rng.choice(WORDS)}?"}
-            elif kind == "choice":
-                options = rng.sample(WORDS, rng.randint(2, 6))
-                questions[f"q{number}"] = {"type": "choice", "instructions": "Which topic fits best?",
-                                           "criteria": dict.fromkeys(options)}
-            else:
-                questions[f"q{number}"] = {"type": "score", "instructions": "How urgent is it?",
-                                           "criteria": ["not at all", "somewhat", "very"][: rng.randint(2, 3)]}
+        questions = {qid: {**question, "criteria": dict.fromkeys(question["criteria"])}
+                     if question["type"] == "choice" else question for qid, question in questions.items()}
         bodies.append({"model": "jev-latest", "state": state, "questions": questions,
                        **({"assets": assets} if assets else {})})
     return bodies

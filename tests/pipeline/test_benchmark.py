@@ -86,3 +86,27 @@ def test_a_workload_record_counts_graph_replays_and_its_difference_to_hugging_fa
     # Stages one after another take at least as long as any one bound's total.
     assert by_bound["critical_path"] >= max(by_bound[name] for name in ("matrix", "vector", "recurrence", "memory"))
     assert "slow_paths" in environment(predictor)
+
+
+def test_varied_traffic_times_each_distinct_layout_on_first_sight_then_again(deployable):
+    from dohnuts.model.cuda_graphs import layout_key
+    from dohnuts.pipeline.benchmark import varied_traffic, varied_traffic_record
+
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    warm, timed = varied_traffic(predictor, 24, warmup=4)
+    layouts = [layout_key(predictor.encode(*request)[0]) for request in warm + timed]
+    assert len(set(layouts)) == len(layouts) == 28  # no request repeats another's or a warm-up's layout
+    assert {len(questions) for _, questions in timed} >= {1, 10}
+    assert any("image" in state for state, _ in timed) and any("image" not in state for state, _ in timed)
+    images = [state["image"].tobytes() for state, _ in warm + timed if "image" in state]
+    assert len(set(images)) == len(images)  # every image new to the feature cache
+    record = varied_traffic_record(predictor, 8, warmup=2)
+    assert record["requests"] == len(record["input_tokens"]) == 8 and min(record["input_tokens"]) > 0
+    for name in ("first_sight", "second_pass"):
+        measured = record[name]
+        assert measured["timed_calls"] == {"graph_replays": 0, "graph_captures": 0, "eager": 8}  # the CPU: no graphs
+        assert len(measured["samples_ms"]) == 8
+        assert min(measured["samples_ms"]) <= measured["p50_ms"] <= measured["p95_ms"] <= measured["p99_ms"]
+        assert measured["p99_ms"] <= measured["max_ms"] == max(measured["samples_ms"])
+    assert len(record["hugging_face_samples_ms"]) == 8

@@ -23,7 +23,7 @@ def _smoke_params() -> dict:
     params["model"]["image_pixels"] = 64 * 64
     params["train"].update(steps=4, eval_every=2)
     params["select"]["dev_rows_per_group"] = 16
-    params["benchmark"].update(warmup=1, timed=2, serving_requests=8, serving_clients=[1, 4])
+    params["benchmark"].update(warmup=1, timed=2, varied_requests=6, serving_requests=8, serving_clients=[1, 4])
     return params
 
 
@@ -96,10 +96,13 @@ def test_repro_produces_every_stage_output_and_then_is_up_to_date(project):
     assert serving["levels"][0]["mean_batch_requests"] == 1.0  # one client: one request an invocation
     assert serving["levels"][0]["timed_calls"]["eager"] == serving["levels"][0]["invocations"]  # the CPU: no graphs
     assert summary["serving"]["clients_4"]["failed"] == 0
+    varied = next(record for record in records if record["workload"] == "varied_traffic")
+    assert varied["requests"] == 6 and summary["varied_traffic"]["first_sight"]["timed_calls"]["eager"] == 6
     throughput = next(record for record in records if record["workload"] == "evaluation_throughput")
     assert throughput["overlapped_rows_per_second"] > 0 and throughput["synchronous_rows_per_second"] > 0
     plots = json.loads((project / "runs/benchmark/plots.json").read_text())
-    assert {row["workload"] for row in plots} == set(summary["workloads"])
+    assert {row["workload"] for row in plots} == set(summary["workloads"]) | {
+        "varied_traffic_first_sight", "varied_traffic_second_pass"}
     curve = json.loads((project / "runs/select/curve/curve.json").read_text())
     selected = json.loads((project / "runs/select/curve/selected.json").read_text())
     assert [point["step"] for point in curve] == [0, 2, 4] and selected[0] in curve

@@ -1,0 +1,43 @@
+"""Varied traffic: seeded requests of every shape, as users send them (new states, new images,
+1 to 10 questions), for the benchmark's varied-traffic workload and the serving workload."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from PIL import Image, ImageDraw
+
+WORDS = ("invoice", "refund", "parcel", "login", "password", "crash", "upgrade", "billing", "delivery", "account",
+         "error", "slow", "payment", "order", "support", "urgent", "tomorrow", "twice", "missing", "broken")
+IMAGE_SIDES = (64, 96, 160, 224)
+
+
+def varied_requests(count: int, seed: int = 0, image_every: int = 4) -> list[tuple[dict, dict]]:
+    """`count` distinct (state, questions) pairs: every `image_every`-th state carries a new
+    image (its own size and colours, under "image"), states of 2 to 300 words (log-uniform),
+    1 to 10 questions of all three types with 2 to 6 candidates. Seeded: the same set each run.
+    """
+    rng = random.Random(seed)
+    requests = []
+    for index in range(count):
+        length = round(math.exp(rng.uniform(math.log(2), math.log(300))))
+        state: dict = {"ticket": f"T-{seed}-{index:05d}", "message": " ".join(rng.choice(WORDS) for _ in range(length))}
+        if index % image_every == 0:
+            image = Image.new("RGB", (rng.choice(IMAGE_SIDES), rng.choice(IMAGE_SIDES)), "white")
+            colour = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
+            ImageDraw.Draw(image).rectangle([8, 8, 40 + index % 20, 40], fill=colour)
+            state["image"] = image
+        questions = {}
+        for number in range(rng.randint(1, 10)):
+            kind = ("noul", "choice", "score")[number % 3]
+            if kind == "noul":
+                questions[f"q{number}"] = {"type": "noul", "instructions": f"Is the message about {rng.choice(WORDS)}?"}
+            elif kind == "choice":
+                questions[f"q{number}"] = {"type": "choice", "instructions": "Which topic fits best?",
+                                           "criteria": rng.sample(WORDS, rng.randint(2, 6))}
+            else:
+                questions[f"q{number}"] = {"type": "score", "instructions": "How urgent is it?",
+                                           "criteria": ["not at all", "somewhat", "very"][: rng.randint(2, 3)]}
+        requests.append((state, questions))
+    return requests
