@@ -4,7 +4,8 @@ A held-out metric means something only if no row of it was seen in training. Has
 index does not ensure that: two states with the same text (or the same pixels, or the same
 source record) could land on both sides. Here every state is a node. States are joined
 (union-find, across all groups) when they share a normalised state text, the SHA-256 of their
-decoded pixels, or a source id. Each joined component then goes whole into one partition, chosen
+decoded pixels, a source id, or a photo id (one photo of a collection, such as a COCO image,
+that two sources store with different bytes). Each joined component then goes whole into one partition, chosen
 by a salted hash of its content. States pinned to a partition (a source's official split) win:
 a component takes the pinned partition of highest priority (test > dev > calibration > train),
 and a member pinned elsewhere is dropped, counted by reason.
@@ -39,32 +40,41 @@ def stable_fraction(*parts) -> float:
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
-def hashed_partition(seed: int, key: str, fractions: dict) -> str:
-    """The partition of `key` by a salted hash, in proportion to `fractions`."""
-    total = sum(fractions.values())
+def hashed_partition(seed: int, key: str, fractions: dict, among: tuple[str, ...] = PARTITIONS) -> str:
+    """The partition of `key` by a salted hash, in proportion to `fractions`, among the
+    partitions `among` (all of them by default)."""
+    names = [name for name in PARTITIONS if name in among]
+    total = sum(fractions[name] for name in names)
     point, edge = stable_fraction(seed, key) * total, 0.0
-    for name in PARTITIONS:
+    for name in names:
         edge += fractions[name]
         if point < edge:
             return name
-    return PARTITIONS[-1]
+    return names[-1]
 
 
 @dataclass(frozen=True)
 class Unit:
     """One state to place. text: its rendered text (normalised here); image: the SHA-256 of its
     decoded pixels (`dohnuts.model.features.image_key`); source: an id shared by states of one
-    source record (None: none); split: a pinned partition (None: by hash)."""
+    source record (None: none); split: a pinned partition (None: by hash); photo: the id of the
+    photo the image shows, within its collection ("coco:397133"; None: none); among: the
+    partitions a hash may choose (None: all; a source whose official dev and test splits are
+    pinned hashes its training rows among train and calibration only)."""
 
     group: str
     text: str | None
     image: str | None = None
     source: str | None = None
     split: str | None = None
+    photo: str | None = None
+    among: tuple[str, ...] | None = None
 
     def __post_init__(self):
         if self.split is not None and self.split not in PARTITIONS:
             raise ValueError(f"split must be one of {PARTITIONS} or null, got {self.split!r}")
+        if self.among is not None and not ({"train", "calibration"} <= set(self.among) <= set(PARTITIONS)):
+            raise ValueError(f"among must hold train and calibration, within {PARTITIONS}, got {self.among!r}")
 
     def join_keys(self) -> list[tuple[str, str]]:
         """What this state is joined by."""
@@ -76,11 +86,13 @@ class Unit:
             found.append(("image", self.image))
         if self.source is not None:
             found.append(("source", self.source))
+        if self.photo is not None:
+            found.append(("photo", self.photo))
         return found
 
     def content(self) -> str:
         """A digest of the state's content (not of its position in the source)."""
-        parts = [normalise_text(self.text) or "", self.image or "", self.source or ""]
+        parts = [normalise_text(self.text) or "", self.image or "", self.source or "", self.photo or ""]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
@@ -111,7 +123,8 @@ def assign(units: list[Unit], seed: int, fractions: dict) -> tuple[list[str | No
     """The partition of every unit (None: dropped) and a report of what isolation did.
 
     A component's partition is its highest-priority pinned split, else a salted hash of the
-    smallest content digest among its members (so it does not depend on the order of states).
+    smallest content digest among its members (so it does not depend on the order of states),
+    among the partitions every member allows.
 
     Returns:
         (partitions, {"states", "components", "joined_states" (states sharing a component with
@@ -128,7 +141,9 @@ def assign(units: list[Unit], seed: int, fractions: dict) -> tuple[list[str | No
         if pinned:
             chosen = next(name for name in PRIORITY if name in pinned)
         else:
-            chosen = hashed_partition(seed, min(units[i].content() for i in indices), fractions)
+            among = [name for name in PARTITIONS
+                     if all(units[i].among is None or name in units[i].among for i in indices)]
+            chosen = hashed_partition(seed, min(units[i].content() for i in indices), fractions, tuple(among))
         for i in indices:
             if units[i].split is not None and units[i].split != chosen:
                 drops.setdefault("pinned_split_conflict", Counter())[units[i].group] += 1

@@ -5,7 +5,8 @@ A record is the request a user later sends to `predict`, plus labels:
     {"id": "t-0001", "group": "ticket_routing", "split": null,
      "state": {"message": "I was billed twice", "image": "images/t-0001.png"},
      "questions": {"team": {"type": "choice", "instructions": "...", "criteria": [...]}, ...},
-     "labels": {"team": "billing", "refund": 0.9, "urgency": {"0": 0.0, "1": 0.3, "2": 0.7}}}
+     "labels": {"team": "billing", "refund": 0.9, "urgency": {"0": 0.0, "1": 0.3, "2": 0.7}},
+     "photo": null}
 
 `state` and `questions` go through `dohnuts.schema.parse_request`, as in `predict` (same
 checks, same messages); `state.image` is a path relative to the records file, or a
@@ -13,8 +14,10 @@ checks, same messages); `state.image` is a path relative to the records file, or
 name or {option: probability}; noul true/false or P(true); score a level index or
 {level index: probability}; soft labels sum to 1 over the question's candidates. `group`
 defaults to the file's name without extension, `id` to "file:line", `split` (a pinned
-partition) to none. In Parquet, each of state, questions and labels is a column of JSON text
-(or of native mappings); line numbers are rows, from 1.
+partition) to none, `photo` (the id of the photo an image shows, such as "coco:397133": states
+showing one photo share a partition even when their files differ) to none. In Parquet, each
+of state, questions and labels is a column of JSON text (or of native mappings); line numbers
+are rows, from 1.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from ..schema import parse_request
 from .isolation import PARTITIONS
 
 SUFFIXES = (".jsonl", ".parquet")
-KEYS = {"id", "group", "split", "state", "questions", "labels"}
+KEYS = {"id", "group", "split", "state", "questions", "labels", "photo"}
 SOFT_TOLERANCE = 1e-6
 
 
@@ -46,7 +49,9 @@ class SourceState:
     group, state_id: as written to the partitions; state: a string, or a mapping whose
     optional "image" holds a decoded PIL image; questions: qid -> question as `predict` takes
     it; targets: qid -> probabilities in candidate order; split: a pinned partition or None;
-    source: an id that joins states of one source record (isolation); where: "file:line".
+    source: an id that joins states of one source record (isolation); where: "file:line";
+    photo: the id of the photo its image shows, within its collection (isolation), or None;
+    among: the partitions a hash may place it in (None: all; `dohnuts.data.isolation.Unit`).
     """
 
     group: str
@@ -57,6 +62,8 @@ class SourceState:
     split: str | None = None
     source: str | None = None
     where: str = ""
+    photo: str | None = None
+    among: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -147,7 +154,7 @@ def read_records(path: Path, reserved: tuple[str, ...] = ()) -> tuple[list[Sourc
         for number, record in _lines(file):
             seen_lines += 1
             where = f"{file}:{number}"
-            found = _record(file, number, record, reserved)
+            found = validate_record(record, f"{file}:{number}", file.stem, reserved, file.parent)
             if isinstance(found, SourceState):
                 states.append(found)
             else:
@@ -157,8 +164,17 @@ def read_records(path: Path, reserved: tuple[str, ...] = ()) -> tuple[list[Sourc
     return states, problems
 
 
-def _record(file: Path, number: int, record, reserved) -> SourceState | list[tuple[str | None, str]]:
-    """A SourceState, or the (qid or None, reason) problems of one record."""
+def validate_record(record, where: str, group: str, reserved: tuple[str, ...] = (),
+                    folder: Path | None = None) -> SourceState | list[tuple[str | None, str]]:
+    """A SourceState, or the (qid or None, reason) problems of one record.
+
+    Args:
+        record: a decoded record (a mapping with the keys of KEYS) or why it could not be decoded.
+        where: "file:line" of the record, its default id.
+        group: the group of a record that names none.
+        reserved: special-token strings no text may contain.
+        folder: where a state.image path is relative to (None: images must be decoded already).
+    """
     if isinstance(record, str):
         return [(None, record)]
     if not isinstance(record, Mapping):
@@ -177,12 +193,13 @@ def _record(file: Path, number: int, record, reserved) -> SourceState | list[tup
     split = record.get("split")
     if split is not None and split not in PARTITIONS:
         problems.append((None, f"split must be one of {PARTITIONS} or null, got {split!r}"))
-    for key in ("id", "group"):
-        if key in record and not (isinstance(record[key], str) and record[key]):
+    for key in ("id", "group", "photo"):
+        if key in record and not (key == "photo" and record[key] is None) and not (
+                isinstance(record[key], str) and record[key]):
             problems.append((None, f"{key} must be a non-empty string, got {record[key]!r}"))
     if problems:
         return problems
-    state, image_problem = decoded_state(file.parent, record["state"])
+    state, image_problem = decoded_state(folder, record["state"])
     if image_problem:
         return [(None, image_problem)]
     try:
@@ -206,19 +223,22 @@ def _record(file: Path, number: int, record, reserved) -> SourceState | list[tup
     problems.extend((qid, "a label for a question that is not asked") for qid in labels if qid not in asked)
     if problems:
         return problems
-    identifier = record.get("id", f"{file.name}:{number}")
-    return SourceState(group=record.get("group", file.stem), state_id=identifier, state=state,
+    identifier = record.get("id", Path(where).name)
+    return SourceState(group=record.get("group", group), state_id=identifier, state=state,
                        questions=dict(record["questions"]), targets=targets, split=split,
-                       source=f"id:{identifier}", where=f"{file}:{number}")
+                       source=f"id:{identifier}", where=where, photo=record.get("photo"))
 
 
-def decoded_state(folder: Path, state) -> tuple[object, str | None]:
-    """The state with its image decoded (a path relative to `folder`, the records file's, or a
-    data: URL), and None; or the state and why its image cannot be decoded."""
+def decoded_state(folder: Path | None, state) -> tuple[object, str | None]:
+    """The state with its image decoded (a path relative to `folder`, the records file's, a
+    data: URL, or a PIL image already), and None; or the state and why its image cannot be
+    decoded."""
     if not isinstance(state, Mapping) or "image" not in state:
         return state, None
     value = state["image"]
-    if not isinstance(value, str):
+    if isinstance(value, Image.Image):
+        return {**state, "image": value.convert("RGB")}, None
+    if not isinstance(value, str) or (folder is None and not value.startswith("data:")):
         return state, f"state.image must be a path relative to the records file or a data: URL, got {value!r}"
     try:
         if value.startswith("data:"):

@@ -31,6 +31,32 @@ def test_states_sharing_a_text_an_image_or_a_source_are_joined_across_groups():
     assert len({roots[0], roots[2], roots[4], roots[6], roots[7]}) == 5
 
 
+def test_one_photo_stored_with_different_bytes_by_two_groups_is_joined_by_its_photo_id():
+    units = [Unit("aokvqa", '{"question": "What is on the plate?"}', image="jpeg-bytes-a", photo="coco:397133"),
+             Unit("vqav2", '{"question": "Is it sunny?"}', image="jpeg-bytes-b", photo="coco:397133"),
+             Unit("vqav2", '{"question": "Is it raining?"}', image="jpeg-bytes-c", photo="coco:42")]
+    roots = components(units)
+    assert roots[0] == roots[1] != roots[2]
+    for seed in range(10):
+        placed, _ = assign(units, seed, FRACTIONS)
+        assert placed[0] == placed[1]
+
+
+def test_training_rows_of_a_source_with_official_splits_are_hashed_only_among_the_partitions_it_allows():
+    train_and_calibration = ("train", "calibration")
+    units = [Unit("g", f"train row {i}", among=train_and_calibration) for i in range(400)]
+    placed, _ = assign(units, 0, FRACTIONS)
+    assert set(placed) == {"train", "calibration"}
+    assert 0.05 < placed.count("calibration") / len(placed) < 0.25  # 0.1 of the 0.8 the two share
+    # A component joins the restriction of every member: shared with an unrestricted state, still two.
+    joined = [Unit("g", f"row {i}", among=train_and_calibration) for i in range(100)] + [
+        Unit("h", f"ROW {i}") for i in range(100)]
+    placed, _ = assign(joined, 0, FRACTIONS)
+    assert set(placed) <= {"train", "calibration"} and placed[:100] == placed[100:]
+    with pytest.raises(ValueError, match="among must hold train and calibration"):
+        Unit("g", "x", among=("dev", "test"))
+
+
 def test_joins_are_transitive_and_a_component_lands_whole_in_one_partition():
     units = [Unit("g", f"text {i}", image=f"image {i // 2}") for i in range(6)]  # pairs share an image
     units += [Unit("g", "text 1", source="s"), Unit("h", "other", source="s")]  # a chain: 1 - 6 - 7

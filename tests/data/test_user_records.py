@@ -135,6 +135,25 @@ def test_a_re_encoded_image_and_a_text_in_two_groups_land_in_one_partition(tmp_p
         assert report["cross_partition"] == {"texts": 0, "images": 0}
 
 
+def test_states_naming_one_photo_land_in_one_partition_whatever_their_pixels(tmp_path):
+    (tmp_path / "images").mkdir()
+    colours = [(200, 20, 20), (20, 200, 20), (20, 20, 200), (90, 90, 90)]
+    for index, colour in enumerate(colours):  # four different images, two of them one photo
+        (tmp_path / "images" / f"{index}.png").write_bytes(_png(colour))
+    crops = [{**_record(i), "state": {"caption": f"crop {i}", "image": f"images/{i}.png"},
+              "photo": "coco:7" if i < 2 else None} for i in range(4)]
+    _write(tmp_path / "crops.jsonl", crops + [_record(10 + i) for i in range(30)])
+    _write(tmp_path / "bad.jsonl", [{**_record(99), "photo": 7}])
+    states, problems = read_records(tmp_path)
+    assert [str(problem) for problem in problems] == [
+        f"{tmp_path / 'bad.jsonl'}:1: photo must be a non-empty string, got 7"]
+    assert {state.state_id: state.photo for state in states if state.group == "crops"}["r-0"] == "coco:7"
+    for seed in range(10):
+        records, _, _ = partition_rows(states, seed, FRACTIONS)
+        where = {row["state_id"]: name for name, rows in records.items() for row in rows}
+        assert where["r-0"] == where["r-1"]
+
+
 def test_pinned_splits_are_kept_and_a_conflicting_pin_is_dropped(tmp_path):
     records = [_record(i, split="test" if i < 3 else None) for i in range(20)]
     records.append({**_record(50, split="train"), "state": {"message": "message 1"}})  # r-1's text, pinned elsewhere
