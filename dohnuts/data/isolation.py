@@ -4,8 +4,9 @@ A held-out metric means something only if no row of it was seen in training. Has
 index does not ensure that: two states with the same text (or the same pixels, or the same
 source record) could land on both sides. Here every state is a node. States are joined
 (union-find, across all groups) when they share a normalised state text, the SHA-256 of their
-decoded pixels, a source id, or a photo id (one photo of a collection, such as a COCO image,
-that two sources store with different bytes). Each joined component then goes whole into one partition, chosen
+decoded pixels, a source id, or a link (an id that a source knows ties records together: the
+photo of a collection, such as a COCO image two sources store with different bytes, or one
+utterance in two languages). Each joined component then goes whole into one partition, chosen
 by a salted hash of its content. States pinned to a partition (a source's official split) win:
 a component takes the pinned partition of highest priority (test > dev > calibration > train),
 and a member pinned elsewhere is dropped, counted by reason.
@@ -57,8 +58,8 @@ def hashed_partition(seed: int, key: str, fractions: dict, among: tuple[str, ...
 class Unit:
     """One state to place. text: its rendered text (normalised here); image: the SHA-256 of its
     decoded pixels (`dohnuts.model.features.image_key`); source: an id shared by states of one
-    source record (None: none); split: a pinned partition (None: by hash); photo: the id of the
-    photo the image shows, within its collection ("coco:397133"; None: none); among: the
+    source record (None: none); split: a pinned partition (None: by hash); links: further ids
+    that join states ("photo:coco:397133", "massive:1021"); among: the
     partitions a hash may choose (None: all; a source whose official dev and test splits are
     pinned hashes its training rows among train and calibration only)."""
 
@@ -67,7 +68,7 @@ class Unit:
     image: str | None = None
     source: str | None = None
     split: str | None = None
-    photo: str | None = None
+    links: tuple[str, ...] = ()
     among: tuple[str, ...] | None = None
 
     def __post_init__(self):
@@ -86,13 +87,12 @@ class Unit:
             found.append(("image", self.image))
         if self.source is not None:
             found.append(("source", self.source))
-        if self.photo is not None:
-            found.append(("photo", self.photo))
+        found.extend(("link", link) for link in self.links)
         return found
 
     def content(self) -> str:
         """A digest of the state's content (not of its position in the source)."""
-        parts = [normalise_text(self.text) or "", self.image or "", self.source or "", self.photo or ""]
+        parts = [normalise_text(self.text) or "", self.image or "", self.source or "", *self.links]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 

@@ -70,7 +70,7 @@ def partition_rows(states, seed: int, fractions: dict, exclude=None) -> tuple[di
     """
     encoded = [_encoded(state) for state in states]
     units = [Unit(state.group, _state_text(value), pixels, getattr(state, "source", None),
-                  getattr(state, "split", None), getattr(state, "photo", None), getattr(state, "among", None))
+                  getattr(state, "split", None), getattr(state, "links", ()), getattr(state, "among", None))
              for state, (value, _, _, pixels) in zip(states, encoded)]
     placed, report = assign(units, seed, fractions)
     records: dict[str, list[dict]] = {name: [] for name in PARTITIONS}

@@ -50,7 +50,7 @@ class SourceState:
     optional "image" holds a decoded PIL image; questions: qid -> question as `predict` takes
     it; targets: qid -> probabilities in candidate order; split: a pinned partition or None;
     source: an id that joins states of one source record (isolation); where: "file:line";
-    photo: the id of the photo its image shows, within its collection (isolation), or None;
+    links: further ids that join states (isolation; a record's photo is "photo:<photo>");
     among: the partitions a hash may place it in (None: all; `dohnuts.data.isolation.Unit`).
     """
 
@@ -62,7 +62,7 @@ class SourceState:
     split: str | None = None
     source: str | None = None
     where: str = ""
-    photo: str | None = None
+    links: tuple[str, ...] = ()
     among: tuple[str, ...] | None = None
 
 
@@ -226,7 +226,8 @@ def validate_record(record, where: str, group: str, reserved: tuple[str, ...] = 
     identifier = record.get("id", Path(where).name)
     return SourceState(group=record.get("group", group), state_id=identifier, state=state,
                        questions=dict(record["questions"]), targets=targets, split=split,
-                       source=f"id:{identifier}", where=where, photo=record.get("photo"))
+                       source=f"id:{identifier}", where=where,
+                       links=(f"photo:{record['photo']}",) if record.get("photo") else ())
 
 
 def decoded_state(folder: Path | None, state) -> tuple[object, str | None]:

@@ -31,10 +31,10 @@ def test_states_sharing_a_text_an_image_or_a_source_are_joined_across_groups():
     assert len({roots[0], roots[2], roots[4], roots[6], roots[7]}) == 5
 
 
-def test_one_photo_stored_with_different_bytes_by_two_groups_is_joined_by_its_photo_id():
-    units = [Unit("aokvqa", '{"question": "What is on the plate?"}', image="jpeg-bytes-a", photo="coco:397133"),
-             Unit("vqav2", '{"question": "Is it sunny?"}', image="jpeg-bytes-b", photo="coco:397133"),
-             Unit("vqav2", '{"question": "Is it raining?"}', image="jpeg-bytes-c", photo="coco:42")]
+def test_one_photo_stored_with_different_bytes_by_two_groups_is_joined_by_a_link_to_the_photo():
+    units = [Unit("aokvqa", '{"question": "What is on it?"}', image="jpeg-bytes-a", links=("photo:coco:397133",)),
+             Unit("vqav2", '{"question": "Is it sunny?"}', image="jpeg-bytes-b", links=("photo:coco:397133",)),
+             Unit("vqav2", '{"question": "Is it raining?"}', image="jpeg-bytes-c", links=("photo:coco:42",))]
     roots = components(units)
     assert roots[0] == roots[1] != roots[2]
     for seed in range(10):

@@ -147,7 +147,7 @@ def test_states_naming_one_photo_land_in_one_partition_whatever_their_pixels(tmp
     states, problems = read_records(tmp_path)
     assert [str(problem) for problem in problems] == [
         f"{tmp_path / 'bad.jsonl'}:1: photo must be a non-empty string, got 7"]
-    assert {state.state_id: state.photo for state in states if state.group == "crops"}["r-0"] == "coco:7"
+    assert {state.state_id: state.links for state in states if state.group == "crops"}["r-0"] == ("photo:coco:7",)
     for seed in range(10):
         records, _, _ = partition_rows(states, seed, FRACTIONS)
         where = {row["state_id"]: name for name, rows in records.items() for row in rows}
