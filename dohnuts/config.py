@@ -93,7 +93,7 @@ class LoraConfig:
         _check(not unknown, f"lora.targets has unknown modules {sorted(unknown)}; known: {LORA_TARGETS}")
 
 
-DATA_SOURCES = ("synthetic", "records")
+DATA_SOURCES = ("synthetic", "records", "public")
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,11 @@ class DataConfig:
     `source: synthetic` generates the embedded mixture (`seed`, `states_per_group`,
     `image_size`); `source: records` reads the user's decision records (JSONL or Parquet) from
     `path`, a file or a folder (`dohnuts.data.user_records`), and `skip_invalid` drops invalid
-    records (counted) instead of failing on them.
+    records (counted) instead of failing on them; `source: public` converts the upstream public
+    mixture (`dohnuts.data.public`) from the raw files in `cache` (null: the Hugging Face
+    cache), its `groups` (empty: all 26), reading at most `public_pool` hashed rows a group.
+    `guard` names a file of text fingerprints (`dohnuts.data.guard`) whose rows leave every
+    partition, whatever the source.
     """
 
     source: str = "synthetic"
@@ -113,6 +117,10 @@ class DataConfig:
     states_per_group: int = 400
     image_size: int = 64
     partitions: dict = field(default_factory=lambda: {"train": 0.7, "dev": 0.1, "calibration": 0.1, "test": 0.1})
+    cache: str | None = None
+    groups: tuple[str, ...] = ()
+    public_pool: int = 12000
+    guard: str | None = None
 
     def __post_init__(self):
         _check(self.source in DATA_SOURCES, f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")
@@ -122,6 +130,9 @@ class DataConfig:
                f"data.partitions must name train, dev, calibration and test, got {sorted(self.partitions)}")
         _check(all(value > 0 for value in self.partitions.values()),
                f"data.partitions fractions must be positive, got {self.partitions}")
+        _check(self.public_pool >= 0, f"data.public_pool must be >= 0 (0: every row), got {self.public_pool}")
+        _check(not self.groups or self.source == "public",
+               f"data.groups selects public groups; it must be empty for data.source {self.source!r}")
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,9 @@ def main(params_path, base_out, data_root, summary, doctor):
     """Validate the records, then write the base model and the partitioned decision mixture, each
     with a SHA-256 manifest, and the data doctor's report."""
     params = read_params(params_path)
-    result = prepare(section(params, "model"), section(params, "data"), section(params, "train").max_tokens,
-                     Path(base_out), Path(data_root))
+    train = section(params, "train")
+    result = prepare(section(params, "model"), section(params, "data"), train.max_tokens, Path(base_out),
+                     Path(data_root), train.group_cap)
     write_json(Path(doctor), result.pop("doctor"))
     write_json(Path(summary), result)
     click.echo(describe_report(read_json(Path(doctor))))

@@ -15,6 +15,7 @@ from collections import Counter
 from ..model.base import load_processors, special_tokens
 from ..model.template import Template, pieces_of
 from ..schema import parse_request
+from .image_files import pil_state
 from .isolation import PARTITIONS
 from .records import partition_rows
 from .user_records import read_records
@@ -27,7 +28,7 @@ def token_lengths(template: Template, states) -> dict[tuple[str, str], tuple[int
     """(state tokens, row tokens) of every (state_id, qid), as the template renders them."""
     lengths = {}
     for state in states:
-        request = parse_request(state.state, state.questions, template.reserved)
+        request = parse_request(pil_state(state.state), state.questions, template.reserved)
         image = template.encode_image(request.image) if request.image is not None else None
         rows = template.encode(request, 2**62, 0 if image is not None else None, image)
         shared = len(template.tokenize(pieces_of(request)[:1])[0])

@@ -17,6 +17,7 @@ from ..io import atomic_directory, verify_manifest, write_bytes, write_manifest,
 from ..model.features import image_key
 from ..model.template import EncodedImage, Row, Template
 from ..schema import parse_request
+from .image_files import ImageFile
 from .isolation import PARTITIONS, Unit, assign, cross_partition, stable_fraction
 
 RECORDS = "records.parquet"
@@ -45,11 +46,14 @@ def _encoded(state) -> tuple[object, str | None, bytes | None, str | None]:
     value = state.state
     if not (isinstance(value, dict) and "image" in value):
         return value, None, None, None
+    rest = {key: item for key, item in value.items() if key != "image"}
+    if isinstance(value["image"], ImageFile):  # kept as the source's own bytes
+        return rest, value["image"].file_name(), value["image"].data, value["image"].key
     buffer = io.BytesIO()
     value["image"].save(buffer, format="PNG")
     data = buffer.getvalue()
     name = f"images/{hashlib.sha256(data).hexdigest()[:32]}.png"
-    return {key: item for key, item in value.items() if key != "image"}, name, data, image_key(value["image"])
+    return rest, name, data, image_key(value["image"])
 
 
 def _state_text(value) -> str:
@@ -57,15 +61,18 @@ def _state_text(value) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
-def partition_rows(states, seed: int, fractions: dict, exclude=None) -> tuple[dict, dict, dict]:
+def partition_rows(states, seed: int, fractions: dict, exclude=None,
+                   train_cap: int | None = None) -> tuple[dict, dict, dict]:
     """The rows of every partition, one per question, assigned by content
     (`dohnuts.data.isolation`): states sharing a normalised text, an image's pixels or a source
     id land in one partition, so no text or image sits in two. A row repeating an earlier one
     exactly (group, state, image, question and target) is dropped, and so is a row for which
-    `exclude(state, qid, partition)` gives a reason (a token budget); every drop is counted.
+    `exclude(state, qid, partition)` gives a reason (a token budget); beyond `train_cap` train
+    rows of a group, the rest are dropped in hash order (`hash_order`, so training's own cap
+    then keeps them all); every drop is counted.
 
     Returns:
-        ({partition: rows}, {image file: PNG bytes}, the isolation report: what it joined and
+        ({partition: rows}, {image file: its bytes}, the isolation report: what it joined and
         dropped, by reason, and the texts and images found in more than one partition's rows)
     """
     encoded = [_encoded(state) for state in states]
@@ -96,12 +103,33 @@ def partition_rows(states, seed: int, fractions: dict, exclude=None) -> tuple[di
             records[partition].append(row)
             if image_name is not None:
                 images[image_name] = data
+    if train_cap is not None:
+        records["train"] = _capped(records["train"], seed, train_cap, drops.setdefault("train_cap", {}))
+        if not drops["train_cap"]:
+            del drops["train_cap"]
+        used = {row["image"] for rows in records.values() for row in rows}
+        images = {name: data for name, data in images.items() if name in used}
     for reason, counts in drops.items():
         report["drops"][reason] = dict(sorted(counts.items()))
     written = pd.DataFrame.from_records([row for rows in records.values() for row in rows],
                                         columns=["partition", "state", "image_key"])
     report["cross_partition"] = cross_partition(written)
     return records, images, report
+
+
+def _capped(rows: list[dict], seed: int, cap: int, dropped: dict) -> list[dict]:
+    """Up to `cap` rows per group, the first in the hash order of `hash_order`."""
+    keyed = sorted((stable_fraction(seed, row["group"], row["state_id"], row["qid"]), index)
+                   for index, row in enumerate(rows))
+    kept, taken = set(), {}
+    for _, index in keyed:
+        group = rows[index]["group"]
+        if taken.get(group, 0) < cap:
+            taken[group] = taken.get(group, 0) + 1
+            kept.add(index)
+        else:
+            dropped[group] = dropped.get(group, 0) + 1
+    return [row for index, row in enumerate(rows) if index in kept]
 
 
 def write_mixture(states, root: Path, seed: int, fractions: dict, exclude=None) -> dict:

@@ -35,6 +35,7 @@ import pandas as pd
 from PIL import Image, UnidentifiedImageError
 
 from ..schema import parse_request
+from .image_files import ImageFile, pil_state
 from .isolation import PARTITIONS
 
 SUFFIXES = (".jsonl", ".parquet")
@@ -203,7 +204,7 @@ def validate_record(record, where: str, group: str, reserved: tuple[str, ...] = 
     if image_problem:
         return [(None, image_problem)]
     try:
-        request = parse_request(state, record["questions"], reserved)
+        request = parse_request(pil_state(state), record["questions"], reserved)
     except (TypeError, ValueError) as error:
         return [(None, str(error))]
     labels = record["labels"]
@@ -232,11 +233,13 @@ def validate_record(record, where: str, group: str, reserved: tuple[str, ...] = 
 
 def decoded_state(folder: Path | None, state) -> tuple[object, str | None]:
     """The state with its image decoded (a path relative to `folder`, the records file's, a
-    data: URL, or a PIL image already), and None; or the state and why its image cannot be
-    decoded."""
+    data: URL, or a PIL image or `ImageFile` already), and None; or the state and why its image
+    cannot be decoded."""
     if not isinstance(state, Mapping) or "image" not in state:
         return state, None
     value = state["image"]
+    if isinstance(value, ImageFile):
+        return dict(state), None
     if isinstance(value, Image.Image):
         return {**state, "image": value.convert("RGB")}, None
     if not isinstance(value, str) or (folder is None and not value.startswith("data:")):

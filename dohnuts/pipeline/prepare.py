@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..config import DataConfig, ModelConfig, to_dict
 from ..data import synthetic
 from ..data.doctor import budget_exclusion, diagnose, token_lengths
+from ..data.guard import guarded, read_guard
+from ..data.public.mixture import public_states
 from ..data.records import partition_rows, write_partition
 from ..data.user_records import RecordsError, read_records
 from ..io import atomic_directory, write_manifest
@@ -14,26 +17,55 @@ from ..model.base import load_processors, prepare_base, special_tokens
 from ..model.template import Template
 
 
-def source_states(model: ModelConfig, data: DataConfig) -> tuple[list, list]:
-    """The states of the configured source and the problems of its invalid records.
+def source_states(model: ModelConfig, data: DataConfig) -> tuple[list, list, dict | None]:
+    """The states of the configured source, the problems of its invalid records, and for the
+    public mixture what was read from each source (None otherwise).
 
     Raises:
         RecordsError: invalid records, unless data.skip_invalid (then they are left out).
+        MissingSources: public raw files not in the local cache (every one named).
     """
+    reserved = tuple(special_tokens(model.marker_token))
     if data.source == "synthetic":
-        return synthetic.generate(data.seed, data.states_per_group, data.image_size), []
-    states, problems = read_records(Path(data.path), tuple(special_tokens(model.marker_token)))
+        return synthetic.generate(data.seed, data.states_per_group, data.image_size), [], None
+    if data.source == "public":
+        # The sources' own rows are not the user's to fix: invalid ones are dropped and counted.
+        return public_states(data.cache, data.seed, data.public_pool, data.groups or None, reserved)
+    states, problems = read_records(Path(data.path), reserved)
     if problems and not data.skip_invalid:
         raise RecordsError(problems)
-    return states, problems
+    return states, problems, None
 
 
-def prepare(model: ModelConfig, data: DataConfig, train_tokens: int, base_out: Path, data_root: Path) -> dict:
+def exclusion(lengths: dict, train_tokens: int, inference_tokens: int, guard: frozenset[str] | None):
+    """`partition_rows`' exclude: the token budgets, then the guard's fingerprints."""
+    budget = budget_exclusion(lengths, train_tokens, inference_tokens)
+    rendered: dict[str, str] = {}
+
+    def exclude(state, qid, partition):
+        if guard:
+            text = rendered.setdefault(state.state_id, _text(state.state))
+            if guarded(state.state, text, guard):
+                return "guard"
+        return budget(state, qid, partition)
+    return exclude
+
+
+def _text(state) -> str:
+    if isinstance(state, str):
+        return state
+    return json.dumps({key: value for key, value in state.items() if key != "image"}, ensure_ascii=False)
+
+
+def prepare(model: ModelConfig, data: DataConfig, train_tokens: int, base_out: Path, data_root: Path,
+            train_cap: int | None = None) -> dict:
     """Write the base (HF format) to `base_out` and one folder per partition under `data_root`.
 
     The records are validated before anything is written. Rows over the inference budget
     (model.max_tokens) leave every partition, rows over the training budget (`train_tokens`)
-    leave train; both are counted, never truncated.
+    leave train, rows the guard names leave every partition, and train keeps at most
+    `train_cap` rows a group (training's own cap, in its hash order); all are counted, nothing
+    is truncated.
 
     Returns:
         {"partitions": row, state and group counts per partition, "isolation": what isolation by
@@ -43,19 +75,23 @@ def prepare(model: ModelConfig, data: DataConfig, train_tokens: int, base_out: P
     Raises:
         RecordsError: invalid records (nothing is written), unless data.skip_invalid.
     """
-    states, problems = source_states(model, data)
+    guard = read_guard(Path(data.guard)) if data.guard else None
+    states, problems, public = source_states(model, data)
     with atomic_directory(base_out) as tmp:
         prepare_base(model, tmp, synthetic.corpus(data.seed))
         write_manifest(tmp, {"model": to_dict(model)})
     tokenizer, processor = load_processors(base_out, model)
     lengths = token_lengths(Template(tokenizer, processor, model.marker_token), states)
     records, images, isolation = partition_rows(states, data.seed, data.partitions,
-                                                budget_exclusion(lengths, train_tokens, model.max_tokens))
+                                                exclusion(lengths, train_tokens, model.max_tokens, guard), train_cap)
     report = diagnose(states, problems, records, isolation, lengths,
                       {"training": train_tokens, "inference": model.max_tokens})
     counts = {name: write_partition(rows, images, Path(data_root) / name, name, isolation)
               for name, rows in records.items()}
-    return {"partitions": counts, "isolation": isolation, "doctor": report}
+    summary = {"partitions": counts, "isolation": isolation, "doctor": report}
+    if public is not None:
+        summary["public"] = public
+    return summary
 
 
 def describe(summary: dict) -> str:

@@ -1,0 +1,18 @@
+"""The row every public converter yields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Converted:
+    """One converted source row. record: id, group, state, questions and labels in the
+    decision-record format (`dohnuts.data.user_records`), the state without its image; split:
+    the official split of its file (train, dev, test) or None; links: ids that join it to other
+    records ("photo:coco:397133"); image: the image file's bytes, or None."""
+
+    record: dict
+    split: str | None = None
+    links: tuple[str, ...] = ()
+    image: bytes | None = None
