@@ -21,9 +21,9 @@ from pathlib import Path
 from ..image_files import ImageFile
 from ..isolation import PARTITIONS, stable_fraction
 from ..user_records import Problem, SourceState, validate_record
+from . import documents, text
 from . import sources as catalogue
-from . import text
-from .rows import Converted
+from .rows import Converted, LazyImage
 from .sources import Source
 
 Converter = Callable[[Source, dict[str, list[Path]]], Iterable[Converted]]
@@ -32,7 +32,7 @@ Converter = Callable[[Source, dict[str, list[Path]]], Iterable[Converted]]
 def converters() -> dict[str, Converter]:
     """Source name -> converter, from every family module."""
     table: dict[str, Converter] = {}
-    for family in (text,):
+    for family in (text, documents):
         table.update(family.CONVERTERS)
     return table
 
@@ -87,8 +87,9 @@ def public_states(cache, seed: int, pool: int, groups: Iterable[str] | None = No
                                                                         if file.sha256 is None)}
         rows = (row for row in table[name](source, found[name]) if wanted is None or row.record["group"] in wanted)
         kept, read = _pooled(rows, seed, pool)
+        images: dict[str, ImageFile | str] = {}
         for row in kept:
-            found_state = _validated(row, name, source, reserved)
+            found_state = _validated(row, name, source, reserved, images)
             if isinstance(found_state, SourceState):
                 states.append(found_state)
             else:
@@ -119,13 +120,32 @@ def _pooled(rows: Iterator[Converted], seed: int, pool: int) -> tuple[list[Conve
     return kept, read
 
 
-def _validated(row: Converted, name: str, source: Source, reserved) -> SourceState | list[Problem]:
+def _image(image: bytes | LazyImage, images: dict) -> ImageFile:
+    """The ImageFile of a row's image, decoded once per LazyImage key.
+
+    Raises:
+        ValueError: not an image Pillow can decode (the reason is remembered for the key).
+    """
+    if isinstance(image, bytes):
+        return ImageFile.from_bytes(image)
+    if image.key not in images:
+        try:
+            images[image.key] = ImageFile.from_bytes(image.load())
+        except (ValueError, KeyError, OSError) as error:
+            images[image.key] = f"{image.key}: {error}"
+    found = images[image.key]
+    if isinstance(found, str):
+        raise ValueError(found)
+    return found
+
+
+def _validated(row: Converted, name: str, source: Source, reserved, images: dict) -> SourceState | list[Problem]:
     """The row as a SourceState (validated as a user record is), or its problems."""
     record = dict(row.record)
     where = f"{name}:{record.get('id')}"
     if row.image is not None:
         try:
-            record["state"] = {**record["state"], "image": ImageFile.from_bytes(row.image)}
+            record["state"] = {**record["state"], "image": _image(row.image, images)}
         except ValueError as error:
             return [Problem(where, f"image: {error}")]
     found = validate_record(record, where, record.get("group", name), reserved)

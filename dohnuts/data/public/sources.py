@@ -56,10 +56,13 @@ class Source:
     hub: str | None = None
     revision: str | None = None
     note: str = ""
+    archive_splits: tuple[str, ...] = ()
 
     def pinned_splits(self) -> set[str]:
-        """The official splits this source pins (dev, test): its training rows hash among the rest."""
-        return {file.split for file in self.files if file.split in ("dev", "test")}
+        """The official splits this source pins (dev, test), in its files or inside its archives
+        (`archive_splits`): its training rows hash among the rest."""
+        return {split for split in [file.split for file in self.files] + list(self.archive_splits)
+                if split in ("dev", "test")}
 
     def where(self, file: RawFile) -> str:
         """Where a raw file comes from, for messages: its URL, or hf://datasets/<repo>@<revision>/<path>."""
@@ -80,7 +83,8 @@ def manifest() -> dict[str, Source]:
     sources = {}
     for entry in data["sources"]:
         files = tuple(RawFile(**file) for file in entry.pop("files"))
-        source = Source(files=files, groups=tuple(entry.pop("groups")), **entry)
+        source = Source(files=files, groups=tuple(entry.pop("groups")),
+                        archive_splits=tuple(entry.pop("archive_splits", ())), **entry)
         bad = [file.path for file in files if file.split not in (*OFFICIAL_SPLITS, None)]
         if bad or not files or (source.hub is None and any(file.url is None for file in files)):
             raise ValueError(f"manifest.json: source {source.name} has a bad file list {bad or list(files)}")
