@@ -21,7 +21,7 @@ from pathlib import Path
 from ..image_files import ImageFile
 from ..isolation import PARTITIONS, stable_fraction
 from ..user_records import Problem, SourceState, validate_record
-from . import documents, mail, text, vision
+from . import clevr, documents, mail, screens, text, vision
 from . import sources as catalogue
 from .rows import Converted, LazyImage
 from .sources import Source
@@ -32,7 +32,7 @@ Converter = Callable[[Source, dict[str, list[Path]]], Iterable[Converted]]
 def converters() -> dict[str, Converter]:
     """Source name -> converter, from every family module."""
     table: dict[str, Converter] = {}
-    for family in (text, documents, mail, vision):
+    for family in (text, documents, mail, vision, clevr, screens):
         table.update(family.CONVERTERS)
     return table
 
