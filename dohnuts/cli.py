@@ -1,4 +1,5 @@
-"""The `dohnuts` command: the data doctor, the `/v1/systemone` server, batch prediction.
+"""The `dohnuts` command: the data doctor, the `/v1/systemone` server, batch prediction, the
+public mixture's sources.
 
 The one module of the library that imports click: a console entry point, like the stage
 scripts, above every wing.
@@ -6,6 +7,7 @@ scripts, above every wing.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -88,6 +90,67 @@ def predict(checkpoint, source, output, device):
     counts = predict_file(_load(Path(checkpoint), device), Path(source), Path(output))
     click.echo(f"{counts['answered']} answered, {counts['errors']} invalid, {counts['skipped']} already answered "
                f"of {counts['lines']} lines -> {output}")
+
+
+@main.group()
+def public():
+    """The upstream public mixture (data.source: public): its sources, fetching them, the guard."""
+
+
+def _public_sources(params_path: str, groups: tuple[str, ...]):
+    from .data.public.mixture import select
+
+    data = section(read_params(params_path), "data") if Path(params_path).is_file() else section({}, "data")
+    try:
+        return data, select(groups or data.groups or None)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+
+
+@public.command("sources")
+@click.option("--params", "params_path", default="params.yaml", show_default=True,
+              help="Parameters file for data.cache and data.groups (the defaults when it does not exist).")
+@click.option("--group", "groups", multiple=True, help="Only the sources of this group (repeatable).")
+def public_sources(params_path, groups):
+    """List every source: its groups, origin, revision, license, and whether its raw files are cached."""
+    from .data.public.sources import locate
+
+    data, sources = _public_sources(params_path, groups)
+    for name, source in sources.items():
+        found, missing = locate(source, data.cache)
+        origin = f"{source.hub}@{source.revision}" if source.hub else "its own release"
+        state = "cached" if not missing else f"{len(missing)} of {len(source.files)} files missing"
+        click.echo(f"{name:16s} {', '.join(source.groups)}\n    {origin}; {source.license}; {state}")
+
+
+@public.command("fetch")
+@click.option("--params", "params_path", default="params.yaml", show_default=True,
+              help="Parameters file for data.cache and data.groups (the defaults when it does not exist).")
+@click.option("--group", "groups", multiple=True, help="Only the sources of this group (repeatable).")
+def public_fetch(params_path, groups):
+    """Download the raw files of the selected sources into the cache (needs network), verify the
+    pinned SHA-256s, and print the digest of every file (to pin the unpinned ones)."""
+    from .data.public.sources import SourceIntegrityError, fetch
+
+    data, sources = _public_sources(params_path, groups)
+    try:
+        digests = fetch(sources, data.cache, echo=click.echo)
+    except (OSError, SourceIntegrityError) as error:
+        raise click.ClickException(f"{type(error).__name__}: {error}") from None
+    click.echo(json.dumps(digests, indent=2, sort_keys=True))
+
+
+@public.command("fingerprint")
+@click.argument("texts", type=click.File("r", encoding="utf-8"))
+def public_fingerprint(texts):
+    """Print the guard fingerprint of every line of TEXTS (- for standard input): put them in the
+    file data.guard names to keep those texts out of every partition."""
+    from .data.guard import fingerprint
+
+    for line in texts:
+        digest = fingerprint(line.rstrip("\n"))
+        if digest is not None:
+            click.echo(digest)
 
 
 def _load(folder: Path, device):

@@ -30,3 +30,21 @@ def test_doctor_exits_1_and_names_each_broken_line(tmp_path):
     assert f"{tmp_path / 'bad.jsonl'}:1: questions is empty" in result.output
     assert f"{tmp_path / 'bad.jsonl'}:2: not valid JSON" in result.output
     assert "token lengths not checked" in result.output
+
+
+def test_public_fingerprint_prints_what_the_guard_matches_and_sources_show_the_cache(tmp_path):
+    from dohnuts.data.guard import fingerprint, guarded
+
+    texts = tmp_path / "benchmark.txt"
+    texts.write_text("Is the refund owed?\n\n  IS the refund, owed  \n")
+    result = CliRunner().invoke(main, ["public", "fingerprint", str(texts)])
+    assert result.exit_code == 0, result.output
+    lines = result.output.split()
+    assert lines == [fingerprint("Is the refund owed?")] * 2  # case, punctuation and spacing do not matter
+    assert guarded({"message": "is the refund owed"}, '{"message": "is the refund owed"}', frozenset(lines))
+    assert not guarded({"message": "is a refund owed"}, "", frozenset(lines))
+    params = tmp_path / "params.yaml"
+    params.write_text(f"data:\n  source: public\n  cache: {tmp_path / 'cache'}\n  groups: [boolq]\n")
+    result = CliRunner().invoke(main, ["public", "sources", "--params", str(params)])
+    assert result.exit_code == 0, result.output
+    assert "boolq" in result.output and "2 of 2 files missing" in result.output and "xnli" not in result.output

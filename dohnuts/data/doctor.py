@@ -13,9 +13,10 @@ import statistics
 from collections import Counter
 
 from ..model.base import load_processors, special_tokens
+from ..model.batch import EncodedImage
 from ..model.template import Template, pieces_of
 from ..schema import parse_request
-from .image_files import pil_state
+from .image_files import ImageFile, pil_state
 from .isolation import PARTITIONS
 from .records import partition_rows
 from .user_records import read_records
@@ -26,10 +27,18 @@ SHOWN_PROBLEMS = 50
 
 def token_lengths(template: Template, states) -> dict[tuple[str, str], tuple[int, int]]:
     """(state tokens, row tokens) of every (state_id, qid), as the template renders them."""
-    lengths = {}
+    lengths, encoded = {}, {}
     for state in states:
         request = parse_request(pil_state(state.state), state.questions, template.reserved)
-        image = template.encode_image(request.image) if request.image is not None else None
+        image = None
+        if request.image is not None:
+            # A public source shows one image in many rows (CLEVR: 10 questions a scene): preprocess it once.
+            file = state.state["image"] if isinstance(state.state["image"], ImageFile) else None
+            image = encoded.get(file.key) if file is not None else None
+            if image is None:
+                image = template.encode_image(request.image)
+                if file is not None:  # its grid is all the token count needs: keep no pixels
+                    encoded[file.key] = image = EncodedImage(None, image.grid_thw, file.key)
         rows = template.encode(request, 2**62, 0 if image is not None else None, image)
         shared = len(template.tokenize(pieces_of(request)[:1])[0])
         for row in rows:

@@ -5,9 +5,10 @@ UI element by its index in the screen's view hierarchy (depth-first, pre-order);
 archive holds each screen's screenshot and view hierarchy. Candidates are the visible leaf
 elements inside the screen, each as its box in [0, 1] coordinates (duplicate boxes once).
 `screenqa_choice` picks the answering region among them; `screenqa_noul` asks of the answering
-region and of one other (chosen by hash) whether it answers. Questions whose raters disagree,
-name no single element, or whose screen offers fewer than 2 or more than 128 candidates are
-left out. The screens used are extracted once from the archive next to it.
+region and of one other (chosen by hash) whether it answers. The state is the screenshot alone.
+Questions whose raters disagree, name no single element, or whose screen offers fewer than 2 or
+more than 128 candidates are left out. The screens used are extracted once from the archive,
+next to it.
 """
 
 from __future__ import annotations
@@ -119,10 +120,11 @@ def screenqa(source, found) -> Iterator[Converted]:
             yield Converted(record, split, links, image)
             others = sorted(key for key in boxes if key != answer)
             negative = others[int(stable_fraction("screenqa", identifier) * len(others))]
-            instructions = f"Does this region of the screen answer the question? {row['question']}"
             for key, truth in ((answer, True), (negative, False)):
-                record = {"id": f"{identifier}:r{key}", "group": "screenqa_noul",
-                          "state": {"region": box_text(boxes[key])},
+                # The region goes in the question, not the state: one box recurs on many screens,
+                # and a state text shared across screens would join them all into one partition.
+                instructions = f"Does the region {box_text(boxes[key])} answer the question: {row['question']}"
+                record = {"id": f"{identifier}:r{key}", "group": "screenqa_noul", "state": {},
                           "questions": {"answers": {"type": "noul", "instructions": instructions}},
                           "labels": {"answers": truth}}
                 yield Converted(record, split, links, image)

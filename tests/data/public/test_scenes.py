@@ -101,9 +101,12 @@ def test_screenqa_regions_come_from_the_view_hierarchy_and_disagreeing_raters_ar
         "r7": "box [left, top, right, bottom] = [0.000, 0.156, 1.000, 0.234]"}  # visible leaves only
     assert choice["labels"] == {"region": "r2"} and choice["state"] == {}
     positive, negative = rows[1].record, rows[2].record
-    assert positive["state"] == {"region": choice["questions"]["region"]["criteria"]["r2"]}
+    assert positive["state"] == negative["state"] == {}  # the screenshot alone: a box recurs across screens
+    assert positive["questions"]["answers"] == {"type": "noul", "instructions": (
+        "Does the region box [left, top, right, bottom] = [0.000, 0.000, 0.139, 0.078] answer the question: "
+        "Where is the menu?")}
     assert positive["labels"] == {"answers": True} and negative["labels"] == {"answers": False}
-    assert negative["state"]["region"] != positive["state"]["region"]
+    assert negative["questions"]["answers"]["instructions"] != positive["questions"]["answers"]["instructions"]
     assert rows[0].image.load() == jpeg((250, 250, 250)) and rows[0].links == ("rico:5",)
     extracted = sorted(path.name for path in (found["unique_uis.tar.gz"][0].parent / "unique_uis.tar.gz.screens")
                        .iterdir())
