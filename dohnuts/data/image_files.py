@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 from dataclasses import dataclass
@@ -41,7 +42,9 @@ class ImageFile:
         with Image.open(io.BytesIO(self.data)) as image:
             return image.convert("RGB")
 
+    @functools.cached_property
     def file_name(self) -> str:
+        """Its file in a partition folder, named by its bytes (hashed once: many rows share it)."""
         return f"images/{hashlib.sha256(self.data).hexdigest()[:32]}{self.suffix}"
 
 

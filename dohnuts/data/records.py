@@ -48,7 +48,7 @@ def _encoded(state) -> tuple[object, str | None, bytes | None, str | None]:
         return value, None, None, None
     rest = {key: item for key, item in value.items() if key != "image"}
     if isinstance(value["image"], ImageFile):  # kept as the source's own bytes
-        return rest, value["image"].file_name(), value["image"].data, value["image"].key
+        return rest, value["image"].file_name, value["image"].data, value["image"].key
     buffer = io.BytesIO()
     value["image"].save(buffer, format="PNG")
     data = buffer.getvalue()
