@@ -187,17 +187,21 @@ class TrainConfig:
                f"train.group_cap must be >= 1 and max_tokens >= 16, got {self.group_cap}, {self.max_tokens}")
 
 
+# Computed tokens an evaluation batch holds (select, calibrate, test): whole requests up to this.
+EVALUATION_BATCH_TOKENS = 16384
+
+
 @dataclass(frozen=True)
 class SelectConfig:
     """Selection on the dev partition."""
 
     dev_rows_per_group: int = 256
-    batch_rows: int = 32
+    batch_tokens: int = EVALUATION_BATCH_TOKENS
 
     def __post_init__(self):
-        _check(self.dev_rows_per_group >= 1 and self.batch_rows >= 1,
-               f"select.dev_rows_per_group and batch_rows must be >= 1, got "
-               f"{self.dev_rows_per_group}, {self.batch_rows}")
+        _check(self.dev_rows_per_group >= 1 and self.batch_tokens >= 1,
+               f"select.dev_rows_per_group and batch_tokens must be >= 1, got "
+               f"{self.dev_rows_per_group}, {self.batch_tokens}")
 
 
 @dataclass(frozen=True)
@@ -209,12 +213,12 @@ class CalibrateConfig:
     iterations: int = 100
     min_temperature: float = 0.1
     max_temperature: float = 10.0
-    batch_rows: int = 32
+    batch_tokens: int = EVALUATION_BATCH_TOKENS
 
     def __post_init__(self):
-        _check(self.min_rows >= 1 and self.iterations >= 1 and self.lr > 0 and self.batch_rows >= 1,
-               f"calibrate.min_rows, iterations and batch_rows must be >= 1 and lr > 0, got "
-               f"{self.min_rows}, {self.iterations}, {self.batch_rows}, {self.lr}")
+        _check(self.min_rows >= 1 and self.iterations >= 1 and self.lr > 0 and self.batch_tokens >= 1,
+               f"calibrate.min_rows, iterations and batch_tokens must be >= 1 and lr > 0, got "
+               f"{self.min_rows}, {self.iterations}, {self.batch_tokens}, {self.lr}")
         _check(0 < self.min_temperature < self.max_temperature,
                f"calibrate temperature bounds must satisfy 0 < min < max, got "
                f"{self.min_temperature}, {self.max_temperature}")
@@ -224,10 +228,10 @@ class CalibrateConfig:
 class TestConfig:
     """Evaluation on the test partition."""
 
-    batch_rows: int = 32
+    batch_tokens: int = EVALUATION_BATCH_TOKENS
 
     def __post_init__(self):
-        _check(self.batch_rows >= 1, f"test.batch_rows must be >= 1, got {self.batch_rows}")
+        _check(self.batch_tokens >= 1, f"test.batch_tokens must be >= 1, got {self.batch_tokens}")
 
 
 SHAPE_NAMES = ("qwen3_5-0.8b",)  # the shapes dohnuts.measure.shapes can build

@@ -73,6 +73,19 @@ class Template:
             self.piece_chars -= len(text)
         return out
 
+    def image_tokens(self) -> int:
+        """The most tokens an image's block takes under the processor's fixed pixel count (its
+        patches merged 2x2, vision start and end, the newline after), or 0 without a processor:
+        what a batch planner counts for an image it has not preprocessed."""
+        processor = self.image_processor
+        size = getattr(processor, "size", None) or {}
+        pixels = getattr(size, "longest_edge", None) or (size.get("longest_edge") if isinstance(size, dict) else None)
+        pixels = pixels or getattr(processor, "max_pixels", None)
+        if processor is None or not pixels:
+            return 0
+        patch = getattr(processor, "patch_size", 16) * getattr(processor, "merge_size", SPATIAL_MERGE)
+        return pixels // patch**2 + 2 + len(self.newline_ids)
+
     def encode_image(self, image, key: str | None = None) -> EncodedImage:
         """Pixels and patch grid of a decoded image; `key` is its `image_key` when known."""
         out = self.image_processor(images=[image], return_tensors="pt")

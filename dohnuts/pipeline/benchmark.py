@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
-from ..config import BenchmarkConfig, LoraConfig, TrainConfig
+from ..config import EVALUATION_BATCH_TOKENS, BenchmarkConfig, LoraConfig, TrainConfig
 from ..data import synthetic
 from ..data.loader import loader_workers
 from ..data.records import RecordReader, load_records, write_mixture
@@ -500,7 +500,7 @@ def synchronous_evaluation(model, build, plan) -> list[dict]:
 
 
 def evaluation_throughput_record(model, template, max_tokens: int, root: Path, states_per_group: int = 12,
-                                 batch_rows: int = 32) -> dict:
+                                 batch_tokens: int = EVALUATION_BATCH_TOKENS) -> dict:
     """Rows per second of evaluation on a generated image-and-text partition: `evaluate` (loader
     workers, prefetch, overlapped results) against `synchronous_evaluation`. The image-feature
     cache is emptied before each timed pass, so both encode every image; each path runs once
@@ -510,9 +510,10 @@ def evaluation_throughput_record(model, template, max_tokens: int, root: Path, s
     folder = root / "test"
     rows, reader = load_records(folder), RecordReader(folder)
     build = EvaluationBatches(template, reader, max_tokens)
-    plan = plan_batches(rows, batch_rows)
+    plan = plan_batches(rows, batch_tokens, template)
     device = model.device
-    passes = {"overlapped": lambda: evaluate(model, template, reader, rows, batch_rows, max_tokens, desc="overlapped"),
+    passes = {"overlapped": lambda: evaluate(model, template, reader, rows, batch_tokens, max_tokens,
+                                             desc="overlapped"),
               "synchronous": lambda: synchronous_evaluation(model, build, plan)}
     seconds = {}
     for name, run in passes.items():
@@ -524,7 +525,7 @@ def evaluation_throughput_record(model, template, max_tokens: int, root: Path, s
         synchronize(device)
         seconds[name] = time.perf_counter() - start
         model.image_cache.clear()
-    record = {"workload": "evaluation_throughput", "rows": len(rows), "batches": len(plan),
+    record = {"workload": "evaluation_throughput", "rows": len(rows), "batches": len(plan), "batch_tokens": batch_tokens,
               "images": int(rows.image.notna().sum()), "loader_workers": loader_workers(device)}
     for name, value in seconds.items():
         record[f"{name}_seconds"] = value

@@ -21,7 +21,7 @@ def calibrate(merged: Path, data: Path, config: CalibrateConfig, out: Path) -> d
     place = world()
     model, template, model_config, _ = load_merged(merged, place.device)
     rows = load_records(data)
-    table = evaluate(model, template, RecordReader(data), rows, config.batch_rows, model_config.max_tokens,
+    table = evaluate(model, template, RecordReader(data), rows, config.batch_tokens, model_config.max_tokens,
                      desc="calibrate", place=place)
     if table is None:  # another rank's share: rank 0 fits and writes
         return None

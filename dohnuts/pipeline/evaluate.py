@@ -10,7 +10,8 @@ from tqdm import tqdm
 
 from ..data.loader import Item, prefetch, worker_batches
 from ..data.records import RecordReader
-from ..model.template import Template
+from ..model.batch import PREFIX_ALIGN
+from ..model.template import Template, pieces_of
 from ..schema import parse_request
 from ..scoring.calibration import apply_temperatures
 from ..scoring.metrics import masked_softmax, row_metrics, summarize
@@ -22,15 +23,35 @@ def _requests(rows: pd.DataFrame) -> list[pd.DataFrame]:
     return [table for _, table in rows.groupby("state_id", sort=False)]
 
 
-def plan_batches(rows: pd.DataFrame, batch_rows: int) -> list[list[pd.DataFrame]]:
-    """Whole requests per batch, closing a batch once it holds at least `batch_rows` rows."""
+def request_tokens(template: Template, table: pd.DataFrame) -> int:
+    """The tokens one request (a state's records) computes once packed, as `pack_rows` lays it
+    out: the image block and state, shared by its questions down to a multiple of
+    `PREFIX_ALIGN`, then each question's own header, candidates and markers. Counted from the
+    text, without decoding the image (`Template.image_tokens` bounds its block)."""
+    state = json.loads(table.iloc[0]["state"])
+    questions = {qid: json.loads(question) for qid, question in zip(table.qid, table.question)}
+    request = parse_request(state, questions, template.reserved)
+    pieces = iter(len(ids) for ids in template.tokenize(pieces_of(request)))
+    image = table.iloc[0]["image"]
+    prefix = next(pieces) + (template.image_tokens() if isinstance(image, str) and image else 0)
+    own = [next(pieces) + sum(next(pieces) + 1 for _ in question.candidates)  # header, candidates, markers
+           for question in request.questions]
+    split = prefix // PREFIX_ALIGN * PREFIX_ALIGN if len(own) > 1 else 0
+    return split + sum(prefix - split + tokens for tokens in own)
+
+
+def plan_batches(rows: pd.DataFrame, batch_tokens: int, template: Template) -> list[list[pd.DataFrame]]:
+    """Whole requests per batch, in order, up to `batch_tokens` computed tokens a batch (a
+    request over the budget goes alone): batches sized by work, not by a count of rows, so a
+    forward's fixed cost is spread over as many tokens as the budget allows."""
     batches, current, count = [], [], 0
     for table in _requests(rows):
-        current.append(table)
-        count += len(table)
-        if count >= batch_rows:
+        tokens = request_tokens(template, table)
+        if current and count + tokens > batch_tokens:
             batches.append(current)
             current, count = [], 0
+        current.append(table)
+        count += tokens
     if current:
         batches.append(current)
     return batches
@@ -98,7 +119,7 @@ def _results(host: torch.Tensor, done, meta: list[dict]) -> list[dict]:
 
 
 @torch.no_grad()
-def evaluate(model, template: Template, reader: RecordReader, rows: pd.DataFrame, batch_rows: int,
+def evaluate(model, template: Template, reader: RecordReader, rows: pd.DataFrame, batch_tokens: int,
              max_tokens: int, desc: str = "evaluate", workers: int | None = None,
              place: World | None = None) -> pd.DataFrame | None:
     """Logits of every row; all questions of a state go into one request.
@@ -114,7 +135,7 @@ def evaluate(model, template: Template, reader: RecordReader, rows: pd.DataFrame
     """
     place = place or World(0, 1, model.device)
     model.eval()
-    plan = plan_batches(rows, batch_rows)
+    plan = plan_batches(rows, batch_tokens, template)
     mine = shard(place, len(plan))
     done: list[tuple[int, list[dict]]] = []
     bar = tqdm(total=sum(sum(len(table) for table in plan[index]) for index in mine), desc=desc, unit="row",

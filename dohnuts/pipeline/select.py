@@ -40,7 +40,7 @@ def select(checkpoints: Path, base: Path, data: Path, model: ModelConfig, lora: 
     table = []
     for folder in folders:
         decision, _ = load_adapter_model(base, model.dtype, lora, folder, device)
-        logits = evaluate(decision, template, reader, dev, config.batch_rows, model.max_tokens, desc=folder.name,
+        logits = evaluate(decision, template, reader, dev, config.batch_tokens, model.max_tokens, desc=folder.name,
                           place=place)
         if logits is None:
             continue

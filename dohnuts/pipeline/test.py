@@ -16,11 +16,11 @@ from .distributed import World, gathered, shard, world
 from .evaluate import plan_batches, request_of, score_table
 
 
-def predictions(predictor: Predictor, rows: pd.DataFrame, reader: RecordReader, batch_rows: int,
+def predictions(predictor: Predictor, rows: pd.DataFrame, reader: RecordReader, batch_tokens: int,
                 place: World | None = None) -> pd.DataFrame | None:
     """Every record of a partition answered through `Predictor.predict_many`, what a user of
     the checkpoint gets (its CUDA graphs, temperatures and `answer`): one request per state,
-    whole requests per batch of about `batch_rows` rows.
+    whole requests per batch, up to `batch_tokens` computed tokens.
 
     Under several processes (`place`) each rank answers every size-th batch and rank 0 gathers
     the rows in the original order.
@@ -30,7 +30,7 @@ def predictions(predictor: Predictor, rows: pd.DataFrame, reader: RecordReader, 
         served (the calibrated probabilities of the answer); None on ranks other than 0.
     """
     place = place or World(0, 1, predictor.model.device)
-    plan = plan_batches(rows, batch_rows)
+    plan = plan_batches(rows, batch_tokens, predictor.template)
     done = []
     bar = tqdm(total=len(rows), desc="test", unit="row", dynamic_ncols=True, disable=not place.main)
     for index in shard(place, len(plan)):
@@ -76,7 +76,7 @@ def test(checkpoint: Path, data: Path, config: TestConfig) -> tuple[pd.DataFrame
     """
     place = world()
     predictor = Predictor.from_checkpoint(checkpoint, place.device)
-    table = predictions(predictor, load_records(data), RecordReader(data), config.batch_rows, place)
+    table = predictions(predictor, load_records(data), RecordReader(data), config.batch_tokens, place)
     if table is None:  # another rank's share: rank 0 scores and writes
         return None
     raw_rows, raw = score_table(table)

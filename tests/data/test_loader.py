@@ -11,7 +11,9 @@ from dohnuts.data.loader import prefetch, worker_batches
 from dohnuts.data.records import RecordReader, load_records
 from dohnuts.model.base import load_backbone
 from dohnuts.model.decision import DecisionModel, new_head
-from dohnuts.pipeline.evaluate import EvaluationBatches, evaluate, plan_batches
+from dohnuts.pipeline.evaluate import EvaluationBatches, _requests, evaluate, plan_batches, request_tokens
+
+BUDGET = 400  # computed tokens a test batch holds: two or three of the tiny partition's requests
 
 
 def _same_item(a, b):
@@ -39,8 +41,8 @@ def evaluation(tiny):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_worker_batches_and_prefetch_keep_order_and_content(evaluation, workers):
-    _, _, rows, build = evaluation
-    plan = plan_batches(rows, 4)
+    template, _, rows, build = evaluation
+    plan = plan_batches(rows, BUDGET, template)
     assert len(plan) > 2
     expected = [build(tables) for tables in plan]
     device = torch.device("cpu")
@@ -50,21 +52,38 @@ def test_worker_batches_and_prefetch_keep_order_and_content(evaluation, workers)
         _same_item(ours, reference)
 
 
-def test_batches_hold_whole_requests_and_every_row_once(evaluation):
-    _, _, rows, _ = evaluation
-    plan = plan_batches(rows, 4)
+def test_batches_hold_whole_requests_and_every_row_once_within_the_token_budget(evaluation):
+    template, _, rows, build = evaluation
+    plan = plan_batches(rows, BUDGET, template)
     states = [set(table.state_id) for tables in plan for table in tables]
     assert all(len(state) == 1 for state in states)  # a table is one state
     flat = pd.concat([table for tables in plan for table in tables])
-    assert sorted(flat.index) == sorted(rows.index)
-    assert all(sum(len(t) for t in tables) - len(tables[-1]) < 4 for tables in plan)
+    assert list(flat.index) == list(rows.index)  # in order: results line up with the records
+    assert len(plan) > 2 and max(len(tables) for tables in plan) > 1
+    for tables, following in zip(plan, plan[1:] + [None]):
+        tokens = build(tables).batch.computed_tokens
+        assert tokens <= BUDGET or len(tables) == 1
+        if following is not None:  # closed only when the next request would not fit
+            assert tokens + request_tokens(template, following[0]) > BUDGET
 
 
-def _synchronous_rows(model, build, rows, table):
+def test_request_tokens_are_the_tokens_its_packed_batch_computes(evaluation):
+    """The planner's count, from text alone, equals what `pack_rows` lays out for the request:
+    its shared prefix once, aligned down, image block included."""
+    template, _, rows, build = evaluation
+    requests = _requests(rows)
+    assert any(isinstance(table.iloc[0]["image"], str) for table in requests)
+    assert any(len(table) > 1 for table in requests)
+    alone = [table.iloc[:1] for table in requests]  # one question: its row runs whole, no prefix shared
+    for table in requests + alone:
+        assert request_tokens(template, table) == build([table]).batch.computed_tokens, table.iloc[0]["state_id"]
+
+
+def _synchronous_rows(model, template, build, rows, table):
     """The plain loop's result rows: build a batch, run it, read its logits."""
     expected = []
     with torch.no_grad():
-        for tables in plan_batches(rows, 4):
+        for tables in plan_batches(rows, BUDGET, template):
             item = build(tables)
             logits = model(item.batch.to(model.device)).cpu()
             for index, meta in enumerate(item.meta):
@@ -77,9 +96,9 @@ def test_overlapped_evaluation_writes_exactly_the_rows_of_the_synchronous_loop(t
     template, reader, rows, build = evaluation
     backbone = load_backbone(tiny.base, torch.float32).eval()
     model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
-    table = evaluate(model, template, reader, rows, 4, 4096, workers=1)
+    table = evaluate(model, template, reader, rows, BUDGET, 4096, workers=1)
     assert len(table) == len(rows)
-    pd.testing.assert_frame_equal(table, _synchronous_rows(model, build, rows, table))
+    pd.testing.assert_frame_equal(table, _synchronous_rows(model, template, build, rows, table))
 
 
 @pytest.mark.gpu
@@ -89,8 +108,8 @@ def test_evaluation_on_cuda_copies_results_on_a_side_stream_in_order_and_content
     template, reader, rows, build = evaluation
     backbone = load_backbone(tiny.base, torch.bfloat16).eval()
     model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).to("cuda").eval()
-    table = evaluate(model, template, reader, rows, 4, 4096, workers=1)
-    expected = _synchronous_rows(model, build, rows, table)
+    table = evaluate(model, template, reader, rows, BUDGET, 4096, workers=1)
+    expected = _synchronous_rows(model, template, build, rows, table)
     assert list(zip(table.state_id, table.qid)) == list(zip(expected.state_id, expected.qid))
     for ours, reference in zip(table.logits, expected.logits):
         assert ours == pytest.approx(reference, abs=1e-6)  # the same kernels on the same inputs
@@ -98,8 +117,8 @@ def test_evaluation_on_cuda_copies_results_on_a_side_stream_in_order_and_content
 
 @pytest.mark.gpu
 def test_prefetch_on_cuda_matches_synchronous_copies_and_pins_worker_batches(evaluation):
-    _, _, rows, build = evaluation
-    plan = plan_batches(rows, 4)
+    template, _, rows, build = evaluation
+    plan = plan_batches(rows, BUDGET, template)
     device = torch.device("cuda")
     loaded = list(worker_batches(build, plan, device, 1))
     assert all(item.batch.input_ids.is_pinned() for item in loaded)

@@ -36,14 +36,14 @@ def main(job: str, settings: dict) -> None:
 
         out = Path(settings["out"])
         metrics = select(Path(settings["checkpoints"]), Path(settings["base"]), Path(settings["data"]),
-                         ModelConfig(image_pixels=64 * 64), LoraConfig(), SelectConfig(batch_rows=4),
+                         ModelConfig(image_pixels=64 * 64), LoraConfig(), SelectConfig(batch_tokens=400),
                          out / "adapter", out / "selection.parquet", out / "curve")
         if metrics is not None:
             write_json(Path(settings["result"]), metrics)
     elif job == "test":
         from dohnuts.pipeline.test import test
 
-        outputs = test(Path(settings["checkpoint"]), Path(settings["data"]), TestConfig(batch_rows=4))
+        outputs = test(Path(settings["checkpoint"]), Path(settings["data"]), TestConfig(batch_tokens=400))
         if outputs is not None:
             write_json(Path(settings["result"]), {"metrics": outputs[1],
                                                   "probabilities": list(map(list, outputs[0].probabilities))})

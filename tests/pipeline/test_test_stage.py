@@ -12,7 +12,7 @@ from dohnuts.pipeline.test import test as run_test_stage
 def test_test_stage_probabilities_equal_predict_on_each_request_alone(tiny, deployable):
     root, _ = deployable
     folder = tiny.partition("test")
-    scored, metrics, diagrams = run_test_stage(root / "checkpoint", folder, TestConfig(batch_rows=8))
+    scored, metrics, diagrams = run_test_stage(root / "checkpoint", folder, TestConfig(batch_tokens=800))
     rows, reader = load_records(folder), RecordReader(folder)
     assert len(scored) == len(rows)
     predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
