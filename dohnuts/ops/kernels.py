@@ -416,9 +416,22 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         A_log, dt_bias: [HV]; when given, g is the raw gate input and the log decay is
             `decay(g, A_log, dt_bias)`, which the fused kernel computes as it reads g.
 
+    On CUDA, packed sequences from zero states that need no gradient (inference: the shared
+    prefixes, or rows without one), none over `SCAN_TOKENS`, run `triton_ops.delta_rule_scan`,
+    one launch; the rest runs FLA's chunked kernels.
+
     Returns:
         ([B, T, HV, V] output in v's dtype, final states or None)
     """
+    ours = _ours(q)
+    if (ours is not None and A_log is not None and initial_state is None and not use_qk_l2norm_in_kernel
+            and cu_seqlens is not None and cu_seqlens_cpu is not None and q.shape[0] == 1
+            and not _differentiable(q, k, v, g, beta, A_log, dt_bias)
+            and _longest(cu_seqlens_cpu) <= ours.SCAN_TOKENS):
+        # Inference: one launch of our scan instead of FLA's wrappers (see `triton_ops.delta_rule_scan`).
+        out, final = ours.delta_rule_scan(q[0], k[0], v[0], g[0], beta[0], None, None, cu_seqlens,
+                                          output_final_state, A_log, dt_bias)
+        return out[None], final
     kernels = fused(q)
     if kernels is not None:
         gate = {} if A_log is None else {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
@@ -431,6 +444,16 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         g = decay(g, A_log, dt_bias)
     return gated_delta_rule_chunked(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
                                     use_qk_l2norm_in_kernel)
+
+
+def _differentiable(*tensors) -> bool:
+    """Whether autograd would record an operation on these tensors."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
+def _longest(cu_seqlens_cpu: torch.Tensor) -> int:
+    """The longest sequence of a host copy of cumulative lengths."""
+    return int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max()) if len(cu_seqlens_cpu) > 1 else 0
 
 
 def fork_states(states: torch.Tensor, parents: torch.Tensor, orphans: bool) -> torch.Tensor:
@@ -450,18 +473,22 @@ def gated_delta_rule_forked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     `orphans` announces). q, k come L2-normalised; g is the raw gate input (see
     `chunk_gated_delta_rule` for the rest).
 
-    On CUDA, rows of at most 64 tokens that need no gradient run `triton_ops.delta_rule_rows`,
-    one program a row, head and block of values reading the parent's state in place; the
-    others fork the states (`fork_states`) and run `chunk_gated_delta_rule`, which has a
-    backward. Both compute the same chunk form of the recurrence.
+    On CUDA, rows that need no gradient read the parent's state in place: rows of at most 64
+    tokens run `triton_ops.delta_rule_rows` (one program a row, head and block of values),
+    longer ones up to `SCAN_TOKENS` run `triton_ops.delta_rule_scan`. The others fork the
+    states (`fork_states`) and run `chunk_gated_delta_rule`, which has a backward. All compute
+    the chunk form of the recurrence.
     """
     ours = _ours(q)
-    differentiable = torch.is_grad_enabled() and any(
-        x.requires_grad for x in (q, k, v, g, beta, states, A_log, dt_bias))
-    if ours is not None and longest <= ours.ROW_TOKENS and not differentiable:
-        out = ours.delta_rule_rows(q[0], k[0], v[0], g[0], beta[0], states, parents, cu_seqlens, longest, A_log,
-                                   dt_bias)
-        return out[None]
+    if ours is not None and not _differentiable(q, k, v, g, beta, states, A_log, dt_bias):
+        if longest <= ours.ROW_TOKENS:
+            out = ours.delta_rule_rows(q[0], k[0], v[0], g[0], beta[0], states, parents, cu_seqlens, longest, A_log,
+                                       dt_bias)
+            return out[None]
+        if longest <= ours.SCAN_TOKENS:
+            out, _ = ours.delta_rule_scan(q[0], k[0], v[0], g[0], beta[0], states, parents, cu_seqlens, False,
+                                          A_log, dt_bias)
+            return out[None]
     out, _ = chunk_gated_delta_rule(q, k, v, g, beta, fork_states(states, parents, orphans), False, cu_seqlens,
                                     False, cu_seqlens_cpu, chunk_indices, A_log, dt_bias)
     return out

@@ -299,6 +299,45 @@ def test_delta_rule_rows_matches_reference_and_fla_on_forked_states(heads, value
     assert _relative_error(ours, fla) < 1e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, value_heads, width", [(16, 16, 128), (2, 4, 40)])
+def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width):
+    """The whole-sequence scan (bf16, sequences of 1 to 700 tokens): from zero states keeping the
+    final states (as prefixes run), and from forked states (as long rows run), against the float32
+    recurrence and FLA's chunked kernels on the same sequences."""
+    lengths = [1, 15, 16, 17, 65, 130, 257, 700, 44]
+    total = sum(lengths)
+    q, k, v, _, beta = _delta_inputs(total, heads=heads, value_heads=value_heads, key_dim=width, value_dim=width,
+                                     device="cuda", dtype=torch.bfloat16)
+    q, k = kernels.l2norm(q.float()).bfloat16(), kernels.l2norm(k.float()).bfloat16()
+    generator = torch.Generator(device="cpu").manual_seed(3)
+    gate = torch.randn(1, total, value_heads, generator=generator).to("cuda", torch.bfloat16)
+    A_log, dt_bias = (torch.randn(value_heads, generator=generator).to("cuda") * 0.5 for _ in range(2))
+    states = torch.randn(3, value_heads, width, width, generator=generator).to("cuda") * 0.1
+    parents = torch.tensor([n % 4 - 1 for n in range(len(lengths))], device="cuda")
+    cu = _cu(lengths, "cuda").to(torch.int32)
+    scan = kernels._triton_ops().delta_rule_scan
+    log_decay = kernels.decay(gate, A_log, dt_bias)
+    forked = kernels.fork_states(states, parents, True)
+    with torch.no_grad():
+        fresh, final = scan(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias)
+        continued, _ = scan(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log, dt_bias)
+        fla_fresh, fla_final = kernels.fused(q)["chunk_gated_delta_rule"](
+            q, k, v, gate, beta, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=False,
+            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+        fla_continued, _ = kernels.fused(q)["chunk_gated_delta_rule"](
+            q, k, v, gate, beta, initial_state=forked, cu_seqlens=cu, use_qk_l2norm_in_kernel=False,
+            use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    reference, reference_final = kernels.gated_delta_rule_reference(q, k, v, log_decay, beta, None, True, cu.long(),
+                                                                    normalise=False)
+    reference_continued, _ = kernels.gated_delta_rule_reference(q, k, v, log_decay, beta, forked, False, cu.long(),
+                                                                normalise=False)
+    assert _relative_error(fresh[None], reference) < 1e-2 and _relative_error(fresh[None], fla_fresh) < 1e-2
+    assert _relative_error(final, reference_final) < 1e-2 and _relative_error(final, fla_final) < 1e-2
+    assert _relative_error(continued[None], reference_continued) < 1e-2
+    assert _relative_error(continued[None], fla_continued) < 1e-2
+
+
 def test_triton_kernels_match_references_under_triton_interpreter():
     """dohnuts.triton_ops on the CPU through Triton's interpreter (tests/triton_interpreted.py):
     conv_split_heads, the norms and SwiGLU against their references, outputs and every gradient, on

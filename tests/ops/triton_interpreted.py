@@ -154,6 +154,44 @@ def check_delta_rule_rows():
                  f"{reference.abs().max().item():.2f})")
 
 
+def check_delta_rule_scan():
+    """delta_rule_scan against the token-by-token reference: sequences of 1 to 130 tokens
+    (every 16-token part boundary, several parts), from zero states keeping the final states
+    (prefixes) and from forked states (long rows, some without a parent), grouped heads and
+    value blocks of 16 with a partial last one."""
+    default = triton_ops.VALUES
+    generator = torch.Generator().manual_seed(9)
+    heads, key_dim, value_heads = 2, 8, 4
+    try:
+        for value_dim, values in ((6, default), (40, 16)):
+            triton_ops.VALUES = values
+            for lengths in ([1, 15, 16, 17, 33, 64, 65, 130], [5], [97, 2]):
+                total = sum(lengths)
+                cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+                q, k = (kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
+                v = torch.randn(total, value_heads, value_dim, generator=generator)
+                gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
+                A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
+                log_decay = kernels.decay(gate, A_log, dt_bias)
+                case = f"delta_rule_scan lengths={lengths} V={value_dim} block={values}"
+                ours, final = triton_ops.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias)
+                reference, reference_final = kernels.gated_delta_rule_reference(
+                    q[None], k[None], v[None], log_decay[None], beta[None], None, True, cu.long(), normalise=False)
+                close(f"{case} from zero", ours, reference[0])
+                close(f"{case} final states", final, reference_final)
+                states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
+                parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
+                ours, none = triton_ops.delta_rule_scan(q, k, v, gate, beta, states, parents, cu, False, A_log,
+                                                        dt_bias)
+                reference, _ = kernels.gated_delta_rule_reference(
+                    q[None], k[None], v[None], log_decay[None], beta[None], kernels.fork_states(states, parents, True),
+                    False, cu.long(), normalise=False)
+                assert none is None, case
+                close(f"{case} forked", ours, reference[0])
+    finally:
+        triton_ops.VALUES = default
+
+
 def check_decoder_with_triton_kernels():
     """The decoder as it runs on CUDA (our Triton kernels for the convolution and head split,
     RMSNorm, gated RMSNorm and SwiGLU), against its CPU path: a random tiny Qwen3.5, shared prefixes forked to
@@ -256,10 +294,35 @@ def check_decoder_with_triton_kernels():
     close("decoder output with gradients, short rows", training[0], reference[0])
     close("decoder input gradient, short rows", training[1], reference_grad)
 
+    # Without gradients, the prefixes and rows over 64 tokens take delta_rule_scan (and no FLA
+    # call is left); with them, the differentiable path.
+    embeds, positions, cu, prefixes = layout(row_lengths)
+    own, own_positions = embeds[prefixes.tokens:].detach(), positions[:, prefixes.tokens:]  # the rows alone
+    with torch.no_grad():
+        expected = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(row_lengths))
+    scan_calls = []
+    scan = triton_ops.delta_rule_scan
+    triton_ops.delta_rule_scan = lambda *args: scan_calls.append(args[5] is None) or scan(*args)
+    kernels._ours = lambda x: triton_ops if x.dtype != torch.float64 else None
+    try:
+        with torch.no_grad():
+            scanned = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(row_lengths))
+        assert scan_calls == [True, False] * 3, scan_calls  # a layer: the prefixes from zero, then the rows
+        with torch.no_grad():
+            alone = packed_forward(model, own, own_positions, cu, False, None, cu, chunk_plan(row_lengths))
+        assert scan_calls[6:] == [True] * 3, scan_calls  # rows without prefixes: one call a layer
+    finally:
+        triton_ops.delta_rule_scan, kernels._ours = scan, ours
+    close("decoder output with delta_rule_scan", scanned, expected)
+    with torch.no_grad():
+        plain_alone = packed_forward(model, own, own_positions, cu, False, None, cu, chunk_plan(row_lengths))
+    close("decoder output with delta_rule_scan, no prefixes", alone, plain_alone)
+
 
 if __name__ == "__main__":
     check_conv_split_heads()
     check_delta_rule_rows()
+    check_delta_rule_scan()
     check_norms_and_swiglu()
     check_decoder_with_triton_kernels()
     print("ok")

@@ -1,0 +1,110 @@
+"""Where a first-seen request's time goes on the GPU: the script behind the
+`h200-first-sight-*.txt` files in docs/results/.
+
+    python3 benchmarks/first_sight.py > first-sight.txt
+
+On the shape-only Qwen3.5-0.8B predictor the benchmark stage times (random weights, bf16, the
+real tokenizer), over the benchmark's varied-traffic requests (each a layout no graph holds):
+
+1. the eager language forward (`DecisionModel.forward`, no CUDA graph) of every text request,
+   with the delta rule through our kernels (`delta_rule_rows`, `delta_rule_scan`: what the
+   runtime runs) and again through FLA's chunked kernels for prefixes and long rows (what ran
+   before): p50, p95 and the largest difference of logits between the two;
+2. one image miss of `vision_protocol_image_1q`, step by step: the content hash, the
+   preprocessing on the host, the copy, the vision tower, and the whole `predict` with the
+   image-feature cache emptied first.
+Every timing is bracketed by device synchronisations.
+"""
+
+import statistics
+import sys
+import time
+
+import torch
+
+from dohnuts.measure.shapes import shape_only_predictor
+from dohnuts.measure.traffic import varied_requests
+from dohnuts.model.features import image_key
+from dohnuts.model.vision import image_features
+from dohnuts.ops import kernels
+from dohnuts.pipeline.benchmark import percentile, workloads
+
+
+def timed(call, calls: int = 1) -> list[float]:
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return samples
+
+
+def line(label: str, samples: list[float]) -> None:
+    print(f"{label:46s} p50 {statistics.median(samples):8.3f} ms  p95 {percentile(samples, 0.95):8.3f}  "
+          f"min {min(samples):8.3f}  n={len(samples)}", flush=True)
+
+
+@torch.no_grad()
+def eager_forwards(predictor, count: int) -> None:
+    model, device = predictor.model, predictor.model.device
+    batches = [predictor.encode(state, questions)[0].to(device)
+               for state, questions in varied_requests(count, seed=0) if "image" not in state]
+    ops = kernels._triton_ops()
+    routes = {"ours (delta_rule_rows + delta_rule_scan)": ops.SCAN_TOKENS, "FLA chunked for prefixes, long rows": 0}
+    logits = {}
+    for label, scan_tokens in routes.items():
+        ops.SCAN_TOKENS = scan_tokens
+        try:
+            for batch in batches[:4]:  # compile and autotune outside the timing
+                model(batch)
+            samples, outputs = [], []
+            for batch in batches:
+                out = []
+                samples += timed(lambda: out.append(model(batch)))  # noqa: B023 - called at once
+                outputs.append(out[0])
+            logits[label] = outputs
+            line(f"eager forward, {label}", samples)
+        finally:
+            ops.SCAN_TOKENS = routes["ours (delta_rule_rows + delta_rule_scan)"]
+    ours, fla = logits.values()
+    difference = max((a - b).abs().max().item() for a, b in zip(ours, fla))
+    tokens = [batch.computed_tokens for batch in batches]
+    print(f"{len(batches)} text requests of {min(tokens)} to {max(tokens)} computed tokens; largest logit "
+          f"difference ours vs FLA: {difference:.3e}", flush=True)
+
+
+@torch.no_grad()
+def image_miss(predictor) -> None:
+    state, questions = workloads()["vision_protocol_image_1q"]
+    image, template, model = state["image"], predictor.template, predictor.model
+    line("image_key (content hash)", timed(lambda: image_key(image), 20))
+    line("preprocess on the host (processor)", timed(lambda: template.encode_image(image), 20))
+    encoded = template.encode_image(image)
+    device = model.device
+    line("pixels to the device", timed(lambda: encoded.pixel_values.to(device), 20))
+    pixels, grid = encoded.pixel_values.to(device), encoded.grid_thw.to(device)
+    visual = model.backbone.visual
+    image_features(visual, pixels, grid)
+    line(f"vision tower, eager (grid {encoded.grid_thw.tolist()})", timed(lambda: image_features(visual, pixels, grid), 20))
+
+    def miss():
+        model.image_cache.clear()
+        predictor.predict(state, questions)
+
+    miss()
+    line("predict, image-feature cache emptied", timed(miss, 20))
+    line("predict, cache warm", timed(lambda: predictor.predict(state, questions), 20))
+
+
+def main(count: int = 80) -> None:
+    if not torch.cuda.is_available():
+        sys.exit("first_sight: needs a CUDA device")
+    predictor = shape_only_predictor("qwen3_5-0.8b")
+    eager_forwards(predictor, int(count))
+    image_miss(predictor)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:2])
