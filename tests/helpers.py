@@ -1,5 +1,9 @@
 """Helpers shared by tests in several folders (tests/ is on the path through its conftest)."""
 
+from PIL import Image
+
+from dohnuts.schema import parse_request
+
 
 def state_of_tokens(template, tokens: int) -> str:
     """A text state whose rendered beginning "State: ...\\n" is exactly `tokens` long."""
@@ -9,3 +13,36 @@ def state_of_tokens(template, tokens: int) -> str:
             if len(template.tokenizer(f"State: {state}\n", add_special_tokens=False)["input_ids"]) == tokens:
                 return state
     raise AssertionError(f"no state renders to {tokens} tokens")
+
+
+def batch_of(template, requests):
+    """A host batch of (state, questions) requests, each its own image if it has one."""
+    rows, images = [], []
+    for state, questions in requests:
+        request = parse_request(state, questions, template.reserved)
+        image = None
+        if request.image is not None:
+            image = template.encode_image(request.image)
+            images.append(image)
+        rows += template.encode(request, 4096, len(images) - 1 if image is not None else None, image)
+    return template.collate(rows, images)
+
+
+def questions(count, candidates=3, words=1):
+    return {f"q{index}": {"type": "choice", "instructions": "Which one fits? " * words,
+                          "criteria": [f"option {c}" for c in range(candidates)]} for index in range(count)}
+
+
+def square_image(colour):
+    image = Image.new("RGB", (64, 64), "white")
+    image.paste(colour, (8, 8, 40, 40))
+    return image
+
+
+LAYOUTS = {
+    "shared prefix": [({"note": "a long note about a parcel " * 12}, questions(3))],
+    "no prefix (one question)": [("short", questions(1))],
+    "image and text requests": [({"note": "a square " * 20, "image": square_image((200, 30, 30))}, questions(2)),
+                                ("another short state", questions(2, candidates=5))],
+    "long rows": [("a state of many words " * 10, questions(1, words=12))],
+}

@@ -95,4 +95,6 @@ def shape_only_predictor(name: str, device: str | torch.device | None = None):
     tokenizer: for timing only, its answers mean nothing."""
     device = torch.device(device) if device is not None else default_device()
     model, template, config = shape_only_parts(name, device)
-    return Predictor(model, template, config, {"choice": 1.0, "noul": 1.0, "score": 1.0})
+    predictor = Predictor(model, template, config, {"choice": 1.0, "noul": 1.0, "score": 1.0})
+    predictor.prepare_graphs()
+    return predictor

@@ -88,6 +88,7 @@ class Batch:
     image_keys: tuple[str, ...]
     image_has_pixels: tuple[bool, ...]
     input_tokens: int  # tokens of the rows as written, prefix counted in every row
+    rows_bound: int | None = None  # a bound on the longest row, planned for instead of it (buckets)
 
     @property
     def computed_tokens(self) -> int:

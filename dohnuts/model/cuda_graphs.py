@@ -1,4 +1,4 @@
-"""CUDA graphs of the inference forward: a request layout seen again replays a captured graph.
+"""CUDA graphs of the inference forward: a request layout that recurs replays a captured graph.
 
 On the H200 the language forward of a small request is launch-bound: the GPU works for about
 3 ms while the host spends 50 ms or more issuing kernels, most of it in flash-linear-
@@ -12,12 +12,25 @@ layout: a replay copies the new embeddings and index tensors into the graph's in
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import OrderedDict
 
 import torch
 
 from ..ops import kernels
 from .batch import Batch
+from .buckets import all_buckets, bucket_for, empty_batch, pad_to_bucket
+from .decision import plan_segments
+from .decoder import (
+    Prefixes,
+    attention_core,
+    attention_inputs,
+    attention_output,
+    delta_layer,
+    final_norm,
+    mlp_block,
+    rotary_tables,
+)
 
 # The batch fields `DecisionModel.scores` reads on the device (plus the fork); the others
 # (token ids, pixels, image slots) only feed the eager embeddings. The plan fields hold values
@@ -44,6 +57,9 @@ def layout_key(batch: Batch) -> tuple:
     if batch.fork is not None:
         key.append(("fork", tuple(batch.fork.key_index.shape), *batch.fork.plan()))
     return tuple(key)
+
+
+CAPTURE_AT = 3  # the sighting of a layout that captures its graph
 
 
 class _Graph:
@@ -80,34 +96,160 @@ class _Graph:
         return self.output.clone()  # graphs share a memory pool: the next replay may reuse it
 
 
+class _BucketGraph:
+    """A bucket's forward (`dohnuts.model.buckets`) as one CUDA graph per stretch of layers
+    between attention cores, which run eagerly between the replays: each row's keys (its
+    prefix's, then its own) are the one part of the work whose size varies within a bucket,
+    and flash attention plans it on the host in microseconds.
+
+    Piece j replays the output side of attention layer j - 1 (its gate, projection and MLP),
+    the delta-rule layers up to attention layer j, and that layer's norm and projections; the
+    last piece ends with the final norm and the head at the markers. Each piece's outputs stay
+    alive for the next, in a memory pool the bucket graphs share."""
+
+    FIELDS = ("position_ids", "prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices", "chunk_indices", "markers",
+              "candidate_mask")
+
+    def __init__(self, model, bucket, batch: Batch, pool):
+        language = model.backbone.language_model
+        self.model, self.bucket, self.config = model, bucket, language.config
+        self.layers = language.layers
+        self.attention = [index for index, kind in enumerate(self.config.layer_types) if kind == "full_attention"]
+        static = {name: getattr(batch, name).clone() for name in self.FIELDS}
+        self.parents = batch.fork.parents.clone()
+        self.static = dataclasses.replace(batch, **static, fork=dataclasses.replace(batch.fork, parents=self.parents))
+        self.embeds = torch.zeros(bucket.tokens, self.config.hidden_size, device=batch.input_ids.device,
+                                  dtype=language.get_input_embeddings().weight.dtype)
+        self.rows, self.prefixes = plan_segments(self.static)
+        heads, head_dim = self.config.num_attention_heads, self.config.head_dim
+        self.attended = [torch.zeros(bucket.tokens, heads, head_dim, dtype=self.embeds.dtype, device=self.embeds.device)
+                         for _ in self.attention]  # each attention core's output, copied in
+        self.outputs: list = []
+        side = torch.cuda.Stream(self.embeds.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # kernels compile and autotune, cuBLAS plans, outside the capture
+                self.outputs = []
+                for index in range(len(self.attention) + 1):
+                    self.outputs.append(self._piece(index))
+                    if index < len(self.attention):
+                        self._attend(index, batch.fork)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graphs, self.outputs = [], []
+        for index in range(len(self.attention) + 1):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs.append(self._piece(index))
+            self.graphs.append(graph)
+
+    def _piece(self, index: int):
+        """Piece `index` over the static inputs and the previous piece's outputs: (hidden, q, k,
+        v, gate, cos, sin) before attention layer `index`, or the logits after the last."""
+        config, layers, attention = self.config, self.layers, self.attention
+        if index == 0:
+            cos, sin = rotary_tables(config, self.static.position_ids, self.embeds.dtype)
+            hidden, first = self.embeds, 0
+        else:
+            hidden, _, _, _, gate, cos, sin = self.outputs[index - 1]
+            layer = layers[attention[index - 1]]
+            hidden = mlp_block(layer, config, hidden, attention_output(layer.self_attn, self.attended[index - 1], gate))
+            first = attention[index - 1] + 1
+        last = attention[index] if index < len(attention) else len(layers)
+        for layer in layers[first:last]:  # delta-rule layers only: pieces end at attention layers
+            hidden = delta_layer(layer, config, hidden, self.rows, self.prefixes, False)
+        if index == len(attention):
+            rows = final_norm(self.model.backbone.language_model, hidden, self.static.prefix_tokens)
+            return self.model.logits(rows, self.static.markers, self.static.candidate_mask)
+        layer = layers[last]
+        normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
+        return (hidden, *attention_inputs(layer.self_attn, config, normed, cos, sin), cos, sin)
+
+    def _attend(self, index: int, fork) -> None:
+        _, query, key, value, _, _, _ = self.outputs[index]
+        prefixes = Prefixes(self.static.prefix_tokens, self.prefixes.segments, fork)
+        self.attended[index].copy_(attention_core(self.config, query, key, value, self.rows, prefixes))
+
+    def replay(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Logits [rows, candidates] of a padded batch of this bucket (on the device)."""
+        self.embeds.copy_(embeds)
+        for name in self.FIELDS:
+            getattr(self.static, name).copy_(getattr(batch, name))
+        self.parents.copy_(batch.fork.parents)
+        for index, graph in enumerate(self.graphs):
+            graph.replay()
+            if index < len(self.attention):
+                self._attend(index, batch.fork)
+        return self.outputs[-1].clone()
+
+
 class GraphedScores:
     """`model.scores` through CUDA graphs for inference on CUDA; any other call runs eagerly.
 
-    A layout is captured the second time it is seen (a one-off layout never pays for a
-    capture) and kept in an LRU of `capacity` graphs sharing one memory pool. A layout whose
-    capture fails runs eagerly from then on, and the failure is logged once. Graphs are
+    A layout is captured the `capture_at`-th time it is seen (third by default) and kept in an
+    LRU of `capacity` graphs sharing one memory pool. A capture costs about three eager calls,
+    so the layouts of varied traffic, mostly met once or twice, never pay for one; a layout
+    that keeps coming back (a client's fixed form) is captured on its third call. Any other
+    host batch that fits a bucket `prepare` captured (`dohnuts.model.buckets`) is padded to it
+    and replays the bucket's graphs: first sight included, with no capture on the request.
+    A layout whose capture fails runs eagerly from then on, and the failure is logged once. Graphs are
     dropped when the model's `generation` changes (a device or dtype move, or modules
     replaced, e.g. LoRA injected) and when any parameter changes in place (a graph reads the
     weights themselves, but also constants `kernels.derived` made from them).
     """
 
-    def __init__(self, model, capacity: int = 8, remembered: int = 1024):
+    def __init__(self, model, capacity: int = 8, remembered: int = 1024, capture_at: int = CAPTURE_AT,
+                 pad_id: int = 0):
+        if capture_at < 1:
+            raise ValueError(f"capture_at must be >= 1, got {capture_at}")
         self.model = model
         self.capacity = capacity
         self.remembered = remembered
+        self.capture_at = capture_at
+        self.pad_id = pad_id
         self.graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self.seen: OrderedDict[tuple, None] = OrderedDict()
+        self.seen: OrderedDict[tuple, int] = OrderedDict()  # eager sightings of each layout
         self.failed: set[tuple] = set()
         self.pool = None
+        self.buckets: dict = {}  # Bucket -> _BucketGraph, made by `prepare`
+        self.wanted: tuple = ()  # the buckets `prepare` was asked for, made again after a change
+        self.stale = False  # the model changed since they were
         self.generation, self.parameters, self.versions = None, [], None
-        self.stats = {"eager": 0, "captures": 0, "replays": 0, "failed": 0}
+        self.stats = {"eager": 0, "captures": 0, "replays": 0, "failed": 0, "bucket_replays": 0,
+                      "padding_tokens": 0, "prepare_seconds": 0.0}
 
-    def __call__(self, batch: Batch) -> torch.Tensor:
+    def prepare(self, buckets=None) -> int:
+        """Capture the graphs of `buckets` (all of `buckets.all_buckets` by default) on a CUDA
+        model, so first-seen layouts replay one: at load or warm-up, never on a request.
+        Returns how many were captured (0 on the CPU). A bucket whose capture fails is left
+        out, and the failure logged once."""
         model = self.model
-        embeds = model.embeddings(batch)
-        if not embeds.is_cuda or model.training or torch.is_grad_enabled():
-            self.stats["eager"] += 1
-            return model.scores(embeds, batch)
+        if model.device.type != "cuda":
+            return 0
+        self._check_versions()
+        self.stale = False
+        self.wanted = tuple(all_buckets() if buckets is None else buckets)
+        pool = torch.cuda.graph_pool_handle()
+        start = time.perf_counter()
+        with torch.no_grad():
+            for bucket in self.wanted:
+                if bucket in self.buckets:
+                    continue
+                try:
+                    batch = empty_batch(bucket, self.pad_id).to(model.device)
+                    self.buckets[bucket] = _BucketGraph(model, bucket, batch, pool)
+                except Exception as error:  # noqa: BLE001 - a failed bucket leaves its batches eager
+                    self.stats["failed"] += 1
+                    kernels.slow_path(f"bucket-capture-{bucket}", f"the CUDA graphs of {bucket} failed to capture, "
+                                                                  f"so its batches run eagerly: "
+                                                                  f"{type(error).__name__}: {error}")
+                    torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        self.stats["prepare_seconds"] += time.perf_counter() - start
+        return len(self.buckets)
+
+    def _check_versions(self) -> None:
+        """Drop every graph when the model changed (see the class docstring)."""
+        model = self.model
         if model.generation != self.generation:
             self.generation, self.parameters, self.versions = model.generation, list(model.parameters()), None
         versions = tuple(parameter._version for parameter in self.parameters)
@@ -115,21 +257,46 @@ class GraphedScores:
             self.graphs.clear()
             self.seen.clear()
             self.failed.clear()
+            self.stale = bool(self.buckets)
+            self.buckets.clear()
             self.versions = versions
+
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        """Logits [B, K] of a batch, on the host or already on the model's device (a host
+        batch can also take a bucket's graphs)."""
+        model = self.model
+        device = model.device
+        if device.type != "cuda" or model.training or torch.is_grad_enabled():
+            self.stats["eager"] += 1
+            return model(batch.to(device))
+        on_host = not batch.input_ids.is_cuda
+        self._check_versions()
+        if self.stale:
+            self.prepare(self.wanted)  # the model changed: its buckets are captured again
         key = layout_key(batch)
         graph = self.graphs.get(key)
-        if graph is None and key in self.seen and key not in self.failed:
-            graph = self._capture(key, embeds, batch)
+        moved = batch.to(device) if on_host else batch
+        embeds = None
+        if graph is None and self.seen.get(key, 0) + 1 >= self.capture_at and key not in self.failed:
+            embeds = model.embeddings(moved)
+            graph = self._capture(key, embeds, moved)
         if graph is not None:
             self.graphs.move_to_end(key)
             self.stats["replays"] += 1
-            return graph.replay(embeds, batch)
-        self.seen[key] = None
+            return graph.replay(model.embeddings(moved) if embeds is None else embeds, moved)
+        self.seen[key] = self.seen.get(key, 0) + 1
         self.seen.move_to_end(key)
         if len(self.seen) > self.remembered:
             self.seen.popitem(last=False)
+        bucket = bucket_for(batch, self.buckets) if on_host and self.buckets else None
+        if bucket is not None:
+            padded = pad_to_bucket(batch, bucket, self.pad_id).to(device)
+            self.stats["bucket_replays"] += 1
+            self.stats["padding_tokens"] += bucket.tokens - batch.computed_tokens
+            logits = self.buckets[bucket].replay(model.embeddings(padded), padded)
+            return logits[: batch.markers.shape[0], : batch.markers.shape[1]]
         self.stats["eager"] += 1
-        return model.scores(embeds, batch)
+        return model.scores(model.embeddings(moved) if embeds is None else embeds, moved)
 
     def _capture(self, key: tuple, embeds: torch.Tensor, batch: Batch) -> _Graph | None:
         if not self.graphs:

@@ -75,13 +75,10 @@ class DecisionModel(nn.Module):
         Shared prefixes (`batch.fork`) run once, in the same pass as the rows, and every row
         continues its prefix's states.
         """
-        prefixes = None
-        if batch.fork is not None:
-            prefixes = Prefixes(batch.prefix_tokens, Segments.of(batch.prefix_cu_seqlens, batch.prefix_cu_seqlens_cpu,
-                                                                 batch.prefix_chunk_indices), batch.fork)
+        rows, prefixes = plan_segments(batch)
         return packed_forward(self.backbone.language_model, embeds, batch.position_ids, batch.cu_seqlens,
                               self.activation_checkpointing and self.training, prefixes, batch.cu_seqlens_cpu,
-                              batch.chunk_indices)
+                              batch.chunk_indices, rows.max_seqlen)
 
     def hidden_states(self, batch: Batch) -> torch.Tensor:
         """Final hidden states of the rows' own tokens [S, D] (see `language`)."""
@@ -90,13 +87,28 @@ class DecisionModel(nn.Module):
     def scores(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Logits [B, K] float32 (0 where masked) from the input embeddings: the part of the
         forward with no host-side decisions, which a CUDA graph can replay."""
-        picked = self.language(embeds, batch)[batch.markers]  # [B, K, D]
+        return self.logits(self.language(embeds, batch), batch.markers, batch.candidate_mask)
+
+    def logits(self, hidden: torch.Tensor, markers: torch.Tensor, candidate_mask: torch.Tensor) -> torch.Tensor:
+        """The head at the markers [B, K] of the rows' final hidden states [S, D]: [B, K] float32,
+        0 where masked."""
+        picked = hidden[markers]  # [B, K, D]
         logits = self.head(picked.to(self.head.weight.dtype)).squeeze(-1)  # [B, K], the head in float32
-        return logits.masked_fill(~batch.candidate_mask, 0.0)
+        return logits.masked_fill(~candidate_mask, 0.0)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Args: batch on the model's device. Returns: logits [B, K] float32 (0 where masked)."""
         return self.scores(self.embeddings(batch), batch)
+
+
+def plan_segments(batch: Batch) -> tuple[Segments, Prefixes | None]:
+    """The rows' `Segments` and the shared `Prefixes` (None without) of a batch's plan."""
+    rows = Segments.of(batch.cu_seqlens, batch.cu_seqlens_cpu, batch.chunk_indices, batch.rows_bound)
+    prefixes = None
+    if batch.fork is not None:
+        prefixes = Prefixes(batch.prefix_tokens, Segments.of(batch.prefix_cu_seqlens, batch.prefix_cu_seqlens_cpu,
+                                                             batch.prefix_chunk_indices), batch.fork)
+    return rows, prefixes
 
 
 def new_head(hidden_size: int, std: float, generator: torch.Generator | None = None) -> nn.Linear:

@@ -64,11 +64,15 @@ class Segments:
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None = None,
-           chunk_indices: torch.Tensor | None = None) -> Segments:
+           chunk_indices: torch.Tensor | None = None, max_seqlen: int | None = None) -> Segments:
+        """`max_seqlen`, when given, bounds the longest sequence instead (a CUDA graph of a
+        bucket serves every layout under its bound: `dohnuts.model.buckets`)."""
         if cu_seqlens_cpu is None:
             cu_seqlens_cpu = cu_seqlens.cpu()  # one synchronisation for the whole pass
-        lengths = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
-        return cls(cu_seqlens, cu_seqlens_cpu, int(lengths.max()) if len(lengths) else 0, chunk_indices)
+        if max_seqlen is None:
+            lengths = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
+            max_seqlen = int(lengths.max()) if len(lengths) else 0
+        return cls(cu_seqlens, cu_seqlens_cpu, max_seqlen, chunk_indices)
 
 
 @dataclass(frozen=True)
@@ -108,12 +112,9 @@ def project(module, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _attention(module, config, hidden: torch.Tensor, cos, sin, rows: Segments, prefixes: Prefixes | None):
-    """Gated, partially rotary, grouped-query attention of packed tokens. hidden: [T, D].
-
-    With `prefixes`, the prefixes and the rows run in one call: each row's queries see its
-    prefix's keys, then its own (`Fork`). Returns [T, D].
-    """
+def attention_inputs(module, config, hidden: torch.Tensor, cos, sin):
+    """A full-attention layer's query, key and value (normed, rotated) and output gate from its
+    normed input [T, D]: ([T, H, Dh], [T, HKV, Dh], [T, HKV, Dh], [T, H * Dh])."""
     head_dim = config.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     total = hidden.shape[0]
@@ -123,15 +124,31 @@ def _attention(module, config, hidden: torch.Tensor, cos, sin, rows: Segments, p
                            config.rms_norm_eps)
     value = project(module.v_proj, hidden).view(total, kv_heads, head_dim)
     query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
+    return query, key, value, gate.reshape(total, -1)
+
+
+def attention_core(config, query, key, value, rows: Segments, prefixes: Prefixes | None) -> torch.Tensor:
+    """Causal attention of packed tokens [T, H, Dh]. With `prefixes`, the prefixes and the rows
+    run in one call: each row's queries see its prefix's keys, then its own (`Fork`)."""
+    scale = config.head_dim**-0.5
     if prefixes is None:
-        out = kernels.attention(query, key, value, rows.cu_seqlens, rows.cu_seqlens, rows.max_seqlen, rows.max_seqlen,
-                                head_dim**-0.5)
-    else:
-        fork = prefixes.fork
-        out = kernels.attention(query, key[fork.key_index], value[fork.key_index], fork.cu_seqlens_q,
-                                fork.cu_seqlens_k, fork.max_seqlen_q, fork.max_seqlen_k, head_dim**-0.5)
-    out = out.reshape(total, heads * head_dim) * torch.sigmoid(gate.reshape(total, -1))
-    return project(module.o_proj, out)
+        return kernels.attention(query, key, value, rows.cu_seqlens, rows.cu_seqlens, rows.max_seqlen, rows.max_seqlen,
+                                 scale)
+    fork = prefixes.fork
+    return kernels.attention(query, key[fork.key_index], value[fork.key_index], fork.cu_seqlens_q, fork.cu_seqlens_k,
+                             fork.max_seqlen_q, fork.max_seqlen_k, scale)
+
+
+def attention_output(module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The attention output [T, H, Dh] gated by sigmoid(gate) and projected: [T, D]."""
+    return project(module.o_proj, out.reshape(gate.shape) * torch.sigmoid(gate))
+
+
+def _attention(module, config, hidden: torch.Tensor, cos, sin, rows: Segments, prefixes: Prefixes | None):
+    """Gated, partially rotary, grouped-query attention of packed tokens. hidden: [T, D].
+    Returns [T, D]."""
+    query, key, value, gate = attention_inputs(module, config, hidden, cos, sin)
+    return attention_output(module, attention_core(config, query, key, value, rows, prefixes), gate)
 
 
 def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: Prefixes | None):
@@ -190,7 +207,7 @@ def _delta_output(module, config, out: torch.Tensor, gate: torch.Tensor) -> torc
     return project(module.out_proj, out.flatten(1))
 
 
-def _mlp_block(layer, config, hidden: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
+def mlp_block(layer, config, hidden: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
     """The residual add of a token mixer's output, then the MLP's residual branch."""
     hidden = hidden + mixed
     normed = kernels.rms_norm(hidden, layer.post_attention_layernorm.weight, config.rms_norm_eps)
@@ -201,11 +218,11 @@ def _mlp_block(layer, config, hidden: torch.Tensor, mixed: torch.Tensor) -> torc
 def _attention_layer(layer, config, hidden, cos, sin, rows: Segments, prefixes: Prefixes | None):
     """One full-attention decoder layer over every packed token. Returns hidden [T, D]."""
     normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
-    return _mlp_block(layer, config, hidden, _attention(layer.self_attn, config, normed, cos, sin, rows, prefixes))
+    return mlp_block(layer, config, hidden, _attention(layer.self_attn, config, normed, cos, sin, rows, prefixes))
 
 
 def _delta_tail(layer, config, hidden, out, gate):
-    return _mlp_block(layer, config, hidden, _delta_output(layer.linear_attn, config, out, gate))
+    return mlp_block(layer, config, hidden, _delta_output(layer.linear_attn, config, out, gate))
 
 
 # Under activation checkpointing, a batch of at most this many computed tokens keeps each
@@ -215,7 +232,7 @@ def _delta_tail(layer, config, hidden, out, gate):
 MIXER_KEEP_TOKENS = 8192
 
 
-def _delta_layer(layer, config, hidden, rows: Segments, prefixes: Prefixes | None, checkpointed: bool):
+def delta_layer(layer, config, hidden, rows: Segments, prefixes: Prefixes | None, checkpointed: bool):
     """One gated delta-rule decoder layer over every packed token. Returns hidden [T, D].
 
     Under activation checkpointing, a batch of up to MIXER_KEEP_TOKENS tokens recomputes only
@@ -238,13 +255,13 @@ def _delta_layer(layer, config, hidden, rows: Segments, prefixes: Prefixes | Non
 
 
 def _delta_whole(layer, config, hidden, rows: Segments, prefixes: Prefixes | None):
-    return _delta_layer(layer, config, hidden, rows, prefixes, False)
+    return delta_layer(layer, config, hidden, rows, prefixes, False)
 
 
 def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
                    cu_seqlens: torch.Tensor, activation_checkpointing: bool = False, prefixes: Prefixes | None = None,
-                   cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+                   cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
+                   max_seqlen: int | None = None) -> torch.Tensor:
     """Final (normed) hidden states of packed rows, in one pass over the layers.
 
     Args:
@@ -254,7 +271,7 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
         position_ids: [3, P + S] M-RoPE positions (a row continuing a prefix continues its count).
         cu_seqlens: [N + 1] cumulative lengths of the rows' own tokens, cu_seqlens[-1] = S.
         activation_checkpointing: recompute each layer in the backward pass (of a delta-rule
-            layer, the part after the delta rule: see `_delta_layer`).
+            layer, the part after the delta rule: see `delta_layer`).
         prefixes: the shared prefixes the rows continue, or None. Every token-wise map
             (norms, projections, MLP) runs once over prefixes and rows together; the token
             mixers run each prefix once and fork its states (attention keys, delta-rule conv
@@ -263,24 +280,28 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
         cu_seqlens_cpu: a host copy of cu_seqlens, when the caller has one (saves a device sync).
         chunk_indices: [chunks, 2] (sequence, chunk) of every 64-token chunk (`chunk_plan`), so
             the fused kernels need not plan; a CUDA graph then owns the plan it replays.
+        max_seqlen: a bound on the longest row, planned for instead of it (a bucket's graph).
 
     Returns:
         [S, D] hidden states of the rows' own tokens.
     """
     config = language_model.config
-    rows = Segments.of(cu_seqlens, cu_seqlens_cpu, chunk_indices)
+    rows = Segments.of(cu_seqlens, cu_seqlens_cpu, chunk_indices, max_seqlen)
     cos, sin = rotary_tables(config, position_ids, inputs_embeds.dtype)
     hidden = inputs_embeds
     checkpointed = activation_checkpointing and torch.is_grad_enabled()
     for layer, kind in zip(language_model.layers, config.layer_types):
         if kind == "linear_attention":
-            hidden = _delta_layer(layer, config, hidden, rows, prefixes, checkpointed)
+            hidden = delta_layer(layer, config, hidden, rows, prefixes, checkpointed)
         elif checkpointed:
             # The layer's shapes are fixed by the plan, so the recomputation needs no metadata check.
             hidden = checkpoint(_attention_layer, layer, config, hidden, cos, sin, rows, prefixes, use_reentrant=False,
                                 determinism_check="none")
         else:
             hidden = _attention_layer(layer, config, hidden, cos, sin, rows, prefixes)
-    if prefixes is not None:
-        hidden = hidden[prefixes.tokens:]
-    return kernels.rms_norm(hidden, language_model.norm.weight, config.rms_norm_eps)
+    return final_norm(language_model, hidden, prefixes.tokens if prefixes is not None else 0)
+
+
+def final_norm(language_model, hidden: torch.Tensor, prefix_tokens: int) -> torch.Tensor:
+    """The rows' own tokens of the last layer's output, normed: [S, D]."""
+    return kernels.rms_norm(hidden[prefix_tokens:], language_model.norm.weight, language_model.config.rms_norm_eps)

@@ -31,7 +31,8 @@ class Predictor:
         self.template = template
         self.config = model_config
         self.temperatures = temperatures
-        self.scores = GraphedScores(model)  # CUDA graphs for repeated request layouts; eager elsewhere
+        # CUDA graphs: of the shape buckets once `prepare_graphs` ran, and of layouts that recur.
+        self.scores = GraphedScores(model, pad_id=template.pad_id)
         self.lock = threading.RLock()
 
     @classmethod
@@ -39,7 +40,16 @@ class Predictor:
         """Load the deployable checkpoint folder the calibrate stage writes (hashes verified)."""
         device = torch.device(device) if device is not None else default_device()
         model, template, config, temperatures = load_merged(Path(path), device, need_temperatures=True)
-        return cls(model, template, config, temperatures)
+        predictor = cls(model, template, config, temperatures)
+        predictor.prepare_graphs()
+        return predictor
+
+    def prepare_graphs(self, buckets=None) -> int:
+        """Capture the CUDA graphs of the shape buckets (`dohnuts.model.buckets`; all by
+        default), so that requests met for the first time replay one: a few seconds, once, on
+        a CUDA device; nothing on the CPU. Returns how many buckets are ready."""
+        with self.lock:
+            return self.scores.prepare(buckets)
 
     def encode(self, state, questions):
         """Validate and encode a request into a batch. Returns (batch, request)."""
@@ -143,7 +153,7 @@ class Predictor:
         # The logits [B, K] come to the host at once (the call's one synchronisation): the few
         # small operations after them cost less there than as device launches, each a host
         # round trip once the forward has finished, and the temperatures need no copy to the device.
-        logits = self.scores(batch.to(self.model.device)).cpu()
+        logits = self.scores(batch).cpu()  # the host batch: a bucket pads it before the copy
         kinds = [question.kind for request in parsed for question in request.questions]
         scaled = apply_temperatures(logits.double(), kinds, self.temperatures)
         probs = masked_softmax(scaled, batch.candidate_mask).tolist()  # one conversion, not one a question

@@ -253,7 +253,7 @@ def _conv_heads_bwd_x(dpre, weight, dfinal, dx, dinit, cu_seqlens, chunk_indices
 class ConvSplitHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, initial_state, output_final_state, cu_seqlens, bounds, chunk_indices, heads,
-                key_dim, value_heads, value_dim):
+                key_dim, value_heads, value_dim, empty_sequences=False):
         total, channels = x.shape
         width = weight.shape[-1]
         ctx.bounds = bounds
@@ -265,7 +265,9 @@ class ConvSplitHeads(torch.autograd.Function):
         v = x.new_empty(total, value_heads, value_dim)
         rstd = x.new_empty(total, 2 * heads, dtype=torch.float32)
         sequences = cu_seqlens.shape[0] - 1
-        final = x.new_empty(sequences, channels, width) if output_final_state else None
+        # No program writes the final state of an empty sequence: zero it (no carried state).
+        final = ((x.new_zeros if empty_sequences else x.new_empty)(sequences, channels, width)
+                 if output_final_state else None)
         block = triton.next_power_of_2(max(key_dim, value_dim))
         align = _alignment(key_dim, value_dim)
         grid = (chunk_indices.shape[0], 2 * heads + value_heads, CHUNK // TOKENS)
@@ -307,7 +309,8 @@ class ConvSplitHeads(torch.autograd.Function):
         dweight = None
         if ctx.needs_input_grad[1]:
             dweight = _conv_weight_grad(x, init, dpre, ctx.bounds, width).to(weight.dtype)
-        return dx if ctx.needs_input_grad[0] else None, dweight, dinit, None, None, None, None, None, None, None, None
+        return (dx if ctx.needs_input_grad[0] else None, dweight, dinit, None, None, None, None, None, None, None, None,
+                None)
 
 
 def _conv_weight_grad(x, init, dpre, bounds: list[int], width):
@@ -334,7 +337,8 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
         x: [T, 2*H*K + HV*V] (unit stride along channels); weight: [C, W].
         initial_state: [N, C, W] the W inputs before each sequence (last one most recent), or None.
         output_final_state: also return each sequence's last W inputs, [N, C, W].
-        cu_seqlens: [N + 1] on x's device; cu_seqlens_cpu its host copy (every length > 0);
+        cu_seqlens: [N + 1] on x's device; cu_seqlens_cpu its host copy (a sequence may be empty;
+            its final state is then zero);
         chunk_indices: [chunks, 2] int32 (sequence, 64-token chunk), or None to plan here.
 
     Returns:
@@ -342,8 +346,12 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
     """
     bounds = cu_seqlens_cpu.tolist()  # one conversion; the checks below are plain Python
     lengths = [end - begin for begin, end in zip(bounds[:-1], bounds[1:])]
-    if min(lengths, default=1) <= 0:
-        raise ValueError("conv_split_heads: every packed sequence needs at least one token")
+    if min(lengths, default=1) < 0:
+        raise ValueError("conv_split_heads: the cumulative lengths decrease")
+    empty = min(lengths, default=1) == 0
+    if empty and output_final_state and initial_state is not None:
+        raise ValueError("conv_split_heads: an empty sequence would keep its carried state as its final state; "
+                         "give every sequence a token")
     channels = 2 * heads * key_dim + value_heads * value_dim
     if x.shape[-1] != channels or weight.shape[0] != channels:
         raise ValueError(f"conv_split_heads: {heads} x {key_dim} q and k heads and {value_heads} x {value_dim} v heads "
@@ -351,13 +359,14 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
     if chunk_indices is None:
         chunk_indices = chunk_plan(lengths, CHUNK).to(x.device, non_blocking=True)
     else:
-        # Every token must fall in one planned chunk, or no program would write it.
+        # Every token must fall in one planned chunk, or no program would write it. A plan may
+        # hold more entries (a bucket's, `dohnuts.model.buckets`): those name empty sequences.
         chunks = sum(-(-length // CHUNK) for length in lengths)
-        if chunk_indices.shape[0] != chunks:
+        if chunk_indices.shape[0] < chunks:
             raise ValueError(f"conv_split_heads: the chunk plan has {chunk_indices.shape[0]} chunks, but the "
                              f"sequences make {chunks} of {CHUNK} tokens")
     return ConvSplitHeads.apply(x, weight, initial_state, output_final_state, cu_seqlens, bounds, chunk_indices,
-                                heads, key_dim, value_heads, value_dim)
+                                heads, key_dim, value_heads, value_dim, empty)
 
 
 # -- the delta rule of short rows continuing forked states -----------------------------------------

@@ -272,7 +272,7 @@ def run_workload(predictor, name: str, state, questions, warmup: int, timed: int
         "image_grid_thw": None if batch.image_grid_thw_cpu is None else batch.image_grid_thw_cpu.tolist(),
         "vision_encoded": any(batch.image_has_pixels),
         "timed_calls": {"graph_replays": calls["replays"], "graph_captures": calls["captures"],
-                        "eager": calls["eager"]},
+                        "bucket_replays": calls["bucket_replays"], "eager": calls["eager"]},
         "max_abs_logit_difference_to_hugging_face": difference,
         "roofline": roofline_record(model, batch, p50, ceilings),
         "telemetry": telemetry.summary(),
@@ -303,7 +303,8 @@ def varied_traffic(predictor, count: int, seed: int = 0, warmup: int = 8) -> tup
 def _timed_pass(predictor, requests) -> dict:
     """Each request once, bracketed by syncs: latency percentiles and what each call ran."""
     device, stats = predictor.model.device, predictor.scores.stats
-    samples, calls = [], {"graph_replays": 0, "graph_captures": 0, "eager": 0}
+    samples, calls = [], {"graph_replays": 0, "graph_captures": 0, "bucket_replays": 0, "eager": 0,
+                          "padding_tokens": 0}
     for state, questions in requests:
         before = dict(stats)
         synchronize(device)
@@ -311,7 +312,9 @@ def _timed_pass(predictor, requests) -> dict:
         predictor.predict(state, questions)
         synchronize(device)
         samples.append((time.perf_counter() - start) * 1000.0)
-        for name, counter in (("graph_replays", "replays"), ("graph_captures", "captures"), ("eager", "eager")):
+        for name, counter in (("graph_replays", "replays"), ("graph_captures", "captures"),
+                              ("bucket_replays", "bucket_replays"), ("eager", "eager"),
+                              ("padding_tokens", "padding_tokens")):
             calls[name] += stats[counter] - before[counter]
     images = [ms for ms, (state, _) in zip(samples, requests) if "image" in state]
     texts = [ms for ms, (state, _) in zip(samples, requests) if "image" not in state]
@@ -347,6 +350,7 @@ def varied_traffic_record(predictor, count: int, seed: int = 0, warmup: int = 8)
         "image_requests": sum("image" in state for state, _ in timed),
         "questions": [len(questions) for _, questions in timed], "input_tokens": tokens,
         "first_sight": first, "second_pass": second,
+        "buckets": len(predictor.scores.buckets), "bucket_prepare_seconds": predictor.scores.stats["prepare_seconds"],
         "hugging_face_p50_ms": percentile(baseline, 0.5), "hugging_face_p99_ms": percentile(baseline, 0.99),
         "hugging_face_samples_ms": baseline,
     }
@@ -525,8 +529,9 @@ def evaluation_throughput_record(model, template, max_tokens: int, root: Path, s
         synchronize(device)
         seconds[name] = time.perf_counter() - start
         model.image_cache.clear()
-    record = {"workload": "evaluation_throughput", "rows": len(rows), "batches": len(plan), "batch_tokens": batch_tokens,
-              "images": int(rows.image.notna().sum()), "loader_workers": loader_workers(device)}
+    record = {"workload": "evaluation_throughput", "rows": len(rows), "batches": len(plan),
+              "batch_tokens": batch_tokens, "images": int(rows.image.notna().sum()),
+              "loader_workers": loader_workers(device)}
     for name, value in seconds.items():
         record[f"{name}_seconds"] = value
         record[f"{name}_rows_per_second"] = len(rows) / value

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import LAYOUTS, batch_of
 from PIL import Image
 
 from dohnuts.model.base import load_backbone
@@ -45,7 +46,9 @@ def test_eager_on_the_cpu_equals_the_model(tiny):
     with torch.no_grad():
         for _ in range(3):
             assert torch.equal(graphed(batch), model(batch))
-    assert graphed.stats == {"eager": 3, "captures": 0, "replays": 0, "failed": 0}
+    assert {name: graphed.stats[name] for name in ("eager", "captures", "replays", "failed", "bucket_replays")} == {
+        "eager": 3, "captures": 0, "replays": 0, "failed": 0, "bucket_replays": 0}
+    assert graphed.prepare() == 0  # no buckets on the CPU
 
 
 def _on_cuda(tiny, dtype):
@@ -60,12 +63,15 @@ def _on_cuda(tiny, dtype):
 def test_replayed_graphs_equal_the_eager_forward_for_new_contents(tiny, dtype):
     template, model, graphed = _on_cuda(tiny, dtype)
     colours = [(220, 20, 20), (220, 20, 20), (20, 220, 20), (20, 20, 220)]
+    assert graphed.capture_at == 3
     with torch.no_grad():
         for colour in colours:
             batch = _batch(template, colour).to("cuda")
             torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
-    # First sight eager, second captures, then replays with other images (same layout).
-    assert graphed.stats == {"eager": 1, "captures": 1, "replays": 3, "failed": 0}
+    # Two sightings eager, the third captures (and replays), then replays with other images
+    # (the same layout).
+    assert {name: graphed.stats[name] for name in ("eager", "captures", "replays", "failed")} == {
+        "eager": 2, "captures": 1, "replays": 2, "failed": 0}
     assert not graphed.failed
 
 
@@ -75,7 +81,7 @@ def test_a_graph_replayed_after_many_other_layouts_still_equals_eager(tiny):
     owns its plans, so its replay stays right."""
     template, model, graphed = _on_cuda(tiny, torch.bfloat16)
     with torch.no_grad():
-        for _ in range(2):
+        for _ in range(graphed.capture_at):
             graphed(_batch(template, (220, 20, 20)).to("cuda"))
         for index in range(12):
             graphed(_batch(template, (20, 220, 20), note="another note " * (index + 1)).to("cuda"))
@@ -89,16 +95,68 @@ def test_graphs_are_dropped_when_the_model_changes(tiny):
     template, model, graphed = _on_cuda(tiny, torch.bfloat16)
     batch = _batch(template, (220, 20, 20)).to("cuda")
     with torch.no_grad():
-        for _ in range(2):
+        for _ in range(graphed.capture_at):
             graphed(batch)
         assert len(graphed.graphs) == 1
         # In place, on a weight the forward derives a cached constant from (RMSNorm's 1 + weight).
         model.backbone.language_model.layers[0].input_layernorm.weight.add_(0.5)
         torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
         assert len(graphed.graphs) == 0
-        graphed(batch)  # seen twice again: captured with the new constant
+        graphed(batch)  # seen three times again: captured with the new constant
         torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
         assert graphed.stats["captures"] == 2 and len(graphed.graphs) == 1
         model.changed()
         graphed(batch)
         assert graphed.stats["captures"] == 2 and len(graphed.graphs) == 0  # seen again from scratch
+
+
+def _varied(template):
+    """Host batches of distinct layouts: images in the prefix and in a row, text only, long rows."""
+    batches = [batch_of(template, requests) for requests in LAYOUTS.values()]
+    notes = [({"note": "a parcel " * (5 + 7 * index)}, _questions_of(index)) for index in range(4)]
+    return batches + [batch_of(template, [note]) for note in notes]
+
+
+def _questions_of(count):
+    return {f"q{n}": {"type": "noul", "instructions": f"Is it number {n}?"} for n in range(count + 1)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtype):
+    """Every host batch of a new layout replays its bucket's graphs (captured by `prepare`, none
+    on a request), with the logits of the eager forward of the batch alone: to 1e-4 in float32,
+    to 2% of the largest logit in bf16 (padding changes the matrix products' shapes)."""
+    from dohnuts.model.buckets import all_buckets
+
+    template, model, graphed = _on_cuda(tiny, dtype)
+    graphed.pad_id = template.pad_id
+    buckets = [bucket for bucket in all_buckets() if bucket.tokens <= 1536]
+    assert graphed.prepare(buckets) == len(buckets)
+    batches = _varied(template)
+    with torch.no_grad():
+        for batch in batches:
+            ours = graphed(batch)
+            eager = model(batch.to("cuda"))
+            if dtype == torch.float32:
+                torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
+            else:
+                assert (ours - eager).abs().max() <= 0.02 * eager.abs().max()
+    assert graphed.stats["bucket_replays"] == len(batches)
+    assert graphed.stats["captures"] == graphed.stats["eager"] == 0 and graphed.stats["padding_tokens"] > 0
+
+
+@pytest.mark.gpu
+def test_bucket_graphs_are_captured_again_after_the_model_changes(tiny):
+    from dohnuts.model.buckets import Bucket
+
+    template, model, graphed = _on_cuda(tiny, torch.bfloat16)
+    graphed.pad_id = template.pad_id
+    graphed.prepare([Bucket(128, 256, False), Bucket(64, 128, False)])
+    batch = _varied(template)[0]
+    with torch.no_grad():
+        graphed(batch)
+        model.backbone.language_model.layers[0].input_layernorm.weight.add_(0.5)
+        ours, eager = graphed(batch), model(batch.to("cuda"))
+    assert (ours - eager).abs().max() <= 0.02 * eager.abs().max()
+    assert graphed.stats["bucket_replays"] == 2 and len(graphed.buckets) == 2

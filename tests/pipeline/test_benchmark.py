@@ -78,7 +78,8 @@ def test_a_workload_record_counts_graph_replays_and_its_difference_to_hugging_fa
     state, questions = workloads()["distinct_text_5q"]
     record = run_workload(predictor, "distinct_text_5q", state, questions, warmup=1, timed=3,
                           ceilings=measure_ceilings("cpu", matrix_size=64, copy_bytes=2**20, repeats=2))
-    assert record["timed_calls"] == {"graph_replays": 0, "graph_captures": 0, "eager": 3}  # no graphs on a CPU
+    assert record["timed_calls"] == {"graph_replays": 0, "graph_captures": 0, "bucket_replays": 0,
+                                     "eager": 3}  # no graphs on a CPU
     assert 0 <= record["max_abs_logit_difference_to_hugging_face"] < 1e-4  # float32: summation order only
     assert record["hugging_face"]["repeated_prefix_tokens"] > 0  # 5 rows repeat the state
     by_bound = record["roofline"]["efficiency_by_bound"]["measured"]
@@ -105,7 +106,8 @@ def test_varied_traffic_times_each_distinct_layout_on_first_sight_then_again(dep
     assert record["requests"] == len(record["input_tokens"]) == 8 and min(record["input_tokens"]) > 0
     for name in ("first_sight", "second_pass"):
         measured = record[name]
-        assert measured["timed_calls"] == {"graph_replays": 0, "graph_captures": 0, "eager": 8}  # the CPU: no graphs
+        assert measured["timed_calls"] == {"graph_replays": 0, "graph_captures": 0, "bucket_replays": 0, "eager": 8,
+                                             "padding_tokens": 0}  # the CPU: no graphs
         assert len(measured["samples_ms"]) == 8
         assert min(measured["samples_ms"]) <= measured["p50_ms"] <= measured["p95_ms"] <= measured["p99_ms"]
         assert measured["p99_ms"] <= measured["max_ms"] == max(measured["samples_ms"])
