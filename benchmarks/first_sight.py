@@ -11,7 +11,8 @@ real tokenizer), over the benchmark's varied-traffic requests (each a layout no 
    runtime runs) and again through FLA's chunked kernels for prefixes and long rows (what ran
    before): p50, p95 and the largest difference of logits between the two;
 2. one image miss of `vision_protocol_image_1q`, step by step: the content hash, the
-   preprocessing on the host, the copy, the vision tower, and the whole `predict` with the
+   preprocessing on the host, the copy, the vision tower (ours with its per-grid plan cached
+   and made afresh, and Hugging Face's forward), and the whole `predict` with the
    image-feature cache emptied first.
 Every timing is bracketed by device synchronisations.
 """
@@ -84,10 +85,14 @@ def image_miss(predictor) -> None:
     encoded = template.encode_image(image)
     device = model.device
     line("pixels to the device", timed(lambda: encoded.pixel_values.to(device), 20))
-    pixels, grid = encoded.pixel_values.to(device), encoded.grid_thw.to(device)
+    pixels, grid = encoded.pixel_values.to(device), encoded.grid_thw
     visual = model.backbone.visual
-    image_features(visual, pixels, grid)
-    line(f"vision tower, eager (grid {encoded.grid_thw.tolist()})", timed(lambda: image_features(visual, pixels, grid), 20))
+    image_features(visual, pixels, grid, model.vision_plans)
+    line(f"vision tower, ours (grid {grid.tolist()}, plan cached)",
+         timed(lambda: image_features(visual, pixels, grid, model.vision_plans), 20))
+    line("vision tower, ours, plan made", timed(lambda: image_features(visual, pixels, grid, {}), 20))
+    on_device = grid.to(device)
+    line("vision tower, Hugging Face's forward", timed(lambda: visual(pixels.to(visual.dtype), grid_thw=on_device), 20))
 
     def miss():
         model.image_cache.clear()

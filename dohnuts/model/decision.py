@@ -34,12 +34,14 @@ class DecisionModel(nn.Module):
         self.backbone.visual.requires_grad_(False)
         linear_patch_projection(self.backbone.visual)
         self.image_cache = ImageFeatureCache()  # new and empty for every model
+        self.vision_plans: dict = {}  # image grids -> the vision tower's positions and plan
         self.generation = 0  # bumped whenever parameters may have moved (see `changed`)
 
     def changed(self) -> None:
         """Say that parameters moved or modules were replaced (e.g. LoRA injected): captured
         CUDA graphs and cached image features no longer apply."""
         self.image_cache.clear()
+        self.vision_plans.clear()
         self.generation += 1
 
     def _apply(self, fn, *args, **kwargs):
@@ -65,7 +67,8 @@ class DecisionModel(nn.Module):
         visual = self.backbone.visual
         features = self.image_cache.features(batch.image_keys, batch.pixel_values, batch.image_grid_thw_cpu,
                                              batch.image_has_pixels,
-                                             lambda pixels, grid: image_features(visual, pixels, grid),
+                                             lambda pixels, grid: image_features(visual, pixels, grid,
+                                                                                 self.vision_plans),
                                              visual.spatial_merge_size**2)
         return embeds.index_put((batch.image_slots,), features[batch.image_sources].to(embeds.dtype))
 

@@ -77,7 +77,8 @@ class ImageFeatureCache:
             grid_thw_cpu: [images, 3] patch grids of every image, on the host.
             has_pixels: per image, whether its pixels are in pixel_values (an image found
                 in the cache when the batch was built carries none).
-            encode: the vision tower call, returning merged features of the images given.
+            encode: the vision tower call (pixels, host grids), returning merged features of the
+                images given.
             merge: patches per merged token (spatial_merge_size squared).
 
         Raises:
@@ -106,7 +107,7 @@ class ImageFeatureCache:
             indices = list(missing.values())
             pixels = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in indices])
             grids = grid_thw_cpu[indices]
-            merged = encode(pixels, grids.to(pixel_values.device))
+            merged = encode(pixels, grids)  # the grids on the host: the tower plans without a sync
             self.stats["vision_calls"] += 1
             tokens = (grids.prod(-1) // merge).tolist()
             for key, index, features in zip(missing, indices, torch.split(merged, tokens)):

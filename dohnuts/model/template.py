@@ -8,6 +8,7 @@ from ..schema import Request
 from .base import SPATIAL_MERGE, special_tokens
 from .batch import Batch, EncodedImage, Row, pack_rows
 from .features import image_key
+from .pixels import qwen_pixels
 
 PIECE_CACHE_CHARS = 4 * 2**20  # characters of recently tokenised text kept
 
@@ -88,8 +89,8 @@ class Template:
 
     def encode_image(self, image, key: str | None = None) -> EncodedImage:
         """Pixels and patch grid of a decoded image; `key` is its `image_key` when known."""
-        out = self.image_processor(images=[image], return_tensors="pt")
-        return EncodedImage(out["pixel_values"], out["image_grid_thw"], key or image_key(image))
+        pixel_values, grid = qwen_pixels(image, self.image_processor)
+        return EncodedImage(pixel_values, grid, key or image_key(image))
 
     def encode(self, request: Request, max_tokens: int, image_index: int | None = None,
                image: EncodedImage | None = None) -> list[Row]:

@@ -256,9 +256,11 @@ def pack(y: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float) -> torch.Tensor:
+              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+              causal: bool = True) -> torch.Tensor:
     """Causal attention per packed sequence, aligned bottom-right: a sequence with Lq queries and
-    Lk keys (its shared prefix first) lets query i see keys 0 .. Lk - Lq + i.
+    Lk keys (its shared prefix first) lets query i see keys 0 .. Lk - Lq + i. With `causal`
+    False every query sees every key of its sequence (the vision tower's attention).
 
     Args:
         q: [Tq, H, D]; k, v: [Tk, HKV, D] with H a multiple of HKV (grouped-query heads).
@@ -273,31 +275,36 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
                                      f"attention takes bfloat16 or float16 (set model.dtype: bfloat16)")
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         # Flash attention's variable-length kernel: no padding, bottom-right causal mask.
-        varlen_attn, options = _varlen()
-        if "enable_gqa" not in options:  # torch < 2.12 wants as many key heads as query heads
+        varlen_attn, options = _varlen(causal)
+        if "enable_gqa" not in options and k.shape[1] != q.shape[1]:  # torch < 2.12: as many key heads
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
                            **options)
-    return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k)
+    return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k, causal)
 
 
 @functools.cache
-def _varlen():
-    """torch's varlen_attn and the keyword arguments for causal grouped-query attention, which
-    changed between torch releases (is_causal, then window_size; enable_gqa from 2.12)."""
+def _varlen(causal: bool = True):
+    """torch's varlen_attn and the keyword arguments for (causal or full) grouped-query
+    attention, which changed between torch releases (is_causal, then window_size; enable_gqa
+    from 2.12)."""
     import inspect
 
     from torch.nn.attention.varlen import varlen_attn
 
     parameters = inspect.signature(varlen_attn).parameters
-    options = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+    if "window_size" in parameters:
+        options = {"window_size": (-1, 0) if causal else (-1, -1)}
+    else:
+        options = {"is_causal": causal}
     if "enable_gqa" in parameters:
         options["enable_gqa"] = True
     return varlen_attn, options
 
 
-def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q=None, max_seqlen_k=None):
+def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q=None, max_seqlen_k=None,
+                        causal=True):
     """Each sequence padded to the longest and masked: work grows with N * Lq * Lk, not T^2."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -307,7 +314,9 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q
     lead = (valid_k.sum(-1) - valid_q.sum(-1))[:, None, None]  # [N, 1, 1] keys before the first query
     rows = torch.arange(query.shape[1], device=q.device)[:, None]
     columns = torch.arange(key.shape[1], device=q.device)[None, :]
-    mask = (columns <= rows + lead) & valid_k[:, None, :]  # [N, Lq, Lk]
+    mask = valid_k[:, None, :].expand(-1, query.shape[1], -1)  # [N, Lq, Lk]
+    if causal:
+        mask = mask & (columns <= rows + lead)
     out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                          attn_mask=mask[:, None], scale=scale).transpose(1, 2)
     # Back to packed order by index, not by boolean mask (which would wait on the device).

@@ -116,7 +116,7 @@ def test_model_hits_skip_the_vision_tower_and_give_identical_logits(tiny):
     backbone = load_backbone(tiny.base, torch.float32).eval()
     model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
     calls = []
-    backbone.visual.register_forward_hook(lambda *args: calls.append(1))
+    backbone.visual.merger.register_forward_hook(lambda *args: calls.append(1))  # once a tower pass
     image = Image.new("RGB", (64, 64), "white")
     image.paste((220, 20, 20), (8, 8, 40, 40))
     with torch.no_grad():
@@ -141,7 +141,7 @@ def test_features_cached_in_training_serve_prediction_and_survive_lora_updates(t
     model, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     calls = []
-    model.backbone.visual.register_forward_hook(lambda *args: calls.append(1))
+    model.backbone.visual.merger.register_forward_hook(lambda *args: calls.append(1))
     image = Image.new("RGB", (64, 64), "white")
     image.paste((20, 160, 40), (8, 8, 56, 40))
     model.train()

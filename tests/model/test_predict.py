@@ -68,7 +68,7 @@ def test_a_cached_image_skips_preprocessing_and_the_vision_tower(deployable):
     predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
     processor, preprocessed, encoded = predictor.template.image_processor, [], []
     predictor.template.image_processor = lambda *args, **kwargs: preprocessed.append(1) or processor(*args, **kwargs)
-    predictor.model.backbone.visual.register_forward_hook(lambda *args: encoded.append(1))
+    predictor.model.backbone.visual.merger.register_forward_hook(lambda *args: encoded.append(1))
     state = {"note": "a square", "image": Image.new("RGB", (64, 64), (220, 20, 20))}
     first = predictor.predict(state, QUESTIONS)
     second = predictor.predict(state, QUESTIONS)

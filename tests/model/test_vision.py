@@ -1,4 +1,5 @@
-"""The vision tower's patch projection as one linear map equals the Conv3d it replaces."""
+"""The vision tower as the runtime runs it (its patch projection as one linear map, its blocks
+without host synchronisation, per-grid plans cached) against Hugging Face's forward."""
 
 import copy
 
@@ -35,7 +36,8 @@ def test_vision_features_and_saved_weights_are_unchanged_by_the_linear_projectio
     image.paste((20, 60, 220), (8, 8, 40, 40))
     encoded = template.encode_image(image)
     ours = image_features(model.backbone.visual, encoded.pixel_values, encoded.grid_thw)
-    theirs = image_features(reference, encoded.pixel_values, encoded.grid_thw)
+    with torch.no_grad():
+        theirs = reference(encoded.pixel_values, grid_thw=encoded.grid_thw).pooler_output  # Hugging Face's forward
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)  # float32, summation order only
     model.backbone.save_pretrained(tmp_path)
     reloaded = load_backbone(tmp_path, torch.float32)
@@ -44,3 +46,47 @@ def test_vision_features_and_saved_weights_are_unchanged_by_the_linear_projectio
     linear_patch_projection(reloaded.visual)
     linear_patch_projection(reloaded.visual)  # idempotent
     assert isinstance(reloaded.visual.patch_embed.proj, PatchProjection)
+
+
+def test_images_of_several_grids_in_one_call_equal_hugging_face_and_reuse_their_plan(tiny):
+    """Three images of different sizes (at least two patch grids) packed in one call: the merged
+    features equal Hugging Face's forward on the same pixels and grids, in float32; the grid list's
+    plan is made once and read again."""
+    backbone = load_backbone(tiny.base, torch.float32)
+    reference = copy.deepcopy(backbone.visual).eval()
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
+    template = tiny.template()
+    encoded = []
+    for size, colour in (((64, 48), (20, 60, 220)), ((40, 90), (200, 30, 30)), ((64, 64), (30, 200, 30))):
+        image = Image.new("RGB", size, "white")
+        image.paste(colour, (4, 4, 30, 30))
+        encoded.append(template.encode_image(image))
+    pixels = torch.cat([item.pixel_values for item in encoded])
+    grids = torch.cat([item.grid_thw for item in encoded])
+    assert len({tuple(grid.tolist()) for grid in grids}) >= 2
+    ours = image_features(model.backbone.visual, pixels, grids, model.vision_plans)
+    again = image_features(model.backbone.visual, pixels, grids, model.vision_plans)
+    with torch.no_grad():
+        theirs = reference(pixels, grid_thw=grids).pooler_output
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert torch.equal(again, ours) and len(model.vision_plans) == 1
+    model.changed()
+    assert not model.vision_plans  # weights may have moved: plans are made again
+
+
+@pytest.mark.gpu
+def test_the_tower_on_cuda_in_bf16_matches_hugging_face(tiny):
+    """Flash varlen attention (non-causal) and no host sync, against Hugging Face's forward on the
+    same CUDA bf16 weights: within 2% of the largest feature."""
+    backbone = load_backbone(tiny.base, torch.bfloat16).cuda()
+    reference = copy.deepcopy(backbone.visual).eval()
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01).cuda()).eval()
+    template = tiny.template()
+    encoded = [template.encode_image(Image.new("RGB", size, colour)) for size, colour in
+               (((64, 48), (20, 60, 220)), ((40, 90), (200, 30, 30)))]
+    pixels = torch.cat([item.pixel_values for item in encoded]).cuda()
+    grids = torch.cat([item.grid_thw for item in encoded])
+    ours = image_features(model.backbone.visual, pixels, grids, model.vision_plans)
+    with torch.no_grad():
+        theirs = reference(pixels.bfloat16(), grid_thw=grids.cuda()).pooler_output
+    assert (ours.float() - theirs.float()).abs().max() <= 0.02 * theirs.float().abs().max()
