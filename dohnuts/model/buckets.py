@@ -72,10 +72,10 @@ class Bucket:
 
 
 def all_buckets() -> list[Bucket]:
-    """The buckets captured at load, largest first (a graph pool then grows once)."""
+    """The buckets captured at load, smallest first."""
     buckets = [Bucket(p, s, False) for p in PREFIX_LADDER for s in ROW_LADDER]
     buckets += [Bucket(p, s, True) for p in PREFIX_LADDER for s in LONG_ROW_LADDER]
-    return sorted(buckets, key=lambda bucket: -bucket.tokens)
+    return sorted(buckets, key=lambda bucket: bucket.tokens)
 
 
 def _lengths(cu_seqlens_cpu: torch.Tensor) -> list[int]:
