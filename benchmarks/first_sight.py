@@ -1,7 +1,7 @@
 """Where a first-seen request's time goes on the GPU: the script behind the
 `h200-first-sight-*.txt` files in docs/results/.
 
-    python3 benchmarks/first_sight.py > first-sight.txt
+    python3 benchmarks/first_sight.py [COUNT] > first-sight.txt   # COUNT 0 skips part 1
 
 On the shape-only Qwen3.5-0.8B predictor the benchmark stage times (random weights, bf16, the
 real tokenizer), over the benchmark's varied-traffic requests (each a layout no graph holds):
@@ -10,16 +10,19 @@ real tokenizer), over the benchmark's varied-traffic requests (each a layout no 
    with the delta rule through our kernels (`delta_rule_rows`, `delta_rule_scan`: what the
    runtime runs) and again through FLA's chunked kernels for prefixes and long rows (what ran
    before): p50, p95 and the largest difference of logits between the two;
-2. one image miss of `vision_protocol_image_1q`, step by step: the content hash, the
-   preprocessing on the host, the copy, the vision tower (ours with its per-grid plan cached
-   and made afresh, and Hugging Face's forward), and the whole `predict` with the
-   image-feature cache emptied first.
+2. one image miss of `vision_protocol_image_1q`, step by step: the content hash, the host
+   part of the encoding (the decode), the copy, the patches on the device, the vision tower
+   (ours with its per-grid plan cached and made afresh, Hugging Face's forward, ours through
+   its CUDA graph), and the whole `predict` with the image-feature cache emptied first;
+3. the benchmark's varied-traffic workload and evaluation throughput, summarised.
 Every timing is bracketed by device synchronisations.
 """
 
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -28,7 +31,7 @@ from dohnuts.measure.traffic import varied_requests
 from dohnuts.model.features import image_key
 from dohnuts.model.vision import image_features
 from dohnuts.ops import kernels
-from dohnuts.pipeline.benchmark import percentile, workloads
+from dohnuts.pipeline.benchmark import evaluation_throughput_record, percentile, varied_traffic_record, workloads
 
 
 def timed(call, calls: int = 1) -> list[float]:
@@ -81,11 +84,12 @@ def image_miss(predictor) -> None:
     state, questions = workloads()["vision_protocol_image_1q"]
     image, template, model = state["image"], predictor.template, predictor.model
     line("image_key (content hash)", timed(lambda: image_key(image), 20))
-    line("preprocess on the host (processor)", timed(lambda: template.encode_image(image), 20))
+    line("encode_image on the host (decode to bytes)", timed(lambda: template.encode_image(image), 20))
     encoded = template.encode_image(image)
     device = model.device
-    line("pixels to the device", timed(lambda: encoded.pixel_values.to(device), 20))
-    pixels, grid = encoded.pixel_values.to(device), encoded.grid_thw
+    line("bytes to the device", timed(lambda: encoded.pixel_values.to(device), 20))
+    line("patches on the device", timed(lambda: encoded.patches(device), 20))
+    pixels, grid = encoded.patches(device), encoded.grid_thw
     visual = model.backbone.visual
     image_features(visual, pixels, grid, model.vision_plans)
     line(f"vision tower, ours (grid {grid.tolist()}, plan cached)",
@@ -93,6 +97,9 @@ def image_miss(predictor) -> None:
     line("vision tower, ours, plan made", timed(lambda: image_features(visual, pixels, grid, {}), 20))
     on_device = grid.to(device)
     line("vision tower, Hugging Face's forward", timed(lambda: visual(pixels.to(visual.dtype), grid_thw=on_device), 20))
+    graphs = model.vision_graphs
+    line("vision tower, ours through its CUDA graph",
+         timed(lambda: image_features(visual, pixels, grid, model.vision_plans, graphs), 20))
 
     def miss():
         model.image_cache.clear()
@@ -103,12 +110,30 @@ def image_miss(predictor) -> None:
     line("predict, cache warm", timed(lambda: predictor.predict(state, questions), 20))
 
 
+def traffic_and_evaluation(predictor) -> None:
+    """The benchmark's varied-traffic workload and evaluation throughput, summarised."""
+    record = varied_traffic_record(predictor, 60)
+    for name in ("first_sight", "second_pass"):
+        part = record[name]
+        print(f"varied traffic, {name.replace('_', ' ')}: p50 {part['p50_ms']:.2f} p95 {part['p95_ms']:.2f} "
+              f"p99 {part['p99_ms']:.2f} ms, text p50 {part['text_p50_ms']:.2f}, image p50 {part['image_p50_ms']:.2f}; "
+              f"{part['timed_calls']}", flush=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        record = evaluation_throughput_record(predictor.model, predictor.template, predictor.config.max_tokens,
+                                              Path(scratch))
+    print(f"evaluation: {record['rows']} rows, {record['images']} images, {record['batches']} batches: "
+          f"{record['overlapped_rows_per_second']:.1f} rows/s overlapped, "
+          f"{record['synchronous_rows_per_second']:.1f} synchronous", flush=True)
+
+
 def main(count: int = 80) -> None:
     if not torch.cuda.is_available():
         sys.exit("first_sight: needs a CUDA device")
     predictor = shape_only_predictor("qwen3_5-0.8b")
-    eager_forwards(predictor, int(count))
+    if int(count):
+        eager_forwards(predictor, int(count))
     image_miss(predictor)
+    traffic_and_evaluation(predictor)
 
 
 if __name__ == "__main__":

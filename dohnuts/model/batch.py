@@ -17,6 +17,7 @@ import torch
 from ..ops.plan import CHUNK, Fork, chunk_plan, cumulative, plan_fork
 from ..schema import Question
 from .base import SPATIAL_MERGE
+from .pixels import PixelSettings
 
 PREFIX_ALIGN = CHUNK  # prefixes end on a multiple of the delta-rule chunk size
 
@@ -41,16 +42,27 @@ class Row:
 @dataclass
 class EncodedImage:
     """An image ready for a batch. `pixel_values` is None when its features were cached when
-    it was encoded (the model then reads the cache and skips preprocessing entirely)."""
+    it was encoded (the model then reads the cache and skips preprocessing entirely). With
+    `settings`, they are the decoded RGB bytes [H, W, 3] uint8, which the model's device turns
+    into patches (`pixels.PixelSettings.patches`); without, the processor's patches."""
 
-    pixel_values: torch.Tensor | None  # [patches, C * temporal * patch * patch]
+    pixel_values: torch.Tensor | None  # [H, W, 3] uint8 with settings, else [patches, C * temporal * p * p]
     grid_thw: torch.Tensor  # [1, 3]
     key: str = ""  # SHA-256 of the decoded RGB content (dohnuts.model.features.image_key)
+    settings: PixelSettings | None = None
 
     @property
     def tokens(self) -> int:
         """Merged image tokens: one per 2x2 patches."""
         return int(self.grid_thw.prod()) // SPATIAL_MERGE**2
+
+    def patches(self, device=None) -> torch.Tensor:
+        """The tower's patches [patches, C * temporal * p * p] float32, made on `device` (where
+        the bytes are by default)."""
+        if self.pixel_values is None:
+            raise ValueError("a cached image carries no pixels")
+        pixels = self.pixel_values if device is None else self.pixel_values.to(device)
+        return self.settings.patches(pixels) if self.settings is not None else pixels
 
 
 @dataclass
@@ -89,6 +101,18 @@ class Batch:
     image_has_pixels: tuple[bool, ...]
     input_tokens: int  # tokens of the rows as written, prefix counted in every row
     rows_bound: int | None = None  # a bound on the longest row, planned for instead of it (buckets)
+    pixel_settings: PixelSettings | None = None  # with it, pixel_values are RGB bytes, flat
+    image_shapes_cpu: torch.Tensor | None = None  # [images with pixels, 3] their byte arrays' shapes
+
+    def patches(self) -> torch.Tensor | None:
+        """The patches of the images with pixels, concatenated [patches, C * temporal * p * p],
+        made where pixel_values are (the model's device once the batch is there)."""
+        if self.pixel_values is None or self.pixel_settings is None:
+            return self.pixel_values
+        sizes = self.image_shapes_cpu.prod(-1).tolist()
+        shapes = self.image_shapes_cpu.tolist()
+        return torch.cat([self.pixel_settings.patches(flat.view(*shape)) for flat, shape
+                          in zip(torch.split(self.pixel_values, sizes), shapes)])
 
     @property
     def computed_tokens(self) -> int:
@@ -206,6 +230,12 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     candidate_mask = torch.from_numpy(np.arange(width)[None, :] < np.array([len(row.markers) for row in rows])[:, None])
 
     pairs = torch.tensor(slots, dtype=torch.long).reshape(-1, 2)
+    carried = [image.pixel_values for image in images if image.pixel_values is not None]
+    kinds = {image.settings for image in images if image.pixel_values is not None}
+    if len(kinds) > 1:
+        raise ValueError("a batch's images come from one template: their pixel settings differ")
+    settings = kinds.pop() if kinds else None
+    raw = settings is not None
     prefix_cu, row_cu = cumulative(prefix_lengths), cumulative(own_lengths)
     grid = torch.cat([image.grid_thw for image in images]) if images else None
     return Batch(
@@ -217,12 +247,14 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         prefix_chunk_indices=chunk_plan(prefix_lengths), chunk_indices=chunk_plan(own_lengths),
         fork=plan_fork(prefix_lengths, own_lengths, parents) if groups else None,
         markers=markers, candidate_mask=candidate_mask, image_slots=pairs[:, 0], image_sources=pairs[:, 1],
-        pixel_values=torch.cat(pixels) if (pixels := [i.pixel_values for i in images if i.pixel_values is not None])
-        else None,
+        pixel_values=torch.cat([pixels.reshape(-1) if raw else pixels for pixels in carried]) if carried else None,
         image_grid_thw_cpu=grid,
         image_keys=tuple(image.key for image in images),
         image_has_pixels=tuple(image.pixel_values is not None for image in images),
         input_tokens=sum(len(row.input_ids) for row in rows),
+        pixel_settings=settings if raw else None,
+        image_shapes_cpu=_longs([list(pixels.shape) for pixels in carried]).reshape(-1, 3) if raw and carried
+        else None,
     )
 
 

@@ -8,7 +8,7 @@ from ..schema import Request
 from .base import SPATIAL_MERGE, special_tokens
 from .batch import Batch, EncodedImage, Row, pack_rows
 from .features import image_key
-from .pixels import qwen_pixels
+from .pixels import PixelSettings, qwen_pixels, rgb_bytes
 
 PIECE_CACHE_CHARS = 4 * 2**20  # characters of recently tokenised text kept
 
@@ -49,6 +49,7 @@ class Template:
         self.marker_id, self.vision_start_id, self.vision_end_id, self.image_pad_id = ids[:4]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ids[-1]
         self.newline_ids = tokenizer("\n", add_special_tokens=False)["input_ids"]
+        self.pixels = PixelSettings.of(image_processor)  # None: the processor preprocesses on the host
         self.pieces: OrderedDict[str, list[int]] = OrderedDict()
         self.piece_chars = 0
 
@@ -89,8 +90,12 @@ class Template:
 
     def encode_image(self, image, key: str | None = None) -> EncodedImage:
         """Pixels and patch grid of a decoded image; `key` is its `image_key` when known."""
-        pixel_values, grid = qwen_pixels(image, self.image_processor)
-        return EncodedImage(pixel_values, grid, key or image_key(image))
+        key = key or image_key(image)
+        if self.pixels is None:  # a processor `pixels` does not know: it runs itself, here
+            pixel_values, grid = qwen_pixels(image, self.image_processor)
+            return EncodedImage(pixel_values, grid, key)
+        rgb = rgb_bytes(image)  # the patches are made on the model's device (`Batch.patches`)
+        return EncodedImage(rgb, self.pixels.grid(*rgb.shape[:2]), key, self.pixels)
 
     def encode(self, request: Request, max_tokens: int, image_index: int | None = None,
                image: EncodedImage | None = None) -> list[Row]:

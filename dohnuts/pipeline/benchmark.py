@@ -164,7 +164,7 @@ def hugging_face_logits(predictor, state, questions) -> torch.Tensor:
     ids, mask = ids.to(device), mask.to(device)
     kwargs = {}
     if image is not None:
-        kwargs = {"pixel_values": image.pixel_values.repeat(len(rows), 1).to(device),
+        kwargs = {"pixel_values": image.patches(device).repeat(len(rows), 1),
                   "image_grid_thw": image.grid_thw.repeat(len(rows), 1).to(device)}
         if "mm_token_type_ids" in inspect.signature(backbone.forward).parameters:  # transformers >= 5.23
             kwargs["mm_token_type_ids"] = (ids == template.image_pad_id).int()

@@ -43,7 +43,7 @@ def _hugging_face_hidden(backbone, row, image):
     ids = torch.tensor([row.input_ids])
     kwargs = {}
     if row.image is not None:
-        kwargs = {"pixel_values": image.pixel_values, "image_grid_thw": image.grid_thw}
+        kwargs = {"pixel_values": image.patches(), "image_grid_thw": image.grid_thw}
         if "mm_token_type_ids" in inspect.signature(backbone.forward).parameters:
             kwargs["mm_token_type_ids"] = (ids == backbone.config.image_token_id).int()
     return backbone(input_ids=ids, use_cache=False, **kwargs).last_hidden_state[0]

@@ -164,5 +164,5 @@ def test_features_cached_in_training_serve_prediction_and_survive_lora_updates(t
         model(hit)  # built as prediction builds a hit: no pixels at all
         assert len(calls) == 1
         encoded = template.encode_image(image)
-        fresh = image_features(model.backbone.visual, encoded.pixel_values, encoded.grid_thw)
+        fresh = image_features(model.backbone.visual, encoded.patches(), encoded.grid_thw)
     assert torch.equal(fresh, cached)

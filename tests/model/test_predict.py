@@ -66,8 +66,9 @@ def test_invalid_requests_reach_the_caller_as_value_errors(deployable):
 def test_a_cached_image_skips_preprocessing_and_the_vision_tower(deployable):
     root, _ = deployable
     predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
-    processor, preprocessed, encoded = predictor.template.image_processor, [], []
-    predictor.template.image_processor = lambda *args, **kwargs: preprocessed.append(1) or processor(*args, **kwargs)
+    template, preprocessed, encoded = predictor.template, [], []
+    encode_image = template.encode_image
+    template.encode_image = lambda *args, **kwargs: preprocessed.append(1) or encode_image(*args, **kwargs)
     predictor.model.backbone.visual.merger.register_forward_hook(lambda *args: encoded.append(1))
     state = {"note": "a square", "image": Image.new("RGB", (64, 64), (220, 20, 20))}
     first = predictor.predict(state, QUESTIONS)

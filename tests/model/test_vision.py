@@ -35,9 +35,9 @@ def test_vision_features_and_saved_weights_are_unchanged_by_the_linear_projectio
     image = Image.new("RGB", (64, 48), "white")
     image.paste((20, 60, 220), (8, 8, 40, 40))
     encoded = template.encode_image(image)
-    ours = image_features(model.backbone.visual, encoded.pixel_values, encoded.grid_thw)
+    ours = image_features(model.backbone.visual, encoded.patches(), encoded.grid_thw)
     with torch.no_grad():
-        theirs = reference(encoded.pixel_values, grid_thw=encoded.grid_thw).pooler_output  # Hugging Face's forward
+        theirs = reference(encoded.patches(), grid_thw=encoded.grid_thw).pooler_output  # Hugging Face's forward
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)  # float32, summation order only
     model.backbone.save_pretrained(tmp_path)
     reloaded = load_backbone(tmp_path, torch.float32)
@@ -61,7 +61,7 @@ def test_images_of_several_grids_in_one_call_equal_hugging_face_and_reuse_their_
         image = Image.new("RGB", size, "white")
         image.paste(colour, (4, 4, 30, 30))
         encoded.append(template.encode_image(image))
-    pixels = torch.cat([item.pixel_values for item in encoded])
+    pixels = torch.cat([item.patches() for item in encoded])
     grids = torch.cat([item.grid_thw for item in encoded])
     assert len({tuple(grid.tolist()) for grid in grids}) >= 2
     ours = image_features(model.backbone.visual, pixels, grids, model.vision_plans)
@@ -84,9 +84,33 @@ def test_the_tower_on_cuda_in_bf16_matches_hugging_face(tiny):
     template = tiny.template()
     encoded = [template.encode_image(Image.new("RGB", size, colour)) for size, colour in
                (((64, 48), (20, 60, 220)), ((40, 90), (200, 30, 30)))]
-    pixels = torch.cat([item.pixel_values for item in encoded]).cuda()
+    pixels = torch.cat([item.patches() for item in encoded]).cuda()
     grids = torch.cat([item.grid_thw for item in encoded])
     ours = image_features(model.backbone.visual, pixels, grids, model.vision_plans)
     with torch.no_grad():
         theirs = reference(pixels.bfloat16(), grid_thw=grids.cuda()).pooler_output
     assert (ours.float() - theirs.float()).abs().max() <= 0.02 * theirs.float().abs().max()
+
+
+@pytest.mark.gpu
+def test_vision_graphs_replay_the_eager_tower_for_new_pixels(tiny):
+    """A grid list's third sighting captures the tower's graph; replays with other pixels of the
+    same grids equal the eager tower (the same kernels: to 1e-6); another grid list stays eager."""
+    backbone = load_backbone(tiny.base, torch.bfloat16).cuda()
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01).cuda()).eval()
+    visual, graphs, template = model.backbone.visual, model.vision_graphs, tiny.template()
+    colours = [(20, 60, 220), (200, 30, 30), (30, 200, 30), (90, 90, 90), (250, 200, 10)]
+    for index, colour in enumerate(colours):
+        image = Image.new("RGB", (64, 48), "white")
+        image.paste(colour, (4, 4, 30 + index, 30))
+        encoded = template.encode_image(image)
+        pixels = encoded.patches("cuda")
+        ours = image_features(visual, pixels, encoded.grid_thw, model.vision_plans, graphs)
+        eager = image_features(visual, pixels, encoded.grid_thw, model.vision_plans)
+        torch.testing.assert_close(ours, eager, rtol=1e-6, atol=1e-6)
+    assert graphs.stats == {"eager": 2, "captures": 1, "replays": 3}
+    other = template.encode_image(Image.new("RGB", (40, 90), (10, 10, 10)))
+    image_features(visual, other.patches("cuda"), other.grid_thw, model.vision_plans, graphs)
+    assert graphs.stats["eager"] == 3 and len(graphs.graphs) == 1
+    model.changed()
+    assert not graphs.graphs  # a move or a new module: captured again when seen again
