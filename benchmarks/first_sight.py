@@ -21,10 +21,10 @@ Every timing is bracketed by device synchronisations.
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from profile_predict import timed_samples  # this folder is on the path when run as a script
 
 from dohnuts.measure.shapes import shape_only_predictor
 from dohnuts.measure.traffic import varied_requests
@@ -32,17 +32,6 @@ from dohnuts.model.features import image_key
 from dohnuts.model.vision import image_features
 from dohnuts.ops import kernels
 from dohnuts.pipeline.benchmark import evaluation_throughput_record, percentile, varied_traffic_record, workloads
-
-
-def timed(call, calls: int = 1) -> list[float]:
-    samples = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return samples
 
 
 def line(label: str, samples: list[float]) -> None:
@@ -66,7 +55,7 @@ def eager_forwards(predictor, count: int) -> None:
             samples, outputs = [], []
             for batch in batches:
                 out = []
-                samples += timed(lambda: out.append(model(batch)))  # noqa: B023 - called at once
+                samples += timed_samples(lambda: out.append(model(batch)), 1)  # noqa: B023 - called at once
                 outputs.append(out[0])
             logits[label] = outputs
             line(f"eager forward, {label}", samples)
@@ -83,31 +72,32 @@ def eager_forwards(predictor, count: int) -> None:
 def image_miss(predictor) -> None:
     state, questions = workloads()["vision_protocol_image_1q"]
     image, template, model = state["image"], predictor.template, predictor.model
-    line("image_key (content hash)", timed(lambda: image_key(image), 20))
-    line("encode_image on the host (decode to bytes)", timed(lambda: template.encode_image(image), 20))
+    line("image_key (content hash)", timed_samples(lambda: image_key(image), 20))
+    line("encode_image on the host (decode to bytes)", timed_samples(lambda: template.encode_image(image), 20))
     encoded = template.encode_image(image)
     device = model.device
-    line("bytes to the device", timed(lambda: encoded.pixel_values.to(device), 20))
-    line("patches on the device", timed(lambda: encoded.patches(device), 20))
+    line("bytes to the device", timed_samples(lambda: encoded.pixel_values.to(device), 20))
+    line("patches on the device", timed_samples(lambda: encoded.patches(device), 20))
     pixels, grid = encoded.patches(device), encoded.grid_thw
     visual = model.backbone.visual
     image_features(visual, pixels, grid, model.vision_plans)
     line(f"vision tower, ours (grid {grid.tolist()}, plan cached)",
-         timed(lambda: image_features(visual, pixels, grid, model.vision_plans), 20))
-    line("vision tower, ours, plan made", timed(lambda: image_features(visual, pixels, grid, {}), 20))
+         timed_samples(lambda: image_features(visual, pixels, grid, model.vision_plans), 20))
+    line("vision tower, ours, plan made", timed_samples(lambda: image_features(visual, pixels, grid, {}), 20))
     on_device = grid.to(device)
-    line("vision tower, Hugging Face's forward", timed(lambda: visual(pixels.to(visual.dtype), grid_thw=on_device), 20))
+    line("vision tower, Hugging Face's forward",
+         timed_samples(lambda: visual(pixels.to(visual.dtype), grid_thw=on_device), 20))
     graphs = model.vision_graphs
     line("vision tower, ours through its CUDA graph",
-         timed(lambda: image_features(visual, pixels, grid, model.vision_plans, graphs), 20))
+         timed_samples(lambda: image_features(visual, pixels, grid, model.vision_plans, graphs), 20))
 
     def miss():
         model.image_cache.clear()
         predictor.predict(state, questions)
 
     miss()
-    line("predict, image-feature cache emptied", timed(miss, 20))
-    line("predict, cache warm", timed(lambda: predictor.predict(state, questions), 20))
+    line("predict, image-feature cache emptied", timed_samples(miss, 20))
+    line("predict, cache warm", timed_samples(lambda: predictor.predict(state, questions), 20))
 
 
 def traffic_and_evaluation(predictor) -> None:

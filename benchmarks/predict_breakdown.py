@@ -13,23 +13,16 @@ benchmark's NVML sampler running.
 
 import statistics
 import sys
-import time
 
 import torch
-from profile_predict import warmed_predictor  # this folder is on the path when run as a script
+from profile_predict import timed_samples, warmed_predictor  # this folder is on the path when run as a script
 
 from dohnuts.measure.telemetry import Telemetry
 from dohnuts.model.cuda_graphs import layout_key
 
 
 def timed(label: str, call, calls: int = 50) -> None:
-    samples = []
-    for _ in range(calls):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        call()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3)
+    samples = timed_samples(call, calls)
     print(f"{label:34s} p50 {statistics.median(samples):7.3f} ms  min {min(samples):7.3f}", flush=True)
 
 

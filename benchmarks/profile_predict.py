@@ -19,6 +19,18 @@ from dohnuts.measure.shapes import shape_only_predictor
 from dohnuts.pipeline.benchmark import workloads
 
 
+def timed_samples(call, calls: int) -> list[float]:
+    """Milliseconds of each of `calls` calls, each bracketed by device synchronisations."""
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return samples
+
+
 def warmed_predictor(name: str, script: str):
     """(the benchmark's shape-only Qwen3.5-0.8B predictor after 5 calls of workload `name`, so
     its CUDA graph is captured, the workload's state, its questions); exits with a message

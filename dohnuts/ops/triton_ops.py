@@ -441,24 +441,34 @@ def _unit_lower_inverse(L, BC: tl.constexpr):
 
 
 @triton.jit
-def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlens, G, scale,
-                    H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                    BV: tl.constexpr, BC: tl.constexpr, PARTS: tl.constexpr):
+def _sequence_program(cu_seqlens, H: tl.constexpr, HV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """A delta-rule program's sequence n, value head i_h and its key head i_hk, the sequence's
+    bounds bos and eos, the key offsets [BK] and its block of value offsets [BV]."""
     n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_hk = i_h // (HV // H)
     bos = tl.load(cu_seqlens + n).to(tl.int64)
     eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    # The row's initial state [BK, BV]: its parent's, or zero (parent -1).
-    # (The parent as a vector, not a scalar, in the mask: Triton's interpreter wants that.)
+    return n, i_h, i_h // (HV // H), bos, eos, tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+
+
+@triton.jit
+def _parent_state(states, parents, n, i_h, G, o_k, o_v, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr):
+    """Row n's initial state [BK, BV] of value head i_h, float32: its parent's, or zero (parent
+    -1). (The parent as a vector, not a scalar, in the mask: Triton's interpreter wants that.)"""
     parent = tl.zeros([BK], dtype=tl.int64) + tl.load(parents + n).to(tl.int64)
     has = (parent >= 0) & (parent < G)
     start = tl.where(has, parent, 0) * HV + i_h
-    h0 = tl.load(states + (start[:, None] * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv & has[:, None],
-                 other=0.0)
-    h0 = h0.to(q.dtype.element_ty)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    return tl.load(states + (start[:, None] * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv & has[:, None],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlens, G, scale,
+                    H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                    BV: tl.constexpr, BC: tl.constexpr, PARTS: tl.constexpr):
+    n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
+    h0 = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK).to(q.dtype.element_ty)
     log_a = tl.load(A_log + i_h).to(tl.float32)
     bias = tl.load(dt_bias + i_h).to(tl.float32)
     # The row's parts (PARTS of them, enough for the longest row; past a row's end they are
@@ -599,20 +609,11 @@ SCAN_TOKENS = 1024  # the longest sequence `kernels` sends to `delta_rule_scan`
 def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale,
                     H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr):
-    n, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_hk = i_h // (HV // H)
-    bos = tl.load(cu_seqlens + n).to(tl.int64)
-    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-    o_k = tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
+    n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     h = tl.zeros([BK, BV], dtype=tl.float32)
-    if INITIAL:  # the parent's state, or zero (parent -1), as in `_delta_rows_fwd`
-        parent = tl.zeros([BK], dtype=tl.int64) + tl.load(parents + n).to(tl.int64)
-        has = (parent >= 0) & (parent < G)
-        start = tl.where(has, parent, 0) * HV + i_h
-        h = tl.load(states + (start[:, None] * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv & has[:, None],
-                    other=0.0).to(tl.float32)
+    if INITIAL:
+        h = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK)
     log_a = tl.load(A_log + i_h).to(tl.float32)
     bias = tl.load(dt_bias + i_h).to(tl.float32)
     for part in range(0, tl.cdiv(eos - bos, BC)):

@@ -271,22 +271,29 @@ def test_fla_gradient_flows_into_the_forked_prefix_state():
     assert grads[-1][0].abs().sum() > 0 and grads[-1][1].abs().sum() > 0  # both prefixes get their rows' gradient
 
 
+def _forked_inputs(lengths, heads, value_heads, width, seed):
+    """bf16 CUDA inputs of the inference delta-rule kernels for packed sequences of `lengths`:
+    q, k (L2-normalised), v, the raw gate, beta, A_log, dt_bias, three prefix states and each
+    sequence's parent among them (-1, 0, 1, 2, -1, ...), and int32 cumulative lengths."""
+    total = sum(lengths)
+    q, k, v, _, beta = _delta_inputs(total, heads=heads, value_heads=value_heads, key_dim=width, value_dim=width,
+                                     device="cuda", dtype=torch.bfloat16)
+    q, k = kernels.l2norm(q.float()).bfloat16(), kernels.l2norm(k.float()).bfloat16()
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    gate = torch.randn(1, total, value_heads, generator=generator).to("cuda", torch.bfloat16)
+    A_log, dt_bias = (torch.randn(value_heads, generator=generator).to("cuda") * 0.5 for _ in range(2))
+    states = torch.randn(3, value_heads, width, width, generator=generator).to("cuda") * 0.1
+    parents = torch.tensor([n % 4 - 1 for n in range(len(lengths))], device="cuda")
+    return q, k, v, gate, beta, A_log, dt_bias, states, parents, _cu(lengths, "cuda").to(torch.int32)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, value_heads, width", [(16, 16, 128), (2, 4, 40)])
 def test_delta_rule_rows_matches_reference_and_fla_on_forked_states(heads, value_heads, width):
     """The one-program-a-row kernel (bf16, rows of 1 to 64 tokens continuing forked states, some
     without a parent) against the float32 recurrence and FLA's chunked kernels on the same rows."""
     lengths = [1, 15, 16, 17, 33, 63, 64, 28, 44]
-    total = sum(lengths)
-    q, k, v, _, beta = _delta_inputs(total, heads=heads, value_heads=value_heads, key_dim=width, value_dim=width,
-                                     device="cuda", dtype=torch.bfloat16)
-    q, k = kernels.l2norm(q.float()).bfloat16(), kernels.l2norm(k.float()).bfloat16()
-    generator = torch.Generator(device="cpu").manual_seed(2)
-    gate = torch.randn(1, total, value_heads, generator=generator).to("cuda", torch.bfloat16)
-    A_log, dt_bias = (torch.randn(value_heads, generator=generator).to("cuda") * 0.5 for _ in range(2))
-    states = torch.randn(3, value_heads, width, width, generator=generator).to("cuda") * 0.1
-    parents = torch.tensor([n % 4 - 1 for n in range(len(lengths))], device="cuda")
-    cu = _cu(lengths, "cuda").to(torch.int32)
+    q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, heads, value_heads, width, 2)
     with torch.no_grad():
         ours = kernels._triton_ops().delta_rule_rows(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu,
                                                      max(lengths), A_log, dt_bias)[None]
@@ -306,16 +313,7 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width):
     final states (as prefixes run), and from forked states (as long rows run), against the float32
     recurrence and FLA's chunked kernels on the same sequences."""
     lengths = [1, 15, 16, 17, 65, 130, 257, 700, 44]
-    total = sum(lengths)
-    q, k, v, _, beta = _delta_inputs(total, heads=heads, value_heads=value_heads, key_dim=width, value_dim=width,
-                                     device="cuda", dtype=torch.bfloat16)
-    q, k = kernels.l2norm(q.float()).bfloat16(), kernels.l2norm(k.float()).bfloat16()
-    generator = torch.Generator(device="cpu").manual_seed(3)
-    gate = torch.randn(1, total, value_heads, generator=generator).to("cuda", torch.bfloat16)
-    A_log, dt_bias = (torch.randn(value_heads, generator=generator).to("cuda") * 0.5 for _ in range(2))
-    states = torch.randn(3, value_heads, width, width, generator=generator).to("cuda") * 0.1
-    parents = torch.tensor([n % 4 - 1 for n in range(len(lengths))], device="cuda")
-    cu = _cu(lengths, "cuda").to(torch.int32)
+    q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, heads, value_heads, width, 3)
     scan = kernels._triton_ops().delta_rule_scan
     log_decay = kernels.decay(gate, A_log, dt_bias)
     forked = kernels.fork_states(states, parents, True)
