@@ -41,6 +41,12 @@ CANDIDATES = 16  # candidates a bucket's row may have
 ROW_TOKENS = 64  # the longest short row (`triton_ops.ROW_TOKENS`)
 
 
+# The longest sequence `kernels` sends to `triton_ops.delta_rule_scan` (its SCAN_TOKENS; a test
+# holds them equal): a bucket's graph must never route a sequence to FLA, whose chunk plans the
+# capture would memoise from its empty batch.
+LONGEST_SEQUENCE = 1024
+
+
 @dataclass(frozen=True)
 class Bucket:
     """Every shape a bucket's graph fixes (see the module's docstring)."""
@@ -48,6 +54,12 @@ class Bucket:
     prefix_tokens: int
     row_tokens: int
     long_rows: bool
+
+    def __post_init__(self):
+        if (self.prefix_tokens < CHUNK or self.prefix_tokens % CHUNK or self.row_tokens < 1
+                or self.prefix_tokens > LONGEST_SEQUENCE or (self.long_rows and self.row_tokens > LONGEST_SEQUENCE)):
+            raise ValueError(f"a bucket needs prefix tokens a multiple of {CHUNK} from {CHUNK} to {LONGEST_SEQUENCE} "
+                             f"and, with long rows, at most {LONGEST_SEQUENCE} row tokens: got {self}")
 
     @property
     def prefixes(self) -> int:
@@ -93,7 +105,7 @@ def _row_padding(bucket: Bucket, rows: int, tokens: int) -> list[int] | None:
         padding = [spare] if spare else []
     else:
         padding = [ROW_TOKENS] * (spare // ROW_TOKENS) + ([spare % ROW_TOKENS] if spare % ROW_TOKENS else [])
-    if len(padding) > room:
+    if len(padding) >= room:  # the last row stays empty: the padded chunk plan names it
         return None
     return padding + [0] * (room - len(padding))
 

@@ -128,7 +128,7 @@ class _BucketGraph:
         self.outputs: list = []
         side = torch.cuda.Stream(self.embeds.device)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        with kernels.uncached_plans(), torch.cuda.stream(side):
             for _ in range(2):  # kernels compile and autotune, cuBLAS plans, outside the capture
                 self.outputs = []
                 for index in range(len(self.attention) + 1):
@@ -286,28 +286,32 @@ class GraphedScores:
             self.prepare(self.wanted)  # the model changed: its buckets are captured again
         key = layout_key(batch)
         graph = self.graphs.get(key)
-        moved = batch.to(device) if on_host else batch
-        embeds = None
-        if graph is None and self.seen.get(key, 0) + 1 >= self.capture_at and key not in self.failed:
-            embeds = model.embeddings(moved)
-            graph = self._capture(key, embeds, moved)
-        if graph is not None:
-            self.graphs.move_to_end(key)
-            self.stats["replays"] += 1
-            return graph.replay(model.embeddings(moved) if embeds is None else embeds, moved)
-        self.seen[key] = self.seen.get(key, 0) + 1
-        self.seen.move_to_end(key)
-        if len(self.seen) > self.remembered:
-            self.seen.popitem(last=False)
-        bucket = bucket_for(batch, self.buckets) if on_host and self.buckets else None
-        if bucket is not None:
+        captures = graph is None and self.seen.get(key, 0) + 1 >= self.capture_at and key not in self.failed
+        bucket = None
+        if graph is None and not captures:
+            self.seen[key] = self.seen.get(key, 0) + 1
+            self.seen.move_to_end(key)
+            if len(self.seen) > self.remembered:
+                self.seen.popitem(last=False)
+            bucket = bucket_for(batch, self.buckets) if on_host and self.buckets else None
+        if bucket is not None:  # padded on the host, then moved: one copy
             padded = pad_to_bucket(batch, bucket, self.pad_id).to(device)
             self.stats["bucket_replays"] += 1
             self.stats["padding_tokens"] += bucket.tokens - batch.computed_tokens
             logits = self.buckets[bucket].replay(model.embeddings(padded), padded)
             return logits[: batch.markers.shape[0], : batch.markers.shape[1]]
+        moved = batch.to(device) if on_host else batch
+        embeds = model.embeddings(moved)
+        if captures:
+            graph = self._capture(key, embeds, moved)
+        if graph is not None:
+            self.graphs.move_to_end(key)
+            self.stats["replays"] += 1
+            return graph.replay(embeds, moved)
+        if captures:  # the capture failed: this layout runs eagerly from now on
+            self.seen[key] = self.seen.get(key, 0) + 1
         self.stats["eager"] += 1
-        return model.scores(model.embeddings(moved) if embeds is None else embeds, moved)
+        return model.scores(embeds, moved)
 
     def _capture(self, key: tuple, embeds: torch.Tensor, batch: Batch) -> _Graph | None:
         if not self.graphs:

@@ -8,7 +8,7 @@ from torch import nn
 from .batch import Batch
 from .decoder import Prefixes, Segments, packed_forward
 from .features import ImageFeatureCache
-from .vision import VisionGraphs, image_features, linear_patch_projection
+from .vision import VisionGraphs, VisionPlans, image_features, linear_patch_projection
 
 HEAD_KEY = "head.weight"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -34,8 +34,8 @@ class DecisionModel(nn.Module):
         self.backbone.visual.requires_grad_(False)
         linear_patch_projection(self.backbone.visual)
         self.image_cache = ImageFeatureCache()  # new and empty for every model
-        self.vision_plans: dict = {}  # image grids -> the vision tower's positions and plan
-        self.vision_graphs = VisionGraphs()  # image grids -> the tower's CUDA graph (inference)
+        self.vision_plans = VisionPlans()  # image grids -> the vision tower's positions and plan
+        self.vision_graphs = VisionGraphs()  # image grids -> the tower's CUDA graph (not in training)
         self.generation = 0  # bumped whenever parameters may have moved (see `changed`)
 
     def changed(self) -> None:
@@ -69,9 +69,9 @@ class DecisionModel(nn.Module):
         visual = self.backbone.visual
         features = self.image_cache.features(batch.image_keys, batch.patches(), batch.image_grid_thw_cpu,
                                              batch.image_has_pixels,
-                                             lambda pixels, grid: image_features(visual, pixels, grid,
-                                                                                 self.vision_plans,
-                                                                                 self.vision_graphs),
+                                             lambda pixels, grid: image_features(
+                                                 visual, pixels, grid, self.vision_plans,
+                                                 None if self.training else self.vision_graphs),
                                              visual.spatial_merge_size**2)
         return embeds.index_put((batch.image_slots,), features[batch.image_sources].to(embeds.dtype))
 

@@ -18,12 +18,15 @@ Processors it does not recognise run themselves, on the host.
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,8 @@ class PixelSettings:
         high = size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None)
         # The processor's own module defines smart_resize in every release we know.
         smart_resize = getattr(sys.modules.get(type(processor).__module__), "smart_resize", None)
-        if not low or not high or smart_resize is None:
+        # PIL's BICUBIC (3): the filter `patches` reproduces on the device.
+        if not low or not high or smart_resize is None or int(getattr(processor, "resample", 3)) != BICUBIC:
             return None
         return cls(processor.patch_size, processor.merge_size, processor.temporal_patch_size, low, high,
                    int(getattr(processor, "resample", 3)), float(processor.rescale_factor),
@@ -88,8 +92,7 @@ class PixelSettings:
 
     def normalised(self, x: torch.Tensor) -> torch.Tensor:
         """Bytes [C, H, W] (any dtype holding 0..255) -> (x * scale - mean) / std, float32."""
-        mean = torch.tensor(self.mean, dtype=torch.float32, device=x.device)[:, None, None]
-        std = torch.tensor(self.std, dtype=torch.float32, device=x.device)[:, None, None]
+        mean, std = _constants(self.mean, self.std, x.device)
         return (x.float() * self.scale - mean) / std
 
     def patches(self, rgb: torch.Tensor) -> torch.Tensor:
@@ -103,6 +106,12 @@ class PixelSettings:
             x = F.interpolate(x[None].float(), size=(resized_height, resized_width), mode="bicubic", antialias=True,
                               align_corners=False)[0].round().clamp(0, 255)
         return self.layout(self.normalised(x))
+
+
+@functools.lru_cache(maxsize=16)
+def _constants(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """mean and std [C, 1, 1] float32 on `device`, made once (a copy to a GPU would wait)."""
+    return tuple(torch.tensor(values, dtype=torch.float32, device=device)[:, None, None] for values in (mean, std))
 
 
 def rgb_bytes(image) -> torch.Tensor:

@@ -119,6 +119,30 @@ def vision_blocks(visual, pixel_values: torch.Tensor, plan: VisionPlan) -> torch
     return visual.merger(hidden)
 
 
+class VisionPlans:
+    """The `VisionPlan`s of the last `capacity` lists of image grids (a batch's misses make one
+    list; device tensors of about 2 KB a patch each for the Qwen3.5-0.8B shape), least recent
+    out first."""
+
+    def __init__(self, capacity: int = 64):
+        self.capacity = capacity
+        self.entries: OrderedDict = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, key):
+        return self.entries.get(key)
+
+    def put(self, key, plan: VisionPlan) -> None:
+        self.entries[key] = plan
+        if len(self.entries) > self.capacity:
+            self.entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+
 class VisionGraphs:
     """CUDA graphs of the tower, one per list of image grids (and pixel dtype), captured on its
     `capture_at`-th sighting and kept in an LRU of `capacity`: eager, the tower's forward is
@@ -142,13 +166,15 @@ class VisionGraphs:
         self.pool = None
 
     def __call__(self, visual, pixel_values: torch.Tensor, key: tuple, plan: VisionPlan) -> torch.Tensor:
-        if not pixel_values.is_cuda or torch.is_grad_enabled():
+        if not pixel_values.is_cuda:
             self.stats["eager"] += 1
             return vision_blocks(visual, pixel_values, plan)
         key = (key, pixel_values.dtype, pixel_values.shape[0])
         entry = self.graphs.get(key)
         if entry is None:
             self.seen[key] = self.seen.get(key, 0) + 1
+            if len(self.seen) > 64 * self.capacity:  # a bound on the sightings remembered
+                self.seen.pop(next(iter(self.seen)))
             if self.seen[key] < self.capture_at or key in self.failed:
                 self.stats["eager"] += 1
                 return vision_blocks(visual, pixel_values, plan)
@@ -175,7 +201,8 @@ class VisionGraphs:
                     vision_blocks(visual, static, plan)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: a loader's pin-memory thread may call CUDA meanwhile (evaluation)
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 output = vision_blocks(visual, static, plan)
         except Exception as error:  # noqa: BLE001 - a failed capture leaves the grid list eager
             self.failed.add(key)
@@ -194,10 +221,13 @@ def image_features(visual, pixel_values, grid_thw_cpu, plans: dict | None = None
                    graphs: VisionGraphs | None = None) -> torch.Tensor:
     """Frozen vision tower: the merged features of every image, concatenated [tokens, D].
 
-    grid_thw_cpu [I, 3] on the host. `plans` caches each grid list's `VisionPlan` and
-    `graphs` its CUDA graph (their owner clears both when the tower's weights move); without
-    transformers' helpers the tower runs Hugging Face's forward.
+    grid_thw_cpu [I, 3] on the host. `plans` (a `VisionPlans` or a dict) caches each grid
+    list's `VisionPlan` and `graphs` its CUDA graph (their owner clears both when the tower's
+    weights move; a graph holds its plan, so it needs `plans`); without transformers' helpers
+    the tower runs Hugging Face's forward.
     """
+    if graphs is not None and plans is None:
+        raise ValueError("image_features: graphs need plans (a graph reads its grid list's plan)")
     with torch.no_grad():
         if _helpers() is None:
             output = visual(pixel_values.to(visual.dtype), grid_thw=grid_thw_cpu.to(pixel_values.device))
@@ -207,8 +237,12 @@ def image_features(visual, pixel_values, grid_thw_cpu, plans: dict | None = None
         plan = plans.get(key) if plans is not None else None
         if plan is None:
             plan = vision_plan(visual, grid_thw_cpu, pixel_values.device)
-            if plans is not None:
+            if isinstance(plans, VisionPlans):
+                plans.put(key, plan)
+            elif plans is not None:
                 plans[key] = plan
+        elif isinstance(plans, VisionPlans):
+            plans.entries.move_to_end(key)
         if graphs is not None:
             return graphs(visual, pixel_values, key, plan)
         return vision_blocks(visual, pixel_values, plan)

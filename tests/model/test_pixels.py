@@ -65,3 +65,9 @@ def test_patches_made_on_the_device_side_stay_within_a_level_of_the_processors(p
             "image_grid_thw"])
         difference = (ours - expected).abs()
         assert difference.max() <= worst and difference.mean() <= mean, (difference.max(), difference.mean())
+
+
+def test_a_processor_of_another_resize_filter_keeps_its_own_host_path():
+    processor = new_image_processor(16, 64 * 64)
+    processor.resample = Image.Resampling.BILINEAR
+    assert PixelSettings.of(processor) is None  # the device path reproduces bicubic only

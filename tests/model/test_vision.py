@@ -114,3 +114,14 @@ def test_vision_graphs_replay_the_eager_tower_for_new_pixels(tiny):
     assert graphs.stats["eager"] == 3 and len(graphs.graphs) == 1
     model.changed()
     assert not graphs.graphs  # a move or a new module: captured again when seen again
+
+
+def test_vision_plans_keep_the_most_recent_grid_lists():
+    from dohnuts.model.vision import VisionPlans
+
+    plans = VisionPlans(capacity=2)
+    for key in ("a", "b", "c"):
+        plans.put(key, key)
+    assert plans.get("a") is None and plans.get("c") == "c" and len(plans) == 2
+    with pytest.raises(ValueError, match="graphs need plans"):
+        image_features(None, torch.zeros(1), torch.zeros(1, 3), None, object())
