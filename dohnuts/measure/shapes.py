@@ -90,11 +90,13 @@ def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0):
     return DecisionModel(backbone, head).eval(), template, model_config
 
 
-def shape_only_predictor(name: str, device: str | torch.device | None = None):
+def shape_only_predictor(name: str, device: str | torch.device | None = None, graphs: bool = True):
     """A `Predictor` over a random-weight model of a named shape, temperatures 1, Qwen3.5's
-    tokenizer: for timing only, its answers mean nothing."""
+    tokenizer: for timing only, its answers mean nothing. `graphs` as in
+    `Predictor.from_checkpoint`."""
     device = torch.device(device) if device is not None else default_device()
     model, template, config = shape_only_parts(name, device)
     predictor = Predictor(model, template, config, {"choice": 1.0, "noul": 1.0, "score": 1.0})
-    predictor.prepare_graphs()
+    if graphs:
+        predictor.prepare_graphs()
     return predictor

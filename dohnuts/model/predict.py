@@ -36,12 +36,15 @@ class Predictor:
         self.lock = threading.RLock()
 
     @classmethod
-    def from_checkpoint(cls, path, device: str | torch.device | None = None) -> Predictor:
-        """Load the deployable checkpoint folder the calibrate stage writes (hashes verified)."""
+    def from_checkpoint(cls, path, device: str | torch.device | None = None, graphs: bool = True) -> Predictor:
+        """Load the deployable checkpoint folder the calibrate stage writes (hashes verified);
+        with `graphs`, capture the shape buckets' CUDA graphs too (`prepare_graphs`), which a
+        process that only trains the model does not need."""
         device = torch.device(device) if device is not None else default_device()
         model, template, config, temperatures = load_merged(Path(path), device, need_temperatures=True)
         predictor = cls(model, template, config, temperatures)
-        predictor.prepare_graphs()
+        if graphs:
+            predictor.prepare_graphs()
         return predictor
 
     def prepare_graphs(self, buckets=None) -> int:

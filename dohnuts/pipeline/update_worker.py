@@ -23,9 +23,9 @@ from .distributed import world
 def main(settings: dict) -> None:
     place = world()
     if settings.get("shape"):
-        predictor = shape_only_predictor(settings["shape"], place.device)
+        predictor = shape_only_predictor(settings["shape"], place.device, graphs=False)  # it only trains
     else:
-        predictor = Predictor.from_checkpoint(Path(settings["checkpoint"]), place.device)
+        predictor = Predictor.from_checkpoint(Path(settings["checkpoint"]), place.device, graphs=False)
     from .benchmark import training_update_record
 
     ceilings = settings.get("ceilings") or measure_ceilings(place.device)
