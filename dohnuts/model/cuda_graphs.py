@@ -223,8 +223,9 @@ class GraphedScores:
         model, so first-seen layouts replay one: at load or warm-up, never on a request.
 
         Smallest first, while the graphs hold at most `memory_fraction` of the device's memory
-        (each keeps its layers' outputs between pieces: about 9 GiB for all 50 buckets of the
-        Qwen3.5-0.8B shape); larger batches then run eagerly, and the stop is logged once.
+        (each keeps its layers' outputs between pieces: 9.3 GiB for all 50 buckets of the
+        Qwen3.5-0.8B shape, captured in 14 to 17 s, docs/runtime.md); larger batches then run
+        eagerly, and the stop is logged once.
         Returns how many are ready (0 on the CPU). A bucket whose capture fails is left out,
         and the failure logged once."""
         model = self.model
