@@ -41,3 +41,13 @@ def varied_requests(count: int, seed: int = 0, image_every: int = 4) -> list[tup
                                            "criteria": ["not at all", "somewhat", "very"][: rng.randint(2, 3)]}
         requests.append((state, questions))
     return requests
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """Linear interpolation at index q * (n - 1) of the sorted samples (latency percentiles of
+    the benchmark and the load generator)."""
+    ordered = sorted(samples)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)

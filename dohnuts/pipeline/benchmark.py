@@ -31,7 +31,7 @@ from ..measure.roofline import (
 )
 from ..measure.shapes import shape_only_predictor
 from ..measure.telemetry import Telemetry, measure_ceilings, synchronize
-from ..measure.traffic import varied_requests
+from ..measure.traffic import percentile, varied_requests
 from ..model.adapters import with_lora
 from ..model.cuda_graphs import layout_key
 from ..model.decoder import MIXER_KEEP_TOKENS
@@ -107,15 +107,6 @@ def workloads() -> dict[str, tuple[object, dict]]:
     for count in (1, 5, 10, 50):
         cases[f"distinct_text_{count}q"] = (DISTINCT_STATE, distinct_questions(count))
     return cases
-
-
-def percentile(samples: list[float], q: float) -> float:
-    """Linear interpolation at index q * (n - 1) of the sorted samples."""
-    ordered = sorted(samples)
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def _measure(call, device: torch.device, warmup: int, timed: int,

@@ -12,7 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..measure.traffic import varied_requests
+from ..measure.traffic import percentile, varied_requests
 
 
 def mixed_requests(count: int, seed: int = 0) -> list[dict]:
@@ -57,14 +57,6 @@ class LoopbackServer:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=60)
-
-
-def _percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def drive(port: int, bodies: list[dict], clients: int, deadline_seconds: float = 600.0) -> dict:
@@ -113,9 +105,9 @@ def drive(port: int, bodies: list[dict], clients: int, deadline_seconds: float =
     return {"clients": clients, "requests": len(bodies), "answered": len(answered), "failed": len(failed),
             "lost": len(bodies) - len(answered) - len(failed), "failures": failed[:10], "seconds": wall,
             "requests_per_second": len(answered) / wall, "decisions_per_second": done / wall,
-            "p50_ms": 1000 * _percentile(latencies, 0.5) if latencies else None,
-            "p95_ms": 1000 * _percentile(latencies, 0.95) if latencies else None,
-            "p99_ms": 1000 * _percentile(latencies, 0.99) if latencies else None,
+            "p50_ms": 1000 * percentile(latencies, 0.5) if latencies else None,
+            "p95_ms": 1000 * percentile(latencies, 0.95) if latencies else None,
+            "p99_ms": 1000 * percentile(latencies, 0.99) if latencies else None,
             "mean_ms": 1000 * statistics.fmean(latencies) if latencies else None}
 
 
