@@ -19,7 +19,7 @@ import torch
 
 from ..ops import kernels
 from .batch import Batch
-from .buckets import all_buckets, bucket_for, empty_batch, pad_to_bucket
+from .buckets import all_buckets, bucket_for, empty_batch, pad_to_bucket, padding_tokens
 from .decision import plan_segments
 from .decoder import (
     Prefixes,
@@ -298,7 +298,7 @@ class GraphedScores:
         if bucket is not None:  # padded on the host, then moved: one copy
             padded = pad_to_bucket(batch, bucket, self.pad_id).to(device)
             self.stats["bucket_replays"] += 1
-            self.stats["padding_tokens"] += bucket.tokens - batch.computed_tokens
+            self.stats["padding_tokens"] += padding_tokens(batch, bucket)
             logits = self.buckets[bucket].replay(model.embeddings(padded), padded)
             return logits[: batch.markers.shape[0], : batch.markers.shape[1]]
         moved = batch.to(device) if on_host else batch

@@ -127,9 +127,9 @@ def qwen_pixels(image, processor) -> tuple[torch.Tensor, torch.Tensor]:
         out = processor(images=[image], return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
     rgb = image.convert("RGB")
+    grid = settings.grid(rgb.height, rgb.width)
     height, width = settings.size(rgb.height, rgb.width)
     if (width, height) != rgb.size:
         rgb = rgb.resize((width, height), resample=settings.resample)
     # The processor rescales in float64 and rounds to float32: float32 here, within an ulp.
-    x = settings.normalised(torch.from_numpy(np.array(rgb)).permute(2, 0, 1))
-    return settings.layout(x), torch.tensor([[1, height // settings.patch, width // settings.patch]], dtype=torch.long)
+    return settings.layout(settings.normalised(torch.from_numpy(np.array(rgb)).permute(2, 0, 1))), grid

@@ -132,9 +132,13 @@ class VisionPlans:
         return len(self.entries)
 
     def get(self, key):
-        return self.entries.get(key)
+        """The plan of a grid list, now the most recent, or None."""
+        plan = self.entries.get(key)
+        if plan is not None:
+            self.entries.move_to_end(key)
+        return plan
 
-    def put(self, key, plan: VisionPlan) -> None:
+    def __setitem__(self, key, plan: VisionPlan) -> None:
         self.entries[key] = plan
         if len(self.entries) > self.capacity:
             self.entries.popitem(last=False)
@@ -238,12 +242,8 @@ def image_features(visual, pixel_values, grid_thw_cpu, plans: dict | None = None
         plan = plans.get(key) if plans is not None else None
         if plan is None:
             plan = vision_plan(visual, grid_thw_cpu, pixel_values.device)
-            if isinstance(plans, VisionPlans):
-                plans.put(key, plan)
-            elif plans is not None:
+            if plans is not None:
                 plans[key] = plan
-        elif isinstance(plans, VisionPlans):
-            plans.entries.move_to_end(key)
         if graphs is not None:
             return graphs(visual, pixel_values, key, plan)
         return vision_blocks(visual, pixel_values, plan)

@@ -121,7 +121,7 @@ def test_vision_plans_keep_the_most_recent_grid_lists():
 
     plans = VisionPlans(capacity=2)
     for key in ("a", "b", "c"):
-        plans.put(key, key)
+        plans[key] = key
     assert plans.get("a") is None and plans.get("c") == "c" and len(plans) == 2
     with pytest.raises(ValueError, match="graphs need plans"):
         image_features(None, torch.zeros(1), torch.zeros(1, 3), None, object())
