@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from ..config import TestConfig
 from ..data.records import RecordReader, load_records
+from ..model.buckets import all_buckets
 from ..model.predict import Predictor
 from ..schema import QUESTION_TYPES
 from ..scoring.metrics import reliability
@@ -75,7 +76,9 @@ def test(checkpoint: Path, data: Path, config: TestConfig) -> tuple[pd.DataFrame
         on ranks other than 0.
     """
     place = world()
-    predictor = Predictor.from_checkpoint(checkpoint, place.device)
+    # Bucket graphs only when its batches can fit one (the default 16,384 tokens cannot).
+    fits = config.batch_tokens <= max(bucket.tokens for bucket in all_buckets())
+    predictor = Predictor.from_checkpoint(checkpoint, place.device, graphs=fits)
     table = predictions(predictor, load_records(data), RecordReader(data), config.batch_tokens, place)
     if table is None:  # another rank's share: rank 0 scores and writes
         return None
