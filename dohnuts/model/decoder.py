@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..ops import kernels
+from ..ops.lora import lora_linear
 from ..ops.plan import Fork
 
 
@@ -85,31 +86,52 @@ class Prefixes:
     fork: Fork
 
 
-def project(module, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)` for a linear projection, with peft LoRA applied as one fused update.
-
-    A peft LoRA `Linear` (unmerged, plain LoRA) computes base(x) + scaling * B(A(dropout(x))),
-    with its adapters in float32: peft casts x and the sum to float32 and back, several large
-    copies and kernels per projection. Here the adapter runs in x's dtype, as mixed-precision
-    training does (float32 weights, low-precision products with float32 accumulation), and
-    the B product, scaling and sum are one addmm. Any other module (a plain Linear, a merged
-    or disabled adapter, a LoRA variant such as DoRA, a LoRA bias, a base layer that is not
-    exactly nn.Linear, such as a quantized one) runs its own forward.
-    """
+def _plain_lora(module) -> str | None:
+    """The one active adapter of a peft LoRA `Linear` that is plain LoRA (unmerged, no dropout,
+    no bias, no variant such as DoRA, over an exact nn.Linear without bias or gradient), else
+    None: such a module runs its own forward."""
     lora_a = getattr(module, "lora_A", None)
-    if lora_a is None or module.merged or module.disable_adapters or type(module.base_layer) is not nn.Linear:
-        return module(x)
-    adapters = [name for name in module.active_adapters if name in lora_a]
-    if any(name in getattr(module, "lora_variant", {}) or module.lora_B[name].bias is not None for name in adapters):
-        return module(x)
+    if lora_a is None or module.merged or module.disable_adapters:
+        return None
     base = module.base_layer
-    out = F.linear(x, base.weight, base.bias)
+    if type(base) is not nn.Linear or base.bias is not None or base.weight.requires_grad:
+        return None
+    adapters = [name for name in module.active_adapters if name in lora_a]
+    if len(adapters) != 1:
+        return None
+    name = adapters[0]
+    if (name in getattr(module, "lora_variant", {}) or module.lora_B[name].bias is not None
+            or not isinstance(module.lora_dropout[name], nn.Identity)):
+        return None
+    return name
+
+
+def projections(modules, x: torch.Tensor) -> list[torch.Tensor]:
+    """`[module(x) for module in modules]` for linear projections of one input [..., D].
+
+    Plain peft LoRA projections (`_plain_lora`) run as one autograd node (`ops.lora`): a
+    layer's projections of one input share one product with their stacked A matrices, and
+    autograd records one node instead of a dozen operations each, the host work that bounds a
+    training update. The adapters run in x's dtype, as mixed-precision training does (float32
+    weights, low-precision products with float32 accumulation). Plain nn.Linear modules (a
+    merged model) run one product each; any other module runs its own forward.
+    """
     flat = x.reshape(-1, x.shape[-1])
-    for name in adapters:
-        down = F.linear(module.lora_dropout[name](flat), module.lora_A[name].weight.to(x.dtype))
-        out = torch.addmm(out.reshape(-1, out.shape[-1]), down, module.lora_B[name].weight.to(x.dtype).t(),
-                          alpha=module.scaling[name]).view(out.shape)
-    return out
+    names = [_plain_lora(module) for module in modules]
+    if all(names):
+        outputs = lora_linear(flat, [module.base_layer.weight for module in modules],
+                              [module.lora_A[name].weight for module, name in zip(modules, names)],
+                              [module.lora_B[name].weight for module, name in zip(modules, names)],
+                              [module.scaling[name] for module, name in zip(modules, names)])
+    else:
+        outputs = [F.linear(flat, module.weight, module.bias) if type(module) is nn.Linear else module(flat)
+                   for module in modules]
+    return [out.view(*x.shape[:-1], out.shape[-1]) for out in outputs]
+
+
+def project(module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` for one linear projection (`projections`)."""
+    return projections([module], x)[0]
 
 
 def attention_inputs(module, config, hidden: torch.Tensor, cos, sin):
@@ -118,11 +140,11 @@ def attention_inputs(module, config, hidden: torch.Tensor, cos, sin):
     head_dim = config.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     total = hidden.shape[0]
-    query, gate = project(module.q_proj, hidden).view(total, heads, 2 * head_dim).chunk(2, dim=-1)
+    query, key, value = projections([module.q_proj, module.k_proj, module.v_proj], hidden)
+    query, gate = query.view(total, heads, 2 * head_dim).chunk(2, dim=-1)
     query = kernels.rms_norm(query, module.q_norm.weight, config.rms_norm_eps)
-    key = kernels.rms_norm(project(module.k_proj, hidden).view(total, kv_heads, head_dim), module.k_norm.weight,
-                           config.rms_norm_eps)
-    value = project(module.v_proj, hidden).view(total, kv_heads, head_dim)
+    key = kernels.rms_norm(key.view(total, kv_heads, head_dim), module.k_norm.weight, config.rms_norm_eps)
+    value = value.view(total, kv_heads, head_dim)
     query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
     return query, key, value, gate.reshape(total, -1)
 
@@ -161,9 +183,11 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
     total = hidden.shape[0]
     key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
     key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
-    mixed = project(module.in_proj_qkv, hidden)[None]  # [1, T, 2 * Hk * K + Hv * V]
-    beta = torch.sigmoid(project(module.in_proj_b, hidden))[None]
-    gate = project(module.in_proj_a, hidden)[None]  # raw: the kernel makes it Qwen3.5's decay (kernels.decay)
+    mixed, beta, gate, output_gate = projections(
+        [module.in_proj_qkv, module.in_proj_b, module.in_proj_a, module.in_proj_z], hidden)
+    mixed = mixed[None]  # [1, T, 2 * Hk * K + Hv * V]
+    beta = torch.sigmoid(beta)[None]
+    gate = gate[None]  # raw: the kernel makes it Qwen3.5's decay (kernels.decay)
     weight = module.conv1d.weight.squeeze(1)
 
     def convolved(begin: int, end: int, segments: Segments, conv_state, keep: bool):
@@ -198,7 +222,7 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
             query, key, value, gate[:, split:], beta[:, split:], recurrent_final, fork.parents, fork.orphans,
             rows.cu_seqlens, rows.cu_seqlens_cpu, rows.max_seqlen, rows.chunk_indices, module.A_log, module.dt_bias)
         out = torch.cat([head, tail[0]])
-    return out, project(module.in_proj_z, hidden)
+    return out, output_gate
 
 
 def _delta_output(module, config, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -212,7 +236,8 @@ def mlp_block(layer, config, hidden: torch.Tensor, mixed: torch.Tensor) -> torch
     hidden = hidden + mixed
     normed = kernels.rms_norm(hidden, layer.post_attention_layernorm.weight, config.rms_norm_eps)
     mlp = layer.mlp
-    return hidden + project(mlp.down_proj, kernels.swiglu(project(mlp.gate_proj, normed), project(mlp.up_proj, normed)))
+    gate, up = projections([mlp.gate_proj, mlp.up_proj], normed)
+    return hidden + project(mlp.down_proj, kernels.swiglu(gate, up))
 
 
 def _attention_layer(layer, config, hidden, cos, sin, rows: Segments, prefixes: Prefixes | None):
