@@ -363,8 +363,8 @@ def efficiency(t_lower: float | None, measured_seconds: float) -> float | None:
 class Stage:
     """One step of an invocation that must finish before the next can start (a layer's part):
     its FLOPs by category, its necessary bytes, and whether activation checkpointing
-    recomputes it in the backward pass (the part of a delta-rule layer after the delta rule,
-    and the whole of an attention layer; `whole_delta` recomputes delta-rule layers whole)."""
+    recomputes it in the backward pass (the part of a layer after its token mixer; with
+    `whole_layers`, every part: `dohnuts.model.decoder.MIXER_KEEP_TOKENS`)."""
 
     name: str
     flops: dict
@@ -373,7 +373,7 @@ class Stage:
 
 
 def stages(text_config: dict, vision_config: dict | None, geometry: Geometry, dtype_bytes: int = 2,
-           whole_delta: bool = False) -> list[Stage]:
+           whole_layers: bool = False) -> list[Stage]:
     """`useful_work` stage by stage, in the order the forward runs them: vision, embedding, per
     layer its mixer's parts and its MLP, the final norm and the head. Summed over the stages,
     FLOPs per category and bytes equal `useful_work`'s (each stage carries its own weights and
@@ -406,14 +406,14 @@ def stages(text_config: dict, vision_config: dict | None, geometry: Geometry, dt
         if kind == "linear_attention":
             projections = maps["linear_attention"][:4]
             result += [
-                work(f"{index}.delta.projections", whole_delta, weights=sum(a * b for a, b in projections) + hidden,
+                work(f"{index}.delta.projections", whole_layers, weights=sum(a * b for a, b in projections) + hidden,
                      matrix=2 * tokens * sum(a * b for a, b in projections), vector=tokens * NORM_FLOPS * hidden),
-                work(f"{index}.delta.convolution", whole_delta,
+                work(f"{index}.delta.convolution", whole_layers,
                      weights=shape["conv_channels"] * shape["conv_kernel"] + 2 * shape["value_heads"],
                      vector=tokens * (2 * shape["conv_kernel"] * shape["conv_channels"]
                                       + GATE_FLOPS * shape["conv_channels"] + NORM_FLOPS * 2 * shape["key_width"]
                                       + 2 * GATE_FLOPS * shape["value_heads"])),
-                work(f"{index}.delta.rule", whole_delta, recurrence=DELTA_RULE_FLOPS * state * tokens,
+                work(f"{index}.delta.rule", whole_layers, recurrence=DELTA_RULE_FLOPS * state * tokens,
                      data=state * STATE_BYTES * (len(geometry.prefix_lengths) + forked)),
                 work(f"{index}.delta.output", True, weights=value_width * hidden + shape["value_dim"],
                      matrix=2 * tokens * value_width * hidden,
@@ -423,12 +423,12 @@ def stages(text_config: dict, vision_config: dict | None, geometry: Geometry, dt
             projections = maps["full_attention"][:3]
             biases = (2 * query_width + 2 * key_width + hidden) if shape["bias"] else 0
             result += [
-                work(f"{index}.attention.projections", True,
+                work(f"{index}.attention.projections", whole_layers,
                      weights=sum(a * b for a, b in projections) + biases + 2 * shape["head_dim"] + hidden,
                      matrix=2 * tokens * sum(a * b for a, b in projections),
                      vector=tokens * (NORM_FLOPS * hidden + NORM_FLOPS * (query_width + key_width)
                                       + ROTARY_FLOPS * rotated)),
-                work(f"{index}.attention.scores", True, attention=2 * 2 * query_width * pairs,
+                work(f"{index}.attention.scores", whole_layers, attention=2 * 2 * query_width * pairs,
                      vector=SOFTMAX_FLOPS * shape["heads"] * pairs),
                 work(f"{index}.attention.output", True, weights=query_width * hidden,
                      matrix=2 * tokens * query_width * hidden,

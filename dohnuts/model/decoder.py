@@ -166,13 +166,6 @@ def attention_output(module, out: torch.Tensor, gate: torch.Tensor) -> torch.Ten
     return project(module.o_proj, out.reshape(gate.shape) * torch.sigmoid(gate))
 
 
-def _attention(module, config, hidden: torch.Tensor, cos, sin, rows: Segments, prefixes: Prefixes | None):
-    """Gated, partially rotary, grouped-query attention of packed tokens. hidden: [T, D].
-    Returns [T, D]."""
-    query, key, value, gate = attention_inputs(module, config, hidden, cos, sin)
-    return attention_output(module, attention_core(config, query, key, value, rows, prefixes), gate)
-
-
 def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: Prefixes | None):
     """Gated delta-rule token mixing of packed tokens, up to the delta rule's output.
     hidden: [T, D] normed. Returns (out [T, Hv, V], the output gate's input [T, Hv * V]).
@@ -180,48 +173,42 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
     With `prefixes`, the projections run once over all tokens; the convolution and the delta
     rule run over the prefixes first, then over the rows from their prefix's final states.
     """
-    total = hidden.shape[0]
     key_heads, value_heads = config.linear_num_key_heads, config.linear_num_value_heads
     key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
     mixed, beta, gate, output_gate = projections(
         [module.in_proj_qkv, module.in_proj_b, module.in_proj_a, module.in_proj_z], hidden)
-    mixed = mixed[None]  # [1, T, 2 * Hk * K + Hv * V]
-    beta = torch.sigmoid(beta)[None]
-    gate = gate[None]  # raw: the kernel makes it Qwen3.5's decay (kernels.decay)
+    beta = torch.sigmoid(beta)  # gate stays raw: the kernels make it Qwen3.5's decay (kernels.decay)
     weight = module.conv1d.weight.squeeze(1)
 
-    def convolved(begin: int, end: int, segments: Segments, conv_state, keep: bool):
-        """The causal convolution of tokens begin:end (whole sequences of `segments`), split into
-        q, k (L2-normalised, as Qwen3.5's delta rule wants) and v, each contiguous and [1, t, ...]
-        for the delta-rule kernels, and the final conv states if `keep`."""
+    def mix(mixed, gate, beta, segments: Segments, conv_state, states, fork: Fork | None, keep: bool):
+        """The convolution (split into L2-normalised q, k and v, as Qwen3.5's delta rule wants)
+        and the delta rule of whole sequences of `segments`, from carried conv states and the
+        recurrent states `states` through `fork`'s parents (zeros without): ([t, Hv, V], the
+        final conv and recurrent states if `keep`)."""
         query, key, value, conv_final = kernels.conv_split_heads(
-            mixed[0, begin:end], weight, conv_state, keep, segments.cu_seqlens, segments.cu_seqlens_cpu,
-            segments.chunk_indices, key_heads, key_dim, value_heads, value_dim)
-        return query[None], key[None], value[None], conv_final
-
-    def fresh(begin: int, end: int, segments: Segments, keep: bool):
-        """Tokens begin:end as sequences starting from zero states: ([t, Hv, V], the final conv
-        and recurrent states if `keep`)."""
-        query, key, value, conv_final = convolved(begin, end, segments, None, keep)
-        out, recurrent_final = kernels.chunk_gated_delta_rule(
-            query, key, value, gate[:, begin:end], beta[:, begin:end], None, keep, segments.cu_seqlens, False,
-            segments.cu_seqlens_cpu, segments.chunk_indices, module.A_log, module.dt_bias)
-        return out[0], conv_final, recurrent_final
+            mixed, weight, conv_state, keep, segments.cu_seqlens, segments.cu_seqlens_cpu, segments.chunk_indices,
+            key_heads, key_dim, value_heads, value_dim)
+        out, final = kernels.delta_rule(
+            query, key, value, gate, beta, segments.cu_seqlens, segments.cu_seqlens_cpu, segments.max_seqlen,
+            segments.chunk_indices, module.A_log, module.dt_bias, states, fork.parents if fork else None,
+            fork.orphans if fork else False, keep)
+        return out, conv_final, final
 
     if prefixes is None:
-        out, _, _ = fresh(0, total, rows, False)
-    else:
-        split, fork = prefixes.tokens, prefixes.fork
-        head, conv_final, recurrent_final = fresh(0, split, prefixes.segments, True)
-        # The rows continue their prefixes' final states: the conv states are forked (a few
-        # inputs a channel); the recurrent ones are read through the parent index where the
-        # kernel can.
-        conv_states = kernels.fork_states(conv_final, fork.parents, fork.orphans)
-        query, key, value, _ = convolved(split, total, rows, conv_states, False)
-        tail = kernels.gated_delta_rule_forked(
-            query, key, value, gate[:, split:], beta[:, split:], recurrent_final, fork.parents, fork.orphans,
-            rows.cu_seqlens, rows.cu_seqlens_cpu, rows.max_seqlen, rows.chunk_indices, module.A_log, module.dt_bias)
-        out = torch.cat([head, tail[0]])
+        out, _, _ = mix(mixed, gate, beta, rows, None, None, None, False)
+        return out, output_gate
+    # The prefixes first, from zero states; then the rows continue their final states: the conv
+    # states are forked (a few inputs a channel), the recurrent ones read through the parent
+    # index. Split, not sliced, so the backward joins the two parts' gradients in one copy.
+    sizes = [prefixes.tokens, hidden.shape[0] - prefixes.tokens]
+    (mixed_head, mixed_tail), (gate_head, gate_tail), (beta_head, beta_tail) = (
+        x.split(sizes) for x in (mixed, gate, beta))
+    head, conv_final, recurrent_final = mix(mixed_head, gate_head, beta_head, prefixes.segments, None, None, None,
+                                            True)
+    fork = prefixes.fork
+    conv_states = kernels.fork_states(conv_final, fork.parents, fork.orphans)
+    tail, _, _ = mix(mixed_tail, gate_tail, beta_tail, rows, conv_states, recurrent_final, fork, False)
+    out = torch.cat([head, tail])
     return out, output_gate
 
 
@@ -240,19 +227,13 @@ def mlp_block(layer, config, hidden: torch.Tensor, mixed: torch.Tensor) -> torch
     return hidden + project(mlp.down_proj, kernels.swiglu(gate, up))
 
 
-def _attention_layer(layer, config, hidden, cos, sin, rows: Segments, prefixes: Prefixes | None):
-    """One full-attention decoder layer over every packed token. Returns hidden [T, D]."""
-    normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
-    return mlp_block(layer, config, hidden, _attention(layer.self_attn, config, normed, cos, sin, rows, prefixes))
-
-
 def _delta_tail(layer, config, hidden, out, gate):
     return mlp_block(layer, config, hidden, _delta_output(layer.linear_attn, config, out, gate))
 
 
 # Under activation checkpointing, a batch of at most this many computed tokens keeps each
-# delta-rule layer's mixer activations (about 38 KB a token a layer in bf16 for the
-# Qwen3.5-0.8B shape: some 5 GiB over its 18 such layers at this bound); a larger batch, such
+# layer's token-mixer activations (about 38 KB a token a layer in bf16 for a delta-rule layer of
+# the Qwen3.5-0.8B shape: some 5 GiB over its 18 such layers at this bound); a larger batch, such
 # as one of long documents, recomputes its layers whole.
 MIXER_KEEP_TOKENS = 8192
 
@@ -263,9 +244,9 @@ def delta_layer(layer, config, hidden, rows: Segments, prefixes: Prefixes | None
     Under activation checkpointing, a batch of up to MIXER_KEEP_TOKENS tokens recomputes only
     the part after the delta rule (gated norm, output projection, MLP) in the backward pass.
     The norm, the projections, the convolution and the delta rule keep their activations:
-    FLA's delta-rule backward rebuilds its chunk states from its inputs anyway, so recomputing
-    its forward would run it twice, and its launches dominate the host time of a training
-    step. A larger batch recomputes the whole layer, keeping memory bounded.
+    recomputing them would rerun their launches, and launches, not arithmetic, bound a
+    training step (docs/runtime.md). A larger batch recomputes the whole layer, keeping memory
+    bounded.
     """
     if checkpointed and hidden.shape[0] > MIXER_KEEP_TOKENS:
         # Shapes are fixed by the plan, so the recomputation needs no metadata check.
@@ -283,6 +264,34 @@ def _delta_whole(layer, config, hidden, rows: Segments, prefixes: Prefixes | Non
     return delta_layer(layer, config, hidden, rows, prefixes, False)
 
 
+def attention_layer(layer, config, hidden, cos, sin, rows: Segments, prefixes: Prefixes | None,
+                    checkpointed: bool):
+    """One full-attention decoder layer over every packed token. Returns hidden [T, D].
+
+    Under activation checkpointing, as a delta-rule layer: a batch of up to MIXER_KEEP_TOKENS
+    tokens recomputes only what follows the attention core (the output gate and projection, the
+    MLP); a larger one recomputes the whole layer.
+    """
+    if checkpointed and hidden.shape[0] > MIXER_KEEP_TOKENS:
+        return checkpoint(_attention_whole, layer, config, hidden, cos, sin, rows, prefixes, use_reentrant=False,
+                          determinism_check="none")
+    normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
+    query, key, value, gate = attention_inputs(layer.self_attn, config, normed, cos, sin)
+    out = attention_core(config, query, key, value, rows, prefixes)
+    if checkpointed:
+        return checkpoint(_attention_tail, layer, config, hidden, out, gate, use_reentrant=False,
+                          determinism_check="none")
+    return _attention_tail(layer, config, hidden, out, gate)
+
+
+def _attention_tail(layer, config, hidden, out, gate):
+    return mlp_block(layer, config, hidden, attention_output(layer.self_attn, out, gate))
+
+
+def _attention_whole(layer, config, hidden, cos, sin, rows: Segments, prefixes: Prefixes | None):
+    return attention_layer(layer, config, hidden, cos, sin, rows, prefixes, False)
+
+
 def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
                    cu_seqlens: torch.Tensor, activation_checkpointing: bool = False, prefixes: Prefixes | None = None,
                    cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
@@ -295,8 +304,8 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
             without), then the rows' own, concatenated.
         position_ids: [3, P + S] M-RoPE positions (a row continuing a prefix continues its count).
         cu_seqlens: [N + 1] cumulative lengths of the rows' own tokens, cu_seqlens[-1] = S.
-        activation_checkpointing: recompute each layer in the backward pass (of a delta-rule
-            layer, the part after the delta rule: see `delta_layer`).
+        activation_checkpointing: recompute each layer in the backward pass (the part after its
+            token mixer, up to MIXER_KEEP_TOKENS tokens: see `delta_layer`).
         prefixes: the shared prefixes the rows continue, or None. Every token-wise map
             (norms, projections, MLP) runs once over prefixes and rows together; the token
             mixers run each prefix once and fork its states (attention keys, delta-rule conv
@@ -318,12 +327,8 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
     for layer, kind in zip(language_model.layers, config.layer_types):
         if kind == "linear_attention":
             hidden = delta_layer(layer, config, hidden, rows, prefixes, checkpointed)
-        elif checkpointed:
-            # The layer's shapes are fixed by the plan, so the recomputation needs no metadata check.
-            hidden = checkpoint(_attention_layer, layer, config, hidden, cos, sin, rows, prefixes, use_reentrant=False,
-                                determinism_check="none")
         else:
-            hidden = _attention_layer(layer, config, hidden, cos, sin, rows, prefixes)
+            hidden = attention_layer(layer, config, hidden, cos, sin, rows, prefixes, checkpointed)
     return final_norm(language_model, hidden, prefixes.tokens if prefixes is not None else 0)
 
 

@@ -425,22 +425,12 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         A_log, dt_bias: [HV]; when given, g is the raw gate input and the log decay is
             `decay(g, A_log, dt_bias)`, which the fused kernel computes as it reads g.
 
-    On CUDA, packed sequences from zero states that need no gradient (inference: the shared
-    prefixes, or rows without one), none over `SCAN_TOKENS`, run `triton_ops.delta_rule_scan`,
-    one launch; the rest runs FLA's chunked kernels.
+    On CUDA, FLA's chunked kernels; elsewhere the plain-PyTorch chunked reference. (The decoder
+    calls `delta_rule`, which takes our own kernels where they serve and this otherwise.)
 
     Returns:
         ([B, T, HV, V] output in v's dtype, final states or None)
     """
-    ours = _ours(q)
-    if (ours is not None and A_log is not None and initial_state is None and not use_qk_l2norm_in_kernel
-            and cu_seqlens is not None and cu_seqlens_cpu is not None and q.shape[0] == 1
-            and not _differentiable(q, k, v, g, beta, A_log, dt_bias)
-            and _longest(cu_seqlens_cpu) <= ours.SCAN_TOKENS):
-        # Inference: one launch of our scan instead of FLA's wrappers (see `triton_ops.delta_rule_scan`).
-        out, final = ours.delta_rule_scan(q[0], k[0], v[0], g[0], beta[0], None, None, cu_seqlens,
-                                          output_final_state, A_log, dt_bias)
-        return out[None], final
     kernels = fused(q)
     if kernels is not None:
         gate = {} if A_log is None else {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
@@ -455,14 +445,58 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                                     use_qk_l2norm_in_kernel)
 
 
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+               cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor, longest: int, chunk_indices: torch.Tensor | None,
+               A_log: torch.Tensor, dt_bias: torch.Tensor, states: torch.Tensor | None = None,
+               parents: torch.Tensor | None = None, orphans: bool = False,
+               output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule of packed sequences, the decoder's entry point: tensors [T, ...]
+    with no batch axis, so autograd records no select or unsqueeze around the kernels.
+
+    Args:
+        q, k: [T, H, K] L2-normalised; v: [T, HV, V]; g: [T, HV] the raw gate input (the decay
+            is `decay(g, A_log, dt_bias)`); beta: [T, HV].
+        cu_seqlens: [N + 1] on q's device, cu_seqlens_cpu its host copy; longest: the longest
+            sequence, or a bound on it; chunk_indices: the 64-token chunk plan, or None.
+        states: [G, HV, K, V] float32 states sequence n continues through parents[n] (a zero
+            state for parent -1, which `orphans` announces), or None for zero states.
+        output_final_state: also return the [N, HV, K, V] float32 final states.
+
+    On CUDA, with A_log and dt_bias frozen and sequences of at most `SCAN_TOKENS`: rows that
+    continue states, need no gradient and hold at most 64 tokens run
+    `triton_ops.delta_rule_rows`; the rest `triton_ops.delta_rule_scan` (reading each state in
+    place), with `triton_delta`'s gradient when autograd needs one. Otherwise FLA's chunked
+    kernels, or the plain-PyTorch chunked reference off CUDA.
+
+    Returns:
+        (o [T, HV, V] in v's dtype, final states or None)
+    """
+    ours = _ours(q)
+    if ours is not None and not _differentiable(A_log, dt_bias) and longest <= ours.SCAN_TOKENS:
+        if (states is not None and not output_final_state and longest <= ours.ROW_TOKENS
+                and not _differentiable(q, k, v, g, beta, states)):
+            return ours.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias), None
+        return _scan(q, k, v, g, beta, states)(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state,
+                                               A_log, dt_bias)
+    initial = fork_states(states, parents, orphans) if states is not None else None
+    out, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial, output_final_state,
+                                        cu_seqlens, False, cu_seqlens_cpu, chunk_indices, A_log, dt_bias)
+    return out[0], final
+
+
+def _scan(*tensors):
+    """`triton_ops.delta_rule_scan`, or `triton_delta.delta_rule` (the same with its gradient)
+    when autograd would record it."""
+    if _differentiable(*tensors):
+        from . import triton_delta
+
+        return triton_delta.delta_rule
+    return _triton_ops().delta_rule_scan
+
+
 def _differentiable(*tensors) -> bool:
     """Whether autograd would record an operation on these tensors."""
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
-
-
-def _longest(cu_seqlens_cpu: torch.Tensor) -> int:
-    """The longest sequence of a host copy of cumulative lengths."""
-    return int((cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]).max()) if len(cu_seqlens_cpu) > 1 else 0
 
 
 def fork_states(states: torch.Tensor, parents: torch.Tensor, orphans: bool) -> torch.Tensor:
@@ -471,36 +505,6 @@ def fork_states(states: torch.Tensor, parents: torch.Tensor, orphans: bool) -> t
     if orphans:
         states = torch.cat([states, states.new_zeros(1, *states.shape[1:])])  # index -1: the zero state
     return states[parents]
-
-
-def gated_delta_rule_forked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                            states: torch.Tensor, parents: torch.Tensor, orphans: bool, cu_seqlens: torch.Tensor,
-                            cu_seqlens_cpu: torch.Tensor, longest: int, chunk_indices: torch.Tensor | None,
-                            A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
-    """The delta rule's output [1, T, HV, V] for packed rows continuing shared prefixes: row n
-    starts from states[parents[n]] ([G, HV, K, V] float32; a zero state for parent -1, which
-    `orphans` announces). q, k come L2-normalised; g is the raw gate input (see
-    `chunk_gated_delta_rule` for the rest).
-
-    On CUDA, rows that need no gradient read the parent's state in place: rows of at most 64
-    tokens run `triton_ops.delta_rule_rows` (one program a row, head and block of values),
-    longer ones up to `SCAN_TOKENS` run `triton_ops.delta_rule_scan`. The others fork the
-    states (`fork_states`) and run `chunk_gated_delta_rule`, which has a backward. All compute
-    the chunk form of the recurrence.
-    """
-    ours = _ours(q)
-    if ours is not None and not _differentiable(q, k, v, g, beta, states, A_log, dt_bias):
-        if longest <= ours.ROW_TOKENS:
-            out = ours.delta_rule_rows(q[0], k[0], v[0], g[0], beta[0], states, parents, cu_seqlens, longest, A_log,
-                                       dt_bias)
-            return out[None]
-        if longest <= ours.SCAN_TOKENS:
-            out, _ = ours.delta_rule_scan(q[0], k[0], v[0], g[0], beta[0], states, parents, cu_seqlens, False,
-                                          A_log, dt_bias)
-            return out[None]
-    out, _ = chunk_gated_delta_rule(q, k, v, g, beta, fork_states(states, parents, orphans), False, cu_seqlens,
-                                    False, cu_seqlens_cpu, chunk_indices, A_log, dt_bias)
-    return out
 
 
 # FLA tunes each delta-rule kernel on its first call for a head shape (the autotune key holds the

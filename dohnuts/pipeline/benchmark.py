@@ -204,7 +204,7 @@ def roofline_record(model, batch, p50_ms: float, ceilings: dict, passes: int = 1
     work = useful_work(text, vision, geometry, dtype_bytes)
     for part in ("flops", "bytes"):
         work[part] = {name: passes * value for name, value in work[part].items()}
-    layers = stages(text, vision, geometry, dtype_bytes, whole_delta=batch.computed_tokens > MIXER_KEEP_TOKENS)
+    layers = stages(text, vision, geometry, dtype_bytes, whole_layers=batch.computed_tokens > MIXER_KEEP_TOKENS)
     parts = [Stage(stage.name, {name: passes * value for name, value in stage.flops.items()}, passes * stage.bytes,
                    stage.recomputed) for stage in layers]
     transfer = sum(tensor.numel() * tensor.element_size() for tensor in batch.device_tensors())

@@ -267,21 +267,22 @@ def test_project_runs_modules_own_forward_when_merged_disabled_or_plain():
 
 
 @pytest.mark.parametrize("keep_tokens", [8192, 1])
-def test_checkpointing_recomputes_only_what_follows_the_delta_rule_and_changes_no_gradient(tiny, monkeypatch,
-                                                                                         keep_tokens):
+def test_checkpointing_recomputes_only_what_follows_each_mixer_and_changes_no_gradient(tiny, monkeypatch,
+                                                                                     keep_tokens):
     """float64, shared prefixes: outputs and LoRA and input gradients with and without activation
-    checkpointing agree to rounding. In the backward, each MLP reruns once more; a delta-rule
-    layer's projections (hence its convolution and delta rule) rerun only when the batch is over
-    MIXER_KEEP_TOKENS (here forced to 1)."""
+    checkpointing agree to rounding. In the backward, each MLP reruns once more; a layer's input
+    projections (hence its convolution and delta rule, or its attention) rerun only when the
+    batch is over MIXER_KEEP_TOKENS (here forced to 1)."""
     monkeypatch.setattr(decoder, "MIXER_KEEP_TOKENS", keep_tokens)
     language_model, lora = _float64_lora_model(tiny)
     _, (embeds, positions, cu), prefixes, _ = _shared_case(tiny, language_model)
     embeds = embeds.detach().requires_grad_()
-    calls = {"mlp": 0, "delta": 0}
+    calls = {"mlp": 0, "delta": 0, "attention": 0}
     layers = list(zip(language_model.layers, language_model.config.layer_types))
     assert {"linear_attention", "full_attention"} <= {kind for _, kind in layers}
     watched = {id(layer.mlp.gate_proj): "mlp" for layer, _ in layers}
     watched.update({id(layer.linear_attn.in_proj_qkv): "delta" for layer, kind in layers if kind == "linear_attention"})
+    watched.update({id(layer.self_attn.q_proj): "attention" for layer, kind in layers if kind == "full_attention"})
     projections = decoder.projections
 
     def counted(modules, x):
@@ -291,15 +292,18 @@ def test_checkpointing_recomputes_only_what_follows_the_delta_rule_and_changes_n
 
     monkeypatch.setattr(decoder, "projections", counted)
     deltas = sum(kind == "linear_attention" for _, kind in layers)
+    attentions = len(layers) - deltas
     results = {}
     for checkpointed in (False, True):
-        calls.update(mlp=0, delta=0)
+        calls.update(mlp=0, delta=0, attention=0)
         out = packed_forward(language_model, embeds, positions, cu, checkpointed, prefixes)
         weights = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(0))
         grads = torch.autograd.grad((out * weights).sum(), lora + [embeds])
         results[checkpointed] = (out.detach(), grads)
         recomputed_mixers = checkpointed and embeds.shape[0] > keep_tokens
-        expected = {"mlp": len(layers) * (2 if checkpointed else 1), "delta": deltas * (2 if recomputed_mixers else 1)}
+        again = 2 if recomputed_mixers else 1
+        expected = {"mlp": len(layers) * (2 if checkpointed else 1), "delta": deltas * again,
+                    "attention": attentions * again}
         assert calls == expected
     (plain, plain_grads), (recomputed, recomputed_grads) = results[False], results[True]
     assert ((plain - recomputed).abs().max() / plain.abs().max()).item() <= 1e-12

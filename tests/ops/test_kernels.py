@@ -239,8 +239,8 @@ def test_fused_gated_delta_rule_with_the_decay_in_kernel_matches_reference(dtype
 
 @pytest.mark.gpu
 def test_fla_gradient_flows_into_the_forked_prefix_state():
-    """Training's path for rows continuing shared prefixes (`gated_delta_rule_forked` with
-    gradients: the prefix states forked, then FLA's chunked kernels) against the float32
+    """The path of rows continuing shared prefixes when A_log and dt_bias train (`delta_rule`
+    with their gradients: the prefix states forked, then FLA's chunked kernels) against the float32
     recurrence: the output and the gradients of q, k, v, the gate, beta, A_log, dt_bias and of
     the prefix states themselves, which carry every row's gradient back into its prefix (bf16)."""
     assert kernels.fused(torch.zeros(1, device="cuda")) is not None, "flash-linear-attention is not importable"
@@ -256,8 +256,9 @@ def test_fla_gradient_flows_into_the_forked_prefix_state():
     parents = torch.tensor([0, 1, 0, -1, 1], device="cuda")
     inputs = [t.requires_grad_() for t in (q, k, v, gate, beta, A_log, dt_bias, states)]
     cu = _cu(lengths, "cuda").to(torch.int32)
-    out = kernels.gated_delta_rule_forked(q, k, v, gate, beta, states, parents, True, cu, cu.cpu(), max(lengths),
-                                          None, A_log, dt_bias)
+    out, _ = kernels.delta_rule(q[0], k[0], v[0], gate[0], beta[0], cu, cu.cpu(), max(lengths), None, A_log, dt_bias,
+                                states, parents, True)
+    out = out[None]
     reference, _ = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta,
                                                       kernels.fork_states(states, parents, True), False, cu.long(),
                                                       normalise=False)
@@ -334,6 +335,45 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width):
     assert _relative_error(final, reference_final) < 1e-2 and _relative_error(final, fla_final) < 1e-2
     assert _relative_error(continued[None], reference_continued) < 1e-2
     assert _relative_error(continued[None], fla_continued) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, value_heads, width", [(16, 16, 128), (2, 4, 40)])
+def test_delta_rule_gradient_matches_reference_and_fla(heads, value_heads, width):
+    """triton_delta.delta_rule in bf16 (sequences of 1 to 700 tokens), its gradients against
+    autograd through the float32 recurrence and through FLA's chunked kernels, to 2% relative
+    (norm-wise): from zero states keeping the final states (the prefixes, with a gradient at
+    the final states), and from forked states (the rows, with the states' gradient)."""
+    from dohnuts.ops import triton_delta
+
+    lengths = [1, 15, 16, 17, 65, 130, 257, 700, 44]
+    q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, heads, value_heads, width, 4)
+    leaves = {name: x.detach().requires_grad_() for name, x in
+              {"q": q, "k": k, "v": v, "gate": gate, "beta": beta, "states": states}.items()}
+    q, k, v, gate, beta, states = leaves.values()
+    fla = kernels.fused(q)["chunk_gated_delta_rule"]
+    gates = {"use_qk_l2norm_in_kernel": False, "use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
+    fresh_inputs = {name: leaves[name] for name in ("q", "k", "v", "gate", "beta")}
+    ours = triton_delta.delta_rule(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias)
+    reference = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta, None, True,
+                                                   cu.long(), normalise=False)
+    theirs = fla(q, k, v, gate, beta, output_final_state=True, cu_seqlens=cu, **gates)
+    ours = (ours[0][None], ours[1])
+    assert _relative_error(ours[0], reference[0]) < 1e-2 and _relative_error(ours[1], reference[1]) < 1e-2
+    _assert_gradients_close(ours, reference, fresh_inputs, 2e-2)
+    ours = triton_delta.delta_rule(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias)
+    _assert_gradients_close((ours[0][None], ours[1]), theirs, fresh_inputs, 2e-2)
+
+    ours = triton_delta.delta_rule(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log, dt_bias)
+    forked = kernels.fork_states(states, parents, True)
+    reference = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta, forked, False,
+                                                   cu.long(), normalise=False)
+    assert _relative_error(ours[0][None], reference[0]) < 1e-2
+    _assert_gradients_close([ours[0][None]], [reference[0]], leaves, 2e-2)
+    ours = triton_delta.delta_rule(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log, dt_bias)
+    theirs = fla(q, k, v, gate, beta, initial_state=kernels.fork_states(states, parents, True), cu_seqlens=cu,
+                 **gates)
+    _assert_gradients_close([ours[0][None]], [theirs[0]], leaves, 2e-2)
 
 
 def test_triton_kernels_match_references_under_triton_interpreter():

@@ -9,7 +9,7 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-from dohnuts.ops import kernels, triton_ops
+from dohnuts.ops import kernels, triton_delta, triton_ops
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -192,6 +192,59 @@ def check_delta_rule_scan():
         triton_ops.VALUES = default
 
 
+def check_delta_rule_grad():
+    """triton_delta.delta_rule's gradients against autograd through the token-by-token
+    reference: q, k, v, the raw gate, beta and the forked prefix states (summed over each
+    state's rows; rows without a parent, -1, take none), with and without the final states'
+    gradient; sequences of 1 to 130 tokens, grouped heads, value blocks of 16 with a partial
+    last one."""
+    default = triton_delta.GRAD_VALUES
+    generator = torch.Generator().manual_seed(11)
+    heads, key_dim, value_heads = 2, 8, 4
+    try:
+        for value_dim, values in ((6, default), (40, 16)):
+            triton_delta.GRAD_VALUES = values
+            for lengths in ([1, 15, 16, 17, 33, 130], [5], [64, 2]):
+                total = sum(lengths)
+                cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+                q, k = (kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator)).requires_grad_()
+                        for _ in range(2))
+                v = torch.randn(total, value_heads, value_dim, generator=generator).requires_grad_()
+                gate = torch.randn(total, value_heads, generator=generator).requires_grad_()
+                beta = torch.rand(total, value_heads, generator=generator).requires_grad_()
+                A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
+                states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator).requires_grad_()
+                parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
+                for forked, final_grad in ((False, True), (True, False), (True, True)):
+                    log_decay = kernels.decay(gate, A_log, dt_bias)
+                    case = f"delta_rule grad lengths={lengths} V={value_dim} block={values} forked={forked}"
+                    inputs = [q, k, v, gate, beta] + ([states] if forked else [])
+                    ours = triton_delta.delta_rule(q, k, v, gate, beta, states if forked else None,
+                                                   parents if forked else None, cu, final_grad, A_log, dt_bias)
+                    reference = kernels.gated_delta_rule_reference(
+                        q[None], k[None], v[None], log_decay[None], beta[None],
+                        kernels.fork_states(states, parents, True) if forked else None, final_grad, cu.long(),
+                        normalise=False)
+                    outputs = [ours[0], ours[1]] if final_grad else [ours[0]]
+                    expected = [reference[0][0], reference[1]] if final_grad else [reference[0][0]]
+                    for name, a, b in zip(["o", "final"], outputs, expected):
+                        close(f"{case}: {name}", a, b)
+                    names = ["q", "k", "v", "gate", "beta", "states"]
+                    for name, a, b in zip(names, grads(outputs, inputs, 5), grads(expected, inputs, 5)):
+                        close(f"{case}: d{name}", a, b)
+            # Frozen states: they still start the rows, but take no gradient.
+            frozen = states.detach()
+            log_decay = kernels.decay(gate, A_log, dt_bias)
+            ours = triton_delta.delta_rule(q, k, v, gate, beta, frozen, parents, cu, False, A_log, dt_bias)[0]
+            reference = kernels.gated_delta_rule_reference(
+                q[None], k[None], v[None], log_decay[None], beta[None], kernels.fork_states(frozen, parents, True),
+                False, cu.long(), normalise=False)[0][0]
+            for name, a, b in zip(["q", "k", "v"], grads([ours], [q, k, v], 6), grads([reference], [q, k, v], 6)):
+                close(f"delta_rule grad, frozen states: d{name}", a, b)
+    finally:
+        triton_delta.GRAD_VALUES = default
+
+
 def check_decoder_with_triton_kernels():
     """The decoder as it runs on CUDA (our Triton kernels for the convolution and head split,
     RMSNorm, gated RMSNorm and SwiGLU), against its CPU path: a random tiny Qwen3.5, shared prefixes forked to
@@ -318,11 +371,41 @@ def check_decoder_with_triton_kernels():
         plain_alone = packed_forward(model, own, own_positions, cu, False, None, cu, chunk_plan(row_lengths))
     close("decoder output with delta_rule_scan, no prefixes", alone, plain_alone)
 
+    # With A_log and dt_bias frozen (as in training: they are base weights), the differentiable
+    # delta rule of prefixes and rows takes triton_delta's gradient, which must equal the CPU
+    # path's: the input's and every weight's that trains.
+    for name, parameter in model.named_parameters():
+        if name.endswith(("A_log", "dt_bias")):
+            parameter.requires_grad_(False)
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+
+    def train_step():
+        out = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(row_lengths))
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+        return out.detach(), torch.autograd.grad((out * weights).sum(), [embeds] + trained, allow_unused=True)
+
+    expected_out, expected_grads = train_step()
+    grad_calls = []
+    delta_rule = triton_delta.delta_rule
+    triton_delta.delta_rule = lambda *args: grad_calls.append(args[5] is None) or delta_rule(*args)
+    kernels._ours = lambda x: triton_ops if x.dtype != torch.float64 else None
+    try:
+        out, got = train_step()
+    finally:
+        triton_delta.delta_rule, kernels._ours = delta_rule, ours
+    assert grad_calls == [True, False] * 3, grad_calls  # a layer: the prefixes, then the rows
+    close("decoder output through triton_delta", out, expected_out)
+    assert [a is None for a in got] == [b is None for b in expected_grads]  # the embedding table takes none
+    for index, (a, b) in enumerate(zip(got, expected_grads)):
+        if b is not None:
+            close(f"decoder gradient {index} through triton_delta", a, b)
+
 
 if __name__ == "__main__":
     check_conv_split_heads()
     check_delta_rule_rows()
     check_delta_rule_scan()
+    check_delta_rule_grad()
     check_norms_and_swiglu()
     check_decoder_with_triton_kernels()
     print("ok")
