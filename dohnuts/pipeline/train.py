@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import random
 import shutil
 import time
@@ -158,11 +159,15 @@ def _fingerprint(run: TrainRun) -> str:
 
 
 def build_optimizer(model: DecisionModel, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable weights in two groups: LoRA at `lora_lr`, the head at `head_lr`."""
+    """AdamW over the trainable weights in two groups: LoRA at `lora_lr`, the head at `head_lr`.
+
+    The fused implementation: one kernel for all the weights of a group, where the default
+    launches several per step for the hundreds of small LoRA matrices (host time, which bounds
+    a training update on a GPU: docs/runtime.md)."""
     lora_params = [p for p in model.backbone.parameters() if p.requires_grad]
     return torch.optim.AdamW(
         [{"params": lora_params, "lr": config.lora_lr}, {"params": [model.head.weight], "lr": config.head_lr}],
-        weight_decay=config.weight_decay)
+        weight_decay=config.weight_decay, fused=True)
 
 
 def noise_generator(seed: int, microbatch: int, device) -> torch.Generator:
@@ -201,12 +206,12 @@ def update_step(model, optimizer: torch.optim.Optimizer, batch, targets: torch.T
     logits = model(batch)
     outputs = microbatch_losses(logits, batch.candidate_mask, targets, ordinal, sizes, config.objective, noise)
     losses = torch.stack([out.loss for out in outputs])
-    finite = torch.isfinite(losses).tolist()
-    if not all_true(place, all(finite)):  # every rank aborts together, none waits in a collective
-        micro = finite.index(False) if not all(finite) else None
-        where = f"microbatch {micro} of this process" if micro is not None else "another process"
-        raise FloatingPointError(f"non-finite loss at update {update}, {where}: aborting before the optimizer step")
+    # The checks below read the device once, after the backward: a read between the forward
+    # and the backward would stall the host, whose launches bound the update, until the device
+    # caught up. A non-finite loss still aborts before the optimizer step.
     losses.mean().backward()
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
     with torch.no_grad():
         accuracy = []
         for rows, width in microbatch_slices(sizes):
@@ -216,15 +221,19 @@ def update_step(model, optimizer: torch.optim.Optimizer, batch, targets: torch.T
         means = mean_over_ranks(place, torch.stack([losses, torch.stack([out.reward_mean for out in outputs]),
                                                     torch.stack([out.cross_entropy for out in outputs]),
                                                     torch.stack(accuracy)]).mean(1))
-    totals = dict(zip(("loss", "reward", "cross_entropy", "accuracy"), means.tolist()))
-    parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
-    if not torch.isfinite(grad_norm):
-        raise FloatingPointError(f"non-finite gradient norm {float(grad_norm)} at update {update}: "
+        report = torch.cat([torch.isfinite(losses).float(), grad_norm.reshape(1).float(), means]).tolist()
+    finite, norm = [flag == 1.0 for flag in report[:len(outputs)]], report[len(outputs)]
+    if not all_true(place, all(finite)):  # every rank aborts together, none waits in a collective
+        micro = finite.index(False) if not all(finite) else None
+        where = f"microbatch {micro} of this process" if micro is not None else "another process"
+        raise FloatingPointError(f"non-finite loss at update {update}, {where}: aborting before the optimizer step")
+    if not math.isfinite(norm):
+        raise FloatingPointError(f"non-finite gradient norm {norm} at update {update}: "
                                  f"aborting before the optimizer step")
+    totals = dict(zip(("loss", "reward", "cross_entropy", "accuracy"), report[len(outputs) + 1:]))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {**totals, "grad_norm": float(grad_norm)}
+    return {**totals, "grad_norm": norm}
 
 
 GENERATORS = "generators.safetensors"  # torch, CUDA and noise generator states
