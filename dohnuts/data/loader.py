@@ -66,8 +66,9 @@ class _Built(torch.utils.data.Dataset):
 def worker_batches(build: Callable[[object], Item], keys: Sequence, device: torch.device,
                    workers: int | None = None) -> Iterable[Item]:
     """`build(key)` for every key, in order, run by worker processes; pinned when the device is
-    CUDA. `build` must be a picklable callable (a module-level function or an object)."""
-    workers = loader_workers(device) if workers is None else workers
+    CUDA. `build` must be a picklable callable (a module-level function or an object). No more
+    workers start than there are keys: a worker with nothing to build would only cost its start."""
+    workers = min(loader_workers(device) if workers is None else workers, len(keys))
     # Its own generator: opening the loader draws a base seed from it, never from the global
     # generator, whose state (LoRA dropout masks) a resumed run must continue exactly.
     return torch.utils.data.DataLoader(

@@ -142,3 +142,10 @@ def test_training_updates_from_workers_equal_the_ones_built_in_process(tiny):
     assert len(received) == len(indices)
     for item, index in zip(received, indices):
         _same_item(item, build(index))
+
+
+def test_worker_batches_start_no_more_workers_than_keys():
+    loader = worker_batches(lambda key: key, [0, 1], torch.device("cpu"), workers=4)
+    assert loader.num_workers == 2
+    assert worker_batches(lambda key: key, range(2**40), torch.device("cpu"), workers=3).num_workers == 3
+    assert worker_batches(lambda key: key, [], torch.device("cpu"), workers=3).num_workers == 0
