@@ -87,9 +87,9 @@ class Prefixes:
 
 
 def _plain_lora(module) -> str | None:
-    """The one active adapter of a peft LoRA `Linear` that is plain LoRA (unmerged, no dropout,
-    no bias, no variant such as DoRA, over an exact nn.Linear without bias or gradient), else
-    None: such a module runs its own forward."""
+    """The one active adapter of a peft LoRA `Linear` that is plain LoRA (unmerged, no dropout
+    at work, no bias, no variant such as DoRA, over an exact nn.Linear without bias or
+    gradient), else None: such a module runs its own forward."""
     lora_a = getattr(module, "lora_A", None)
     if lora_a is None or module.merged or module.disable_adapters:
         return None
@@ -100,8 +100,9 @@ def _plain_lora(module) -> str | None:
     if len(adapters) != 1:
         return None
     name = adapters[0]
-    if (name in getattr(module, "lora_variant", {}) or module.lora_B[name].bias is not None
-            or not isinstance(module.lora_dropout[name], nn.Identity)):
+    dropout = module.lora_dropout[name]
+    dropping = not isinstance(dropout, nn.Identity) and (dropout.training or not isinstance(dropout, nn.Dropout))
+    if name in getattr(module, "lora_variant", {}) or module.lora_B[name].bias is not None or dropping:
         return None
     return name
 
@@ -109,23 +110,28 @@ def _plain_lora(module) -> str | None:
 def projections(modules, x: torch.Tensor) -> list[torch.Tensor]:
     """`[module(x) for module in modules]` for linear projections of one input [..., D].
 
-    Plain peft LoRA projections (`_plain_lora`) run as one autograd node (`ops.lora`): a
-    layer's projections of one input share one product with their stacked A matrices, and
-    autograd records one node instead of a dozen operations each, the host work that bounds a
-    training update. The adapters run in x's dtype, as mixed-precision training does (float32
-    weights, low-precision products with float32 accumulation). Plain nn.Linear modules (a
-    merged model) run one product each; any other module runs its own forward.
+    The plain peft LoRA projections among them (`_plain_lora`) run as one autograd node
+    (`ops.lora`): they share one product with their stacked A matrices, and autograd records
+    one node instead of a dozen operations each, the host work that bounds a training update.
+    The adapters run in x's dtype, as mixed-precision training does (float32 weights,
+    low-precision products with float32 accumulation). Plain nn.Linear modules (a merged
+    model) run one product each; any other module (LoRA dropout in training, a variant, a
+    LoRA bias, a base layer that is not exactly nn.Linear) runs its own forward.
     """
     flat = x.reshape(-1, x.shape[-1])
     names = [_plain_lora(module) for module in modules]
-    if all(names):
-        outputs = lora_linear(flat, [module.base_layer.weight for module in modules],
-                              [module.lora_A[name].weight for module, name in zip(modules, names)],
-                              [module.lora_B[name].weight for module, name in zip(modules, names)],
-                              [module.scaling[name] for module, name in zip(modules, names)])
-    else:
-        outputs = [F.linear(flat, module.weight, module.bias) if type(module) is nn.Linear else module(flat)
-                   for module in modules]
+    plain = [index for index, name in enumerate(names) if name]
+    outputs = [None] * len(modules)
+    if plain:
+        adapted = lora_linear(flat, [modules[i].base_layer.weight for i in plain],
+                              [modules[i].lora_A[names[i]].weight for i in plain],
+                              [modules[i].lora_B[names[i]].weight for i in plain],
+                              [modules[i].scaling[names[i]] for i in plain])
+        for index, out in zip(plain, adapted):
+            outputs[index] = out
+    for index, module in enumerate(modules):
+        if not names[index]:
+            outputs[index] = F.linear(flat, module.weight, module.bias) if type(module) is nn.Linear else module(flat)
     return [out.view(*x.shape[:-1], out.shape[-1]) for out in outputs]
 
 
@@ -232,9 +238,9 @@ def _delta_tail(layer, config, hidden, out, gate):
 
 
 # Under activation checkpointing, a batch of at most this many computed tokens keeps each
-# layer's token-mixer activations (about 38 KB a token a layer in bf16 for a delta-rule layer of
-# the Qwen3.5-0.8B shape: some 5 GiB over its 18 such layers at this bound); a larger batch, such
-# as one of long documents, recomputes its layers whole.
+# layer's token-mixer activations (in bf16 for the Qwen3.5-0.8B shape, about 38 KB a token a
+# delta-rule layer and 30 KB an attention layer: some 6.5 GiB over its 24 layers at this bound);
+# a larger batch, such as one of long documents, recomputes its layers whole.
 MIXER_KEEP_TOKENS = 8192
 
 

@@ -463,7 +463,7 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         output_final_state: also return the [N, HV, K, V] float32 final states.
 
     On CUDA, with A_log and dt_bias frozen and sequences of at most `SCAN_TOKENS`: rows that
-    continue states, need no gradient and hold at most 64 tokens run
+    continue states, need no gradient and no final states, and hold at most 64 tokens run
     `triton_ops.delta_rule_rows`; the rest `triton_ops.delta_rule_scan` (reading each state in
     place), with `triton_delta`'s gradient when autograd needs one. Otherwise FLA's chunked
     kernels, or the plain-PyTorch chunked reference off CUDA.

@@ -53,6 +53,7 @@ class _LoraLinear(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads: torch.Tensor | None):
         x, down_all, scaled, *rest = ctx.saved_tensors
         count = len(ctx.scales)

@@ -221,7 +221,9 @@ def update_step(model, optimizer: torch.optim.Optimizer, batch, targets: torch.T
         means = mean_over_ranks(place, torch.stack([losses, torch.stack([out.reward_mean for out in outputs]),
                                                     torch.stack([out.cross_entropy for out in outputs]),
                                                     torch.stack(accuracy)]).mean(1))
-        report = torch.cat([torch.isfinite(losses).float(), grad_norm.reshape(1).float(), means]).tolist()
+        # (clip_grad_norm_ returns a host zero when no weight has a gradient.)
+        norm = grad_norm.reshape(1).float().to(losses.device)
+        report = torch.cat([torch.isfinite(losses).float(), norm, means]).tolist()
     finite, norm = [flag == 1.0 for flag in report[:len(outputs)]], report[len(outputs)]
     if not all_true(place, all(finite)):  # every rank aborts together, none waits in a collective
         micro = finite.index(False) if not all(finite) else None

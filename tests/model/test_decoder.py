@@ -246,6 +246,46 @@ def test_projections_of_one_input_equal_each_peft_module_in_outputs_and_gradient
         assert scale > 0 and ((ours.float() - reference.float()).abs().max() / scale).item() <= tolerance
 
 
+def test_a_mixed_group_runs_its_plain_lora_projections_together_and_the_rest_alone(monkeypatch):
+    """A group of a plain LoRA module, one with LoRA dropout and a plain Linear: the plain LoRA
+    one takes the one-node path, the others their own forwards (the same dropout mask as peft's
+    for the same seed); outputs and every gradient equal the modules' own. In eval mode the
+    dropout is inactive, so that module takes the one-node path too."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    torch.manual_seed(0)
+    models = [get_peft_model(torch.nn.Sequential(torch.nn.Linear(24, width, bias=False)),
+                             PeftLoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=["0"]))
+              for width, rank, dropout in ((8, 4, 0.0), (5, 2, 0.3))]
+    first, second = (model.base_model.model[0] for model in models)
+    plain = torch.nn.Linear(24, 3)
+    for module in (first, second):
+        with torch.no_grad():
+            module.lora_B["default"].weight.normal_(0.0, 0.5)
+    adapters = [weight for module in (first, second)
+                for weight in (module.lora_A["default"].weight, module.lora_B["default"].weight)]
+    calls = []
+    lora_linear = decoder.lora_linear
+    monkeypatch.setattr(decoder, "lora_linear", lambda x, bases, *rest: calls.append(len(bases)) or
+                        lora_linear(x, bases, *rest))
+    x = torch.randn(6, 24, requires_grad=True)
+    modules = [first, second, plain]
+    for training, expected_calls in ((True, [1]), (False, [2])):
+        for model in models:
+            model.train(training)
+        calls.clear()
+        results = []
+        for run in (decoder.projections, lambda group, h: [module(h) for module in group]):
+            torch.manual_seed(1)
+            outs = run(modules, x)
+            loss = sum((out * (index + 1)).sum() for index, out in enumerate(outs))
+            results.append((*outs, *torch.autograd.grad(loss, [x] + adapters)))
+        assert calls == expected_calls
+        for ours, reference in zip(*results):
+            assert torch.allclose(ours, reference, atol=1e-5)
+
+
 def test_project_runs_modules_own_forward_when_merged_disabled_or_plain():
     peft_model, module = _lora_linear(torch.float32, dropout=0.3)
     x = torch.randn(5, 24)
