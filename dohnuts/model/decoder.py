@@ -244,6 +244,16 @@ def _delta_tail(layer, config, hidden, out, gate):
 MIXER_KEEP_TOKENS = 8192
 
 
+def _recomputed(function, *args):
+    """function(*args), its activations recomputed in the backward pass instead of kept (the
+    plan fixes the shapes, so the recomputation needs no metadata check)."""
+    return checkpoint(function, *args, use_reentrant=False, determinism_check="none")
+
+
+def _run(function, *args):
+    return function(*args)
+
+
 def delta_layer(layer, config, hidden, rows: Segments, prefixes: Prefixes | None, checkpointed: bool):
     """One gated delta-rule decoder layer over every packed token. Returns hidden [T, D].
 
@@ -255,15 +265,10 @@ def delta_layer(layer, config, hidden, rows: Segments, prefixes: Prefixes | None
     bounded.
     """
     if checkpointed and hidden.shape[0] > MIXER_KEEP_TOKENS:
-        # Shapes are fixed by the plan, so the recomputation needs no metadata check.
-        return checkpoint(_delta_whole, layer, config, hidden, rows, prefixes, use_reentrant=False,
-                          determinism_check="none")
+        return _recomputed(_delta_whole, layer, config, hidden, rows, prefixes)
     normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
     out, gate = _delta_mix(layer.linear_attn, config, normed, rows, prefixes)
-    if checkpointed:
-        return checkpoint(_delta_tail, layer, config, hidden, out, gate, use_reentrant=False,
-                          determinism_check="none")
-    return _delta_tail(layer, config, hidden, out, gate)
+    return (_recomputed if checkpointed else _run)(_delta_tail, layer, config, hidden, out, gate)
 
 
 def _delta_whole(layer, config, hidden, rows: Segments, prefixes: Prefixes | None):
@@ -279,15 +284,11 @@ def attention_layer(layer, config, hidden, cos, sin, rows: Segments, prefixes: P
     MLP); a larger one recomputes the whole layer.
     """
     if checkpointed and hidden.shape[0] > MIXER_KEEP_TOKENS:
-        return checkpoint(_attention_whole, layer, config, hidden, cos, sin, rows, prefixes, use_reentrant=False,
-                          determinism_check="none")
+        return _recomputed(_attention_whole, layer, config, hidden, cos, sin, rows, prefixes)
     normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
     query, key, value, gate = attention_inputs(layer.self_attn, config, normed, cos, sin)
     out = attention_core(config, query, key, value, rows, prefixes)
-    if checkpointed:
-        return checkpoint(_attention_tail, layer, config, hidden, out, gate, use_reentrant=False,
-                          determinism_check="none")
-    return _attention_tail(layer, config, hidden, out, gate)
+    return (_recomputed if checkpointed else _run)(_attention_tail, layer, config, hidden, out, gate)
 
 
 def _attention_tail(layer, config, hidden, out, gate):

@@ -63,12 +63,21 @@ def _part_inputs(q, k, v, a, b, bos, eos, part, i_hk, i_h, A_log, dt_bias, o_k, 
 
 
 @triton.jit
-def _part_solve(k_i, v_i, G, beta, h0, BC: tl.constexpr):
-    """A part's chunk form from its start state h0 [BK, BV] and cumulative log decays G [BC]:
-    A (beta_i exp(G_i - G_j) k_i . k_j, strictly lower), T = (I + A)^-1, the right-hand side
-    R = beta (v - exp(G) k h0) and the pseudo-values U = T R."""
+def _decays(G, BC: tl.constexpr):
+    """exp(G_i - G_j) of cumulative log decays G [BC]: where j <= i (E), and where j < i (F)."""
+    E = _decayed(tl.full([BC, BC], 1.0, tl.float32), G, G, True, False, BC)
+    o_c = tl.arange(0, BC)
+    return E, tl.where(o_c[:, None] > o_c[None, :], E, 0.0)
+
+
+@triton.jit
+def _part_solve(k_i, v_i, G, F, beta, h0, BC: tl.constexpr):
+    """A part's chunk form from its start state h0 [BK, BV], cumulative log decays G [BC] and
+    their strictly lower decays F (`_decays`): A (beta_i exp(G_i - G_j) k_i . k_j, strictly
+    lower), T = (I + A)^-1, the right-hand side R = beta (v - exp(G) k h0) and the
+    pseudo-values U = T R."""
     kk = tl.dot(k_i, tl.trans(k_i))
-    A = beta[:, None] * _decayed(kk, G, G, True, True, BC)
+    A = beta[:, None] * kk * F
     T = _unit_lower_inverse(A, BC)
     P = tl.dot(k_i, h0)
     R = beta[:, None] * (v_i - tl.exp(G)[:, None] * P)
@@ -100,7 +109,8 @@ def _delta_scan_bwd(q, k, v, a, b, A_log, dt_bias, states, parents, do, dfinal, 
         q_i, k_i, v_i, g_i, _, b_i = _part_inputs(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v,
                                                   H, K, HV, V, BC)
         g_i = tl.cumsum(g_i, 0)
-        _, _, _, _, _, u_i = _part_solve(k_i, v_i, g_i, b_i, h, BC)
+        _, f = _decays(g_i, BC)
+        _, _, _, _, _, u_i = _part_solve(k_i, v_i, g_i, f, b_i, h, BC)
         last = _last(g_i, BC)
         h = h * tl.exp(last) + tl.dot(tl.trans(k_i), u_i * tl.exp(last - g_i)[:, None])
     tl.debug_barrier()  # the scratch states are read back by other threads of this program
@@ -121,23 +131,21 @@ def _delta_scan_bwd(q, k, v, a, b, A_log, dt_bias, states, parents, do, dfinal, 
         w = tl.exp(G_i)
         last = _last(G_i, BC)
         tail = tl.exp(last - G_i)
-        kk, A, T, P, R, U = _part_solve(k_i, v_i, G_i, b_i, h0, BC)
-        D = _decayed(tl.dot(q_i, tl.trans(k_i)), G_i, G_i, True, False, BC)  # (q_i . k_j) exp(G_i - G_j), j <= i
+        e, f = _decays(G_i, BC)
+        kk, A, T, P, R, U = _part_solve(k_i, v_i, G_i, f, b_i, h0, BC)
+        D = tl.dot(q_i, tl.trans(k_i)) * e  # (q_i . k_j) exp(G_i - G_j), j <= i
         # o = scale (exp(G) q h0 + D U); end state = exp(last) h0 + k^T (tail U).
         d_o = scale * tl.load(do + (o_t[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None] & (o_v < V)[None, :],
                               other=0.0).to(tl.float32)
         k_dh = tl.dot(k_i, dh)
         d_u = tl.dot(tl.trans(D), d_o) + tail[:, None] * k_dh
         d_r = tl.dot(tl.trans(T), d_u)
-        lower = o_c[:, None] >= o_c[None, :]
-        strict = o_c[:, None] > o_c[None, :]
-        d_a = tl.where(strict, -tl.dot(d_r, tl.trans(U)), 0.0)
-        d_d = tl.where(lower, tl.dot(d_o, tl.trans(U)), 0.0)
+        d_a = tl.where(o_c[:, None] > o_c[None, :], -tl.dot(d_r, tl.trans(U)), 0.0)
+        d_d = tl.where(o_c[:, None] >= o_c[None, :], tl.dot(d_o, tl.trans(U)), 0.0)
         d_p = -(b_i * w)[:, None] * d_r
         w_do = w[:, None] * d_o
         # Through D = (q k^T) * E and A = beta (k k^T) * F, with E and F the decays.
-        d_qk = tl.where(lower, d_d * _decayed(tl.full([BC, BC], 1.0, tl.float32), G_i, G_i, True, False, BC), 0.0)
-        f = _decayed(tl.full([BC, BC], 1.0, tl.float32), G_i, G_i, True, True, BC)
+        d_qk = d_d * e
         d_kk = b_i[:, None] * d_a * f
         d_q = tl.dot(w_do, tl.trans(h0)) + tl.dot(d_qk, k_i)
         d_k = (tl.dot(tail[:, None] * U, tl.trans(dh)) + tl.dot(d_p, tl.trans(h0)) + tl.dot(tl.trans(d_qk), q_i)
