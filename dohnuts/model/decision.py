@@ -8,6 +8,7 @@ from torch import nn
 from .batch import Batch
 from .decoder import Prefixes, Segments, packed_forward
 from .features import ImageFeatureCache
+from .training_graphs import TrainingGraphs
 from .vision import VisionGraphs, VisionPlans, image_features, linear_patch_projection
 
 HEAD_KEY = "head.weight"
@@ -36,6 +37,7 @@ class DecisionModel(nn.Module):
         self.image_cache = ImageFeatureCache()  # new and empty for every model
         self.vision_plans = VisionPlans()  # image grids -> the vision tower's positions and plan
         self.vision_graphs = VisionGraphs()  # image grids -> the tower's CUDA graph (not in training)
+        self.training_graphs = TrainingGraphs(self)  # training buckets -> forward and backward graphs
         self.generation = 0  # bumped whenever parameters may have moved (see `changed`)
 
     def changed(self) -> None:
@@ -44,6 +46,7 @@ class DecisionModel(nn.Module):
         self.image_cache.clear()
         self.vision_plans.clear()
         self.vision_graphs.clear()
+        self.training_graphs.clear()
         self.generation += 1
 
     def _apply(self, fn, *args, **kwargs):
@@ -103,7 +106,12 @@ class DecisionModel(nn.Module):
         return logits.masked_fill(~candidate_mask, 0.0)
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        """Args: batch on the model's device. Returns: logits [B, K] float32 (0 where masked)."""
+        """Args: batch on the model's device. Returns: logits [B, K] float32 (0 where masked).
+
+        In training with gradients on CUDA, through `training_graphs` (the same logits and
+        gradients, replayed from CUDA graphs where the batch's bucket has them)."""
+        if self.training and torch.is_grad_enabled() and self.device.type == "cuda":
+            return self.training_graphs(batch)
         return self.scores(self.embeddings(batch), batch)
 
 

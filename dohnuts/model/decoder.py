@@ -246,8 +246,13 @@ MIXER_KEEP_TOKENS = 8192
 
 def _recomputed(function, *args):
     """function(*args), its activations recomputed in the backward pass instead of kept (the
-    plan fixes the shapes, so the recomputation needs no metadata check)."""
-    return checkpoint(function, *args, use_reentrant=False, determinism_check="none")
+    plan fixes the shapes, so the recomputation needs no metadata check). Inside a CUDA graph
+    capture the random-number state is not saved for the recomputation (it cannot be read
+    there); only forwards that draw no random numbers are captured (`training_graphs.graphable`)."""
+    hidden = args[2]
+    capturing = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+    return checkpoint(function, *args, use_reentrant=False, determinism_check="none",
+                      preserve_rng_state=not capturing)
 
 
 def _run(function, *args):

@@ -1,0 +1,384 @@
+"""CUDA graphs of the training forward and backward, over layouts padded to training buckets.
+
+A training update of the Qwen3.5-0.8B shape (32 rows of about 290 tokens) is bound by host
+work: some 5,700 launches, most of them small, cost about 240 ms of Python and dispatch for
+about 100 ms of device work on the H200 (docs/runtime.md). A captured graph replays them all
+with one launch for the forward and one for the backward.
+
+A graph fixes every shape, and every update brings a new layout (its states' lengths, its
+rows' prefixes). So a batch is padded to a `TrainingBucket`, whose sizes are its own rounded
+up: prefix and row tokens to multiples of `TOKEN_STEP`, attention keys to multiples of
+`KEY_STEP`, prefix and row counts and candidates to small multiples. The padding is inert:
+
+- a padding prefix (its spare tokens, at least 64) that no row continues, then empty prefixes;
+- a padding row (the spare row tokens, at least one) without a prefix, then empty rows;
+- the attention keys the bucket holds beyond the batch's are given to the padding row, ahead of
+  its own (it sees them all; no real row does);
+- padding tokens have zero embeddings and position 0, and no candidate reads them.
+
+No real token sees a padding token, and padding tokens get no gradient from the loss, so the
+rows' logits and every weight's gradient are the batch's alone, up to floating-point order
+(`tests/model/test_training_graphs.py`). Padding is counted as `padding_tokens`, never as work.
+
+A bucket's graphs are captured on its second sighting (the first runs eagerly) and kept in an
+LRU; every graph shares one memory pool, which is safe because a graph's outputs are copied out
+of the pool as soon as it has run and a backward must follow its own forward (checked).
+Batches that fit no bucket (more than `MIXER_KEEP_TOKENS` tokens padded, a sequence longer
+than `LONGEST_SEQUENCE`), models with anything but plain LoRA and the head training, several
+processes (DistributedDataParallel's hooks are not yet tested under graphs) and the CPU run
+eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..ops import kernels
+from ..ops.plan import CHUNK, Fork, chunk_plan, cumulative, plan_fork
+from .batch import Batch
+from .buckets import LONGEST_SEQUENCE
+from .decoder import MIXER_KEEP_TOKENS, _plain_lora
+
+TOKEN_STEP = 512  # prefix and row tokens round up to a multiple of this
+KEY_STEP = 2048  # attention keys round up to a multiple of this
+PREFIX_STEP, ROW_STEP, CANDIDATE_STEP = 8, 16, 8  # counts round up to multiples of these
+CAPTURE_AT = 2  # the sighting of a bucket that captures its graphs
+# Training graphs kept (least recently used dropped). They share one pool, so each adds only
+# its static gradients and output (21 MB for the Qwen3.5-0.8B recipe's LoRA) to the largest
+# bucket's activations.
+CAPACITY = 64
+
+
+def _up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def _lengths(cu_seqlens_cpu: torch.Tensor) -> list[int]:
+    bounds = cu_seqlens_cpu.tolist()
+    return [end - begin for begin, end in zip(bounds[:-1], bounds[1:])]
+
+
+@dataclass(frozen=True)
+class TrainingBucket:
+    """The shapes a training graph fixes: tokens, sequences, attention keys and candidates."""
+
+    prefix_tokens: int
+    prefixes: int
+    row_tokens: int
+    rows: int
+    key_tokens: int
+    candidates: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prefix_tokens + self.row_tokens
+
+    @property
+    def row_chunks(self) -> int:
+        return self.row_tokens // CHUNK + self.rows  # each row adds at most one partial chunk
+
+    @property
+    def longest_key(self) -> int:
+        """A bound on any sequence's keys: a real row's prefix and own tokens, or the padding
+        row's spare keys and own tokens."""
+        return max(2 * LONGEST_SEQUENCE, self.key_tokens - self.tokens + TOKEN_STEP)
+
+
+def training_bucket(batch: Batch) -> TrainingBucket | None:
+    """The training bucket of a batch (on the host or the device: only host fields are read),
+    or None when it fits none (see the module's docstring)."""
+    prefix_lengths = _lengths(batch.prefix_cu_seqlens_cpu) if batch.fork is not None else []
+    row_lengths = _lengths(batch.cu_seqlens_cpu)
+    if max(prefix_lengths + row_lengths, default=0) > LONGEST_SEQUENCE:
+        return None
+    prefix_tokens = max(CHUNK, _up(batch.prefix_tokens, TOKEN_STEP))
+    row_tokens = _up(sum(row_lengths) + 1, TOKEN_STEP)  # at least one padding token: the padding row
+    if prefix_tokens + row_tokens > MIXER_KEEP_TOKENS:
+        return None
+    inherited = batch.fork.key_index.shape[0] - batch.computed_tokens if batch.fork is not None else 0
+    return TrainingBucket(
+        prefix_tokens=prefix_tokens, prefixes=_up(len(prefix_lengths) + 2, PREFIX_STEP),
+        row_tokens=row_tokens, rows=_up(len(row_lengths) + 2, ROW_STEP),
+        key_tokens=_up(prefix_tokens + row_tokens + inherited, KEY_STEP),
+        candidates=_up(batch.markers.shape[1], CANDIDATE_STEP))
+
+
+@dataclass
+class TrainingPlan:
+    """A batch's host-side plan in its bucket: the padded sequences, chunk plans and fork."""
+
+    prefix_cu_seqlens: torch.Tensor
+    cu_seqlens: torch.Tensor
+    prefix_chunk_indices: torch.Tensor
+    chunk_indices: torch.Tensor
+    fork: Fork
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.prefix_cu_seqlens, self.cu_seqlens, self.prefix_chunk_indices, self.chunk_indices,
+                *self.fork.tensors()]
+
+
+def training_plan(batch: Batch, bucket: TrainingBucket, parents: list[int]) -> TrainingPlan:
+    """The host plan of `batch` padded to `bucket` (see the module's docstring). `parents` are
+    the batch's rows' prefixes (-1: none), on the host.
+
+    Raises:
+        ValueError: the batch does not fit the bucket.
+    """
+    prefix_lengths = _lengths(batch.prefix_cu_seqlens_cpu) if batch.fork is not None else []
+    row_lengths = _lengths(batch.cu_seqlens_cpu)
+    spare_prefix = bucket.prefix_tokens - batch.prefix_tokens
+    spare_rows = bucket.row_tokens - sum(row_lengths)
+    if training_bucket(batch) != bucket or len(parents) != len(row_lengths):
+        raise ValueError(f"a batch of {batch.prefix_tokens} prefix tokens in {len(prefix_lengths)} prefixes and "
+                         f"{len(row_lengths)} rows of {sum(row_lengths)} tokens does not fit {bucket}")
+    padding_prefix = [spare_prefix] if spare_prefix else []
+    prefixes = prefix_lengths + padding_prefix + [0] * (bucket.prefixes - len(prefix_lengths) - len(padding_prefix))
+    rows = row_lengths + [spare_rows] + [0] * (bucket.rows - len(row_lengths) - 1)
+    padding_row = len(row_lengths)
+    fork = plan_fork(prefixes, rows, parents + [-1] * (bucket.rows - len(row_lengths)))
+
+    # The bucket's spare keys go to the padding row, ahead of its own: its sequence's keys are
+    # the spare ones (copies of its first token), then its tokens.
+    key_index = fork.key_index.numpy()
+    cu_k = fork.cu_seqlens_k.numpy().astype(np.int64)
+    sequence = bucket.prefixes + padding_row
+    spare_keys = bucket.key_tokens - len(key_index)
+    first_token = bucket.prefix_tokens + sum(row_lengths)
+    key_index = np.concatenate([key_index[:cu_k[sequence]], np.full(spare_keys, first_token, dtype=np.int64),
+                                key_index[cu_k[sequence]:]])
+    cu_k[sequence + 1:] += spare_keys
+    fork = Fork(fork.parents, fork.cu_seqlens_q, torch.from_numpy(key_index), torch.from_numpy(cu_k.astype(np.int32)),
+                LONGEST_SEQUENCE, bucket.longest_key, True)
+
+    plan = chunk_plan(rows)
+    empty = len(rows) - 1  # the last row is always empty: the plan's padding entries name it
+    padding = torch.tensor([[empty, 0]], dtype=plan.dtype).expand(bucket.row_chunks - len(plan), 2)
+    return TrainingPlan(cumulative(prefixes), cumulative(rows), chunk_plan(prefixes), torch.cat([plan, padding]), fork)
+
+
+def graphable(model) -> str | None:
+    """Why `model`'s training forward cannot run through training graphs, or None when it can:
+    only plain LoRA adapters (`decoder._plain_lora`: no dropout at work, no variant, no bias)
+    and the head may train, so the forward draws no random numbers and every backward kernel
+    plans on the device."""
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad and ".lora_" not in name and parameter is not model.head.weight:
+            return f"the parameter {name} trains"
+    for name, module in model.backbone.language_model.named_modules():
+        if hasattr(module, "lora_A") and _plain_lora(module) is None:
+            return f"{name} is not plain LoRA (dropout at work, a variant or a bias)"
+    return None
+
+
+class BucketInputs:
+    """A bucket's inputs to `DecisionModel.scores`, allocated once on the model's device (outside
+    any graph's pool), and `fill`ed with each batch: the static inputs of its graphs."""
+
+    def __init__(self, model, bucket: TrainingBucket, batch: Batch, plan: TrainingPlan):
+        device = model.device
+        dtype = model.backbone.language_model.get_input_embeddings().weight.dtype
+        self.bucket = bucket
+        self.embeds = torch.zeros(bucket.tokens, model.backbone.config.text_config.hidden_size, dtype=dtype,
+                                  device=device)
+        self.plan = TrainingPlan(*(tensor.to(device) for tensor in plan.tensors()[:4]),
+                                 plan.fork.map(lambda tensor: tensor.to(device)))
+        # The host plan of the first batch stays the graph's: kernels read from it only what the
+        # bucket fixes (sequence counts, that some sequences are empty, routes under the bounds).
+        self.batch = dataclasses.replace(
+            batch, input_ids=torch.zeros(bucket.tokens, dtype=torch.long, device=device),
+            position_ids=torch.zeros(3, bucket.tokens, dtype=torch.long, device=device),
+            prefix_tokens=bucket.prefix_tokens, prefix_cu_seqlens=self.plan.prefix_cu_seqlens,
+            prefix_cu_seqlens_cpu=plan.prefix_cu_seqlens.clone(), cu_seqlens=self.plan.cu_seqlens,
+            cu_seqlens_cpu=plan.cu_seqlens.clone(), prefix_chunk_indices=self.plan.prefix_chunk_indices,
+            chunk_indices=self.plan.chunk_indices, fork=self.plan.fork,
+            markers=torch.zeros(bucket.rows, bucket.candidates, dtype=torch.long, device=device),
+            candidate_mask=torch.zeros(bucket.rows, bucket.candidates, dtype=torch.bool, device=device),
+            image_slots=batch.image_slots[:0], image_sources=batch.image_sources[:0], pixel_values=None,
+            image_grid_thw_cpu=None, image_keys=(), image_has_pixels=(), rows_bound=LONGEST_SEQUENCE,
+            pixel_settings=None, image_shapes_cpu=None)
+
+    def fill(self, embeds: torch.Tensor, batch: Batch, plan: TrainingPlan) -> None:
+        """Copy a batch's embeddings [P + S, D] and tensors (on the device) and its padded plan (on
+        the host) in: the real prefixes' tokens first, the real rows' from the bucket's rows part
+        on; zeros (embeddings, positions, candidates) everywhere else."""
+        prefix, start, end = batch.prefix_tokens, self.bucket.prefix_tokens, batch.computed_tokens
+        self.embeds.zero_()
+        self.embeds[:prefix].copy_(embeds[:prefix])
+        self.embeds[start:start + end - prefix].copy_(embeds[prefix:])
+        positions = self.batch.position_ids
+        positions.zero_()
+        positions[:, :prefix].copy_(batch.position_ids[:, :prefix])
+        positions[:, start:start + end - prefix].copy_(batch.position_ids[:, prefix:])
+        for static, value in zip(self.plan.tensors(), plan.tensors()):
+            static.copy_(value, non_blocking=True)
+        rows, candidates = batch.markers.shape
+        for static, value in ((self.batch.markers, batch.markers), (self.batch.candidate_mask, batch.candidate_mask)):
+            static.zero_()
+            static[:rows, :candidates].copy_(value)
+
+
+class _Graph:
+    """One bucket's training forward and backward as two CUDA graphs sharing a memory pool, over
+    its `BucketInputs`, with their output and gradients."""
+
+    def __init__(self, model, inputs: BucketInputs, parameters, pool, owner):
+        self.inputs, self.owner = inputs, owner
+        self.grad_output = torch.zeros(inputs.bucket.rows, inputs.bucket.candidates, dtype=torch.float32,
+                                       device=model.device)
+        side = torch.cuda.Stream(model.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # kernels compile and autotune, cuBLAS plans, outside the capture
+                torch.autograd.grad(model.scores(inputs.embeds, inputs.batch), parameters, self.grad_output,
+                                    allow_unused=True)
+        torch.cuda.current_stream().wait_stream(side)
+        # thread_local: a loader's pin-memory thread may call CUDA while the capture runs.
+        self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.forward_graph, pool=pool, capture_error_mode="thread_local"):
+            output = model.scores(inputs.embeds, inputs.batch)
+        with torch.cuda.graph(self.backward_graph, pool=pool, capture_error_mode="thread_local"):
+            self.grads = torch.autograd.grad(output, parameters, self.grad_output, allow_unused=True)
+        self.output = output.detach()
+
+
+class TrainingGraphs:
+    """The training forward of a `DecisionModel` through CUDA graphs of training buckets (see the
+    module's docstring); called by the model's `forward` in training on CUDA with gradients."""
+
+    def __init__(self, model, capacity: int = CAPACITY, capture_at: int = CAPTURE_AT):
+        self.model = model  # not a submodule: the model owns this object
+        self.capacity, self.capture_at = capacity, capture_at
+        self.graphs: OrderedDict[TrainingBucket, _Graph] = OrderedDict()
+        self.seen: dict[TrainingBucket, int] = {}
+        self.failed: set[TrainingBucket] = set()
+        self.pool = None
+        self.key = None  # what the graphs were captured for: the model's generation and parameters
+        self.frozen, self.versions = [], ()
+        self.last = None  # the graph whose forward ran last, which the next backward must be
+        self.stats = {"eager": 0, "captures": 0, "replays": 0, "failed": 0, "padding_tokens": 0,
+                      "capture_seconds": 0.0}
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.seen.clear()
+        self.failed.clear()
+        self.last = None
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters; every graph is dropped when they, the model's generation or
+        a frozen parameter's contents change (graphs read frozen weights' derived constants)."""
+        model = self.model
+        trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+        key = (model.generation, tuple(id(parameter) for parameter in trainable))
+        if key != self.key:
+            self.clear()
+            self.key = key
+            self.frozen = [parameter for parameter in model.parameters() if not parameter.requires_grad]
+            self.versions = ()
+        versions = tuple(parameter._version for parameter in self.frozen)
+        if versions != self.versions:
+            self.clear()
+            self.versions = versions
+        return trainable
+
+    def eligible(self) -> bool:
+        """Whether this process's training forward may use graphs at all."""
+        if self.model.device.type != "cuda":
+            return False
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return False
+        reason = graphable(self.model)
+        if reason is not None:
+            kernels.slow_path("training-graphs", f"training runs eagerly, without CUDA graphs: {reason}")
+        return reason is None
+
+    def __call__(self, batch: Batch) -> torch.Tensor:
+        """Logits [B, K] of a training batch on the model's device, with their autograd graph."""
+        model = self.model
+        embeds = model.embeddings(batch)
+        bucket = training_bucket(batch) if self.eligible() else None
+        if bucket is None or bucket in self.failed:
+            return self._eager(embeds, batch)
+        parameters = self._parameters()
+        graph = self.graphs.get(bucket)
+        sightings = self.seen.get(bucket, 0) + 1
+        self.seen[bucket] = sightings
+        if graph is None and sightings < self.capture_at:
+            return self._eager(embeds, batch)
+        parents = batch.fork.parents.tolist() if batch.fork is not None else [-1] * batch.markers.shape[0]
+        plan = training_plan(batch, bucket, parents)
+        if graph is None:
+            graph = self._capture(bucket, embeds, batch, plan, parameters)
+            if graph is None:
+                return self._eager(embeds, batch)
+        else:
+            graph.inputs.fill(embeds, batch, plan)
+        self.graphs.move_to_end(bucket)
+        self.stats["replays"] += 1
+        self.stats["padding_tokens"] += bucket.tokens - batch.computed_tokens
+        logits = _Replay.apply(graph, *parameters)
+        return logits[: batch.markers.shape[0], : batch.markers.shape[1]]
+
+    def _eager(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
+        self.stats["eager"] += 1
+        return self.model.scores(embeds, batch)
+
+    def _capture(self, bucket, embeds, batch, plan, parameters) -> _Graph | None:
+        if not self.graphs:
+            self.pool = torch.cuda.graph_pool_handle()  # no live graph: a fresh pool (see GraphedScores)
+        start = time.perf_counter()
+        try:
+            inputs = BucketInputs(self.model, bucket, batch, plan)
+            inputs.fill(embeds, batch, plan)
+            graph = _Graph(self.model, inputs, parameters, self.pool, self)
+        except Exception as error:  # noqa: BLE001 - a bucket that fails to capture runs eagerly
+            self.failed.add(bucket)
+            self.stats["failed"] += 1
+            # One known cause: an earlier step's autograd graph kept alive (a loss held on to)
+            # keeps the parameters' gradient accumulators on another stream, which the
+            # backward's capture may not wait for.
+            kernels.slow_path(f"training-graph-{bucket}", f"the training graphs of {bucket} failed to capture, so "
+                                                          f"its batches run eagerly (is an earlier step's loss or "
+                                                          f"output, with its autograd graph, still referenced?): "
+                                                          f"{type(error).__name__}: {error}")
+            torch.cuda.synchronize()
+            return None
+        self.stats["captures"] += 1
+        self.stats["capture_seconds"] += time.perf_counter() - start
+        self.graphs[bucket] = graph
+        if len(self.graphs) > self.capacity:
+            self.graphs.popitem(last=False)
+        return graph
+
+
+class _Replay(torch.autograd.Function):
+    """A training graph as one autograd node: the forward replays its forward graph, the
+    backward its backward graph, and the trainable parameters take the gradients."""
+
+    @staticmethod
+    def forward(ctx, graph: _Graph, *parameters):
+        graph.forward_graph.replay()
+        graph.owner.last = graph
+        ctx.graph = graph
+        return graph.output.clone()  # the pool is the graphs': the next replay may reuse it
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        graph = ctx.graph
+        if graph.owner.last is not graph:
+            raise RuntimeError("a training graph's backward must follow its own forward, with no other training "
+                               "forward in between (their activations share one memory pool)")
+        graph.grad_output.copy_(grad_output)
+        graph.backward_graph.replay()
+        graph.owner.last = None
+        present = [grad for grad in graph.grads if grad is not None]
+        copies = iter(torch._foreach_mul(present, 1.0) if present else [])  # out of the pool, in a few launches
+        return (None, *(next(copies) if grad is not None else None for grad in graph.grads))

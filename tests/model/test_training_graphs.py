@@ -1,0 +1,180 @@
+"""Training buckets: a batch padded to its training bucket gives its rows the logits, and every
+trainable weight the gradient, of the batch alone (float32, the plain-PyTorch path); on CUDA,
+the replayed training graphs against the eager training forward (GPU tests)."""
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import LAYOUTS, batch_of, questions
+
+from dohnuts.config import LoraConfig
+from dohnuts.model.adapters import build_training_model
+from dohnuts.model.training_graphs import BucketInputs, graphable, training_bucket, training_plan
+from dohnuts.ops.plan import CHUNK
+
+SEVERAL = [({"note": "a long note about a parcel " * 12}, questions(3)), ("short", questions(1)),
+           ({"note": "another note, of other words, about a box " * 9}, questions(2, candidates=5))]
+CASES = {**LAYOUTS, "several requests": SEVERAL}
+
+
+def _training_model(tiny, dtype="float32"):
+    model, _ = build_training_model(tiny.base, dtype, LoraConfig(), 0.01, seed=0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:  # LoRA B starts at zero: give the adapters something to do
+                parameter.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    model.activation_checkpointing = True
+    return model.train()
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return _training_model(tiny)
+
+
+def _parents(batch):
+    return batch.fork.parents.tolist() if batch.fork is not None else [-1] * batch.markers.shape[0]
+
+
+def _padded(model, batch):
+    """(the batch's bucket, its BucketInputs filled with it)."""
+    bucket = training_bucket(batch)
+    plan = training_plan(batch, bucket, _parents(batch))
+    inputs = BucketInputs(model, bucket, batch, plan)
+    inputs.fill(model.embeddings(batch), batch, plan)
+    return bucket, inputs
+
+
+def _gradients(model, logits, weights):
+    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    return torch.autograd.grad((logits * weights).sum(), parameters)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_batch_padded_to_its_training_bucket_keeps_its_logits_and_gradients(tiny, model, name):
+    batch = batch_of(tiny.template(), CASES[name])
+    bucket, inputs = _padded(model, batch)
+    assert inputs.embeds.shape[0] == bucket.tokens > batch.computed_tokens
+    rows, candidates = batch.markers.shape
+    weights = torch.randn(rows, candidates, generator=torch.Generator().manual_seed(0))
+
+    alone = model.scores(model.embeddings(batch), batch)
+    padded = model.scores(inputs.embeds, inputs.batch)
+    torch.testing.assert_close(padded[:rows, :candidates], alone, rtol=1e-5, atol=1e-5)
+    assert not padded[rows:].any() and not padded[:, candidates:].any()  # padding has no candidate
+
+    expected = _gradients(model, alone, weights)
+    got = _gradients(model, padded[:rows, :candidates], weights)
+    assert len(expected) == 63  # every LoRA matrix of the 4 layers and the head
+    for want, have in zip(expected, got):
+        scale = want.abs().max().clamp_min(1e-8)
+        assert ((have - want).abs().max() / scale).item() <= 1e-4
+
+
+def test_batches_of_one_bucket_fill_the_same_shapes(tiny, model):
+    template = tiny.template()
+    first = batch_of(template, [({"note": "a long note about a parcel " * 12}, questions(3))])
+    second = batch_of(template, [({"note": "a note about a box " * 10}, questions(2, candidates=5)),
+                                 ("short", questions(1))])
+    bucket = training_bucket(first)
+    assert training_bucket(second) == bucket
+    assert first.computed_tokens != second.computed_tokens and first.markers.shape != second.markers.shape
+    shapes = []
+    for batch in (first, second):
+        plan = training_plan(batch, bucket, _parents(batch))
+        shapes.append([tuple(tensor.shape) for tensor in plan.tensors()])
+        lengths = plan.cu_seqlens.diff()
+        assert lengths[-1] == 0 and lengths[batch.markers.shape[0]] > 0  # the padding row, then empty rows
+        assert plan.prefix_cu_seqlens.diff().remainder(CHUNK).eq(0).all()
+        assert plan.prefix_cu_seqlens.diff()[-1] == 0  # an empty prefix, always
+        assert plan.fork.parents[batch.markers.shape[0]:].eq(-1).all()
+        assert int(plan.fork.cu_seqlens_k[-1]) == bucket.key_tokens == len(plan.fork.key_index)
+    assert shapes[0] == shapes[1]
+    assert shapes[0][3] == (bucket.row_chunks, 2) and shapes[0][2] == (bucket.prefix_tokens // CHUNK, 2)
+    with pytest.raises(ValueError, match="does not fit"):
+        training_plan(first, dataclasses.replace(bucket, rows=bucket.rows + 16), _parents(first))
+
+
+def test_batches_beyond_the_buckets_have_none(tiny):
+    template = tiny.template()
+    long_row = batch_of(template, [("a state of many words " * 300, questions(1))])
+    assert long_row.computed_tokens > 1024 and training_bucket(long_row) is None  # a sequence over the scan's
+    many = batch_of(template, [("state " * 90 + str(index), questions(2)) for index in range(70)])
+    assert many.computed_tokens > 8192 and training_bucket(many) is None  # over MIXER_KEEP_TOKENS once padded
+
+
+def test_only_plain_lora_and_the_head_may_train_under_graphs(tiny, model):
+    assert graphable(model) is None
+    dropping, _ = build_training_model(tiny.base, "float32", LoraConfig(dropout=0.1), 0.01, seed=0)
+    assert "not plain LoRA" in graphable(dropping.train())
+    assert graphable(dropping.eval()) is None  # dropout is not at work in evaluation
+    norm = model.backbone.language_model.norm.weight
+    norm.requires_grad_(True)
+    try:
+        assert "language_model.norm.weight trains" in graphable(model)
+    finally:
+        norm.requires_grad_(False)
+
+
+def _on_cuda(tiny):
+    return _training_model(tiny, "bfloat16").cuda()
+
+
+def _relative(have, want):
+    return ((have.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-8)).item()
+
+
+@pytest.mark.gpu
+def test_training_graphs_replay_the_eager_logits_and_gradients_for_new_batches(tiny):
+    """bf16: replays of one bucket on three batches of different layouts and contents, against the
+    eager forward of each batch alone (2% of the largest logit; gradients 5% of the largest)."""
+    model = _on_cuda(tiny)
+    template = tiny.template()
+    batches = [batch_of(template, [({"note": f"note {index}: about a parcel " * (8 + index)}, questions(3 - index % 2)),
+                                   ("short " * index, questions(1, candidates=4))]) for index in range(3)]
+    assert len({training_bucket(batch) for batch in batches}) == 1
+    assert len({batch.computed_tokens for batch in batches}) == 3
+    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    for index, host in enumerate(batches):
+        batch = host.to(model.device)
+        rows, candidates = batch.markers.shape
+        weights = torch.randn(rows, candidates, device=model.device, generator=torch.Generator(
+            model.device).manual_seed(index))
+        expected = model.scores(model.embeddings(batch), batch)
+        want = torch.autograd.grad((expected * weights).sum(), parameters)
+        expected = expected.detach()  # no autograd graph outlives its step, as in `update_step`
+        logits = model(batch)  # training, with gradients, on CUDA: through the training graphs
+        (logits * weights).sum().backward()
+        have = [parameter.grad for parameter in parameters]
+        assert _relative(logits.detach(), expected) <= 2e-2
+        assert max(_relative(h, w) for h, w in zip(have, want)) <= 5e-2
+        for parameter in parameters:
+            parameter.grad = None
+        del logits
+    stats = model.training_graphs.stats
+    assert (stats["eager"], stats["captures"], stats["replays"], stats["failed"]) == (1, 1, 2, 0)
+
+    with torch.no_grad():  # an optimizer step changes trainable weights in place: replays read them
+        for parameter in parameters:
+            parameter.mul_(1.5)
+    batch = batches[0].to(model.device)
+    expected = model.scores(model.embeddings(batch), batch)
+    assert _relative(model(batch).detach(), expected) <= 2e-2
+    assert model.training_graphs.stats["replays"] == 3
+
+
+@pytest.mark.gpu
+def test_a_training_graph_backward_must_follow_its_own_forward(tiny):
+    model = _on_cuda(tiny)
+    template = tiny.template()
+    small = batch_of(template, [({"note": "a note about a parcel " * 8}, questions(2))]).to(model.device)
+    large = batch_of(template, [({"note": "a note about a parcel " * 60}, questions(2))]).to(model.device)
+    assert training_bucket(small) != training_bucket(large)
+    for batch in (small, large, small, large):  # second sightings capture
+        model(batch).sum().backward()
+    first, second = model(small), model(large)
+    with pytest.raises(RuntimeError, match="must follow its own forward"):
+        first.sum().backward()
+    second.sum().backward()
+    assert model.training_graphs.stats["captures"] == 2
