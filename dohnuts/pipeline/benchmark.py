@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -15,7 +16,7 @@ from PIL import Image, ImageDraw
 
 from ..config import EVALUATION_BATCH_TOKENS, BenchmarkConfig, LoraConfig, TrainConfig
 from ..data import synthetic
-from ..data.loader import loader_workers
+from ..data.loader import workers_for
 from ..data.records import RecordReader, load_records, write_mixture
 from ..io import write_bytes
 from ..measure.roofline import (
@@ -37,6 +38,7 @@ from ..model.cuda_graphs import layout_key
 from ..model.decoder import MIXER_KEEP_TOKENS
 from ..model.predict import Predictor
 from ..model.template import pieces_of
+from ..model.training_graphs import training_bucket
 from ..ops import kernels
 from ..schema import parse_request
 from ..scoring.objective import pack_targets
@@ -367,14 +369,17 @@ def training_requests(template, microbatch: int, rows: int, questions_per_state:
     return out
 
 
-def training_update(model, template, microbatches: int = 4, rows: int = 8, place: World | None = None):
+def training_update(model, template, microbatches: int = 4, rows: int = 8, place: World | None = None,
+                    state_tokens: tuple[int, ...] = (250,)):
     """One training update as the trainer runs it, as a callable: fresh LoRA injected into
     `model` (in place), activation checkpointing, `microbatches` of `rows` rows at one snapshot
     packed into one batch, the trainer's optimizer and `update_step` at the recipe's defaults
-    (`TrainConfig()`), the batch copied to the device in every call. Under several processes
-    (`place`), this rank packs its share of the microbatches and DDP averages the gradients.
+    (`TrainConfig()`), the batch copied to the device in every call. One batch is built for each
+    of `state_tokens` (the least tokens of its states): `update(index)` runs batch `index`. Under
+    several processes (`place`), this rank packs its share of the microbatches and DDP averages
+    the gradients.
 
-    Returns (update, the packed batch of this rank)."""
+    Returns (update, the packed batches of this rank)."""
     place = place or World(0, 1, model.device)
     with_lora(model.backbone, LoraConfig(), seed=0)
     model.changed()  # modules were replaced: no captured graph of the merged model applies
@@ -387,55 +392,96 @@ def training_update(model, template, microbatches: int = 4, rows: int = 8, place
         raise ValueError(f"{microbatches} microbatches do not divide among {place.size} processes")
     share = range(place.rank * microbatches // place.size, (place.rank + 1) * microbatches // place.size)
     noise = [noise_generator(0, micro, device) for micro in share]
-    encoded, targets = [], []
-    for micro in share:
-        own = []
-        for state, questions in training_requests(template, micro, rows):
-            own += template.encode(parse_request(state, questions, template.reserved), config.max_tokens)
-        width = max(len(row.markers) for row in own)
-        targets.append(torch.nn.functional.one_hot(torch.arange(len(own)) % 4, width).float())
-        encoded += own
-    batch = template.collate(encoded, [])
-    targets, sizes = pack_targets(targets)
-    ordinal = torch.zeros(len(encoded), dtype=torch.bool)
+    updates = []
+    for least in state_tokens:
+        encoded, targets = [], []
+        for micro in share:
+            own = []
+            for state, questions in training_requests(template, micro, rows, state_tokens=least):
+                own += template.encode(parse_request(state, questions, template.reserved), config.max_tokens)
+            width = max(len(row.markers) for row in own)
+            targets.append(torch.nn.functional.one_hot(torch.arange(len(own)) % 4, width).float())
+            encoded += own
+        targets, sizes = pack_targets(targets)
+        updates.append((template.collate(encoded, []), targets, torch.zeros(len(encoded), dtype=torch.bool), sizes))
     forward = model
     if place.distributed:
         forward = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
 
-    def update():
+    def update(index: int = 0):
+        batch, targets, ordinal, sizes = updates[index]
         update_step(forward, optimizer, batch.to(device), targets.to(device), ordinal.to(device), sizes, config,
                     noise, place=place)
 
-    return update, batch
+    return update, [batch for batch, _, _, _ in updates]
+
+
+TRAINING_LAYOUTS = 16  # updates of distinct layouts in the varied training record (CUDA)
+
+
+def _graph_counts(model) -> dict:
+    """The training graphs' counters (`TrainingGraphs.stats`) that say how updates ran."""
+    return {name: model.training_graphs.stats[name] for name in ("eager", "captures", "replays", "failed",
+                                                                  "padding_tokens")}
 
 
 def training_update_record(model, template, ceilings: dict, microbatches: int = 4, rows: int = 8,
-                           timed: int = 10, place: World | None = None) -> dict:
+                           timed: int = 10, place: World | None = None, varied: int = 0, seed: int = 0) -> list[dict]:
     """Seconds per `training_update` (which injects fresh LoRA into `model`), with its roofline.
 
     Useful work of an update: 2 forward passes' worth of its packed batch, FLOPs and bytes (the
     forward and the backward's input gradients; the frozen base needs no weight gradients, and
     LoRA's are negligible). What activation checkpointing recomputes in the backward pass is
     repeated work, recorded apart (`repeated_work`), never counted as useful. Under several
-    processes the record is rank 0's: its share of the update, the time of the whole update."""
+    processes the record is rank 0's: its share of the update, the time of the whole update.
+
+    The timed updates repeat one batch: on CUDA, from its second call on, they replay its training
+    bucket's graphs (`training_graphs` counts how they ran). With `varied`, a second record
+    (`training_update_varied`) times `varied` updates of distinct layouts (states of 120 to 400
+    tokens, drawn with `seed`), each once, in order, as a training run meets them: a bucket's
+    first batch runs eagerly and its second captures its graphs.
+
+    Returns:
+        [the record of the repeated batch] (and the varied record)
+    """
     place = place or World(0, 1, model.device)
-    update, batch = training_update(model, template, microbatches, rows, place)
+    draw = random.Random(seed)
+    lengths = [draw.randrange(120, 400) for _ in range(varied)]
+    update, batches = training_update(model, template, microbatches, rows, place, state_tokens=(250, *lengths))
+    batch = batches[0]
     device = model.device
     with Telemetry(device) as telemetry:
-        cold_ms, samples, _, _ = _measure(update, device, 1, timed)
-    model.eval()
+        cold_ms, samples, _, counts = _measure(update, device, 1, timed, lambda: _graph_counts(model))
     p50 = percentile(samples, 0.5)
     record = {
         "workload": "training_update", "processes": place.size, "microbatches": microbatches,
         "rows_per_microbatch": rows, "input_tokens": batch.input_tokens, "computed_tokens": batch.computed_tokens,
         "cold_ms": cold_ms, "p50_ms": p50, "samples_ms": samples, "telemetry": telemetry.summary(),
+        "training_graphs": counts,
         "roofline": roofline_record(model, batch, p50, ceilings, passes=2, recomputed=True),
     }
     # Every rank packs the same number of tokens (the requests are alike): the update's tokens
     # are this rank's times the process count.
     record["tokens_per_second"] = 1000.0 * record["input_tokens"] * place.size / p50
-    return record
+    records = [record]
+    if varied:
+        before, times = _graph_counts(model), []
+        for index in range(1, len(batches)):
+            synchronize(device)
+            start = time.perf_counter()
+            update(index)
+            synchronize(device)
+            times.append((time.perf_counter() - start) * 1000.0)
+        after = _graph_counts(model)
+        records.append({
+            "workload": "training_update_varied", "processes": place.size, "updates": varied, "seed": seed,
+            "state_tokens": lengths, "computed_tokens": [batch.computed_tokens for batch in batches[1:]],
+            "p50_ms": percentile(times, 0.5), "p95_ms": percentile(times, 0.95), "mean_ms": sum(times) / len(times),
+            "samples_ms": times, "training_graphs": {name: after[name] - before[name] for name in after},
+            "buckets": len({str(bucket) for bucket in map(training_bucket, batches[1:])})})
+    model.eval()
+    return records
 
 
 def multi_process_update_record(source: dict, processes: int, ceilings: dict, microbatches: int = 4, rows: int = 8,
@@ -522,7 +568,7 @@ def evaluation_throughput_record(model, template, max_tokens: int, root: Path, s
         model.image_cache.clear()
     record = {"workload": "evaluation_throughput", "rows": len(rows), "batches": len(plan),
               "batch_tokens": batch_tokens, "images": int(rows.image.notna().sum()),
-              "loader_workers": loader_workers(device)}
+              "loader_workers": workers_for(device, len(plan))}
     for name, value in seconds.items():
         record[f"{name}_seconds"] = value
         record[f"{name}_rows_per_second"] = len(rows) / value
@@ -584,7 +630,10 @@ def benchmark(predictor, warmup: int, timed: int, progress=None, serving_request
         if progress is not None:
             progress(records + extra)
     environment_now = environment(predictor)
-    trainings = [training_update_record(predictor.model, predictor.template, ceilings)]
+    # The varied-layout training record is about the training graphs, which only CUDA has.
+    first, *varied_training = training_update_record(predictor.model, predictor.template, ceilings,
+                                                     varied=TRAINING_LAYOUTS if device.type == "cuda" else 0)
+    trainings = [first]
     # One record per process count the machine offers: 2 .. its GPUs, each its own torchrun.
     source = {"shape": shape} if shape else {"checkpoint": str(checkpoint)} if checkpoint else None
     if device.type == "cuda" and source is not None:
@@ -592,7 +641,8 @@ def benchmark(predictor, warmup: int, timed: int, progress=None, serving_request
                       for count in range(2, torch.cuda.device_count() + 1)]
     trainings = [{**record, "environment": environment_now} for record in scaling(trainings)]
     training = trainings[0]
-    extra += trainings
+    varied_training = [{**record, "environment": environment_now} for record in varied_training]
+    extra += trainings + varied_training
     if progress is not None:
         progress(records + extra)
     keys = ("p50_ms", "p95_ms", "cold_ms", "decisions_per_second", "hugging_face_p50_ms")
@@ -610,7 +660,10 @@ def benchmark(predictor, warmup: int, timed: int, progress=None, serving_request
         "training_update": {"p50_ms": training["p50_ms"], "tokens_per_second": training["tokens_per_second"],
                             "processes": training["processes"],
                             "scaling": {str(record["processes"]): record["scaling_efficiency"] for record in trainings},
-                            "efficiency": training["roofline"]["efficiency"]["measured"]},
+                            "efficiency": training["roofline"]["efficiency"]["measured"],
+                            "training_graphs": training["training_graphs"]},
+        "training_update_varied": {key: varied_training[0][key] for key in (
+            "updates", "p50_ms", "p95_ms", "mean_ms", "training_graphs")} if varied_training else {},
         "evaluation_rows_per_second": {name: throughput[f"{name}_rows_per_second"]
                                        for name in ("overlapped", "synchronous")},
         "serving": {f"clients_{level['clients']}": {key: level[key] for key in (

@@ -30,7 +30,7 @@ def main(settings: dict) -> None:
 
     ceilings = settings.get("ceilings") or measure_ceilings(place.device)
     record = training_update_record(predictor.model, predictor.template, ceilings,
-                                    settings["microbatches"], settings["rows"], settings["timed"], place)
+                                    settings["microbatches"], settings["rows"], settings["timed"], place)[0]
     if place.main:
         write_json(Path(settings["output"]), record)
 

@@ -21,8 +21,8 @@ def test_training_update_record_steps_lora_only_and_counts_shared_prefixes(tiny)
     backbone = load_backbone(tiny.base, torch.float32)
     model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01))
     frozen = {name: p.detach().clone() for name, p in model.named_parameters()}
-    record = training_update_record(model, tiny.template(), measure_ceilings(model.device), microbatches=2, rows=4,
-                                    timed=1)
+    record, varied = training_update_record(model, tiny.template(), measure_ceilings(model.device), microbatches=2,
+                                            rows=4, timed=1, varied=3)
     assert record["microbatches"] == 2 and record["rows_per_microbatch"] == 4
     # Rows of a state share their prefix: fewer tokens computed than given.
     assert 0 < record["computed_tokens"] < record["input_tokens"]
@@ -38,6 +38,10 @@ def test_training_update_record_steps_lora_only_and_counts_shared_prefixes(tiny)
     changed = {name for name, p in after.items() if name not in frozen or not torch.equal(p, frozen[name])}
     assert changed and all("lora_" in name or name.startswith("head.") for name in changed)
     assert not model.training
+    # Three more updates of distinct layouts, each timed once; on the CPU none takes a graph.
+    assert varied["workload"] == "training_update_varied" and len(varied["samples_ms"]) == 3
+    assert len(set(varied["computed_tokens"])) == 3 and record["computed_tokens"] not in varied["computed_tokens"]
+    assert varied["training_graphs"]["replays"] == varied["training_graphs"]["captures"] == 0
 
 
 def test_shape_only_runs_give_the_published_token_counts_of_the_workloads():
