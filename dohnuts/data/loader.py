@@ -30,6 +30,19 @@ def loader_workers(device: torch.device) -> int:
     return max(0, min(4, (os.cpu_count() or 1) - 1))
 
 
+# Batches each worker process must have to build before it starts. On the H200's host a worker
+# costs about 250 ms to start and a 16,384-token evaluation batch 50 to 115 ms to build: on the
+# benchmark's 2-batch evaluation set, 1 or 2 workers took 544 to 565 ms and building in the
+# loop 298 ms (docs/results/h200-evaluation-profile-*.txt).
+BATCHES_PER_WORKER = 8
+
+
+def workers_for(device: torch.device, batches: int) -> int:
+    """Worker processes for `batches` batches: `loader_workers`, and no more than one for every
+    BATCHES_PER_WORKER batches (a few batches are built in the loop)."""
+    return min(loader_workers(device), batches // BATCHES_PER_WORKER)
+
+
 @dataclass
 class Item:
     """A batch with its host-side companions: `tensors` travel with the batch (targets),
@@ -67,8 +80,8 @@ def worker_batches(build: Callable[[object], Item], keys: Sequence, device: torc
                    workers: int | None = None) -> Iterable[Item]:
     """`build(key)` for every key, in order, run by worker processes; pinned when the device is
     CUDA. `build` must be a picklable callable (a module-level function or an object). No more
-    workers start than there are keys: a worker with nothing to build would only cost its start."""
-    workers = min(loader_workers(device) if workers is None else workers, len(keys))
+    workers start than there are keys, and by default (`workers_for`) none for a few batches."""
+    workers = min(workers_for(device, len(keys)) if workers is None else workers, len(keys))
     # Its own generator: opening the loader draws a base seed from it, never from the global
     # generator, whose state (LoRA dropout masks) a resumed run must continue exactly.
     return torch.utils.data.DataLoader(

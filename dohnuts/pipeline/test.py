@@ -35,16 +35,15 @@ def predictions(predictor: Predictor, rows: pd.DataFrame, reader: RecordReader, 
     done = []
     bar = tqdm(total=len(rows), desc="test", unit="row", dynamic_ncols=True, disable=not place.main)
     for index in shard(place, len(plan)):
-        tables, records = plan[index], []
-        results = predictor.predict_many([request_of(reader, table) for table in tables], raw_logits=True)
-        for table, result in zip(tables, results):
-            for record in table.itertuples():
-                answer = result["answers"][record.qid]
-                records.append({"group": record.group, "state_id": record.state_id, "qid": record.qid,
-                                "kind": answer["type"], "labels": list(answer["probabilities"]),
-                                "logits": result["logits"][record.qid], "target": [float(x) for x in record.target],
-                                "served": list(answer["probabilities"].values())})
-            bar.update(len(table))
+        requests, records = plan[index], []
+        results = predictor.predict_many([request_of(reader, state) for state in requests], raw_logits=True)
+        for state, result in zip(requests, results):
+            for group, qid, target in zip(state.groups, state.qids, state.targets):
+                answer = result["answers"][qid]
+                records.append({"group": group, "state_id": state.state_id, "qid": qid, "kind": answer["type"],
+                                "labels": list(answer["probabilities"]), "logits": result["logits"][qid],
+                                "target": list(target), "served": list(answer["probabilities"].values())})
+            bar.update(len(state))
         done.append((index, records))
     bar.close()
     everything = gathered(place, done)

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 import torch
 
-from dohnuts.data.loader import prefetch, worker_batches
+from dohnuts.data.loader import prefetch, worker_batches, workers_for
 from dohnuts.data.records import RecordReader, load_records
 from dohnuts.model.base import load_backbone
 from dohnuts.model.decision import DecisionModel, new_head
@@ -55,10 +55,10 @@ def test_worker_batches_and_prefetch_keep_order_and_content(evaluation, workers)
 def test_batches_hold_whole_requests_and_every_row_once_within_the_token_budget(evaluation):
     template, _, rows, build = evaluation
     plan = plan_batches(rows, BUDGET, template)
-    states = [set(table.state_id) for tables in plan for table in tables]
-    assert all(len(state) == 1 for state in states)  # a table is one state
-    flat = pd.concat([table for tables in plan for table in tables])
-    assert list(flat.index) == list(rows.index)  # in order: results line up with the records
+    ids = [state_id for requests in plan for records in requests for state_id in [records.state_id] * len(records)]
+    qids = [qid for requests in plan for records in requests for qid in records.qids]
+    assert (ids, qids) == (list(rows.state_id), list(rows.qid))  # in order: results line up with the records
+    assert len(set(ids)) == sum(len(requests) for requests in plan)  # a state's records make one request
     assert len(plan) > 2 and max(len(tables) for tables in plan) > 1
     for tables, following in zip(plan, plan[1:] + [None]):
         tokens = build(tables).batch.computed_tokens
@@ -72,11 +72,13 @@ def test_request_tokens_are_the_tokens_its_packed_batch_computes(evaluation):
     its shared prefix once, aligned down, image block included."""
     template, _, rows, build = evaluation
     requests = _requests(rows)
-    assert any(isinstance(table.iloc[0]["image"], str) for table in requests)
-    assert any(len(table) > 1 for table in requests)
-    alone = [table.iloc[:1] for table in requests]  # one question: its row runs whole, no prefix shared
-    for table in requests + alone:
-        assert request_tokens(template, table) == build([table]).batch.computed_tokens, table.iloc[0]["state_id"]
+    assert any(records.image is not None for records in requests)
+    assert any(len(records) > 1 for records in requests)
+    # One question: its row runs whole, no prefix shared.
+    alone = [dataclasses.replace(records, **{name: getattr(records, name)[:1] for name in (
+        "groups", "qids", "questions", "targets")}) for records in requests]
+    for records in requests + alone:
+        assert request_tokens(template, records) == build([records]).batch.computed_tokens, records.state_id
 
 
 def _synchronous_rows(model, template, build, rows, table):
@@ -149,3 +151,14 @@ def test_worker_batches_start_no_more_workers_than_keys():
     assert loader.num_workers == 2
     assert worker_batches(lambda key: key, range(2**40), torch.device("cpu"), workers=3).num_workers == 3
     assert worker_batches(lambda key: key, [], torch.device("cpu"), workers=3).num_workers == 0
+
+
+def test_a_few_batches_are_built_in_the_loop_and_many_by_workers(monkeypatch):
+    from dohnuts.data import loader
+
+    monkeypatch.setattr(loader.os, "cpu_count", lambda: 16)
+    cuda = torch.device("cuda")  # the policy only reads the device's type
+    assert workers_for(cuda, 2) == 0  # the benchmark's evaluation set: a worker's start would cost more
+    assert workers_for(cuda, loader.BATCHES_PER_WORKER) == 1
+    assert workers_for(cuda, 1000) == workers_for(cuda, 2**40) == 4
+    assert workers_for(torch.device("cpu"), 1000) == 0  # on the CPU the workers would take the compute's cores

@@ -5,7 +5,7 @@ import pytest
 from dohnuts import Predictor
 from dohnuts.config import TestConfig
 from dohnuts.data.records import RecordReader, load_records
-from dohnuts.pipeline.evaluate import request_of
+from dohnuts.pipeline.evaluate import _requests, request_of
 from dohnuts.pipeline.test import test as run_test_stage
 
 
@@ -17,11 +17,11 @@ def test_test_stage_probabilities_equal_predict_on_each_request_alone(tiny, depl
     assert len(scored) == len(rows)
     predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
     served = {(s, q): p for s, q, p in zip(scored.state_id, scored.qid, scored.probabilities)}
-    for state_id, table in rows.groupby("state_id", sort=False):
-        alone = predictor.predict(*request_of(reader, table))
+    for records in _requests(rows):
+        alone = predictor.predict(*request_of(reader, records))
         for qid, answer in alone["answers"].items():
             # float32 forward: batched rows differ from the request alone by summation order only.
-            assert served[state_id, qid] == pytest.approx(list(answer["probabilities"].values()), abs=1e-5)
+            assert served[records.state_id, qid] == pytest.approx(list(answer["probabilities"].values()), abs=1e-5)
     assert metrics["temperatures"] == predictor.temperatures
     # Raw metrics score the same forward at temperature 1: they differ where a temperature is not 1.
     assert metrics["raw"]["macro"]["nll"] != metrics["calibrated"]["macro"]["nll"]
