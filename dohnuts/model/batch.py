@@ -161,14 +161,16 @@ def prefix_groups(rows: list[Row]) -> list[tuple[int, list[int]]]:
     return [(len(key[1]), members) for key, members in by_key.items() if len(members) > 1]
 
 
-def _image_tokens(row: Row, begin: int, end: int, feature_offset: int, image_pad_id: int):
+def _image_tokens(row: Row, begin: int, end: int, feature_offset: int, image_pad_id: int) -> tuple[range, range]:
     """Image-token positions of row[begin:end] (relative to begin) and their feature rows."""
     if row.image is None:
-        return []
+        return range(0), range(0)
     start = row.input_ids.index(image_pad_id)
     count = row.image_grid[0] * row.image_grid[1]
     first, last = max(begin, start), min(end, start + count)
-    return [(position - begin, feature_offset + position - start) for position in range(first, last)]
+    if first >= last:
+        return range(0), range(0)
+    return range(first - begin, last - begin), range(feature_offset + first - start, feature_offset + last - start)
 
 
 def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) -> Batch:
@@ -188,7 +190,8 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     # Plain lists, one tensor per field at the end: per-row tensors cost more than the rows.
     ids: list[int] = []
     positions: list[list[int]] = [[], [], []]
-    slots: list[tuple[int, int]] = []
+    slot_positions: list[int] = []
+    slot_sources: list[int] = []
 
     text_only = all(row.image_grid is None for row in rows)  # then the three M-RoPE axes are equal: one built, repeated
 
@@ -209,11 +212,12 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
             for axis in positions:
                 axis.extend(range(begin + shift, end + shift))
             return
-        full = mrope_positions(row, len(row.input_ids), image_pad_id)[:, begin:end].tolist()
+        full = _mrope(row, len(row.input_ids), image_pad_id)[:, begin:end].tolist()
         for axis, values in zip(positions, full):
             axis.extend(values)
-        slots.extend((offset + slot, source) for slot, source
-                     in _image_tokens(row, begin, end, feature_offsets[row.image], image_pad_id))
+        places, sources = _image_tokens(row, begin, end, feature_offsets[row.image], image_pad_id)
+        slot_positions.extend(range(offset + places.start, offset + places.stop))
+        slot_sources.extend(sources)
 
     for split, members in groups:
         add(rows[members[0]], 0, split)
@@ -229,7 +233,6 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     markers = _longs(marker_rows)
     candidate_mask = torch.from_numpy(np.arange(width)[None, :] < np.array([len(row.markers) for row in rows])[:, None])
 
-    pairs = torch.tensor(slots, dtype=torch.long).reshape(-1, 2)
     carried = [image.pixel_values for image in images if image.pixel_values is not None]
     kinds = {image.settings for image in images if image.pixel_values is not None}
     if len(kinds) > 1:
@@ -246,7 +249,8 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         prefix_cu_seqlens=prefix_cu, prefix_cu_seqlens_cpu=prefix_cu, cu_seqlens=row_cu, cu_seqlens_cpu=row_cu,
         prefix_chunk_indices=chunk_plan(prefix_lengths), chunk_indices=chunk_plan(own_lengths),
         fork=plan_fork(prefix_lengths, own_lengths, parents) if groups else None,
-        markers=markers, candidate_mask=candidate_mask, image_slots=pairs[:, 0], image_sources=pairs[:, 1],
+        markers=markers, candidate_mask=candidate_mask, image_slots=_longs(slot_positions),
+        image_sources=_longs(slot_sources),
         pixel_values=torch.cat([pixels.reshape(-1) if raw else pixels for pixels in carried]) if carried else None,
         image_grid_thw_cpu=grid,
         image_keys=tuple(image.key for image in images),
@@ -266,17 +270,20 @@ def _longs(values: list) -> torch.Tensor:
 def mrope_positions(row: Row, length: int, image_pad_id: int) -> torch.Tensor:
     """[3, length] M-RoPE positions: text advances all three axes together; image tokens take
     (start, start + h, start + w) and the text after them resumes at start + max(H, W)."""
-    positions = torch.arange(length).expand(3, length).clone()
+    return torch.from_numpy(_mrope(row, length, image_pad_id))
+
+
+def _mrope(row: Row, length: int, image_pad_id: int) -> np.ndarray:
+    """`mrope_positions` in numpy (int64): a dozen small torch operations cost several times more."""
+    positions = np.broadcast_to(np.arange(length, dtype=np.int64), (3, length)).copy()
     if row.image_grid is None:
         return positions
     start = row.input_ids.index(image_pad_id)
     height, width = row.image_grid
-    grid_h = torch.arange(height).repeat_interleave(width)
-    grid_w = torch.arange(width).repeat(height)
     count = height * width
-    positions[0, start:start + count] = start
-    positions[1, start:start + count] = start + grid_h
-    positions[2, start:start + count] = start + grid_w
+    positions[:, start:start + count] = start
+    positions[1, start:start + count] += np.repeat(np.arange(height), width)
+    positions[2, start:start + count] += np.tile(np.arange(width), height)
     after = start + count
-    positions[:, after:] = torch.arange(length - after) + start + max(height, width)
+    positions[:, after:] = np.arange(length - after) + start + max(height, width)
     return positions
