@@ -234,10 +234,9 @@ class _Graph:
                                        device=model.device)
         side = torch.cuda.Stream(model.device)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # kernels compile and autotune, cuBLAS plans, outside the capture
-                torch.autograd.grad(model.scores(inputs.embeds, inputs.batch), parameters, self.grad_output,
-                                    allow_unused=True)
+        with torch.cuda.stream(side):  # kernels compile and autotune, cuBLAS plans, outside the capture
+            torch.autograd.grad(model.scores(inputs.embeds, inputs.batch), parameters, self.grad_output,
+                                allow_unused=True)
         torch.cuda.current_stream().wait_stream(side)
         # thread_local: a loader's pin-memory thread may call CUDA while the capture runs.
         self.forward_graph, self.backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
@@ -260,7 +259,7 @@ class TrainingGraphs:
         self.failed: set[TrainingBucket] = set()
         self.pool = None
         self.key = None  # what the graphs were captured for: the model's generation and parameters
-        self.frozen, self.versions = [], ()
+        self.frozen, self.versions, self.reason = [], (), None
         self.last = None  # the graph whose forward ran last, which the next backward must be
         self.stats = {"eager": 0, "captures": 0, "replays": 0, "failed": 0, "padding_tokens": 0,
                       "capture_seconds": 0.0}
@@ -271,42 +270,39 @@ class TrainingGraphs:
         self.failed.clear()
         self.last = None
 
-    def _parameters(self) -> list[torch.nn.Parameter]:
-        """The trainable parameters; every graph is dropped when they, the model's generation or
-        a frozen parameter's contents change (graphs read frozen weights' derived constants)."""
+    def _parameters(self) -> list[torch.nn.Parameter] | None:
+        """The trainable parameters, or None when they cannot train under graphs (`graphable`,
+        checked again whenever they change). Every graph is dropped when they, the model's
+        generation or a frozen parameter's contents change (graphs read frozen weights' derived
+        constants)."""
         model = self.model
         trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
         key = (model.generation, tuple(id(parameter) for parameter in trainable))
         if key != self.key:
             self.clear()
-            self.key = key
+            self.key, self.versions = key, ()
             self.frozen = [parameter for parameter in model.parameters() if not parameter.requires_grad]
-            self.versions = ()
+            self.reason = graphable(model)
+            if self.reason is not None:
+                kernels.slow_path("training-graphs", f"training runs eagerly, without CUDA graphs: {self.reason}")
+        if self.reason is not None:
+            return None
         versions = tuple(parameter._version for parameter in self.frozen)
         if versions != self.versions:
             self.clear()
             self.versions = versions
         return trainable
 
-    def eligible(self) -> bool:
-        """Whether this process's training forward may use graphs at all."""
-        if self.model.device.type != "cuda":
-            return False
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return False
-        reason = graphable(self.model)
-        if reason is not None:
-            kernels.slow_path("training-graphs", f"training runs eagerly, without CUDA graphs: {reason}")
-        return reason is None
-
     def __call__(self, batch: Batch) -> torch.Tensor:
         """Logits [B, K] of a training batch on the model's device, with their autograd graph."""
         model = self.model
         embeds = model.embeddings(batch)
-        bucket = training_bucket(batch) if self.eligible() else None
-        if bucket is None or bucket in self.failed:
+        if model.device.type != "cuda" or (torch.distributed.is_available() and torch.distributed.is_initialized()):
             return self._eager(embeds, batch)
         parameters = self._parameters()
+        bucket = training_bucket(batch) if parameters is not None else None
+        if bucket is None or bucket in self.failed:
+            return self._eager(embeds, batch)
         graph = self.graphs.get(bucket)
         sightings = self.seen.get(bucket, 0) + 1
         self.seen[bucket] = sightings
