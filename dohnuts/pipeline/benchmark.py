@@ -692,7 +692,11 @@ def describe(record: dict) -> str:
             f"{name.replace('_', ' ')} p50 {record[name]['p50_ms']:.2f} p99 {record[name]['p99_ms']:.2f} ms "
             f"{record[name]['timed_calls']}" for name in ("first_sight", "second_pass")) + (
             f"; Hugging Face p50 {record['hugging_face_p50_ms']:.2f} ms")
-    if "p50_ms" not in record:
+    if record["workload"] == "training_update_varied":
+        return (f"training_update_varied               p50 {record['p50_ms']:8.2f} ms  p95 {record['p95_ms']:.2f}  "
+                f"mean {record['mean_ms']:.2f}  {record['updates']} layouts in {record['buckets']} buckets "
+                f"{record['training_graphs']}")
+    if "p50_ms" not in record or "roofline" not in record:
         return f"{record['workload']:36s} {json.dumps({k: v for k, v in record.items() if k != 'environment'})}"
     baseline = f"  Hugging Face {record['hugging_face_p50_ms']:8.2f} ms" if "hugging_face_p50_ms" in record else ""
     share = record["roofline"]["efficiency"]["measured"]

@@ -9,6 +9,7 @@ from dohnuts.model.batch import Row
 from dohnuts.model.decision import DecisionModel, new_head
 from dohnuts.pipeline.benchmark import (
     _padded_baseline,
+    describe,
     distinct_tokens,
     environment,
     run_workload,
@@ -42,6 +43,8 @@ def test_training_update_record_steps_lora_only_and_counts_shared_prefixes(tiny)
     assert varied["workload"] == "training_update_varied" and len(varied["samples_ms"]) == 3
     assert len(set(varied["computed_tokens"])) == 3 and record["computed_tokens"] not in varied["computed_tokens"]
     assert varied["training_graphs"]["replays"] == varied["training_graphs"]["captures"] == 0
+    assert describe(varied).startswith("training_update_varied") and "3 layouts" in describe(varied)
+    assert describe(record).startswith("training_update") and "efficiency" in describe(record)
 
 
 def test_shape_only_runs_give_the_published_token_counts_of_the_workloads():
