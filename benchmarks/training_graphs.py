@@ -1,13 +1,14 @@
 """The training update with and without training graphs, in one process: the script behind the
 `h200-training-graphs-*.txt` files in docs/results/.
 
-    python3 benchmarks/training_graphs.py [VARIED] > training-graphs.txt
+    python3 benchmarks/training_graphs.py [VARIED] [MODES] > training-graphs.txt
 
 On shape-only Qwen3.5-0.8B models (random weights, bf16, the real tokenizer), each with fresh
 LoRA, the benchmark's `training_update_record`: first with every update eager (the training
 graphs' capture put out of reach), then as the runtime runs it (a training bucket's second
 batch captures its graphs, later ones replay them), each with VARIED (default 16) more updates
-of distinct layouts. Every timing is bracketed by device synchronisations.
+of distinct layouts. MODES (default `eager,graphs`) picks either or both. Every timing is
+bracketed by device synchronisations.
 """
 
 import json
@@ -20,10 +21,12 @@ from dohnuts.measure.telemetry import measure_ceilings
 from dohnuts.pipeline.benchmark import training_update_record
 
 
-def main(varied: int) -> None:
+def main(varied: int, modes: str = "eager,graphs") -> None:
     device = torch.device("cuda")
     ceilings = measure_ceilings(device)
     for label, capture_at in (("eager", 10**9), ("graphs", None)):
+        if label not in modes.split(","):
+            continue
         predictor = shape_only_predictor("qwen3_5-0.8b", device, graphs=False)
         if capture_at is not None:
             predictor.model.training_graphs.capture_at = capture_at
@@ -45,4 +48,4 @@ def main(varied: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 16)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 16, *sys.argv[2:3])

@@ -21,8 +21,10 @@ rows' logits and every weight's gradient are the batch's alone, up to floating-p
 (`tests/model/test_training_graphs.py`). Padding is counted as `padding_tokens`, never as work.
 
 A bucket's graphs are captured on its second sighting (the first runs eagerly) and kept in an
-LRU; every graph shares one memory pool, which is safe because a graph's outputs are copied out
-of the pool as soon as it has run and a backward must follow its own forward (checked).
+LRU. A batch whose bucket has no graphs yet replays those of a larger captured bucket it fits
+(`fits`: up to twice the tokens), until its own bucket recurs a fourth time and is captured.
+Every graph shares one memory pool, which is safe because a graph's outputs are copied out of
+the pool as soon as it has run and a backward must follow its own forward (checked).
 Batches that fit no bucket (more than `MIXER_KEEP_TOKENS` tokens padded, a sequence longer
 than `LONGEST_SEQUENCE`), models with anything but plain LoRA and the head training, several
 processes (DistributedDataParallel's hooks are not yet tested under graphs) and the CPU run
@@ -53,6 +55,12 @@ TOKEN_STEP = 512  # prefix and row tokens round up to a multiple of this
 KEY_STEP = 2048  # attention keys round up to a multiple of this
 PREFIX_STEP, ROW_STEP, CANDIDATE_STEP = 8, 16, 8  # counts round up to multiples of these
 CAPTURE_AT = 2  # the sighting of a bucket that captures its graphs
+# A batch whose bucket has no graphs replays those of a captured bucket it fits of up to twice
+# its bucket's tokens (on the H200 a replay of twice the work costs less than an eager update,
+# about 390 ms, let alone a capture, about 900), until its own bucket's OWN_GRAPH_AT-th sighting,
+# which captures its own.
+LARGER_TOKENS = 2.0
+OWN_GRAPH_AT = 4
 # Training graphs kept (least recently used dropped). They share one pool, so each adds only
 # its static gradients and output (21 MB for the Qwen3.5-0.8B recipe's LoRA) to the largest
 # bucket's activations.
@@ -89,9 +97,9 @@ class TrainingBucket:
 
     @property
     def longest_key(self) -> int:
-        """A bound on any sequence's keys: a real row's prefix and own tokens, or the padding
-        row's spare keys and own tokens."""
-        return max(2 * LONGEST_SEQUENCE, self.key_tokens - self.tokens + TOKEN_STEP)
+        """A bound on any sequence's keys: a real row's prefix and own tokens, or the first
+        padding row's spare keys and own tokens."""
+        return max(2 * LONGEST_SEQUENCE, self.key_tokens - self.tokens + LONGEST_SEQUENCE)
 
 
 def training_bucket(batch: Batch) -> TrainingBucket | None:
@@ -111,6 +119,29 @@ def training_bucket(batch: Batch) -> TrainingBucket | None:
         row_tokens=row_tokens, rows=_up(len(row_lengths) + 2, ROW_STEP),
         key_tokens=_up(prefix_tokens + row_tokens + inherited, KEY_STEP),
         candidates=_up(batch.markers.shape[1], CANDIDATE_STEP))
+
+
+def _pieces(spare: int) -> list[int]:
+    """`spare` padding tokens as sequences of at most LONGEST_SEQUENCE tokens."""
+    whole, rest = divmod(spare, LONGEST_SEQUENCE)
+    return [LONGEST_SEQUENCE] * whole + ([rest] if rest else [])
+
+
+def fits(batch: Batch, bucket: TrainingBucket) -> bool:
+    """Whether `batch` pads to `bucket`: its own bucket (`training_bucket`) or a larger one,
+    whose spare prefix and row tokens become padding sequences of at most LONGEST_SEQUENCE
+    tokens, with an empty prefix and an empty row left over, and whose keys and candidates
+    hold the batch's."""
+    if training_bucket(batch) is None or bucket.tokens > MIXER_KEEP_TOKENS:
+        return False
+    prefixes = len(_lengths(batch.prefix_cu_seqlens_cpu)) if batch.fork is not None else 0
+    rows = _lengths(batch.cu_seqlens_cpu)
+    spare_prefix, spare_rows = bucket.prefix_tokens - batch.prefix_tokens, bucket.row_tokens - sum(rows)
+    inherited = batch.fork.key_index.shape[0] - batch.computed_tokens if batch.fork is not None else 0
+    return (spare_prefix >= 0 and spare_prefix % CHUNK == 0 and spare_rows >= 1
+            and prefixes + len(_pieces(spare_prefix)) < bucket.prefixes
+            and len(rows) + len(_pieces(spare_rows)) < bucket.rows
+            and bucket.tokens + inherited <= bucket.key_tokens and batch.markers.shape[1] <= bucket.candidates)
 
 
 @dataclass
@@ -137,19 +168,18 @@ def training_plan(batch: Batch, bucket: TrainingBucket, parents: list[int]) -> T
     """
     prefix_lengths = _lengths(batch.prefix_cu_seqlens_cpu) if batch.fork is not None else []
     row_lengths = _lengths(batch.cu_seqlens_cpu)
-    spare_prefix = bucket.prefix_tokens - batch.prefix_tokens
-    spare_rows = bucket.row_tokens - sum(row_lengths)
-    if training_bucket(batch) != bucket or len(parents) != len(row_lengths):
+    if not fits(batch, bucket) or len(parents) != len(row_lengths):
         raise ValueError(f"a batch of {batch.prefix_tokens} prefix tokens in {len(prefix_lengths)} prefixes and "
                          f"{len(row_lengths)} rows of {sum(row_lengths)} tokens does not fit {bucket}")
-    padding_prefix = [spare_prefix] if spare_prefix else []
-    prefixes = prefix_lengths + padding_prefix + [0] * (bucket.prefixes - len(prefix_lengths) - len(padding_prefix))
-    rows = row_lengths + [spare_rows] + [0] * (bucket.rows - len(row_lengths) - 1)
+    padding_prefixes = _pieces(bucket.prefix_tokens - batch.prefix_tokens)
+    padding_rows = _pieces(bucket.row_tokens - sum(row_lengths))
+    prefixes = prefix_lengths + padding_prefixes + [0] * (bucket.prefixes - len(prefix_lengths) - len(padding_prefixes))
+    rows = row_lengths + padding_rows + [0] * (bucket.rows - len(row_lengths) - len(padding_rows))
     padding_row = len(row_lengths)
     fork = plan_fork(prefixes, rows, parents + [-1] * (bucket.rows - len(row_lengths)))
 
-    # The bucket's spare keys go to the padding row, ahead of its own: its sequence's keys are
-    # the spare ones (copies of its first token), then its tokens.
+    # The bucket's spare keys go to the first padding row, ahead of its own: its sequence's keys
+    # are the spare ones (copies of its first token), then its tokens.
     key_index = fork.key_index.numpy()
     cu_k = fork.cu_seqlens_k.numpy().astype(np.int64)
     sequence = bucket.prefixes + padding_row
@@ -307,12 +337,18 @@ class TrainingGraphs:
             return self._eager(embeds, batch)
         parameters = self._parameters()
         bucket = training_bucket(batch) if parameters is not None else None
-        if bucket is None or bucket in self.failed:
+        if bucket is None:
             return self._eager(embeds, batch)
         graph = self.graphs.get(bucket)
         sightings = self.seen.get(bucket, 0) + 1
         self.seen[bucket] = sightings
-        if graph is None and sightings < self.capture_at:
+        if graph is None and (sightings < OWN_GRAPH_AT or bucket in self.failed):
+            # A larger bucket's graphs serve a batch whose own bucket has none yet, until its
+            # bucket has recurred often enough to be worth its own capture.
+            larger = self._larger(batch, bucket)
+            if larger is not None:
+                bucket, graph = larger, self.graphs[larger]
+        if graph is None and (sightings < self.capture_at or bucket in self.failed):
             return self._eager(embeds, batch)
         parents = batch.fork.parents.tolist() if batch.fork is not None else [-1] * batch.markers.shape[0]
         plan = training_plan(batch, bucket, parents)
@@ -327,6 +363,13 @@ class TrainingGraphs:
         self.stats["padding_tokens"] += bucket.tokens - batch.computed_tokens
         logits = _Replay.apply(graph, *parameters)
         return logits[: batch.markers.shape[0], : batch.markers.shape[1]]
+
+    def _larger(self, batch: Batch, own: TrainingBucket) -> TrainingBucket | None:
+        """The smallest bucket with graphs that `batch` fits, of at most LARGER_TOKENS times its
+        own bucket's tokens, or None."""
+        fitting = [bucket for bucket in self.graphs
+                   if bucket.tokens <= LARGER_TOKENS * own.tokens and fits(batch, bucket)]
+        return min(fitting, key=lambda bucket: (bucket.tokens, bucket.key_tokens), default=None)
 
     def _eager(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
         self.stats["eager"] += 1

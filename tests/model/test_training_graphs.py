@@ -10,7 +10,7 @@ from helpers import LAYOUTS, batch_of, questions
 
 from dohnuts.config import LoraConfig
 from dohnuts.model.adapters import build_training_model
-from dohnuts.model.training_graphs import BucketInputs, graphable, training_bucket, training_plan
+from dohnuts.model.training_graphs import BucketInputs, fits, graphable, training_bucket, training_plan
 from dohnuts.ops.plan import CHUNK
 
 SEVERAL = [({"note": "a long note about a parcel " * 12}, questions(3)), ("short", questions(1)),
@@ -37,9 +37,18 @@ def _parents(batch):
     return batch.fork.parents.tolist() if batch.fork is not None else [-1] * batch.markers.shape[0]
 
 
-def _padded(model, batch):
-    """(the batch's bucket, its BucketInputs filled with it)."""
+def _larger(bucket):
+    """A bucket larger than `bucket` in every size, with over 1,024 spare prefix and row tokens
+    (so more than one padding sequence of each)."""
+    return dataclasses.replace(bucket, prefix_tokens=bucket.prefix_tokens + 1536, prefixes=bucket.prefixes + 8,
+                               row_tokens=bucket.row_tokens + 1536, rows=bucket.rows + 16,
+                               key_tokens=bucket.key_tokens + 6144, candidates=bucket.candidates + 8)
+
+
+def _padded(model, batch, larger=False):
+    """(the batch's bucket, or a larger one, and its BucketInputs filled with the batch)."""
     bucket = training_bucket(batch)
+    bucket = _larger(bucket) if larger else bucket
     plan = training_plan(batch, bucket, _parents(batch))
     inputs = BucketInputs(model, bucket, batch, plan)
     inputs.fill(model.embeddings(batch), batch, plan)
@@ -51,10 +60,11 @@ def _gradients(model, logits, weights):
     return torch.autograd.grad((logits * weights).sum(), parameters)
 
 
+@pytest.mark.parametrize("larger", [False, True], ids=["its bucket", "a larger bucket"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_a_batch_padded_to_its_training_bucket_keeps_its_logits_and_gradients(tiny, model, name):
+def test_a_batch_padded_to_its_training_bucket_keeps_its_logits_and_gradients(tiny, model, name, larger):
     batch = batch_of(tiny.template(), CASES[name])
-    bucket, inputs = _padded(model, batch)
+    bucket, inputs = _padded(model, batch, larger)
     assert inputs.embeds.shape[0] == bucket.tokens > batch.computed_tokens
     rows, candidates = batch.markers.shape
     weights = torch.randn(rows, candidates, generator=torch.Generator().manual_seed(0))
@@ -93,7 +103,24 @@ def test_batches_of_one_bucket_fill_the_same_shapes(tiny, model):
     assert shapes[0] == shapes[1]
     assert shapes[0][3] == (bucket.row_chunks, 2) and shapes[0][2] == (bucket.prefix_tokens // CHUNK, 2)
     with pytest.raises(ValueError, match="does not fit"):
-        training_plan(first, dataclasses.replace(bucket, rows=bucket.rows + 16), _parents(first))
+        training_plan(first, dataclasses.replace(bucket, candidates=2), _parents(first))
+
+
+def test_a_batch_fits_its_own_bucket_and_larger_ones_only(tiny):
+    batch = batch_of(tiny.template(), SEVERAL)
+    bucket = training_bucket(batch)
+    assert fits(batch, bucket) and fits(batch, _larger(bucket))
+    real_prefixes, real_rows = len(batch.prefix_cu_seqlens_cpu) - 1, batch.markers.shape[0]
+    for smaller in (dataclasses.replace(bucket, candidates=batch.markers.shape[1] - 1),
+                    dataclasses.replace(bucket, key_tokens=bucket.tokens),  # no room for the rows' prefix keys
+                    dataclasses.replace(bucket, prefixes=real_prefixes + 1),  # no empty prefix left over
+                    dataclasses.replace(bucket, rows=real_rows + 1),  # no empty row after the padding row
+                    # no token left for a padding row
+                    dataclasses.replace(bucket, row_tokens=batch.computed_tokens - batch.prefix_tokens),
+                    dataclasses.replace(_larger(bucket), row_tokens=8192)):  # over MIXER_KEEP_TOKENS
+        assert not fits(batch, smaller), smaller
+    with pytest.raises(ValueError, match="does not fit"):
+        training_plan(batch, dataclasses.replace(bucket, candidates=2), _parents(batch))
 
 
 def test_batches_beyond_the_buckets_have_none(tiny):
@@ -178,3 +205,38 @@ def test_a_training_graph_backward_must_follow_its_own_forward(tiny):
         first.sum().backward()
     second.sum().backward()
     assert model.training_graphs.stats["captures"] == 2
+
+
+@pytest.mark.gpu
+def test_a_new_layout_replays_a_larger_captured_bucket_with_its_own_logits_and_gradients(tiny):
+    """bf16: a batch whose own bucket has no graphs replays a larger bucket's (up to twice the
+    tokens) on first sight, against its eager forward (2% of the largest logit, 5% of the largest
+    gradient); its own bucket is captured on its fourth sighting."""
+    model = _on_cuda(tiny)
+    template = tiny.template()
+    large = batch_of(template, [({"note": " ".join(f"parcel {i} went north" for i in range(80))}, questions(3))])
+    small = batch_of(template, [({"note": " ".join(f"box {i} went south" for i in range(20))}, questions(2))])
+    large, small = large.to(model.device), small.to(model.device)
+    own, larger = training_bucket(small), training_bucket(large)
+    assert own != larger and fits(small, larger) and larger.tokens <= 2 * own.tokens
+    for _ in range(2):  # the large batch's bucket: eager, then captured
+        model(large).sum().backward()
+    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    for parameter in parameters:
+        parameter.grad = None
+    expected = model.scores(model.embeddings(small), small)
+    want = torch.autograd.grad(expected.sum(), parameters)
+    expected = expected.detach()
+    before = dict(model.training_graphs.stats)
+    logits = model(small)
+    logits.sum().backward()
+    after = model.training_graphs.stats
+    assert (after["eager"], after["captures"], after["replays"]) == (
+        before["eager"], before["captures"], before["replays"] + 1)
+    assert after["padding_tokens"] - before["padding_tokens"] == larger.tokens - small.computed_tokens
+    assert _relative(logits.detach(), expected) <= 2e-2
+    assert max(_relative(p.grad, w) for p, w in zip(parameters, want)) <= 5e-2
+    del logits
+    for _ in range(3):  # sightings 2 and 3 replay the larger bucket; the fourth captures its own
+        model(small).sum().backward()
+    assert own in model.training_graphs.graphs and model.training_graphs.stats["captures"] == 2
