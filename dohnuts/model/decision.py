@@ -37,7 +37,7 @@ class DecisionModel(nn.Module):
         self.image_cache = ImageFeatureCache()  # new and empty for every model
         self.vision_plans = VisionPlans()  # image grids -> the vision tower's positions and plan
         self.vision_graphs = VisionGraphs()  # image grids -> the tower's CUDA graph (not in training)
-        self.training_graphs = TrainingGraphs(self)  # training buckets -> forward and backward graphs
+        self.training_graphs = TrainingGraphs()  # training buckets -> forward and backward graphs
         self.generation = 0  # bumped whenever parameters may have moved (see `changed`)
 
     def changed(self) -> None:
@@ -111,7 +111,7 @@ class DecisionModel(nn.Module):
         In training with gradients on CUDA, through `training_graphs` (the same logits and
         gradients, replayed from CUDA graphs where the batch's bucket has them)."""
         if self.training and torch.is_grad_enabled() and self.device.type == "cuda":
-            return self.training_graphs(batch)
+            return self.training_graphs(self, batch)
         return self.scores(self.embeddings(batch), batch)
 
 

@@ -208,6 +208,9 @@ def graphable(model) -> str | None:
     for name, module in model.backbone.language_model.named_modules():
         if hasattr(module, "lora_A") and _plain_lora(module) is None:
             return f"{name} is not plain LoRA (dropout at work, a variant or a bias)"
+    dtype = model.backbone.language_model.get_input_embeddings().weight.dtype
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the model is {dtype}: attention would run the padded reference over the bucket's bounds"
     return None
 
 
@@ -223,8 +226,10 @@ class BucketInputs:
                                   device=device)
         self.plan = TrainingPlan(*(tensor.to(device) for tensor in plan.tensors()[:4]),
                                  plan.fork.map(lambda tensor: tensor.to(device)))
-        # The host plan of the first batch stays the graph's: kernels read from it only what the
-        # bucket fixes (sequence counts, that some sequences are empty, routes under the bounds).
+        # The host plan of the first batch stays the graph's. Kernels read from it the sequence
+        # counts and that some sequences are empty, which the bucket fixes, and the longest
+        # prefix, which it does not: that only routes the delta rule (every prefix of a bucket
+        # is at most LONGEST_SEQUENCE tokens, so the route is the same).
         self.batch = dataclasses.replace(
             batch, input_ids=torch.zeros(bucket.tokens, dtype=torch.long, device=device),
             position_ids=torch.zeros(3, bucket.tokens, dtype=torch.long, device=device),
@@ -258,12 +263,20 @@ class BucketInputs:
             static[:rows, :candidates].copy_(value)
 
 
+class _Order:
+    """The forward replays of the graphs of one pool, counted: a backward must follow its own
+    forward call, since every replay (of the same graph too) rewrites the pool's activations."""
+
+    def __init__(self):
+        self.replays, self.last = 0, None
+
+
 class _Graph:
     """One bucket's training forward and backward as two CUDA graphs sharing a memory pool, over
     its `BucketInputs`, with their output and gradients."""
 
-    def __init__(self, model, inputs: BucketInputs, parameters, pool, owner):
-        self.inputs, self.owner = inputs, owner
+    def __init__(self, model, inputs: BucketInputs, parameters, pool, order: _Order):
+        self.inputs, self.order = inputs, order
         self.grad_output = torch.zeros(inputs.bucket.rows, inputs.bucket.candidates, dtype=torch.float32,
                                        device=model.device)
         side = torch.cuda.Stream(model.device)
@@ -285,16 +298,15 @@ class TrainingGraphs:
     """The training forward of a `DecisionModel` through CUDA graphs of training buckets (see the
     module's docstring); called by the model's `forward` in training on CUDA with gradients."""
 
-    def __init__(self, model, capacity: int = CAPACITY, capture_at: int = CAPTURE_AT):
-        self.model = model  # not a submodule: the model owns this object
+    def __init__(self, capacity: int = CAPACITY, capture_at: int = CAPTURE_AT):
         self.capacity, self.capture_at = capacity, capture_at
         self.graphs: OrderedDict[TrainingBucket, _Graph] = OrderedDict()
         self.seen: dict[TrainingBucket, int] = {}
         self.failed: set[TrainingBucket] = set()
         self.pool = None
         self.key = None  # what the graphs were captured for: the model's generation and parameters
-        self.frozen, self.versions, self.reason = [], (), None
-        self.last = None  # the graph whose forward ran last, which the next backward must be
+        self.frozen, self.versions, self.reason, self.switches, self.adapters = [], (), None, (), []
+        self.order = _Order()
         # Calls that ran eagerly, captured a bucket's graphs, replayed graphs (a capturing call
         # replays them too), failed to capture; padding tokens added; seconds spent capturing.
         self.stats = {"eager": 0, "captures": 0, "replays": 0, "failed": 0, "padding_tokens": 0,
@@ -304,19 +316,21 @@ class TrainingGraphs:
         self.graphs.clear()
         self.seen.clear()
         self.failed.clear()
-        self.last = None
+        self.order = _Order()
 
-    def _parameters(self) -> list[torch.nn.Parameter] | None:
+    def _parameters(self, model) -> list[torch.nn.Parameter] | None:
         """The trainable parameters, or None when they cannot train under graphs (`graphable`,
         checked again whenever they change). Every graph is dropped when they, the model's
-        generation or a frozen parameter's contents change (graphs read frozen weights' derived
-        constants)."""
-        model = self.model
+        generation, its checkpointing, a LoRA module's merged or disabled state or a frozen
+        parameter's contents change (graphs read frozen weights' derived constants)."""
         trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
-        key = (model.generation, tuple(id(parameter) for parameter in trainable))
-        if key != self.key:
+        key = (model.generation, model.activation_checkpointing, tuple(id(parameter) for parameter in trainable))
+        switches = tuple((module.merged, module.disable_adapters) for module in self.adapters)
+        if key != self.key or switches != self.switches:
             self.clear()
             self.key, self.versions = key, ()
+            self.adapters = [module for module in model.backbone.language_model.modules() if hasattr(module, "lora_A")]
+            self.switches = tuple((module.merged, module.disable_adapters) for module in self.adapters)
             self.frozen = [parameter for parameter in model.parameters() if not parameter.requires_grad]
             self.reason = graphable(model)
             if self.reason is not None:
@@ -329,16 +343,17 @@ class TrainingGraphs:
             self.versions = versions
         return trainable
 
-    def __call__(self, batch: Batch) -> torch.Tensor:
-        """Logits [B, K] of a training batch on the model's device, with their autograd graph."""
-        model = self.model
+    def __call__(self, model, batch: Batch) -> torch.Tensor:
+        """Logits [B, K] of a training batch on `model`'s device (the DecisionModel that owns
+        this object, passed in so that neither holds the other in a cycle), with their autograd
+        graph."""
         embeds = model.embeddings(batch)
         if model.device.type != "cuda" or (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            return self._eager(embeds, batch)
-        parameters = self._parameters()
+            return self._eager(model, embeds, batch)
+        parameters = self._parameters(model)
         bucket = training_bucket(batch) if parameters is not None else None
         if bucket is None:
-            return self._eager(embeds, batch)
+            return self._eager(model, embeds, batch)
         graph = self.graphs.get(bucket)
         sightings = self.seen.get(bucket, 0) + 1
         self.seen[bucket] = sightings
@@ -349,13 +364,13 @@ class TrainingGraphs:
             if larger is not None:
                 bucket, graph = larger, self.graphs[larger]
         if graph is None and (sightings < self.capture_at or bucket in self.failed):
-            return self._eager(embeds, batch)
+            return self._eager(model, embeds, batch)
         parents = batch.fork.parents.tolist() if batch.fork is not None else [-1] * batch.markers.shape[0]
         plan = training_plan(batch, bucket, parents)
         if graph is None:
-            graph = self._capture(bucket, embeds, batch, plan, parameters)
+            graph = self._capture(model, bucket, embeds, batch, plan, parameters)
             if graph is None:
-                return self._eager(embeds, batch)
+                return self._eager(model, embeds, batch)
         else:
             graph.inputs.fill(embeds, batch, plan)
         self.graphs.move_to_end(bucket)
@@ -371,18 +386,18 @@ class TrainingGraphs:
                    if bucket.tokens <= LARGER_TOKENS * own.tokens and fits(batch, bucket)]
         return min(fitting, key=lambda bucket: (bucket.tokens, bucket.key_tokens), default=None)
 
-    def _eager(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def _eager(self, model, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
         self.stats["eager"] += 1
-        return self.model.scores(embeds, batch)
+        return model.scores(embeds, batch)
 
-    def _capture(self, bucket, embeds, batch, plan, parameters) -> _Graph | None:
+    def _capture(self, model, bucket, embeds, batch, plan, parameters) -> _Graph | None:
         if not self.graphs:
             self.pool = torch.cuda.graph_pool_handle()  # no live graph: a fresh pool (see GraphedScores)
         start = time.perf_counter()
         try:
-            inputs = BucketInputs(self.model, bucket, batch, plan)
+            inputs = BucketInputs(model, bucket, batch, plan)
             inputs.fill(embeds, batch, plan)
-            graph = _Graph(self.model, inputs, parameters, self.pool, self)
+            graph = _Graph(model, inputs, parameters, self.pool, self.order)
         except Exception as error:  # noqa: BLE001 - a bucket that fails to capture runs eagerly
             self.failed.add(bucket)
             self.stats["failed"] += 1
@@ -410,20 +425,23 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graph: _Graph, *parameters):
         graph.forward_graph.replay()
-        graph.owner.last = graph
-        ctx.graph = graph
+        order = graph.order
+        order.replays += 1
+        ctx.graph, ctx.replay = graph, order.replays
+        order.last = order.replays
         return graph.output.clone()  # the pool is the graphs': the next replay may reuse it
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_output):
         graph = ctx.graph
-        if graph.owner.last is not graph:
-            raise RuntimeError("a training graph's backward must follow its own forward, with no other training "
-                               "forward in between (their activations share one memory pool)")
+        if graph.order.last != ctx.replay:
+            raise RuntimeError("a training graph's backward must follow its own forward call, with no other "
+                               "training forward through graphs in between (every replay rewrites the activations "
+                               "the backward reads, in one memory pool)")
         graph.grad_output.copy_(grad_output)
         graph.backward_graph.replay()
-        graph.owner.last = None
+        graph.order.last = None
         present = [grad for grad in graph.grads if grad is not None]
         copies = iter(torch._foreach_mul(present, 1.0) if present else [])  # out of the pool, in a few launches
         return (None, *(next(copies) if grad is not None else None for grad in graph.grads))

@@ -420,6 +420,32 @@ def training_update(model, template, microbatches: int = 4, rows: int = 8, place
 TRAINING_LAYOUTS = 16  # updates of distinct layouts in the varied training record (CUDA)
 
 
+def distinct_state_tokens(template, microbatches: int, rows: int, count: int, seed: int = 0) -> list[int]:
+    """`count` least state lengths, drawn from 120 to 400 tokens with `seed`, whose updates
+    (`training_requests`, which grows states by whole lines) all differ from one another and from
+    the 250-token one the repeated record times.
+
+    Raises:
+        ValueError: that range holds fewer distinct updates than `count`.
+    """
+    def states(least: int) -> tuple:
+        return tuple(state["note"] for micro in range(microbatches)
+                     for state, _ in training_requests(template, micro, rows, state_tokens=least))
+
+    draw, seen, lengths = random.Random(seed), {states(250)}, []
+    for _ in range(50 * count):
+        if len(lengths) == count:
+            break
+        least = draw.randrange(120, 400)
+        key = states(least)
+        if key not in seen:
+            seen.add(key)
+            lengths.append(least)
+    if len(lengths) < count:
+        raise ValueError(f"states of 120 to 400 tokens give {len(lengths)} distinct training updates, not {count}")
+    return lengths
+
+
 def _graph_counts(model) -> dict:
     """The training graphs' counters (`TrainingGraphs.stats`) that say how updates ran."""
     return {name: model.training_graphs.stats[name] for name in ("eager", "captures", "replays", "failed",
@@ -438,16 +464,16 @@ def training_update_record(model, template, ceilings: dict, microbatches: int = 
 
     The timed updates repeat one batch: on CUDA, from its second call on, they replay its training
     bucket's graphs (`training_graphs` counts how they ran). With `varied`, a second record
-    (`training_update_varied`) times `varied` updates of distinct layouts (states of 120 to 400
-    tokens, drawn with `seed`), each once, in order, as a training run meets them: a bucket's
-    first batch runs eagerly and its second captures its graphs.
+    (`training_update_varied`) times `varied` updates of distinct layouts
+    (`distinct_state_tokens`), each once, in order, as a training run meets them: a batch
+    replays a captured bucket it fits, or runs eagerly, and a bucket's second batch captures its
+    graphs.
 
     Returns:
         [the record of the repeated batch] (and the varied record)
     """
     place = place or World(0, 1, model.device)
-    draw = random.Random(seed)
-    lengths = [draw.randrange(120, 400) for _ in range(varied)]
+    lengths = distinct_state_tokens(template, microbatches, rows, varied, seed)
     update, batches = training_update(model, template, microbatches, rows, place, state_tokens=(250, *lengths))
     batch = batches[0]
     device = model.device

@@ -131,17 +131,15 @@ def test_batches_beyond_the_buckets_have_none(tiny):
     assert many.computed_tokens > 8192 and training_bucket(many) is None  # over MIXER_KEEP_TOKENS once padded
 
 
-def test_only_plain_lora_and_the_head_may_train_under_graphs(tiny, model):
-    assert graphable(model) is None
-    dropping, _ = build_training_model(tiny.base, "float32", LoraConfig(dropout=0.1), 0.01, seed=0)
+def test_only_plain_lora_and_the_head_may_train_under_graphs_in_half_precision(tiny, model):
+    assert "torch.float32" in graphable(model)  # attention would run the padded reference
+    half = _training_model(tiny, "bfloat16")
+    assert graphable(half) is None
+    dropping, _ = build_training_model(tiny.base, "bfloat16", LoraConfig(dropout=0.1), 0.01, seed=0)
     assert "not plain LoRA" in graphable(dropping.train())
     assert graphable(dropping.eval()) is None  # dropout is not at work in evaluation
-    norm = model.backbone.language_model.norm.weight
-    norm.requires_grad_(True)
-    try:
-        assert "language_model.norm.weight trains" in graphable(model)
-    finally:
-        norm.requires_grad_(False)
+    half.backbone.language_model.norm.weight.requires_grad_(True)
+    assert "language_model.norm.weight trains" in graphable(half)
 
 
 def _on_cuda(tiny):
@@ -201,6 +199,10 @@ def test_a_training_graph_backward_must_follow_its_own_forward(tiny):
     for batch in (small, large, small, large):  # second sightings capture
         model(batch).sum().backward()
     first, second = model(small), model(large)
+    with pytest.raises(RuntimeError, match="must follow its own forward"):
+        first.sum().backward()
+    second.sum().backward()
+    first, second = model(small), model(small)  # one graph twice: the second rewrote the first's activations
     with pytest.raises(RuntimeError, match="must follow its own forward"):
         first.sum().backward()
     second.sum().backward()

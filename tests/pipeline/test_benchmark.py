@@ -39,10 +39,10 @@ def test_training_update_record_steps_lora_only_and_counts_shared_prefixes(tiny)
     changed = {name for name, p in after.items() if name not in frozen or not torch.equal(p, frozen[name])}
     assert changed and all("lora_" in name or name.startswith("head.") for name in changed)
     assert not model.training
-    # Three more updates of distinct layouts, each timed once; on the CPU none takes a graph.
+    # Three more updates of distinct layouts, each timed once.
     assert varied["workload"] == "training_update_varied" and len(varied["samples_ms"]) == 3
     assert len(set(varied["computed_tokens"])) == 3 and record["computed_tokens"] not in varied["computed_tokens"]
-    assert varied["training_graphs"]["replays"] == varied["training_graphs"]["captures"] == 0
+    assert set(varied["training_graphs"].values()) == {0}  # the CPU's forward never reaches the training graphs
     assert describe(varied).startswith("training_update_varied") and "3 layouts" in describe(varied)
     assert describe(record).startswith("training_update") and "efficiency" in describe(record)
 
