@@ -26,9 +26,9 @@ LRU. A batch whose bucket has no graphs yet replays those of a larger captured b
 Every graph shares one memory pool, which is safe because a graph's outputs are copied out of
 the pool as soon as it has run and a backward must follow its own forward (checked).
 Batches that fit no bucket (more than `MIXER_KEEP_TOKENS` tokens padded, a sequence longer
-than `LONGEST_SEQUENCE`), models with anything but plain LoRA and the head training, several
-processes (DistributedDataParallel's hooks are not yet tested under graphs) and the CPU run
-eagerly.
+than `LONGEST_SEQUENCE`), models with anything but plain LoRA and the head training or in
+float32, several processes (DistributedDataParallel's hooks are not yet tested under graphs) and
+the CPU run eagerly.
 
 On the H200 the benchmark's update (4,484 computed tokens) replays in 134 to 136 ms, against
 about 390 ms eager on the same machine; a capture costs about 0.9 s, two or three eager updates
