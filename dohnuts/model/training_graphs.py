@@ -2,8 +2,8 @@
 
 A training update of the Qwen3.5-0.8B shape (32 rows of about 290 tokens) is bound by host
 work: some 5,700 launches, most of them small, cost about 240 ms of Python and dispatch for
-about 100 ms of device work on the H200 (`h200-profile-training-update-96509e6.txt`). A captured graph replays them all
-with one launch for the forward and one for the backward.
+about 100 ms of device work on the H200 (`h200-profile-training-update-96509e6.txt`). A captured
+graph replays them all with one launch for the forward and one for the backward.
 
 A graph fixes every shape, and every update brings a new layout (its states' lengths, its
 rows' prefixes). So a batch is padded to a `TrainingBucket`, whose sizes are its own rounded
@@ -132,16 +132,18 @@ def fits(batch: Batch, bucket: TrainingBucket) -> bool:
     whose spare prefix and row tokens become padding sequences of at most LONGEST_SEQUENCE
     tokens, with an empty prefix and an empty row left over, and whose keys and candidates
     hold the batch's."""
-    if training_bucket(batch) is None or bucket.tokens > MIXER_KEEP_TOKENS:
+    if bucket.tokens > MIXER_KEEP_TOKENS or batch.markers.shape[1] > bucket.candidates:
         return False
-    prefixes = len(_lengths(batch.prefix_cu_seqlens_cpu)) if batch.fork is not None else 0
+    prefixes = _lengths(batch.prefix_cu_seqlens_cpu) if batch.fork is not None else []
     rows = _lengths(batch.cu_seqlens_cpu)
+    if max(prefixes + rows, default=0) > LONGEST_SEQUENCE:
+        return False
     spare_prefix, spare_rows = bucket.prefix_tokens - batch.prefix_tokens, bucket.row_tokens - sum(rows)
     inherited = batch.fork.key_index.shape[0] - batch.computed_tokens if batch.fork is not None else 0
     return (spare_prefix >= 0 and spare_prefix % CHUNK == 0 and spare_rows >= 1
-            and prefixes + len(_pieces(spare_prefix)) < bucket.prefixes
+            and len(prefixes) + len(_pieces(spare_prefix)) < bucket.prefixes
             and len(rows) + len(_pieces(spare_rows)) < bucket.rows
-            and bucket.tokens + inherited <= bucket.key_tokens and batch.markers.shape[1] <= bucket.candidates)
+            and bucket.tokens + inherited <= bucket.key_tokens)
 
 
 @dataclass
@@ -382,8 +384,9 @@ class TrainingGraphs:
     def _larger(self, batch: Batch, own: TrainingBucket) -> TrainingBucket | None:
         """The smallest bucket with graphs that `batch` fits, of at most LARGER_TOKENS times its
         own bucket's tokens, or None."""
-        fitting = [bucket for bucket in self.graphs
-                   if bucket.tokens <= LARGER_TOKENS * own.tokens and fits(batch, bucket)]
+        fitting = [bucket for bucket in self.graphs if bucket.tokens <= LARGER_TOKENS * own.tokens
+                   and bucket.prefix_tokens >= own.prefix_tokens and bucket.row_tokens >= own.row_tokens
+                   and fits(batch, bucket)]
         return min(fitting, key=lambda bucket: (bucket.tokens, bucket.key_tokens), default=None)
 
     def _eager(self, model, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
