@@ -90,7 +90,8 @@ def all_buckets() -> list[Bucket]:
     return sorted(buckets, key=lambda bucket: bucket.tokens)
 
 
-def _lengths(cu_seqlens_cpu: torch.Tensor) -> list[int]:
+def sequence_lengths(cu_seqlens_cpu: torch.Tensor) -> list[int]:
+    """The lengths of packed sequences from their host cumulative lengths."""
     bounds = cu_seqlens_cpu.tolist()
     return [end - begin for begin, end in zip(bounds[:-1], bounds[1:])]
 
@@ -112,7 +113,7 @@ def _row_padding(bucket: Bucket, rows: int, tokens: int) -> list[int] | None:
 
 def bucket_for(batch: Batch, buckets) -> Bucket | None:
     """The smallest of `buckets` the host batch fits, or None."""
-    rows = _lengths(batch.cu_seqlens_cpu)
+    rows = sequence_lengths(batch.cu_seqlens_cpu)
     if batch.markers.shape[1] > CANDIDATES:
         return None
     long_rows = max(rows) > ROW_TOKENS
@@ -134,7 +135,7 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
     Raises:
         ValueError: the batch does not fit the bucket.
     """
-    prefix_lengths, row_lengths = _lengths(batch.prefix_cu_seqlens_cpu), _lengths(batch.cu_seqlens_cpu)
+    prefix_lengths, row_lengths = sequence_lengths(batch.prefix_cu_seqlens_cpu), sequence_lengths(batch.cu_seqlens_cpu)
     row_padding = _row_padding(bucket, len(row_lengths), sum(row_lengths))
     spare = bucket.prefix_tokens - batch.prefix_tokens
     if (row_padding is None or spare < 0 or spare % CHUNK or len(prefix_lengths) >= bucket.prefixes

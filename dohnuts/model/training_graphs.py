@@ -48,7 +48,7 @@ import torch
 from ..ops import kernels
 from ..ops.plan import CHUNK, Fork, chunk_plan, cumulative, plan_fork
 from .batch import Batch
-from .buckets import LONGEST_SEQUENCE
+from .buckets import LONGEST_SEQUENCE, sequence_lengths
 from .decoder import MIXER_KEEP_TOKENS, _plain_lora
 
 TOKEN_STEP = 512  # prefix and row tokens round up to a multiple of this
@@ -71,9 +71,13 @@ def _up(value: int, step: int) -> int:
     return -(-value // step) * step
 
 
-def _lengths(cu_seqlens_cpu: torch.Tensor) -> list[int]:
-    bounds = cu_seqlens_cpu.tolist()
-    return [end - begin for begin, end in zip(bounds[:-1], bounds[1:])]
+def _layout(batch: Batch) -> tuple[list[int], list[int], int]:
+    """(prefix lengths, row lengths, the keys rows inherit from their prefixes) of a batch, from
+    its host fields."""
+    if batch.fork is None:
+        return [], sequence_lengths(batch.cu_seqlens_cpu), 0
+    return (sequence_lengths(batch.prefix_cu_seqlens_cpu), sequence_lengths(batch.cu_seqlens_cpu),
+            batch.fork.key_index.shape[0] - batch.computed_tokens)
 
 
 @dataclass(frozen=True)
@@ -105,15 +109,13 @@ class TrainingBucket:
 def training_bucket(batch: Batch) -> TrainingBucket | None:
     """The training bucket of a batch (on the host or the device: only host fields are read),
     or None when it fits none (see the module's docstring)."""
-    prefix_lengths = _lengths(batch.prefix_cu_seqlens_cpu) if batch.fork is not None else []
-    row_lengths = _lengths(batch.cu_seqlens_cpu)
+    prefix_lengths, row_lengths, inherited = _layout(batch)
     if max(prefix_lengths + row_lengths, default=0) > LONGEST_SEQUENCE:
         return None
     prefix_tokens = max(CHUNK, _up(batch.prefix_tokens, TOKEN_STEP))
     row_tokens = _up(sum(row_lengths) + 1, TOKEN_STEP)  # at least one padding token: the padding row
     if prefix_tokens + row_tokens > MIXER_KEEP_TOKENS:
         return None
-    inherited = batch.fork.key_index.shape[0] - batch.computed_tokens if batch.fork is not None else 0
     return TrainingBucket(
         prefix_tokens=prefix_tokens, prefixes=_up(len(prefix_lengths) + 2, PREFIX_STEP),
         row_tokens=row_tokens, rows=_up(len(row_lengths) + 2, ROW_STEP),
@@ -134,12 +136,10 @@ def fits(batch: Batch, bucket: TrainingBucket) -> bool:
     hold the batch's."""
     if bucket.tokens > MIXER_KEEP_TOKENS or batch.markers.shape[1] > bucket.candidates:
         return False
-    prefixes = _lengths(batch.prefix_cu_seqlens_cpu) if batch.fork is not None else []
-    rows = _lengths(batch.cu_seqlens_cpu)
+    prefixes, rows, inherited = _layout(batch)
     if max(prefixes + rows, default=0) > LONGEST_SEQUENCE:
         return False
     spare_prefix, spare_rows = bucket.prefix_tokens - batch.prefix_tokens, bucket.row_tokens - sum(rows)
-    inherited = batch.fork.key_index.shape[0] - batch.computed_tokens if batch.fork is not None else 0
     return (spare_prefix >= 0 and spare_prefix % CHUNK == 0 and spare_rows >= 1
             and len(prefixes) + len(_pieces(spare_prefix)) < bucket.prefixes
             and len(rows) + len(_pieces(spare_rows)) < bucket.rows
@@ -168,8 +168,7 @@ def training_plan(batch: Batch, bucket: TrainingBucket, parents: list[int]) -> T
     Raises:
         ValueError: the batch does not fit the bucket.
     """
-    prefix_lengths = _lengths(batch.prefix_cu_seqlens_cpu) if batch.fork is not None else []
-    row_lengths = _lengths(batch.cu_seqlens_cpu)
+    prefix_lengths, row_lengths, _ = _layout(batch)
     if not fits(batch, bucket) or len(parents) != len(row_lengths):
         raise ValueError(f"a batch of {batch.prefix_tokens} prefix tokens in {len(prefix_lengths)} prefixes and "
                          f"{len(row_lengths)} rows of {sum(row_lengths)} tokens does not fit {bucket}")

@@ -35,6 +35,10 @@ class StateRecords:
     def __len__(self) -> int:
         return len(self.qids)
 
+    def request_questions(self) -> dict:
+        """qid -> question, as a user would send them to `predict`."""
+        return {qid: json.loads(question) for qid, question in zip(self.qids, self.questions)}
+
 
 COLUMNS = ("state", "image", "state_id", "group", "qid", "question", "target")
 
@@ -60,8 +64,7 @@ def request_tokens(template: Template, records: StateRecords) -> int:
     out: the image block and state, shared by its questions down to a multiple of
     `PREFIX_ALIGN`, then each question's own header, candidates and markers. Counted from the
     text, without decoding the image (`Template.image_tokens` bounds its block)."""
-    questions = {qid: json.loads(question) for qid, question in zip(records.qids, records.questions)}
-    request = parse_request(json.loads(records.state), questions, template.reserved)
+    request = parse_request(json.loads(records.state), records.request_questions(), template.reserved)
     pieces = iter(len(ids) for ids in template.tokenize(pieces_of(request)))
     prefix = next(pieces) + (template.image_tokens() if records.image is not None else 0)
     own = [next(pieces) + sum(next(pieces) + 1 for _ in question.candidates)  # header, candidates, markers
@@ -89,8 +92,7 @@ def plan_batches(rows: pd.DataFrame, batch_tokens: int, template: Template) -> l
 
 def request_of(reader: RecordReader, records: StateRecords) -> tuple[object, dict]:
     """(state, questions) of one state's records, as a user would send them to `predict`."""
-    questions = {qid: json.loads(question) for qid, question in zip(records.qids, records.questions)}
-    return reader.state({"state": records.state, "image": records.image}), questions
+    return reader.state({"state": records.state, "image": records.image}), records.request_questions()
 
 
 class EvaluationBatches:
