@@ -194,6 +194,42 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (normed * (1.0 + wide(weight))).to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + residual, Qwen3.5's RMSNorm of that sum, `rms_norm`): the residual stream and the
+    next block's input. On CUDA one Triton kernel reads both once and writes both."""
+    ops = _ours(x)
+    if ops is not None:
+        return ops.add_rms_norm(x, residual, derived(weight, "1+w", lambda w: 1.0 + w.float()), eps)
+    total = x + residual
+    return total, rms_norm_reference(total, weight, eps)
+
+
+def norm_rotate(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                eps: float) -> torch.Tensor:
+    """Qwen3.5's RMSNorm of each attention head (`rms_norm`), then the partial rotary embedding of
+    its first R channels. x: [T, H, D]; weight: [D]; cos, sin: [T, R] (each frequency in both
+    halves). Returns [T, H, D] in x's dtype. On CUDA one Triton kernel (in float32 throughout)."""
+    ops = _ours(x)
+    if ops is not None:
+        return ops.norm_rotate(x, derived(weight, "1+w", lambda w: 1.0 + w.float()), cos, sin, eps)
+    return norm_rotate_reference(x, weight, cos, sin, eps)
+
+
+def norm_rotate_reference(x, weight, cos, sin, eps):
+    return rotate(rms_norm_reference(x, weight, eps), cos, sin)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial rotary embedding on the first R channels of x [T, H, D]; cos, sin [T, R]."""
+    width = cos.shape[-1]
+    rotated, rest = x[..., :width], x[..., width:]
+    first, second = rotated.chunk(2, dim=-1)
+    turned = torch.cat([-second, first], dim=-1)
+    rotated = rotated * cos[:, None, :] + turned * sin[:, None, :]
+    return torch.cat([rotated, rest], dim=-1)
+
+
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated RMSNorm of the delta-rule output: rms-normalise x, scale by `weight` (not 1 + weight),
     multiply by silu(gate). Args: x, gate [..., V], weight [V]. Returns [..., V] in x's dtype."""

@@ -390,10 +390,11 @@ ROW_WARPS = 4
 
 
 @triton.jit
-def _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, A_log, dt_bias, o_k, o_v,
+def _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, A_log, dt_bias, o_k, o_v, sa,
               H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
     """Part `part` of the row bos:eos: q, k [BC, BK], v [BC, BV], the log decay g [BC] and beta
-    [BC], both float32 and 0 past the row's end (as are q, k and v)."""
+    [BC], both float32 and 0 past the row's end (as are q, k and v). The gate input a is read
+    with row stride `sa` (a column block of a wider projection output)."""
     o_t = bos + part * BC + tl.arange(0, BC)
     m_t = o_t < eos
     m_qk = m_t[:, None] & (o_k < K)[None, :]
@@ -403,10 +404,16 @@ def _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, A_log, dt_bias, o_k, o_v
                   other=0.0)
     # Qwen3.5's decay from the raw gate input: -exp(A_log) softplus(a + dt_bias) (softplus as
     # PyTorch's, linear past 20).
-    x = tl.load(a + o_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32) + dt_bias
+    x = tl.load(a + o_t * sa + i_h, mask=m_t, other=0.0).to(tl.float32) + dt_bias
     g = tl.where(m_t, -tl.exp(A_log) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))), 0.0)
     beta = tl.load(b + o_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
     return b_q, b_k, b_v, g, beta
+
+
+def _rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x [T, C] as the kernels read it, row r at r * x.stride(0): x itself when its columns are
+    adjacent (a column block of a wider projection output needs no copy), else a contiguous copy."""
+    return x if x.stride(-1) == 1 and x.stride(0) >= x.shape[-1] else x.contiguous()
 
 
 @triton.jit
@@ -464,7 +471,7 @@ def _parent_state(states, parents, n, i_h, G, o_k, o_v, K: tl.constexpr, HV: tl.
 
 
 @triton.jit
-def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlens, G, scale,
+def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlens, G, scale, sa,
                     H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, BC: tl.constexpr, PARTS: tl.constexpr):
     n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
@@ -474,7 +481,7 @@ def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlen
     # The row's parts (PARTS of them, enough for the longest row; past a row's end they are
     # zero): q, k [BC, BK], v [BC, BV], the log decay and beta [BC]. Written out part by part:
     # Triton keeps register tiles in named variables only, not in lists a loop could index.
-    q0, k0, v0, g0, b0 = _row_part(q, k, v, a, b, bos, eos, 0, i_hk, i_h, log_a, bias, o_k, o_v, H, K, HV, V, BC)
+    q0, k0, v0, g0, b0 = _row_part(q, k, v, a, b, bos, eos, 0, i_hk, i_h, log_a, bias, o_k, o_v, sa, H, K, HV, V, BC)
     g0 = tl.cumsum(g0, 0)  # cumulative log decays from the row's start
     # The pseudo-values U_i of each part by block forward substitution:
     # U_i = (I + A_ii)^-1 (beta_i (v_i - exp(G_i) S0^T k_i) - sum_{j < i} A_ij U_j), with
@@ -484,7 +491,7 @@ def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlen
     o0 = _part_output(q0, k0, g0, g0, u0, True, BC) + tl.exp(g0)[:, None] * tl.dot(q0, h0)
     _store_part(o, o0 * scale, bos, eos, 0, i_h, o_v, HV, V, BC)
     if PARTS > 1:
-        q1, k1, v1, g1, b1 = _row_part(q, k, v, a, b, bos, eos, 1, i_hk, i_h, log_a, bias, o_k, o_v, H, K, HV, V,
+        q1, k1, v1, g1, b1 = _row_part(q, k, v, a, b, bos, eos, 1, i_hk, i_h, log_a, bias, o_k, o_v, sa, H, K, HV, V,
                                        BC)
         g1 = tl.cumsum(g1, 0) + _last(g0, BC)
         u1 = _part_values(k1, v1, g1, b1, h0, _coupling(k1, g1, b1, k0, g0, u0, BC), BC)
@@ -492,7 +499,7 @@ def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlen
               + tl.exp(g1)[:, None] * tl.dot(q1, h0))
         _store_part(o, o1 * scale, bos, eos, 1, i_h, o_v, HV, V, BC)
     if PARTS > 2:
-        q2, k2, v2, g2, b2 = _row_part(q, k, v, a, b, bos, eos, 2, i_hk, i_h, log_a, bias, o_k, o_v, H, K, HV, V,
+        q2, k2, v2, g2, b2 = _row_part(q, k, v, a, b, bos, eos, 2, i_hk, i_h, log_a, bias, o_k, o_v, sa, H, K, HV, V,
                                        BC)
         g2 = tl.cumsum(g2, 0) + _last(g1, BC)
         u2 = _part_values(k2, v2, g2, b2, h0, _coupling(k2, g2, b2, k0, g0, u0, BC)
@@ -501,7 +508,7 @@ def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlen
               + _part_output(q2, k1, g2, g1, u1, False, BC) + tl.exp(g2)[:, None] * tl.dot(q2, h0))
         _store_part(o, o2 * scale, bos, eos, 2, i_h, o_v, HV, V, BC)
     if PARTS > 3:
-        q3, k3, v3, g3, b3 = _row_part(q, k, v, a, b, bos, eos, 3, i_hk, i_h, log_a, bias, o_k, o_v, H, K, HV, V,
+        q3, k3, v3, g3, b3 = _row_part(q, k, v, a, b, bos, eos, 3, i_hk, i_h, log_a, bias, o_k, o_v, sa, H, K, HV, V,
                                        BC)
         g3 = tl.cumsum(g3, 0) + _last(g2, BC)
         u3 = _part_values(k3, v3, g3, b3, h0, _coupling(k3, g3, b3, k0, g0, u0, BC)
@@ -576,7 +583,8 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if states.shape[1:] != (value_heads, key_dim, value_dim):
         raise ValueError(f"delta_rule_rows: states {tuple(states.shape)} do not fit {value_heads} heads of "
                          f"{key_dim} x {value_dim}")
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    g = _rows_of(g)
     o = torch.empty_like(v)
     block_k = max(16, triton.next_power_of_2(key_dim))
     block_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
@@ -584,7 +592,7 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     grid = (cu_seqlens.shape[0] - 1, value_heads, triton.cdiv(value_dim, block_v))
     with _on(q.device):
         _delta_rows_fwd[grid](q, k, v, g, beta, A_log, dt_bias, states.contiguous(), parents, o, cu_seqlens,
-                              states.shape[0], key_dim**-0.5 if scale is None else scale,
+                              states.shape[0], key_dim**-0.5 if scale is None else scale, g.stride(0),
                               heads, key_dim, value_heads, value_dim, block_k, block_v, PART, parts,
                               num_warps=ROW_WARPS)
     return o
@@ -606,7 +614,7 @@ SCAN_TOKENS = 1024  # the longest sequence `kernels` sends to `delta_rule_scan`
 
 
 @triton.jit
-def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale,
+def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale, sa,
                     H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr):
     n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
@@ -617,7 +625,7 @@ def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu
     log_a = tl.load(A_log + i_h).to(tl.float32)
     bias = tl.load(dt_bias + i_h).to(tl.float32)
     for part in range(0, tl.cdiv(eos - bos, BC)):
-        q_i, k_i, v_i, g_i, b_i = _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v, H, K,
+        q_i, k_i, v_i, g_i, b_i = _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v, sa, H, K,
                                             HV, V, BC)
         g_i = tl.cumsum(g_i, 0)  # from the part's start; 0 added past the sequence's end
         h_in = h.to(q_i.dtype)
@@ -661,7 +669,8 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if states is not None and (parents.shape != (sequences,) or states.shape[1:] != (value_heads, key_dim, value_dim)):
         raise ValueError(f"delta_rule_scan: {sequences} sequences, parents {tuple(parents.shape)}, states "
                          f"{tuple(states.shape)}, for {value_heads} heads of {key_dim} x {value_dim}")
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
+    g = _rows_of(g)
     o = torch.empty_like(v)
     final = q.new_empty(sequences, value_heads, key_dim, value_dim, dtype=torch.float32) if output_final_state else o
     initial = states.contiguous() if states is not None else o
@@ -671,8 +680,9 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     with _on(q.device):
         _delta_scan_fwd[grid](q, k, v, g, beta, A_log, dt_bias, initial, parents if parents is not None else cu_seqlens,
                               o, final, cu_seqlens, 0 if states is None else states.shape[0],
-                              key_dim**-0.5 if scale is None else scale, heads, key_dim, value_heads, value_dim,
-                              block_k, block_v, PART, states is not None, output_final_state, num_warps=ROW_WARPS)
+                              key_dim**-0.5 if scale is None else scale, g.stride(0), heads, key_dim, value_heads,
+                              value_dim, block_k, block_v, PART, states is not None, output_final_state,
+                              num_warps=ROW_WARPS)
     return o, final if output_final_state else None
 
 
@@ -758,21 +768,26 @@ class RMSNorm(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, scale, rstd = ctx.saved_tensors
-        # The layout of the x handed back, which a saved-tensor hook may have repacked.
-        x, (count, inner, s0, s1) = _rows_layout(x)
-        width = x.shape[-1]
-        rows = count * inner
-        dy = dy.contiguous()
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        block, per_program, warps = _norm_launch(width)
-        with _on(x.device):
-            _rms_norm_bwd[(triton.cdiv(rows, per_program),)](x, scale, rstd, dy, dx, rows, inner, s0, s1, width,
-                                                             per_program, block, num_warps=warps)
-        dscale = None
-        if ctx.needs_input_grad[1]:  # the recipe's norms are frozen: rarely needed, so plain PyTorch
-            normed = x.float().reshape(rows, width) * rstd[:, None]
-            dscale = (dy.float().reshape(rows, width) * normed).sum(0).to(scale.dtype)
-        return dx, dscale, None
+        return (*_rms_norm_grads(x, scale, rstd, dy, ctx.needs_input_grad[1]), None)
+
+
+def _rms_norm_grads(x, scale, rstd, dy, scale_grad: bool):
+    """(dx, dscale or None) of y = x / rms(x) * scale from dy, with the forward's rstd."""
+    # The layout of the x handed back, which a saved-tensor hook may have repacked.
+    x, (count, inner, s0, s1) = _rows_layout(x)
+    width = x.shape[-1]
+    rows = count * inner
+    dy = dy.contiguous()
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    block, per_program, warps = _norm_launch(width)
+    with _on(x.device):
+        _rms_norm_bwd[(triton.cdiv(rows, per_program),)](x, scale, rstd, dy, dx, rows, inner, s0, s1, width,
+                                                         per_program, block, num_warps=warps)
+    dscale = None
+    if scale_grad:  # the recipe's norms are frozen: rarely needed, so plain PyTorch
+        normed = x.float().reshape(rows, width) * rstd[:, None]
+        dscale = (dy.float().reshape(rows, width) * normed).sum(0).to(scale.dtype)
+    return dx, dscale
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
@@ -783,15 +798,167 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     return RMSNorm.apply(x, scale.contiguous(), eps)
 
 
-BLOCK = 1024  # elements per SwiGLU program
+@triton.jit
+def _add_rms_norm_fwd(x, residual, scale, total, y, rstd, R, eps, D: tl.constexpr, BR: tl.constexpr,
+                      BD: tl.constexpr):
+    # The sum is rounded to x's dtype, then normed: as an addition followed by RMSNorm would.
+    rows, cols, m_r, m = _row_tile(R, D, BR, BD)
+    offsets = rows[:, None] * D + cols[None, :]
+    added = (tl.load(x + offsets, mask=m, other=0.0).to(tl.float32)
+             + tl.load(residual + offsets, mask=m, other=0.0).to(tl.float32)).to(total.dtype.element_ty)
+    tl.store(total + offsets, added, mask=m)
+    xs = added.to(tl.float32)
+    r = tl.rsqrt(tl.sum(xs * xs, axis=1) / D + eps)
+    w = tl.load(scale + cols, mask=cols < D, other=0.0).to(tl.float32)
+    tl.store(y + offsets, (xs * r[:, None] * w[None, :]).to(y.dtype.element_ty), mask=m)
+    tl.store(rstd + rows, r, mask=m_r)
+
+
+class AddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, scale, eps):
+        x, residual = x.contiguous(), residual.contiguous()
+        width = x.shape[-1]
+        rows = x.numel() // max(width, 1)
+        total, y = torch.empty_like(x), torch.empty_like(x)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        block, per_program, warps = _norm_launch(width)
+        with _on(x.device):
+            _add_rms_norm_fwd[(triton.cdiv(rows, per_program),)](x, residual, scale, total, y, rstd, rows, eps, width,
+                                                                 per_program, block, num_warps=warps)
+        ctx.save_for_backward(total, scale, rstd)
+        return total, y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dtotal, dy):
+        total, scale, rstd = ctx.saved_tensors
+        dscale = None
+        if dy is None:
+            grad = dtotal
+        else:
+            grad, dscale = _rms_norm_grads(total, scale, rstd, dy, ctx.needs_input_grad[2])
+            if dtotal is not None:
+                grad = grad + dtotal
+        return grad, grad, dscale, None
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, eps: float):
+    """(x + residual, its RMSNorm times scale) in one pass: the sum in x's dtype, the norm in
+    float32 from it, returned in x's dtype. x, residual: [..., D] of one shape; scale: [D]."""
+    if residual.shape != x.shape or scale.shape != x.shape[-1:]:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)}, residual {tuple(residual.shape)} and scale "
+                         f"{tuple(scale.shape)} do not fit together")
+    return AddRMSNorm.apply(x, residual, scale.contiguous(), eps)
+
+
+# -- RMSNorm of attention heads fused with the partial rotary embedding ----------------------------
+#
+# Attention's query and key are normed per head, then their first R channels rotated: apart,
+# that is a norm and six elementwise kernels (negate, two concatenations, two products, a sum)
+# per tensor, 84 launches a Qwen3.5-0.8B forward. `norm_rotate` does both in one pass.
 
 
 @triton.jit
-def _swiglu_fwd(gate, up, y, N, BN: tl.constexpr):
+def _norm_rotate_fwd(x, scale, cos, sin, y, rstd, R, H, s0, s1, eps, D: tl.constexpr, ROT: tl.constexpr,
+                     BR: tl.constexpr, BD: tl.constexpr):
+    # Row r is head r % H of token r // H, at (r // H) * s0 + (r % H) * s1; y is contiguous.
+    rows, cols, m_r, m = _row_tile(R, D, BR, BD)
+    token = rows // H
+    start = token * s0 + (rows % H) * s1
+    xs = tl.load(x + start[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(xs * xs, axis=1) / D + eps)
+    w = tl.load(scale + cols, mask=cols < D, other=0.0).to(tl.float32)
+    normed = xs * r[:, None] * w[None, :]
+    # The first ROT channels turn: channel j < ROT/2 pairs with j + ROT/2, y_j = n_j cos - n_pair sin,
+    # and y_pair = n_pair cos + n_j sin (the tables repeat each frequency in both halves).
+    turning = cols < ROT
+    pair = tl.where(cols < ROT // 2, cols + ROT // 2, cols - ROT // 2)
+    m_turn = m_r[:, None] & turning[None, :]
+    partner = tl.load(x + start[:, None] + pair[None, :], mask=m_turn, other=0.0).to(tl.float32)
+    partner = partner * r[:, None] * tl.load(scale + pair, mask=turning, other=0.0).to(tl.float32)[None, :]
+    at = token[:, None] * ROT + cols[None, :]
+    c = tl.load(cos + at, mask=m_turn, other=1.0).to(tl.float32)
+    s = tl.load(sin + at, mask=m_turn, other=0.0).to(tl.float32)
+    sign = tl.where(cols < ROT // 2, -1.0, 1.0)
+    out = tl.where(turning[None, :], normed * c + sign[None, :] * partner * s, normed)
+    tl.store(y + rows[:, None] * D + cols[None, :], out.to(y.dtype.element_ty), mask=m)
+    tl.store(rstd + rows, r, mask=m_r)
+
+
+class NormRotate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale, cos, sin, eps):
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        total, heads, width = x.shape
+        rows = total * heads
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        block, per_program, warps = _norm_launch(width)
+        with _on(x.device):
+            _norm_rotate_fwd[(triton.cdiv(rows, per_program),)](x, scale, cos, sin, y, rstd, rows, heads, x.stride(0),
+                                                                x.stride(1), eps, width, cos.shape[-1], per_program,
+                                                                block, num_warps=warps)
+        ctx.save_for_backward(x, scale, cos, sin, rstd)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, scale, cos, sin, rstd = ctx.saved_tensors
+        # Undo the turn (its transpose), then the norm's gradient.
+        half = cos.shape[-1] // 2
+        c, s = cos[:, None, :half].float(), sin[:, None, :half].float()
+        first, second, rest = dy.float().split([half, half, dy.shape[-1] - 2 * half], dim=-1)
+        dnormed = torch.cat([first * c + second * s, second * c - first * s, rest], dim=-1)
+        dx, dscale = _rms_norm_grads(x, scale, rstd, dnormed, ctx.needs_input_grad[1])
+        return dx, dscale, None, None, None
+
+
+def norm_rotate(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * scale over the last axis, then its first R channels turned by the rotary
+    tables, in float32, returned in x's dtype (contiguous).
+
+    Args:
+        x: [T, H, D] (any strides with unit stride along D); scale: [D].
+        cos, sin: [T, R] rotary tables, each frequency in both halves (R even, at most D).
+    """
+    if x.dim() != 3 or scale.shape != x.shape[-1:]:
+        raise ValueError(f"norm_rotate: x {tuple(x.shape)} must be [T, H, D] with a scale of D, got "
+                         f"{tuple(scale.shape)}")
+    if cos.shape != sin.shape or cos.shape[0] != x.shape[0] or cos.shape[-1] % 2 or cos.shape[-1] > x.shape[-1]:
+        raise ValueError(f"norm_rotate: tables cos {tuple(cos.shape)} and sin {tuple(sin.shape)} do not fit x "
+                         f"{tuple(x.shape)}")
+    return NormRotate.apply(x, scale.contiguous(), cos, sin, eps)
+
+
+BLOCK = 1024  # elements per SwiGLU program
+
+
+def _column_rows(x: torch.Tensor) -> torch.Tensor:
+    """x itself when it is contiguous or a 2-D column block (unit stride along its rows, as a
+    part of a wider projection output), else a contiguous copy."""
+    if x.is_contiguous() or (x.dim() == 2 and x.stride(-1) == 1 and x.stride(0) >= x.shape[-1]):
+        return x
+    return x.contiguous()
+
+
+def _row_stride(x: torch.Tensor) -> int:
+    """The distance between rows of the last axis of x (`_column_rows`' layouts)."""
+    return x.stride(0) if x.dim() == 2 else x.shape[-1]
+
+
+@triton.jit
+def _swiglu_fwd(gate, up, y, N, width, sg, su, BN: tl.constexpr):
+    # Element e of the [N / width, width] output is row e // width, column e % width; gate and up
+    # rows are read with their own strides (two column blocks of one projection output, in place).
     offsets = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     m = offsets < N
-    g = tl.load(gate + offsets, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(up + offsets, mask=m, other=0.0).to(tl.float32)
+    row, col = offsets // width, offsets % width
+    g = tl.load(gate + row * sg + col, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(up + row * su + col, mask=m, other=0.0).to(tl.float32)
     tl.store(y + offsets, (g * tl.sigmoid(g) * u).to(y.dtype.element_ty), mask=m)
 
 
@@ -810,18 +977,19 @@ def _swiglu_bwd(gate, up, dy, dgate, dup, N, BN: tl.constexpr):
 class SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
-        gate, up = gate.contiguous(), up.contiguous()
-        y = torch.empty_like(gate)
-        count = gate.numel()
+        gate, up = _column_rows(gate), _column_rows(up)
+        y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        count, width = gate.numel(), gate.shape[-1]
         with _on(gate.device):
-            _swiglu_fwd[(triton.cdiv(count, BLOCK),)](gate, up, y, count, BLOCK)
+            _swiglu_fwd[(triton.cdiv(count, BLOCK),)](gate, up, y, count, width, _row_stride(gate), _row_stride(up),
+                                                      BLOCK)
         ctx.save_for_backward(gate, up)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
+        gate, up = (x.contiguous() for x in ctx.saved_tensors)  # a copy only for column blocks
         dy = dy.contiguous()
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         count = gate.numel()
@@ -838,11 +1006,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rms_norm_gated_fwd(x, gate, weight, y, rstd, R, eps, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+def _rms_norm_gated_fwd(x, gate, weight, y, rstd, R, eps, GB, gs0, gs1, D: tl.constexpr, BR: tl.constexpr,
+                        BD: tl.constexpr):
+    # Row r of the gate lies at (r // GB) * gs0 + (r % GB) * gs1 (a column block of a wider
+    # projection output is read in place); x and y are contiguous.
     rows, cols, m_r, m = _row_tile(R, D, BR, BD)
     offsets = rows[:, None] * D + cols[None, :]
     xs = tl.load(x + offsets, mask=m, other=0.0).to(tl.float32)
-    zs = tl.load(gate + offsets, mask=m, other=0.0).to(tl.float32)
+    gate_start = (rows // GB) * gs0 + (rows % GB) * gs1
+    zs = tl.load(gate + gate_start[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
     r = tl.rsqrt(tl.sum(xs * xs, axis=1) / D + eps)
     w = tl.load(weight + cols, mask=cols < D, other=0.0).to(tl.float32)
     out = xs * r[:, None] * w[None, :] * (zs * tl.sigmoid(zs))
@@ -872,15 +1044,16 @@ def _rms_norm_gated_bwd(x, gate, weight, rstd, dy, dx, dgate, R, D: tl.constexpr
 class RMSNormGated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate, weight, eps):
-        x, gate = x.contiguous(), gate.contiguous()
+        x = x.contiguous()
+        gate, (_, inner, s0, s1) = _rows_layout(gate)
         width = x.shape[-1]
         rows = x.numel() // max(width, 1)
         y = torch.empty_like(x)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
         block, per_program, warps = _norm_launch(width)
         with _on(x.device):
-            _rms_norm_gated_fwd[(triton.cdiv(rows, per_program),)](x, gate, weight, y, rstd, rows, eps, width,
-                                                                   per_program, block, num_warps=warps)
+            _rms_norm_gated_fwd[(triton.cdiv(rows, per_program),)](x, gate, weight, y, rstd, rows, eps, inner, s0, s1,
+                                                                   width, per_program, block, num_warps=warps)
         ctx.save_for_backward(x, gate, weight, rstd)
         return y
 
@@ -888,6 +1061,7 @@ class RMSNormGated(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, gate, weight, rstd = ctx.saved_tensors
+        gate = gate.contiguous()  # the backward reads it packed (a copy only for a column block)
         width = x.shape[-1]
         rows = x.numel() // max(width, 1)
         dy = dy.contiguous()

@@ -196,6 +196,44 @@ def test_triton_rms_norm_and_swiglu_gradients_match_references():
 
 
 @pytest.mark.gpu
+def test_packed_projection_kernels_match_references_on_cuda():
+    """The kernels a packed projection's output feeds, in bf16 at the Qwen3.5-0.8B widths, against
+    their references, outputs and gradients: the head norm fused with the rotary embedding on
+    query heads interleaved with their gates (read in place), the residual addition fused with
+    the next RMSNorm, SwiGLU and the gated RMSNorm on column blocks of one output."""
+    assert kernels._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    total = 63
+    projected = torch.randn(total, 8 * 512 + 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    query = projected[:, :4096].view(total, 8, 512)[..., :256]
+    weight = (torch.randn(256, device="cuda") * 0.1).to(torch.bfloat16).requires_grad_()
+    angles = torch.randn(total, 32, device="cuda")
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    ours = kernels.norm_rotate(query, weight, cos, sin, 1e-6)
+    reference = kernels.norm_rotate_reference(query, weight, cos, sin, 1e-6)
+    torch.testing.assert_close(ours, reference, **BF16)
+    _assert_gradients_close([ours], [reference], {"projected": projected, "weight": weight}, 2e-2)
+    x, residual = (torch.randn(total, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    weight = (torch.randn(1024, device="cuda") * 0.1).to(torch.bfloat16).requires_grad_()
+    ours = kernels.add_rms_norm(x, residual, weight, 1e-6)
+    added = x + residual
+    reference = (added, kernels.rms_norm_reference(added, weight, 1e-6))
+    torch.testing.assert_close(ours[0], reference[0], rtol=0, atol=0)  # the same bf16 sum
+    torch.testing.assert_close(ours[1], reference[1], **BF16)
+    _assert_gradients_close(list(ours), list(reference), {"x": x, "residual": residual, "weight": weight}, 2e-2)
+    mlp = torch.randn(total, 2 * 3584, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ours, reference = (f(mlp[:, :3584], mlp[:, 3584:]) for f in (kernels.swiglu, kernels.swiglu_reference))
+    torch.testing.assert_close(ours, reference, **BF16)
+    _assert_gradients_close([ours], [reference], {"mlp": mlp}, 2e-2)
+    mixer = torch.randn(total, 8224, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = torch.randn(total, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gate = mixer[:, 6144:8192].view(total, 16, 128)
+    norm = (1.0 + 0.1 * torch.randn(128, device="cuda")).to(torch.bfloat16)
+    ours, reference = (f(out, gate, norm, 1e-6) for f in (kernels.rms_norm_gated, kernels.rms_norm_gated_reference))
+    torch.testing.assert_close(ours, reference, **BF16)
+    _assert_gradients_close([ours], [reference], {"out": out, "mixer": mixer}, 2e-2)
+
+
+@pytest.mark.gpu
 def test_fused_gated_delta_rule_matches_reference_forward_and_gradients():
     total = sum(LENGTHS)
     inputs = [t.requires_grad_() for t in _delta_inputs(total, heads=2, value_heads=4, key_dim=64, value_dim=64,
@@ -378,7 +416,9 @@ def test_delta_rule_gradient_matches_reference_and_fla(heads, value_heads, width
 
 def test_triton_kernels_match_references_under_triton_interpreter():
     """dohnuts.triton_ops on the CPU through Triton's interpreter (tests/triton_interpreted.py):
-    conv_split_heads, the norms and SwiGLU against their references, outputs and every gradient, on
+    conv_split_heads, the norms, the norm fused with the rotary embedding and SwiGLU (also reading
+    column blocks of a packed projection's output in place) against their references, outputs and
+    every gradient, on
     packed sequences of 1 to 130 tokens with and without carried and final states; delta_rule_rows
     against the recurrence on forked states (also on badly conditioned blocks, against float64);
     and the decoder with them (its CUDA path) against its CPU path, with prefixes forked to rows,

@@ -86,22 +86,78 @@ def check_norms_and_swiglu():
         repacked = triton_ops.rms_norm(x, 1.0 + weight, 1e-6)
     plain = kernels.rms_norm_reference(x, weight, 1e-6)
     close("rms_norm grad through a repacking hook", grads([repacked], [x], 7)[0], grads([plain], [x], 7)[0])
-    for shape in [(19, 4, 24), (7, 130)]:
+    for shape, block in [((19, 4, 24), False), ((7, 130), False), ((19, 4, 24), True), ((7, 130), True)]:
+        # With `block`, the gate is a column block of a wider projection output, read in place.
         x = torch.randn(*shape, generator=generator, requires_grad=True)
-        z = torch.randn(*shape, generator=generator, requires_grad=True)
+        outputs = torch.randn(shape[0], 7 + shape[1] * (shape[2] if len(shape) == 3 else 1) + 5,
+                              generator=generator, requires_grad=True)
+        z = outputs[:, 7:-5].view(shape) if block else torch.randn(*shape, generator=generator, requires_grad=True)
+        leaf = outputs if block else z
         weight = (1.0 + 0.2 * torch.randn(shape[-1], generator=generator)).requires_grad_()
         ours = triton_ops.rms_norm_gated(x, z, weight, 1e-6)
         reference = kernels.rms_norm_gated_reference(x, z, weight, 1e-6)
-        close(f"rms_norm_gated {shape}", ours, reference)
-        for name, a, b in zip(["x", "gate", "weight"], grads([ours], [x, z, weight], 6),
-                              grads([reference], [x, z, weight], 6)):
-            close(f"rms_norm_gated {shape} grad {name}", a, b)
-    gate = torch.randn(33, 70, generator=generator, requires_grad=True)
-    up = torch.randn(33, 70, generator=generator, requires_grad=True)
-    ours, reference = triton_ops.swiglu(gate, up), kernels.swiglu_reference(gate, up)
-    close("swiglu", ours, reference)
-    for name, a, b in zip(["gate", "up"], grads([ours], [gate, up], 5), grads([reference], [gate, up], 5)):
-        close(f"swiglu grad {name}", a, b)
+        close(f"rms_norm_gated {shape} block={block}", ours, reference)
+        for name, a, b in zip(["x", "gate", "weight"], grads([ours], [x, leaf, weight], 6),
+                              grads([reference], [x, leaf, weight], 6)):
+            close(f"rms_norm_gated {shape} block={block} grad {name}", a, b)
+    for block in (False, True):
+        # With `block`, gate and up are two column blocks of one projection output.
+        outputs = torch.randn(33, 3 + 70 + 70, generator=generator, requires_grad=True)
+        gate, up = ((outputs[:, 3:73], outputs[:, 73:]) if block else
+                    (torch.randn(33, 70, generator=generator, requires_grad=True),
+                     torch.randn(33, 70, generator=generator, requires_grad=True)))
+        leaves = [outputs] if block else [gate, up]
+        ours, reference = triton_ops.swiglu(gate, up), kernels.swiglu_reference(gate, up)
+        close(f"swiglu block={block}", ours, reference)
+        for name, a, b in zip(["gate", "up"], grads([ours], leaves, 5), grads([reference], leaves, 5)):
+            close(f"swiglu block={block} grad {name}", a, b)
+
+
+def check_add_rms_norm():
+    """add_rms_norm against an addition then the RMSNorm reference: both outputs and every
+    gradient, with gradients reaching it through the sum, the norm or both."""
+    generator = torch.Generator().manual_seed(12)
+    for shape in ((19, 96), (4, 3, 40)):
+        x = torch.randn(*shape, generator=generator, requires_grad=True)
+        residual = torch.randn(*shape, generator=generator, requires_grad=True)
+        weight = (torch.randn(shape[-1], generator=generator) * 0.2).requires_grad_()
+        for used in ([0], [1], [0, 1]):
+            total, normed = triton_ops.add_rms_norm(x, residual, 1.0 + weight, 1e-6)
+            expected_total = x + residual
+            expected = kernels.rms_norm_reference(expected_total, weight, 1e-6)
+            close(f"add_rms_norm {shape} sum", total, expected_total)
+            close(f"add_rms_norm {shape} normed", normed, expected)
+            ours = [[total, normed][i] for i in used]
+            theirs = [[expected_total, expected][i] for i in used]
+            for name, a, b in zip(["x", "residual", "weight"], grads(ours, [x, residual, weight], 13),
+                                  grads(theirs, [x, residual, weight], 13)):
+                if b is None:
+                    assert a is None or not a.any(), f"add_rms_norm {shape} {used} grad {name}"
+                else:
+                    close(f"add_rms_norm {shape} outputs {used} grad {name}", a, b)
+
+
+def check_norm_rotate():
+    """norm_rotate against the RMSNorm then rotary reference, outputs and the gradients of x and
+    the scale: x contiguous, and x read in place as query heads interleaved with their gates
+    (a column block of a packed projection), rotating part of each head or all of it."""
+    generator = torch.Generator().manual_seed(11)
+    for heads, width, turned, interleaved in ((3, 40, 16, False), (3, 40, 16, True), (2, 16, 16, True)):
+        total = 23
+        source = torch.randn(total, heads * 2 * width + 5, generator=generator, requires_grad=True)
+        x = (source[:, 5:].view(total, heads, 2 * width)[..., :width] if interleaved
+             else torch.randn(total, heads, width, generator=generator, requires_grad=True))
+        leaf = source if interleaved else x
+        weight = (torch.randn(width, generator=generator) * 0.2).requires_grad_()
+        angles = torch.randn(total, turned // 2, generator=generator)
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        ours = triton_ops.norm_rotate(x, 1.0 + weight, cos, sin, 1e-6)
+        reference = kernels.norm_rotate_reference(x, weight, cos, sin, 1e-6)
+        case = f"norm_rotate heads={heads} D={width} R={turned} interleaved={interleaved}"
+        close(case, ours, reference)
+        for name, a, b in zip(["x", "weight"], grads([ours], [leaf, weight], 12),
+                              grads([reference], [leaf, weight], 12)):
+            close(f"{case} grad {name}", a, b)
 
 
 def check_delta_rule_rows():
@@ -112,14 +168,16 @@ def check_delta_rule_rows():
     generator = torch.Generator().manual_seed(8)
     heads, key_dim, value_heads = 2, 8, 4
     try:
-        for value_dim, values in ((6, default), (40, 16)):
+        for value_dim, values in ((6, default), (40, 16), (40, default)):
             triton_ops.VALUES = values
             for lengths in ([1, 15, 16, 17, 33, 63, 64], [5], [17, 30], [33, 2, 40], [64, 2, 48]):
                 total, states = sum(lengths), torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
                 q, k = (kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
                 v = torch.randn(total, value_heads, value_dim, generator=generator)
-                gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
+                # The raw gate input as the kernels get it from a packed projection: a column block.
+                gate = torch.randn(total, value_heads + 3, generator=generator)[:, 1:-2]
+                beta = torch.rand(total, value_heads)
                 A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
                 parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
                 ours = triton_ops.delta_rule_rows(q, k, v, gate, beta, states, parents, cu, max(lengths), A_log,
@@ -170,7 +228,9 @@ def check_delta_rule_scan():
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
                 q, k = (kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
                 v = torch.randn(total, value_heads, value_dim, generator=generator)
-                gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
+                # The raw gate input as a column block of a packed projection's output (read in place).
+                gate = torch.randn(total, value_heads + 3, generator=generator)[:, 1:-2]
+                beta = torch.rand(total, value_heads)
                 A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
                 log_decay = kernels.decay(gate, A_log, dt_bias)
                 case = f"delta_rule_scan lengths={lengths} V={value_dim} block={values}"
@@ -202,7 +262,7 @@ def check_delta_rule_grad():
     generator = torch.Generator().manual_seed(11)
     heads, key_dim, value_heads = 2, 8, 4
     try:
-        for value_dim, values in ((6, default), (40, 16)):
+        for value_dim, values in ((6, default), (40, 16), (40, default)):
             triton_delta.GRAD_VALUES = values
             for lengths in ([1, 15, 16, 17, 33, 130], [5], [64, 2]):
                 total = sum(lengths)
@@ -407,5 +467,7 @@ if __name__ == "__main__":
     check_delta_rule_scan()
     check_delta_rule_grad()
     check_norms_and_swiglu()
+    check_norm_rotate()
+    check_add_rms_norm()
     check_decoder_with_triton_kernels()
     print("ok")
