@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .batch import Batch
-from .decoder import Prefixes, Segments, packed_forward
+from .decoder import Prefixes, Segments, forget_stacked, packed_forward
 from .features import ImageFeatureCache
 from .training_graphs import TrainingGraphs
 from .vision import VisionGraphs, VisionPlans, image_features, linear_patch_projection
@@ -47,6 +47,7 @@ class DecisionModel(nn.Module):
         self.vision_plans.clear()
         self.vision_graphs.clear()
         self.training_graphs.clear()
+        forget_stacked()
         self.generation += 1
 
     def _apply(self, fn, *args, **kwargs):

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops import kernels
 from ..ops.lora import lora_linear
@@ -40,16 +41,6 @@ def rotary_tables(config, position_ids: torch.Tensor, dtype: torch.dtype) -> tup
         mixed[..., index] = freqs[axis][..., index]
     table = torch.cat([mixed, mixed], dim=-1)
     return table.cos().to(dtype), table.sin().to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Partial rotary embedding on the first R channels of x [T, H, D]."""
-    width = cos.shape[-1]
-    rotated, rest = x[..., :width], x[..., width:]
-    first, second = rotated.chunk(2, dim=-1)
-    turned = torch.cat([-second, first], dim=-1)
-    rotated = rotated * cos[:, None, :] + turned * sin[:, None, :]
-    return torch.cat([rotated, rest], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -119,6 +110,10 @@ def projections(modules, x: torch.Tensor) -> list[torch.Tensor]:
     LoRA bias, a base layer that is not exactly nn.Linear) runs its own forward.
     """
     flat = x.reshape(-1, x.shape[-1])
+    stacked = _stacked_weight(modules)
+    if stacked is not None:  # one product for all of them, its outputs column blocks of one tensor
+        outputs = F.linear(flat, stacked).split([module.out_features for module in modules], dim=1)
+        return [out.view(*x.shape[:-1], out.shape[-1]) for out in outputs]
     names = [_plain_lora(module) for module in modules]
     plain = [index for index, name in enumerate(names) if name]
     outputs = [None] * len(modules)
@@ -135,6 +130,92 @@ def projections(modules, x: torch.Tensor) -> list[torch.Tensor]:
     return [out.view(*x.shape[:-1], out.shape[-1]) for out in outputs]
 
 
+# The projections that read one input, in the order the layers call `projections` with them.
+# `pack_projections` lays each group's weights out as row blocks of one matrix, so the group runs
+# as one matrix product: a delta-rule layer's input side is then one product where it was four
+# (two of them 16 columns wide), attention's three one and the MLP's two one.
+PROJECTION_GROUPS = {"linear_attn": ("in_proj_qkv", "in_proj_b", "in_proj_a", "in_proj_z"),
+                     "self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+
+
+def _packable(modules) -> bool:
+    """Plain bias-free nn.Linear modules of one input width, dtype and device."""
+    first = modules[0].weight
+    return all(type(module) is nn.Linear and module.bias is None
+               and module.weight.dtype == first.dtype and module.weight.device == first.device
+               and module.in_features == modules[0].in_features for module in modules)
+
+
+def _stacked_weight(modules) -> torch.Tensor | None:
+    """The weights of `modules` as one [sum of outputs, D] matrix, when `pack_projections` laid
+    them out one after another in one storage (a view, no copy), else None. Weights autograd
+    would differentiate keep their own products."""
+    if len(modules) < 2 or not _packable(modules):
+        return None
+    if torch.is_grad_enabled() and any(module.weight.requires_grad for module in modules):
+        return None
+    first = modules[0].weight
+    stamp = tuple((id(module.weight), module.weight.data_ptr(), module.weight.shape) for module in modules)
+    kept = _STACKED.get(first)
+    if kept is not None and kept[0] == stamp:
+        return kept[1]
+    if not _adjacent(modules):
+        return None
+    rows = sum(module.out_features for module in modules)
+    stacked = first.detach().as_strided((rows, first.shape[1]), (first.shape[1], 1))
+    _STACKED[first] = (stamp, stacked)
+    return stacked
+
+
+_STACKED = WeakIdKeyDictionary()  # a group's first weight -> (its group's weights then, their stacked view)
+
+
+def forget_stacked() -> None:
+    """Drop the kept stacked views (each holds its weights' storage alive): after a model moved."""
+    _STACKED.clear()
+
+
+def _adjacent(modules) -> bool:
+    """Whether the modules' contiguous weights follow one another in one storage (separate
+    storages may happen to lie side by side: a view across them would read out of bounds)."""
+    at = modules[0].weight.data_ptr()
+    storage = modules[0].weight.untyped_storage().data_ptr()
+    for module in modules:
+        weight = module.weight
+        if (weight.data_ptr() != at or not weight.is_contiguous()
+                or weight.untyped_storage().data_ptr() != storage):
+            return False
+        at += weight.numel() * weight.element_size()
+    return True
+
+
+@torch.no_grad()
+def pack_projections(language_model) -> int:
+    """Lay out the weights of each of `PROJECTION_GROUPS` that holds plain nn.Linear modules (a
+    merged model at inference) as row blocks of one new matrix, each module's weight a
+    view of its block: the same values under the same names, in the same memory (the old
+    storages are freed). Returns how many groups it packed.
+
+    For inference only: a state dict of views into one storage is not what `save_pretrained`
+    writes. A move to another device or dtype gives every weight its own storage again."""
+    packed = 0
+    for layer in language_model.layers:
+        for owner, names in PROJECTION_GROUPS.items():
+            block = getattr(layer, owner, None)
+            if block is None or not all(hasattr(block, name) for name in names):
+                continue
+            modules = [getattr(block, name) for name in names]
+            if not _packable(modules) or _adjacent(modules):
+                continue
+            stacked = torch.cat([module.weight for module in modules])
+            at = 0
+            for module in modules:
+                module.weight.data = stacked[at:at + module.out_features]
+                at += module.out_features
+            packed += 1
+    return packed
+
+
 def project(module, x: torch.Tensor) -> torch.Tensor:
     """`module(x)` for one linear projection (`projections`)."""
     return projections([module], x)[0]
@@ -142,17 +223,18 @@ def project(module, x: torch.Tensor) -> torch.Tensor:
 
 def attention_inputs(module, config, hidden: torch.Tensor, cos, sin):
     """A full-attention layer's query, key and value (normed, rotated) and output gate from its
-    normed input [T, D]: ([T, H, Dh], [T, HKV, Dh], [T, HKV, Dh], [T, H * Dh])."""
+    normed input [T, D]: ([T, H, Dh], [T, HKV, Dh], [T, HKV, Dh], [T, H, Dh]); the gate is read
+    where the projection wrote it, interleaved with the query, not copied out."""
     head_dim = config.head_dim
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     total = hidden.shape[0]
     query, key, value = projections([module.q_proj, module.k_proj, module.v_proj], hidden)
     query, gate = query.view(total, heads, 2 * head_dim).chunk(2, dim=-1)
-    query = kernels.rms_norm(query, module.q_norm.weight, config.rms_norm_eps)
-    key = kernels.rms_norm(key.view(total, kv_heads, head_dim), module.k_norm.weight, config.rms_norm_eps)
+    query = kernels.norm_rotate(query, module.q_norm.weight, cos, sin, config.rms_norm_eps)
+    key = kernels.norm_rotate(key.view(total, kv_heads, head_dim), module.k_norm.weight, cos, sin,
+                              config.rms_norm_eps)
     value = value.view(total, kv_heads, head_dim)
-    query, key = _rotate(query, cos, sin), _rotate(key, cos, sin)
-    return query, key, value, gate.reshape(total, -1)
+    return query, key, value, gate
 
 
 def attention_core(config, query, key, value, rows: Segments, prefixes: Prefixes | None) -> torch.Tensor:
@@ -168,8 +250,8 @@ def attention_core(config, query, key, value, rows: Segments, prefixes: Prefixes
 
 
 def attention_output(module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """The attention output [T, H, Dh] gated by sigmoid(gate) and projected: [T, D]."""
-    return project(module.o_proj, out.reshape(gate.shape) * torch.sigmoid(gate))
+    """The attention output [T, H, Dh] gated by sigmoid(gate [T, H, Dh]) and projected: [T, D]."""
+    return project(module.o_proj, (out.reshape(gate.shape) * torch.sigmoid(gate)).flatten(1))
 
 
 def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: Prefixes | None):
@@ -226,8 +308,7 @@ def _delta_output(module, config, out: torch.Tensor, gate: torch.Tensor) -> torc
 
 def mlp_block(layer, config, hidden: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
     """The residual add of a token mixer's output, then the MLP's residual branch."""
-    hidden = hidden + mixed
-    normed = kernels.rms_norm(hidden, layer.post_attention_layernorm.weight, config.rms_norm_eps)
+    hidden, normed = kernels.add_rms_norm(hidden, mixed, layer.post_attention_layernorm.weight, config.rms_norm_eps)
     mlp = layer.mlp
     gate, up = projections([mlp.gate_proj, mlp.up_proj], normed)
     return hidden + project(mlp.down_proj, kernels.swiglu(gate, up))

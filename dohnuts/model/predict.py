@@ -15,6 +15,7 @@ from .batch import Batch, EncodedImage
 from .checkpoint import load_merged
 from .cuda_graphs import GraphedScores
 from .decision import default_device
+from .decoder import pack_projections
 from .features import image_key
 
 
@@ -28,6 +29,8 @@ class Predictor:
 
     def __init__(self, model, template, model_config, temperatures: dict[str, float]):
         self.model = model
+        if pack_projections(model.backbone.language_model):
+            model.changed()  # new weight storage: no captured graph or derived constant may outlive it
         self.template = template
         self.config = model_config
         self.temperatures = temperatures

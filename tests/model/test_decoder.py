@@ -96,10 +96,51 @@ def test_packed_attention_with_prefix_keys_equals_attention_of_each_row_alone():
         torch.testing.assert_close(out[cu_q[index]:cu_q[index + 1]], expected.transpose(0, 1))
 
 
+def test_packed_projection_weights_keep_names_and_values_and_change_no_output(tiny):
+    """`pack_projections` lays each group's weights out in one matrix (views, same names and
+    values), after which each group runs as one product: the forward is unchanged (float32)."""
+    language_model = load_backbone(tiny.base, torch.float32).language_model.eval()
+    rows = _rows(tiny)
+    embeds, positions, cu = _packed_inputs(language_model, rows)
+    before = {name: tensor.clone() for name, tensor in language_model.state_dict().items()}
+    with torch.no_grad():
+        unpacked = packed_forward(language_model, embeds, positions, cu)
+    layers = language_model.config.num_hidden_layers
+    assert decoder.pack_projections(language_model) == 2 * layers  # a token mixer's and the MLP's
+    assert decoder.pack_projections(language_model) == 0  # already packed
+    after = language_model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    mlp = language_model.layers[0].mlp
+    assert mlp.up_proj.weight.data_ptr() == mlp.gate_proj.weight.data_ptr() + mlp.gate_proj.weight.nbytes
+    products = []
+    with torch.no_grad(), _counting(products):
+        packed = packed_forward(language_model, embeds, positions, cu)
+    assert len(products) == 4 * layers  # input side, output projection, MLP in and out
+    torch.testing.assert_close(packed, unpacked, rtol=1e-5, atol=1e-5)
+
+
+class _counting(torch.overrides.TorchFunctionMode):
+    """Counts F.linear calls into a list."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            self.calls.append(args[1].shape)
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.mark.gpu
-def test_packed_forward_matches_hugging_face_on_cuda(tiny):
-    """Fused kernels and packing on the GPU against Hugging Face's padded forward (float32)."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_packed_forward_matches_hugging_face_on_cuda(tiny, packed):
+    """Fused kernels and packing on the GPU against Hugging Face's padded forward (float32); with
+    `packed`, projection groups as one product whose column blocks the kernels read in place."""
     language_model = load_backbone(tiny.base, torch.float32).language_model.cuda().eval()
+    if packed:
+        assert decoder.pack_projections(language_model) > 0
     rows = _rows(tiny)
     embeds, positions, cu = _packed_inputs(language_model, rows)
     with torch.no_grad():
