@@ -18,7 +18,7 @@ from collections import OrderedDict
 import torch
 
 from ..ops import kernels
-from .batch import Batch
+from .batch import PACKED_BYTES, Batch, move_packed, packed_layout
 from .buckets import all_buckets, bucket_for, empty_batch, pad_to_bucket, padding_tokens
 from .decision import plan_segments
 from .decoder import (
@@ -68,10 +68,17 @@ class _Graph:
 
     def __init__(self, model, embeds: torch.Tensor, batch: Batch, pool):
         self.embeds = embeds.clone()
-        static = {name: getattr(batch, name).clone() for name in GRAPH_FIELDS}
-        if batch.fork is not None:
-            static["fork"] = batch.fork.map(torch.clone)
-        self.batch = dataclasses.replace(batch, **static)  # the *_cpu plan is shared and constant
+        # Every tensor of the batch gets a place in one byte buffer (`packed_layout`): a host
+        # batch of the same shapes then moves straight into the graph's inputs in one copy
+        # (`load`), and the replay copies only the embeddings.
+        tensors = batch.device_tensors()
+        self.shapes = [tensor.shape for tensor in tensors]
+        self.offsets, self.bytes = packed_layout(tensors)
+        self.buffer = torch.empty(max(self.bytes, 1), dtype=torch.uint8, device=embeds.device)
+        self.tensors = [self.buffer[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
+                        .view(tensor.shape).copy_(tensor) for tensor, offset in zip(tensors, self.offsets)]
+        placed = iter(self.tensors)
+        self.batch = batch.map_tensors(lambda tensor: next(placed))  # the *_cpu plan is shared and constant
         side = torch.cuda.Stream(embeds.device)
         side.wait_stream(torch.cuda.current_stream())
         # FLA memoises plans derived from a cu_seqlens tensor (chunk offsets and the like) by
@@ -90,9 +97,23 @@ class _Graph:
         with torch.cuda.graph(self.graph, pool=pool):
             self.output = model.scores(self.embeds, self.batch)
 
+    def load(self, batch: Batch) -> Batch | None:
+        """A host batch of this graph's layout moved straight into the graph's inputs (one copy,
+        `move_packed`): the batch on the device, its tensors the graph's own. None when a tensor's
+        shape differs from the captured batch's (an image of another size) or the batch is large
+        or not contiguous: it then moves as usual."""
+        tensors = batch.device_tensors()
+        if ([tensor.shape for tensor in tensors] != self.shapes or self.bytes > PACKED_BYTES
+                or not all(tensor.is_contiguous() for tensor in tensors)):
+            return None
+        move_packed(tensors, self.buffer, self.offsets, self.bytes)
+        placed = iter(self.tensors)
+        return batch.map_tensors(lambda tensor: next(placed))
+
     def replay(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
         for static, value in zip(_inputs(self.embeds, self.batch), _inputs(embeds, batch)):
-            static.copy_(value)
+            if static.data_ptr() != value.data_ptr():  # moved into `inputs`: already in place
+                static.copy_(value)
         self.graph.replay()
         return self.output.clone()  # graphs share a memory pool: the next replay may reuse it
 
@@ -301,7 +322,9 @@ class GraphedScores:
             self.stats["padding_tokens"] += padding_tokens(batch, bucket)
             logits = self.buckets[bucket].replay(model.embeddings(padded), padded)
             return logits[: batch.markers.shape[0], : batch.markers.shape[1]]
-        moved = batch.to(device) if on_host else batch
+        moved = graph.load(batch) if on_host and graph is not None else None
+        if moved is None:
+            moved = batch.to(device) if on_host else batch
         embeds = model.embeddings(moved)
         if captures:
             graph = self._capture(key, embeds, moved)

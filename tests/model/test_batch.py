@@ -173,3 +173,31 @@ def test_shared_prefixes_match_unshared_rows_end_to_end_on_cuda_in_bf16(tiny):
     for grad, reference_grad in zip(grads, expected):
         scale = reference_grad.abs().max().clamp_min(1e-6)
         assert ((grad - reference_grad).abs().max() / scale).item() < 5e-2
+
+
+@pytest.mark.gpu
+def test_a_request_batch_moves_in_one_packed_copy_bitwise(tiny):
+    """`move_packed`: a request's host batch (image, shared prefix) laid out by `packed_layout`
+    (aligned starts) arrives in one device buffer bitwise equal to tensor-by-tensor copies, and a
+    second batch reusing the thread's pinned buffer does not disturb the first's copy."""
+    from helpers import batch_of, questions, square_image
+
+    from dohnuts.model.batch import PACKED_ALIGN, move_packed, packed_layout
+
+    template = tiny.template()
+    hosts = [batch_of(template, [({"image": square_image(colour), "note": "two rows share this"}, questions(3)),
+                                 ("a text request", questions(2))]) for colour in ("red", "blue")]
+    arrivals = []
+    for host in hosts:
+        tensors = host.device_tensors()
+        offsets, total = packed_layout(tensors)
+        assert all(offset % PACKED_ALIGN == 0 for offset in offsets)
+        target = torch.full((total + 64,), 7, dtype=torch.uint8, device="cuda")
+        move_packed(tensors, target, offsets, total)
+        arrivals.append((target, tensors, offsets))
+    for target, tensors, offsets in arrivals:
+        for tensor, offset in zip(tensors, offsets, strict=True):
+            size = tensor.numel() * tensor.element_size()
+            arrived = target[offset:offset + size].view(tensor.dtype).view(tensor.shape)
+            assert torch.equal(arrived.cpu(), tensor)
+        assert (target[-64:] == 7).all()  # nothing written past the layout

@@ -59,20 +59,27 @@ def _on_cuda(tiny, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_replayed_graphs_equal_the_eager_forward_for_new_contents(tiny, dtype):
+@pytest.mark.parametrize("dtype, on_host", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_replayed_graphs_equal_the_eager_forward_for_new_contents(tiny, dtype, on_host):
+    """With `on_host`, the batches come from the host, and a replay's batch moves in one copy
+    straight into the graph's inputs (`_Graph.load`)."""
     template, model, graphed = _on_cuda(tiny, dtype)
     colours = [(220, 20, 20), (220, 20, 20), (20, 220, 20), (20, 20, 220)]
     assert graphed.capture_at == 3
     with torch.no_grad():
         for colour in colours:
-            batch = _batch(template, colour).to("cuda")
-            torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
+            host = _batch(template, colour)
+            batch = host.to("cuda")
+            torch.testing.assert_close(graphed(host if on_host else batch), model(batch), rtol=1e-5, atol=1e-6)
     # Two sightings eager, the third captures (and replays), then replays with other images
     # (the same layout).
     assert {name: graphed.stats[name] for name in ("eager", "captures", "replays", "failed")} == {
         "eager": 2, "captures": 1, "replays": 2, "failed": 0}
     assert not graphed.failed
+    if on_host:  # the replays' batches went into the graph's own inputs
+        (graph,) = graphed.graphs.values()
+        loaded = graph.load(_batch(template, (20, 20, 220)))
+        assert loaded is not None and all(a is b for a, b in zip(loaded.device_tensors(), graph.tensors))
 
 
 @pytest.mark.gpu
