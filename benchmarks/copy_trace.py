@@ -39,7 +39,7 @@ class Copies(TorchDispatchMode):
 
 @torch.no_grad()
 def main(name: str = "distinct_text_1q") -> None:
-    predictor = shape_only_predictor("qwen3_5-0.8b")
+    predictor = shape_only_predictor("qwen3_5-0.8b", graphs=False)
     state, questions = workloads()[name]
     batch, _ = predictor.encode(state, questions)
     moved = batch.to(predictor.model.device)
