@@ -189,11 +189,12 @@ def move_packed(tensors: list[torch.Tensor], target: torch.Tensor, offsets: list
         staging.done.synchronize()
     array = staging.array
     for tensor, offset in zip(tensors, offsets):
-        raw = tensor.numpy().view(np.uint8).reshape(-1)
-        array[offset:offset + raw.size] = raw
+        if tensor.numel():
+            raw = tensor.view(torch.uint8).numpy().reshape(-1)  # bytes of any dtype (bf16 too)
+            array[offset:offset + raw.size] = raw
     target[:total].copy_(staging.tensor[:total], non_blocking=True)
     staging.done = torch.cuda.Event()
-    staging.done.record()
+    staging.done.record(torch.cuda.current_stream(target.device))  # the stream the copy went on
 
 
 def prefix_groups(rows: list[Row]) -> list[tuple[int, list[int]]]:

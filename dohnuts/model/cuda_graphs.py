@@ -72,7 +72,7 @@ class _Graph:
         # batch of the same shapes then moves straight into the graph's inputs in one copy
         # (`load`), and the replay copies only the embeddings.
         tensors = batch.device_tensors()
-        self.shapes = [tensor.shape for tensor in tensors]
+        self.shapes = [(tensor.shape, tensor.dtype) for tensor in tensors]
         self.offsets, self.bytes = packed_layout(tensors)
         self.buffer = torch.empty(max(self.bytes, 1), dtype=torch.uint8, device=embeds.device)
         self.tensors = [self.buffer[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
@@ -100,10 +100,10 @@ class _Graph:
     def load(self, batch: Batch) -> Batch | None:
         """A host batch of this graph's layout moved straight into the graph's inputs (one copy,
         `move_packed`): the batch on the device, its tensors the graph's own. None when a tensor's
-        shape differs from the captured batch's (an image of another size) or the batch is large
-        or not contiguous: it then moves as usual."""
+        shape or dtype differs from the captured batch's (an image of another size) or the batch
+        is large or not contiguous: it then moves as usual."""
         tensors = batch.device_tensors()
-        if ([tensor.shape for tensor in tensors] != self.shapes or self.bytes > PACKED_BYTES
+        if ([(tensor.shape, tensor.dtype) for tensor in tensors] != self.shapes or self.bytes > PACKED_BYTES
                 or not all(tensor.is_contiguous() for tensor in tensors)):
             return None
         move_packed(tensors, self.buffer, self.offsets, self.bytes)

@@ -159,6 +159,7 @@ def _stacked_weight(modules) -> torch.Tensor | None:
     kept = _STACKED.get(first)
     if kept is not None and kept[0] == stamp:
         return kept[1]
+    _STACKED.pop(first, None)  # a view of storage the weights left: let it go
     if not _adjacent(modules):
         return None
     rows = sum(module.out_features for module in modules)

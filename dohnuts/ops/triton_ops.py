@@ -846,9 +846,9 @@ class AddRMSNorm(torch.autograd.Function):
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, eps: float):
     """(x + residual, its RMSNorm times scale) in one pass: the sum in x's dtype, the norm in
     float32 from it, returned in x's dtype. x, residual: [..., D] of one shape; scale: [D]."""
-    if residual.shape != x.shape or scale.shape != x.shape[-1:]:
-        raise ValueError(f"add_rms_norm: x {tuple(x.shape)}, residual {tuple(residual.shape)} and scale "
-                         f"{tuple(scale.shape)} do not fit together")
+    if residual.shape != x.shape or residual.dtype != x.dtype or scale.shape != x.shape[-1:]:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} "
+                         f"{residual.dtype} and scale {tuple(scale.shape)} do not fit together")
     return AddRMSNorm.apply(x, residual, scale.contiguous(), eps)
 
 
@@ -923,7 +923,8 @@ def norm_rotate(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: to
 
     Args:
         x: [T, H, D] (any strides with unit stride along D); scale: [D].
-        cos, sin: [T, R] rotary tables, each frequency in both halves (R even, at most D).
+        cos, sin: [T, R] rotary tables, each frequency in both halves (R even, at most D), as
+            `decoder.rotary_tables` makes them: the backward reads the first half only.
     """
     if x.dim() != 3 or scale.shape != x.shape[-1:]:
         raise ValueError(f"norm_rotate: x {tuple(x.shape)} must be [T, H, D] with a scale of D, got "

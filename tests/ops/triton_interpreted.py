@@ -2,6 +2,7 @@
 interpreter. `test_kernels.py` runs this file in a subprocess with TRITON_INTERPRET=1, which
 Triton reads when the kernels are defined. Exits non-zero on the first mismatch."""
 
+import copy
 import os
 import sys
 
@@ -307,11 +308,13 @@ def check_delta_rule_grad():
 
 def check_decoder_with_triton_kernels():
     """The decoder as it runs on CUDA (our Triton kernels for the convolution and head split,
-    RMSNorm, gated RMSNorm and SwiGLU), against its CPU path: a random tiny Qwen3.5, shared prefixes forked to
-    rows with and without one, outputs and input gradients."""
+    RMSNorm, the head norm with the rotary embedding, the residual addition with its norm, gated
+    RMSNorm and SwiGLU), against its CPU path: a random tiny Qwen3.5, shared prefixes forked to
+    rows with and without one, outputs and input gradients; also with its projections packed
+    (`pack_projections`), so the kernels read column blocks of one product's output."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextConfig, Qwen3_5TextModel
 
-    from dohnuts.model.decoder import Prefixes, Segments, packed_forward
+    from dohnuts.model.decoder import Prefixes, Segments, pack_projections, packed_forward
     from dohnuts.ops.plan import chunk_plan, cumulative, plan_fork
 
     torch.manual_seed(0)
@@ -344,8 +347,8 @@ def check_decoder_with_triton_kernels():
 
     embeds, positions, cu, prefixes = layout(row_lengths)
 
-    def run():
-        out = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(row_lengths))
+    def run(language_model=model):
+        out = packed_forward(language_model, embeds, positions, cu, False, prefixes, cu, chunk_plan(row_lengths))
         weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
         return out.detach(), torch.autograd.grad((out * weights).sum(), embeds)[0]
 
@@ -355,6 +358,10 @@ def check_decoder_with_triton_kernels():
         "conv_split_heads": lambda x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, *heads: (
             triton_ops.conv_split_heads(x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, *heads)),
         "rms_norm": lambda x, weight, eps: triton_ops.rms_norm(x, 1.0 + weight.float(), eps),
+        "norm_rotate": lambda x, weight, cos, sin, eps: triton_ops.norm_rotate(x, 1.0 + weight.float(), cos, sin,
+                                                                              eps),
+        "add_rms_norm": lambda x, residual, weight, eps: triton_ops.add_rms_norm(x, residual, 1.0 + weight.float(),
+                                                                                 eps),
         "swiglu": triton_ops.swiglu,
         "rms_norm_gated": triton_ops.rms_norm_gated,
     }
@@ -367,16 +374,28 @@ def check_decoder_with_triton_kernels():
             return cuda_path[name](*args)
         return call
 
+    packed = copy.deepcopy(model).requires_grad_(False)  # frozen, as at inference: one product a group
+    assert pack_projections(packed) == 2 * config.num_hidden_layers
     for name in cuda_path:
         setattr(kernels, name, counted(name))
     try:
         fused = run()
+        assert all(calls.values()), calls
+        products = []
+        linear = torch.nn.functional.linear
+        torch.nn.functional.linear = lambda x, weight, *rest: products.append(weight.shape) or linear(x, weight, *rest)
+        try:
+            fused_packed = run(packed)
+        finally:
+            torch.nn.functional.linear = linear
+        assert len(products) == 4 * config.num_hidden_layers, products  # input side, output, MLP in and out
     finally:
         for name, function in cpu_path.items():
             setattr(kernels, name, function)
-    assert all(calls.values()), calls
     close("decoder output with Triton kernels", fused[0], reference[0])
     close("decoder input gradient with Triton kernels", fused[1], reference[1])
+    close("decoder output with Triton kernels, projections packed", fused_packed[0], reference[0])
+    close("decoder input gradient with Triton kernels, projections packed", fused_packed[1], reference[1])
 
     # Rows of at most 64 tokens take delta_rule_rows where CUDA would, but only when no gradient
     # is needed: with one, they keep the differentiable path (the kernel has no backward).
