@@ -77,8 +77,7 @@ class _Graph:
         self.buffer = torch.empty(max(self.bytes, 1), dtype=torch.uint8, device=embeds.device)
         self.tensors = [self.buffer[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
                         .view(tensor.shape).copy_(tensor) for tensor, offset in zip(tensors, self.offsets)]
-        placed = iter(self.tensors)
-        self.batch = batch.map_tensors(lambda tensor: next(placed))  # the *_cpu plan is shared and constant
+        self.batch = self._own(batch)  # the *_cpu plan is shared and constant
         side = torch.cuda.Stream(embeds.device)
         side.wait_stream(torch.cuda.current_stream())
         # FLA memoises plans derived from a cu_seqlens tensor (chunk offsets and the like) by
@@ -107,6 +106,10 @@ class _Graph:
                 or not all(tensor.is_contiguous() for tensor in tensors)):
             return None
         move_packed(tensors, self.buffer, self.offsets, self.bytes)
+        return self._own(batch)
+
+    def _own(self, batch: Batch) -> Batch:
+        """`batch` with the graph's own input tensors in place of its tensors, in order."""
         placed = iter(self.tensors)
         return batch.map_tensors(lambda tensor: next(placed))
 

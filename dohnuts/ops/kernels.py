@@ -174,6 +174,11 @@ def fused(x: torch.Tensor):
 # -- normalisation and activation -------------------------------------------------------------
 
 
+def _norm_scale(weight: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5's RMSNorm scale `1 + weight` in float32, kept per weight (`derived`)."""
+    return derived(weight, "1+w", lambda w: 1.0 + w.float())
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3.5 RMSNorm: x / rms(x) * (1 + weight), computed in float32.
 
@@ -185,7 +190,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # Our Triton kernel: FLA's RMSNorm wrapper costs about 0.2 ms of host time a call, which
         # a host-bound training step pays about 160 times. The scale stays in float32, as in
         # Hugging Face's Qwen3.5 RMSNorm.
-        return ops.rms_norm(x, derived(weight, "1+w", lambda w: 1.0 + w.float()), eps)
+        return ops.rms_norm(x, _norm_scale(weight), eps)
     return rms_norm_reference(x, weight, eps)
 
 
@@ -200,7 +205,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     next block's input. On CUDA one Triton kernel reads both once and writes both."""
     ops = _ours(x)
     if ops is not None:
-        return ops.add_rms_norm(x, residual, derived(weight, "1+w", lambda w: 1.0 + w.float()), eps)
+        return ops.add_rms_norm(x, residual, _norm_scale(weight), eps)
     total = x + residual
     return total, rms_norm_reference(total, weight, eps)
 
@@ -212,7 +217,7 @@ def norm_rotate(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
     halves). Returns [T, H, D] in x's dtype. On CUDA one Triton kernel (in float32 throughout)."""
     ops = _ours(x)
     if ops is not None:
-        return ops.norm_rotate(x, derived(weight, "1+w", lambda w: 1.0 + w.float()), cos, sin, eps)
+        return ops.norm_rotate(x, _norm_scale(weight), cos, sin, eps)
     return norm_rotate_reference(x, weight, cos, sin, eps)
 
 

@@ -410,12 +410,6 @@ def _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, A_log, dt_bias, o_k, o_v
     return b_q, b_k, b_v, g, beta
 
 
-def _rows_of(x: torch.Tensor) -> torch.Tensor:
-    """x [T, C] as the kernels read it, row r at r * x.stride(0): x itself when its columns are
-    adjacent (a column block of a wider projection output needs no copy), else a contiguous copy."""
-    return x if x.stride(-1) == 1 and x.stride(0) >= x.shape[-1] else x.contiguous()
-
-
 @triton.jit
 def _decayed(scores, g_rows, g_cols, DIAGONAL: tl.constexpr, STRICT: tl.constexpr, BC: tl.constexpr):
     """scores [BC, BC] times exp(g_rows[i] - g_cols[j]) (cumulative log decays), for a block on
@@ -584,7 +578,7 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         raise ValueError(f"delta_rule_rows: states {tuple(states.shape)} do not fit {value_heads} heads of "
                          f"{key_dim} x {value_dim}")
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-    g = _rows_of(g)
+    g, gate_stride = _even_rows(g)
     o = torch.empty_like(v)
     block_k = max(16, triton.next_power_of_2(key_dim))
     block_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
@@ -592,7 +586,7 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     grid = (cu_seqlens.shape[0] - 1, value_heads, triton.cdiv(value_dim, block_v))
     with _on(q.device):
         _delta_rows_fwd[grid](q, k, v, g, beta, A_log, dt_bias, states.contiguous(), parents, o, cu_seqlens,
-                              states.shape[0], key_dim**-0.5 if scale is None else scale, g.stride(0),
+                              states.shape[0], key_dim**-0.5 if scale is None else scale, gate_stride,
                               heads, key_dim, value_heads, value_dim, block_k, block_v, PART, parts,
                               num_warps=ROW_WARPS)
     return o
@@ -670,7 +664,7 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         raise ValueError(f"delta_rule_scan: {sequences} sequences, parents {tuple(parents.shape)}, states "
                          f"{tuple(states.shape)}, for {value_heads} heads of {key_dim} x {value_dim}")
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-    g = _rows_of(g)
+    g, gate_stride = _even_rows(g)
     o = torch.empty_like(v)
     final = q.new_empty(sequences, value_heads, key_dim, value_dim, dtype=torch.float32) if output_final_state else o
     initial = states.contiguous() if states is not None else o
@@ -680,7 +674,7 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     with _on(q.device):
         _delta_scan_fwd[grid](q, k, v, g, beta, A_log, dt_bias, initial, parents if parents is not None else cu_seqlens,
                               o, final, cu_seqlens, 0 if states is None else states.shape[0],
-                              key_dim**-0.5 if scale is None else scale, g.stride(0), heads, key_dim, value_heads,
+                              key_dim**-0.5 if scale is None else scale, gate_stride, heads, key_dim, value_heads,
                               value_dim, block_k, block_v, PART, states is not None, output_final_state,
                               num_warps=ROW_WARPS)
     return o, final if output_final_state else None
@@ -731,6 +725,17 @@ def _rows_view(x: torch.Tensor):
     if x.dim() == 3:
         return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
     return None
+
+
+def _even_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(x, the distance between its rows of the last axis) when its rows are evenly spaced (x
+    contiguous, or a column block of a wider projection output, read in place), else (a
+    contiguous copy, its width)."""
+    layout = _rows_view(x)
+    if layout is None or layout[1] != 1:
+        x = x.contiguous()
+        return x, x.shape[-1]
+    return x, layout[2]
 
 
 def _rows_layout(x: torch.Tensor):
@@ -938,19 +943,6 @@ def norm_rotate(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: to
 BLOCK = 1024  # elements per SwiGLU program
 
 
-def _column_rows(x: torch.Tensor) -> torch.Tensor:
-    """x itself when it is contiguous or a 2-D column block (unit stride along its rows, as a
-    part of a wider projection output), else a contiguous copy."""
-    if x.is_contiguous() or (x.dim() == 2 and x.stride(-1) == 1 and x.stride(0) >= x.shape[-1]):
-        return x
-    return x.contiguous()
-
-
-def _row_stride(x: torch.Tensor) -> int:
-    """The distance between rows of the last axis of x (`_column_rows`' layouts)."""
-    return x.stride(0) if x.dim() == 2 else x.shape[-1]
-
-
 @triton.jit
 def _swiglu_fwd(gate, up, y, N, width, sg, su, BN: tl.constexpr):
     # Element e of the [N / width, width] output is row e // width, column e % width; gate and up
@@ -978,12 +970,11 @@ def _swiglu_bwd(gate, up, dy, dgate, dup, N, BN: tl.constexpr):
 class SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
-        gate, up = _column_rows(gate), _column_rows(up)
+        (gate, gate_stride), (up, up_stride) = _even_rows(gate), _even_rows(up)
         y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         count, width = gate.numel(), gate.shape[-1]
         with _on(gate.device):
-            _swiglu_fwd[(triton.cdiv(count, BLOCK),)](gate, up, y, count, width, _row_stride(gate), _row_stride(up),
-                                                      BLOCK)
+            _swiglu_fwd[(triton.cdiv(count, BLOCK),)](gate, up, y, count, width, gate_stride, up_stride, BLOCK)
         ctx.save_for_backward(gate, up)
         return y
 
