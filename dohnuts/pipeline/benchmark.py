@@ -745,9 +745,14 @@ def run(config: BenchmarkConfig, checkpoint: Path, records: Path, echo=print) ->
     else:
         predictor = Predictor.from_checkpoint(checkpoint)
 
+    echoed = 0
+
     def progress(done):
+        nonlocal echoed
         write_bytes(Path(records), "".join(json.dumps(record) + "\n" for record in done).encode())
-        echo(describe(done[-1]))
+        for record in done[echoed:]:  # a step may add several records (the two training records)
+            echo(describe(record))
+        echoed = len(done)
 
     _, summary, plots = benchmark(predictor, config.warmup, config.timed, progress=progress,
                                   serving_requests=config.serving_requests, serving_clients=config.serving_clients,

@@ -119,3 +119,28 @@ def test_varied_traffic_times_each_distinct_layout_on_first_sight_then_again(dep
         assert min(measured["samples_ms"]) <= measured["p50_ms"] <= measured["p95_ms"] <= measured["p99_ms"]
         assert measured["p99_ms"] <= measured["max_ms"] == max(measured["samples_ms"])
     assert len(record["hugging_face_samples_ms"]) == 8
+
+
+def test_the_stage_echoes_every_record_even_when_a_step_adds_several(tmp_path, monkeypatch):
+    """`run` rewrites the records file after each step and echoes one line per new record: the
+    training step adds the repeated and the varied training records at once."""
+    import json
+
+    from dohnuts.config import BenchmarkConfig
+    from dohnuts.pipeline import benchmark as stage
+
+    first = {"workload": "a", "rows": 1}
+    pair = [{"workload": "b", "rows": 2}, {"workload": "c", "rows": 3}]
+
+    def fake_benchmark(predictor, warmup, timed, progress=None, **_):
+        progress([first])
+        progress([first, *pair])
+        return [], {}, []
+
+    monkeypatch.setattr(stage.Predictor, "from_checkpoint", staticmethod(lambda path: None))
+    monkeypatch.setattr(stage, "benchmark", fake_benchmark)
+    lines = []
+    stage.run(BenchmarkConfig(), tmp_path / "checkpoint", tmp_path / "records.jsonl", echo=lines.append)
+    assert lines == [describe(first), *(describe(record) for record in pair)]
+    written = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert written == [first, *pair]
