@@ -164,7 +164,7 @@ def test_packed_projections_match_unpacked_in_bf16_on_cuda(tiny):
     results = []
     for model in (language_model, packed):
         leaf = embeds.detach().clone().requires_grad_()
-        out = packed_forward(model, leaf, positions.cuda(), cu.cuda())
+        out = packed_forward(model, leaf, positions.cuda(), cu.to("cuda", torch.int32))  # as a Batch holds it
         probe = torch.randn(out.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
         results.append((out.float(), torch.autograd.grad((out.float() * probe).sum(), leaf)[0].float()))
     (plain, plain_grad), (ours, ours_grad) = results
