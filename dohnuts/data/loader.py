@@ -82,18 +82,24 @@ def worker_batches(build: Callable[[object], Item], keys: Sequence, device: torc
     CUDA. `build` must be a picklable callable (a module-level function or an object). No more
     workers start than there are keys, and by default (`workers_for`) none for a few batches."""
     workers = min(workers_for(device, len(keys)) if workers is None else workers, len(keys))
+    # Pinned by the loader's pinning thread beside the workers; built in the loop, a batch would
+    # pay for the pinning copy on the loop's own time, where the plain copy costs no more.
     # Its own generator: opening the loader draws a base seed from it, never from the global
     # generator, whose state (LoRA dropout masks) a resumed run must continue exactly.
     return torch.utils.data.DataLoader(
         _Built(build, keys), batch_size=None, shuffle=False, num_workers=workers, collate_fn=_as_built,
         generator=torch.Generator().manual_seed(0),
-        pin_memory=device.type == "cuda", prefetch_factor=2 if workers else None,
+        pin_memory=device.type == "cuda" and workers > 0, prefetch_factor=2 if workers else None,
         multiprocessing_context="fork" if workers else None)
 
 
-def prefetch(items: Iterable[Item], device: torch.device) -> Iterator[Item]:
-    """Items on `device`, in order; on CUDA the next item's copy runs on a transfer stream
-    while the caller computes on the current one.
+def prefetch(items: Iterable[Item], device: torch.device, ahead: bool = True) -> Iterator[Item]:
+    """Items on `device`, in order; on CUDA each item's copy runs on a transfer stream, and with
+    `ahead` the next item is taken and its copy started before the current one is yielded, so
+    the copy runs while the caller computes. Without `ahead` the next item is taken only when
+    the caller asks for it: right when `items` builds it in this thread (no loader workers),
+    whose host work then runs while the device computes what the caller launched, instead of
+    before it.
 
     Ordering and lifetime: the compute stream waits for the transfer that produced each item,
     and every copied tensor is marked as used by the compute stream (`record_stream`), so
@@ -112,6 +118,10 @@ def prefetch(items: Iterable[Item], device: torch.device) -> Iterator[Item]:
         done.record(transfer)
         return moved, done
 
+    if not ahead:
+        for item in items:
+            yield _ready(*start(item))
+        return
     pending = None
     for item in items:
         following = start(item)

@@ -176,7 +176,8 @@ def evaluate(model, template: Template, reader: RecordReader, rows: pd.DataFrame
                              workers)
     results_stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
     previous = None
-    for index, item in zip(mine, prefetch(batches, model.device)):
+    # Built in this loop (no workers), the next batch is built while the device runs this one.
+    for index, item in zip(mine, prefetch(batches, model.device, ahead=batches.num_workers > 0)):
         current = (index, *_to_host(model(item.batch), results_stream), item.meta)
         if previous is not None:
             done.append((previous[0], _results(*previous[1:])))

@@ -131,6 +131,33 @@ def test_prefetch_on_cuda_matches_synchronous_copies_and_pins_worker_batches(eva
         _same_item(ours, build(tables))
 
 
+@pytest.mark.gpu
+def test_prefetch_takes_the_next_item_ahead_only_when_asked_and_pins_only_worker_batches(evaluation):
+    """Without `ahead`, an item built in the loop is taken only once the caller has the one
+    before it (its host work then overlaps the caller's device work); with it, one item early.
+    Batches built in the loop are not pinned."""
+    template, _, rows, build = evaluation
+    plan = plan_batches(rows, BUDGET, template)
+    assert len(plan) >= 2
+    device = torch.device("cuda")
+    for ahead, taken_with_first in ((False, 1), (True, 2)):
+        taken = []
+
+        def items(taken=taken):
+            for tables in plan:
+                taken.append(len(taken))
+                yield build(tables)
+
+        stream = prefetch(items(), device, ahead=ahead)
+        first = next(stream)
+        assert len(taken) == taken_with_first
+        rest = list(stream)
+        torch.cuda.synchronize()
+        for ours, tables in zip([first, *rest], plan):
+            _same_item(ours, build(tables))
+    assert not any(item.batch.input_ids.is_pinned() for item in worker_batches(build, plan, device, 0))
+
+
 def test_training_updates_from_workers_equal_the_ones_built_in_process(tiny):
     from dohnuts.data.records import GroupSampler
     from dohnuts.pipeline.train import TrainingBatches, TrainingUpdates
