@@ -239,37 +239,32 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         for index in members:
             parents[index], splits[index] = group, split
 
-    # Plain lists, one tensor per field at the end: per-row tensors cost more than the rows.
+    # Plain lists, one tensor per field at the end: per-row tensors cost more than the rows. The
+    # positions come in numpy pieces, [n] each when every row is text (the three M-RoPE axes are
+    # then equal: one built, repeated), else [3, n].
     ids: list[int] = []
-    positions: list[list[int]] = [[], [], []]
+    pieces: list[np.ndarray] = []
     slot_positions: list[int] = []
     slot_sources: list[int] = []
 
-    text_only = all(row.image_grid is None for row in rows)  # then the three M-RoPE axes are equal: one built, repeated
+    text_only = all(row.image_grid is None for row in rows)
 
     def add(row: Row, begin: int, end: int) -> None:
         offset = len(ids)
         ids.extend(row.input_ids[begin:end])
-        if text_only:
-            positions[0].extend(range(begin, end))
-            return
-        if row.image_grid is None:
-            for axis in positions:
-                axis.extend(range(begin, end))
-            return
-        start = row.input_ids.index(image_pad_id)
-        height, width = row.image_grid
-        if begin >= start + height * width:  # all after the image: text positions, shifted as it leaves them
-            shift = max(height, width) - height * width
-            for axis in positions:
-                axis.extend(range(begin + shift, end + shift))
-            return
-        full = _mrope(row, len(row.input_ids), image_pad_id)[:, begin:end].tolist()
-        for axis, values in zip(positions, full):
-            axis.extend(values)
-        places, sources = _image_tokens(row, begin, end, feature_offsets[row.image], image_pad_id)
-        slot_positions.extend(range(offset + places.start, offset + places.stop))
-        slot_sources.extend(sources)
+        shift = 0
+        if row.image_grid is not None:
+            start = row.input_ids.index(image_pad_id)
+            height, width = row.image_grid
+            if begin < start + height * width:
+                pieces.append(_mrope(row, len(row.input_ids), image_pad_id)[:, begin:end])
+                places, sources = _image_tokens(row, begin, end, feature_offsets[row.image], image_pad_id)
+                slot_positions.extend(range(offset + places.start, offset + places.stop))
+                slot_sources.extend(sources)
+                return
+            shift = max(height, width) - height * width  # all after the image: shifted as it leaves them
+        line = np.arange(begin + shift, end + shift)
+        pieces.append(line if text_only else np.broadcast_to(line, (3, end - begin)))
 
     for split, members in groups:
         add(rows[members[0]], 0, split)
@@ -295,7 +290,7 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     grid = torch.cat([image.grid_thw for image in images]) if images else None
     return Batch(
         input_ids=_longs(ids),
-        position_ids=_longs(positions[0]).expand(3, -1).contiguous() if text_only else _longs(positions),
+        position_ids=_positions(pieces, text_only),
         prefix_tokens=prefix_tokens,
         # The *_cpu fields are the same host tensors: `to` moves the others, never these.
         prefix_cu_seqlens=prefix_cu, prefix_cu_seqlens_cpu=prefix_cu, cu_seqlens=row_cu, cu_seqlens_cpu=row_cu,
@@ -312,6 +307,14 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         image_shapes_cpu=_longs([list(pixels.shape) for pixels in carried]).reshape(-1, 3) if raw and carried
         else None,
     )
+
+
+def _positions(pieces: list[np.ndarray], text_only: bool) -> torch.Tensor:
+    """[3, tokens] int64 positions from `pack_rows`' pieces."""
+    if text_only:
+        line = np.concatenate(pieces)
+        return torch.from_numpy(np.broadcast_to(line, (3, line.size)).copy())
+    return torch.from_numpy(np.concatenate(pieces, axis=1))
 
 
 def _longs(values: list) -> torch.Tensor:

@@ -6,11 +6,11 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..schema import Request, answer, parse_request
-from ..scoring.calibration import apply_temperatures
-from ..scoring.metrics import masked_softmax
+from ..scoring.metrics import masked_softmax_rows
 from .batch import Batch, EncodedImage
 from .checkpoint import load_merged
 from .cuda_graphs import GraphedScores
@@ -159,10 +159,9 @@ class Predictor:
         # The logits [B, K] come to the host at once (the call's one synchronisation): the few
         # small operations after them cost less there than as device launches, each a host
         # round trip once the forward has finished, and the temperatures need no copy to the device.
-        logits = self.scores(batch).cpu()  # the host batch: a bucket pads it before the copy
-        kinds = [question.kind for request in parsed for question in request.questions]
-        scaled = apply_temperatures(logits.double(), kinds, self.temperatures)
-        probs = masked_softmax(scaled, batch.candidate_mask).tolist()  # one conversion, not one a question
+        logits = self.scores(batch).cpu().numpy()  # the host batch: a bucket pads it before the copy
+        scale = np.array([self.temperatures[question.kind] for request in parsed for question in request.questions])
+        probs = masked_softmax_rows(logits, batch.candidate_mask.numpy(), scale).tolist()  # one conversion
         raw = logits.tolist() if raw_logits else None
         results, row = [], 0
         for request, count in zip(parsed, tokens):

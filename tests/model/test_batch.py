@@ -82,6 +82,33 @@ def test_image_block_cut_by_the_split_feeds_each_part_its_features():
     assert torch.equal(batch.position_ids[:, 64:64 + len(rows[0].input_ids) - 64], full[:, 64:])
 
 
+def test_positions_of_a_mixed_batch_rebuild_every_rows_own_mrope_positions():
+    """Text rows, rows whose image lies wholly in their shared prefix (their own part shifted
+    as the image leaves it), an image cut by the split and a lone image row: each row's
+    positions, its prefix's then its own, are `mrope_positions` of the row alone."""
+    before = [9] * 61 + [50] + [77] * 4 + [51]  # an image block at 62..65, cut by a split at 64
+    after = [9] * 3 + [50] + [77] * 4 + [51] + list(range(10, 70))  # the block wholly before 64
+    text = list(range(100, 180))
+    rows = [_row(before + [1, 0], len(before), [len(before) + 1], image=0),
+            _row(before + [2, 3, 0], len(before), [len(before) + 2], image=0),
+            _row(text + [4, 0], 80, [81]), _row(after + [5, 0], len(after), [len(after) + 1], image=1),
+            _row(text + [6, 7, 0], 80, [82]), _row(after + [8, 0], len(after), [len(after) + 1], image=1),
+            _row([50] + [77] * 4 + [51, 3, 0], 0, [7], image=2)]
+    images = [EncodedImage(torch.zeros(16, 3), torch.tensor([[1, 4, 4]]), key) for key in "abc"]
+    batch = pack_rows(rows, images, image_pad_id=77)
+    assert batch.fork.parents.tolist() == [0, 0, 1, 2, 1, 2, -1]
+    prefix = batch.position_ids[:, : batch.prefix_tokens]
+    own = batch.position_ids[:, batch.prefix_tokens:]
+    starts, bounds = batch.prefix_cu_seqlens.tolist(), batch.cu_seqlens.tolist()
+    for index, row in enumerate(rows):
+        parent = int(batch.fork.parents[index])
+        head = prefix[:, starts[parent]:starts[parent + 1]] if parent >= 0 else prefix[:, :0]
+        rebuilt = torch.cat([head, own[:, bounds[index]:bounds[index + 1]]], 1)
+        assert torch.equal(rebuilt, mrope_positions(row, len(row.input_ids), 77)), index
+    text_rows = pack_rows([rows[2], rows[4]], [], image_pad_id=77)
+    assert text_rows.position_ids.is_contiguous() and torch.equal(text_rows.position_ids[0], text_rows.position_ids[2])
+
+
 def test_shared_prefixes_of_64_and_127_tokens_match_unshared_logits_and_gradients(tiny):
     """Two requests whose beginnings are exactly 64 and 127 tokens, and a one-question request,
     in one batch: logits and LoRA and head gradients equal the unshared batch (float64, 1e-5

@@ -8,7 +8,15 @@ import pandas as pd
 import pytest
 import torch
 
-from dohnuts.scoring.metrics import ece, macro_f1, masked_softmax, reliability, row_metrics, summarize
+from dohnuts.scoring.metrics import (
+    ece,
+    macro_f1,
+    masked_softmax,
+    masked_softmax_rows,
+    reliability,
+    row_metrics,
+    summarize,
+)
 
 # Three rows padded to K = 4:
 #   row 0: 3 valid, not ordinal, one-hot target on index 0.
@@ -63,6 +71,25 @@ def test_masked_softmax_applies_per_row_temperature():
     # Row 1 at T = 2 equals softmax([1, 0]).
     torch.testing.assert_close(probs[1], torch.softmax(torch.tensor([1.0, 0.0]), dim=0))
     torch.testing.assert_close(probs[0], torch.softmax(logits[0], dim=0))
+
+
+def test_numpy_masked_softmax_rows_equal_the_torch_reference():
+    """The served path's numpy softmax (one temperature a row) against `apply_temperatures` then
+    `masked_softmax`, padding holding huge and non-finite logits: equal to 1e-12."""
+    from dohnuts.scoring.calibration import apply_temperatures
+
+    generator = torch.Generator().manual_seed(3)
+    logits = 4 * torch.randn(40, 7, generator=generator)
+    mask = torch.arange(7) < torch.randint(1, 8, (40, 1), generator=generator)
+    logits = logits.masked_fill(~mask, 1e9)
+    logits[0, -1], logits[1, -1] = math.inf, math.nan
+    mask[0, -1] = mask[1, -1] = False
+    kinds = [("choice", "noul", "score")[index % 3] for index in range(40)]
+    temperatures = {"choice": 0.7, "noul": 1.9, "score": 1.2}
+    expected = masked_softmax(apply_temperatures(logits.double(), kinds, temperatures), mask)
+    ours = masked_softmax_rows(logits.numpy(), mask.numpy(), np.array([temperatures[kind] for kind in kinds]))
+    np.testing.assert_allclose(ours, expected.numpy(), rtol=0, atol=1e-12)
+    assert (ours[~mask.numpy()] == 0).all()
 
 
 def test_correct_breaks_argmax_ties_towards_lowest_index(metrics):
