@@ -5,8 +5,9 @@ script behind the `h200-host-steps-*.txt` files in docs/results/.
 
 On the shape-only Qwen3.5-0.8B predictor (random weights, bf16) warmed up on the workload, each
 of 100 calls runs `Predictor.predict_many`'s steps one after another as it does (encode; the
-weight-version check, the layout key, the load into the graph's inputs, the embeddings and the
-replay's launch inside `GraphedScores`; the wait for the logits; the answers), timed on the
+layout key, the load into the graph's inputs, the embeddings, the replay's launch and the
+weight-version check, which runs while the device replays, inside `GraphedScores`; the wait for
+the logits; the answers), timed on the
 host with no synchronisation between them, so each step's time is its host time, except the
 wait, which is the device's remaining work. Prints the p50 of each step and of their sum,
 beside the p50 of 100 plain `predict` calls.
@@ -23,7 +24,7 @@ from dohnuts.measure.shapes import shape_only_predictor
 from dohnuts.model.cuda_graphs import layout_key
 from dohnuts.pipeline.benchmark import workloads
 
-STEPS = ("encode", "version check", "layout key", "load into the graph", "embeddings", "replay launch",
+STEPS = ("encode", "layout key", "load into the graph", "embeddings", "replay launch", "version check",
          "wait for the logits", "answers")
 
 
@@ -32,8 +33,6 @@ def steps(predictor, state, questions) -> list[float]:
     scores, model = predictor.scores, predictor.model
     marks = [time.perf_counter()]
     batch, parsed, tokens, _ = predictor._encode([(state, questions)], collect=False)
-    marks.append(time.perf_counter())
-    scores._check_versions()
     marks.append(time.perf_counter())
     key = layout_key(batch)
     marks.append(time.perf_counter())
@@ -45,6 +44,8 @@ def steps(predictor, state, questions) -> list[float]:
     embeds = model.embeddings(moved)
     marks.append(time.perf_counter())
     logits = graph.replay(embeds, moved)
+    marks.append(time.perf_counter())
+    scores._check_versions()
     marks.append(time.perf_counter())
     torch.cuda.current_stream().synchronize()
     marks.append(time.perf_counter())
