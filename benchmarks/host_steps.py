@@ -36,7 +36,9 @@ def steps(predictor, state, questions) -> list[float]:
     marks.append(time.perf_counter())
     key = layout_key(batch)
     marks.append(time.perf_counter())
-    graph = scores.graphs[key]
+    graph = scores.graphs.get(key)
+    if graph is None:
+        sys.exit("host_steps: the workload's layout has no exact CUDA graph (it was not captured)")
     moved = graph.load(batch)
     if moved is None:
         sys.exit("host_steps: the workload's batch does not load into its graph's inputs in one copy")

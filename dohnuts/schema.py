@@ -138,8 +138,8 @@ def _choice(qid, criteria):
         candidates = list(labels)
     else:
         raise TypeError(f"choice question {qid!r} needs criteria as a list or a mapping, got {criteria!r}")
-    duplicates = sorted({label for label in labels if labels.count(label) > 1})
-    if duplicates:
+    if len(set(labels)) != len(labels):
+        duplicates = sorted({label for label in labels if labels.count(label) > 1})
         raise ValueError(f"choice question {qid!r} has duplicate labels {duplicates}")
     return labels, candidates
 
@@ -178,12 +178,15 @@ def _reject_reserved(where: str, text: str, reserved: Sequence[str]) -> None:
             raise ValueError(f"{where} contains {what} {token!r}")
 
 
-def answer(question: Question, probabilities: Sequence[float]) -> dict:
+def answer(question: Question, probabilities: Sequence[float], confidence: float | None = None) -> dict:
     """The answer to one question from its calibrated candidate probabilities.
 
     Args:
         question: the validated question.
         probabilities: [K] probabilities in candidate order.
+        confidence: of a choice or score question, 1 - entropy / log K of `probabilities` when
+            already computed (`Predictor` does it for a batch's rows at once); computed here
+            when None.
 
     Returns:
         choice: {"type", "choice", "probabilities", "confidence"}; noul: {"type", "noul",
@@ -193,8 +196,9 @@ def answer(question: Question, probabilities: Sequence[float]) -> dict:
     table = dict(zip(question.labels, p))
     if question.kind == "noul":
         return {"type": "noul", "noul": table["true"], "probabilities": table, "confidence": max(p)}
-    entropy = -sum(value * math.log(value) for value in p if value > 0)
-    confidence = 1.0 - entropy / math.log(len(p))
+    if confidence is None:
+        entropy = -sum(value * math.log(value) for value in p if value > 0)
+        confidence = 1.0 - entropy / math.log(len(p))
     if question.kind == "choice":
         best = max(range(len(p)), key=p.__getitem__)
         return {"type": "choice", "choice": question.labels[best], "probabilities": table, "confidence": confidence}

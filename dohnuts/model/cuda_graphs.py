@@ -95,7 +95,7 @@ class _Graph:
                 model.scores(self.embeds, self.batch)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with kernels.holding_derived() as self.derived, torch.cuda.graph(self.graph, pool=pool):
             self.output = model.scores(self.embeds, self.batch)
 
     def load(self, batch: Batch) -> Batch | None:
@@ -348,7 +348,8 @@ class GraphedScores:
     def _replay(self, graph: _Graph, key: tuple, batch: Batch, on_host: bool) -> torch.Tensor:
         """Logits of a batch of a captured layout. The weights' versions are read while the
         device replays (about 475 of them for Qwen3.5-0.8B, 0.1 ms of host time on the H200's
-        host): when one changed in place, the replay read stale derived constants, so its
+        host): when one changed in place, the replay read stale derived constants (which the
+        graph holds, `kernels.holding_derived`, so their memory is still its own), so its
         logits are dropped with every graph and the batch runs again on the new weights."""
         model = self.model
         moved = graph.load(batch) if on_host else None

@@ -126,6 +126,23 @@ def uncached_plans():
 
 
 _DERIVED = WeakIdKeyDictionary()
+_HELD: list | None = None  # the kept constants `derived` handed out inside `holding_derived`
+
+
+@contextlib.contextmanager
+def holding_derived():
+    """Collect (into the list it yields) every kept constant `derived` hands out inside the
+    block. A CUDA graph captured there reads their memory at each replay, so it holds them for
+    as long as it lives: when an in-place change of a weight has the cache replace one, a replay
+    launched before the change is noticed (`GraphedScores` reads the weights' versions while its
+    exact graphs replay) still reads memory it owns."""
+    global _HELD
+    previous, _HELD = _HELD, []
+    try:
+        yield _HELD
+    finally:
+        _HELD = previous
+
 
 
 def derived(parameter: torch.Tensor, tag: str, make) -> torch.Tensor:
@@ -152,6 +169,8 @@ def derived(parameter: torch.Tensor, tag: str, make) -> torch.Tensor:
         if parameter.is_cuda and torch.cuda.is_current_stream_capturing():
             return value
         entry = entries[tag] = (stamp, value)
+    if _HELD is not None:
+        _HELD.append(entry[1])
     return entry[1]
 
 

@@ -571,8 +571,11 @@ def evaluation_throughput_record(model, template, max_tokens: int, root: Path, s
     """Rows per second of evaluation on a generated image-and-text partition: `evaluate` (loader
     workers, prefetch, overlapped results) against `synchronous_evaluation`, each the median of
     `passes` timed passes (a pass is a fraction of a second on the H200: one alone varied by a
-    fifth). The image-feature cache is emptied before each timed pass, so both encode every
-    image; each path runs once untimed first (kernel autotuning, allocator warm-up)."""
+    fifth), the two paths alternating pass by pass so that drift reaches both alike. The
+    image-feature cache is emptied before each timed pass, so both encode every image; each path
+    runs once untimed first (kernel autotuning, allocator warm-up)."""
+    if passes < 1:
+        raise ValueError(f"evaluation_throughput_record: passes must be at least 1, got {passes}")
     states = synthetic.generate(seed=0, states_per_group=states_per_group)
     write_mixture(states, root, 0, {"train": 0.0, "dev": 0.0, "calibration": 0.0, "test": 1.0})
     folder = root / "test"
@@ -583,19 +586,19 @@ def evaluation_throughput_record(model, template, max_tokens: int, root: Path, s
     paths = {"overlapped": lambda: evaluate(model, template, reader, rows, batch_tokens, max_tokens,
                                             desc="overlapped"),
              "synchronous": lambda: synchronous_evaluation(model, build, plan)}
-    seconds, samples = {}, {}
-    for name, run in paths.items():
+    samples = {name: [] for name in paths}
+    for run in paths.values():
         run()
-        samples[name] = []
-        for _ in range(passes):
+    for _ in range(passes):
+        for name, run in paths.items():
             model.image_cache.clear()
             synchronize(device)
             start = time.perf_counter()
             run()
             synchronize(device)
             samples[name].append(time.perf_counter() - start)
-        model.image_cache.clear()
-        seconds[name] = statistics.median(samples[name])
+    model.image_cache.clear()
+    seconds = {name: statistics.median(values) for name, values in samples.items()}
     record = {"workload": "evaluation_throughput", "rows": len(rows), "batches": len(plan),
               "batch_tokens": batch_tokens, "images": int(rows.image.notna().sum()),
               "loader_workers": workers_for(device, len(plan)), "passes": passes}

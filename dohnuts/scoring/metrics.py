@@ -42,9 +42,25 @@ def masked_softmax_rows(logits: np.ndarray, mask: np.ndarray, temperatures: np.n
     Returns:
         [B, K] float64 probabilities summing to 1 over valid candidates, 0 at invalid ones.
     """
-    scaled = np.where(mask, logits.astype(np.float64) / temperatures[:, None], -np.inf)
-    weights = np.exp(scaled - scaled.max(axis=1, keepdims=True))
-    return weights / weights.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore"):  # a NaN or infinite valid logit gives NaN, as torch does, silently
+        scaled = np.where(mask, logits.astype(np.float64) / temperatures[:, None], -np.inf)
+        weights = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+        return weights / weights.sum(axis=1, keepdims=True)
+
+
+def normalised_entropy_confidence(probs: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """1 - entropy / log K of each row's valid candidates (K of them, at least 2): the confidence
+    `schema.answer` gives a choice or score question, for a batch's rows at once.
+
+    Args:
+        probs: [B, K] probabilities, 0 at invalid candidates. mask: [B, K] bool.
+
+    Returns:
+        [B] float64.
+    """
+    logs = np.log(np.where(probs > 0, probs, 1.0))  # 0 log 0 counts as 0
+    entropy = -(probs * logs).sum(axis=1)
+    return 1.0 - entropy / np.log(mask.sum(axis=1))
 
 
 def masked_log_softmax(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,33 @@ def _delta_inputs(total, heads=2, value_heads=4, key_dim=8, value_dim=6, device=
     return q, k, v, g, beta
 
 
+def test_holding_derived_keeps_what_a_capture_read_after_the_cache_replaced_it():
+    """A graph captured inside `holding_derived` holds the kept constants it read: after an
+    in-place change has the cache make a new one, the old one (the memory a stale replay reads)
+    is still alive, held by the list, and outside the block nothing is collected."""
+    import gc
+    import weakref
+
+    weight = torch.nn.Parameter(torch.randn(5), requires_grad=False)
+    kernels.derived(weight, "1+w", lambda w: 1.0 + w)
+    with kernels.holding_derived() as held:
+        old = kernels.derived(weight, "1+w", lambda w: 1.0 + w)
+    assert len(held) == 1 and held[0] is old
+    watch = weakref.ref(old)
+    del old
+    with torch.no_grad():
+        weight.add_(1.0)
+    new = kernels.derived(weight, "1+w", lambda w: 1.0 + w)  # replaces the cache's entry
+    gc.collect()
+    assert watch() is held[0] and new is not held[0]
+    torch.testing.assert_close(new, 1.0 + weight, rtol=0, atol=0)
+    kernels.derived(weight, "1+w", lambda w: 1.0 + w)
+    assert len(held) == 1  # collected only inside the block
+    held.clear()
+    gc.collect()
+    assert watch() is None  # released with its holder
+
+
 def test_derived_constants_are_kept_per_version_and_never_cut_gradients():
     weight = torch.nn.Parameter(torch.randn(5), requires_grad=False)
     calls = []

@@ -100,6 +100,9 @@ def test_repro_produces_every_stage_output_and_then_is_up_to_date(project):
     assert varied["requests"] == 6 and summary["varied_traffic"]["first_sight"]["timed_calls"]["eager"] == 6
     throughput = next(record for record in records if record["workload"] == "evaluation_throughput")
     assert throughput["overlapped_rows_per_second"] > 0 and throughput["synchronous_rows_per_second"] > 0
+    for path in ("overlapped", "synchronous"):  # the median of the passes' samples
+        samples = throughput[f"{path}_seconds_samples"]
+        assert len(samples) == throughput["passes"] == 3 and throughput[f"{path}_seconds"] == sorted(samples)[1]
     plots = json.loads((project / "runs/benchmark/plots.json").read_text())
     assert {row["workload"] for row in plots} == set(summary["workloads"]) | {
         "varied_traffic_first_sight", "varied_traffic_second_pass"}

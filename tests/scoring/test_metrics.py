@@ -13,6 +13,7 @@ from dohnuts.scoring.metrics import (
     macro_f1,
     masked_softmax,
     masked_softmax_rows,
+    normalised_entropy_confidence,
     reliability,
     row_metrics,
     summarize,
@@ -90,6 +91,20 @@ def test_numpy_masked_softmax_rows_equal_the_torch_reference():
     ours = masked_softmax_rows(logits.numpy(), mask.numpy(), np.array([temperatures[kind] for kind in kinds]))
     np.testing.assert_allclose(ours, expected.numpy(), rtol=0, atol=1e-12)
     assert (ours[~mask.numpy()] == 0).all()
+
+
+def test_batch_confidences_equal_the_per_question_formula():
+    """`normalised_entropy_confidence` (the served path, all rows at once) against `answer`'s own
+    1 - entropy / log K, zero probabilities included: equal to 1e-12."""
+    generator = torch.Generator().manual_seed(4)
+    mask = torch.arange(6) < torch.randint(2, 7, (30, 1), generator=generator)
+    probs = masked_softmax(8 * torch.randn(30, 6, generator=generator, dtype=torch.float64), mask)
+    probs[0, 1] = 0.0  # a candidate with no mass
+    ours = normalised_entropy_confidence(probs.numpy(), mask.numpy())
+    for row, valid, confidence in zip(probs.tolist(), mask.sum(1).tolist(), ours):
+        p = row[:valid]
+        entropy = -sum(value * math.log(value) for value in p if value > 0)
+        assert confidence == pytest.approx(1.0 - entropy / math.log(valid), abs=1e-12)
 
 
 def test_correct_breaks_argmax_ties_towards_lowest_index(metrics):
