@@ -156,6 +156,24 @@ def test_chunk_plan_lists_every_64_token_chunk_of_every_sequence():
     assert chunk_plan([0, 5], 4).tolist() == [[1, 0], [1, 1]] and chunk_plan([5]).dtype == torch.int32
 
 
+def test_plans_of_a_few_sequences_in_python_equal_numpys():
+    """Lists of up to `FEW_SEQUENCES` lengths take a plain-Python path: the same chunk plans and
+    cumulative lengths, dtypes and shapes as the numpy path (arrays always take), empty included."""
+    import numpy as np
+
+    from dohnuts.ops.plan import FEW_SEQUENCES, cumulative
+
+    generator = torch.Generator().manual_seed(2)
+    for count in range(FEW_SEQUENCES + 3):
+        for _ in range(5):
+            lengths = torch.randint(0, 300, (count,), generator=generator).tolist()
+            for size in (64, 16):
+                ours, numpys = chunk_plan(lengths, size), chunk_plan(np.array(lengths, dtype=np.int64), size)
+                assert ours.dtype == numpys.dtype == torch.int32 and torch.equal(ours, numpys), (lengths, size)
+            ours, numpys = cumulative(lengths), cumulative(np.array(lengths, dtype=np.int64))
+            assert ours.dtype == numpys.dtype == torch.int32 and torch.equal(ours, numpys), lengths
+
+
 @pytest.mark.gpu
 def test_chunk_plan_equals_flash_linear_attentions_own():
     from fla.ops.utils.index import prepare_chunk_indices
