@@ -17,9 +17,8 @@ import statistics
 import sys
 
 import torch
-from profile_predict import timed_samples  # this folder is on the path when run as a script
+from profile_predict import timed_samples, warm_up, warmed_predictor  # this folder is on the path as a script
 
-from dohnuts.measure.shapes import shape_only_predictor
 from dohnuts.measure.telemetry import Telemetry
 from dohnuts.pipeline.benchmark import workloads
 
@@ -30,16 +29,14 @@ def p50(call, calls: int = 30) -> float:
 
 @torch.no_grad()
 def main(*names: str, rounds: int = 4) -> None:
-    if not torch.cuda.is_available():
-        sys.exit("host_profile: needs a CUDA device")
+    names = names or ("distinct_text_1q", "vision_protocol_image_1q", "distinct_text_50q")
+    predictor, _, _ = warmed_predictor(names[0], "host_profile")
     table = workloads()
-    predictor = shape_only_predictor("qwen3_5-0.8b")
     device = predictor.model.device
-    for name in names or ("distinct_text_1q", "vision_protocol_image_1q", "distinct_text_50q"):
+    for name in names:
         state, questions = table[name]
         call = lambda state=state, questions=questions: predictor.predict(state, questions)  # noqa: E731
-        for _ in range(5):
-            call()
+        warm_up(predictor, state, questions)
         alone, sampled = [], []
         for _ in range(rounds):
             alone.append(p50(call))

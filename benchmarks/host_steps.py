@@ -18,9 +18,8 @@ import sys
 import time
 
 import torch
-from profile_predict import timed_samples  # this folder is on the path when run as a script
+from profile_predict import timed_samples, warm_up, warmed_predictor  # this folder is on the path as a script
 
-from dohnuts.measure.shapes import shape_only_predictor
 from dohnuts.model.cuda_graphs import layout_key
 from dohnuts.pipeline.benchmark import workloads
 
@@ -61,15 +60,12 @@ def steps(predictor, state, questions) -> list[float]:
 
 
 def main(*names: str) -> None:
-    if not torch.cuda.is_available():
-        sys.exit("host_steps: needs a CUDA device")
+    names = names or ("distinct_text_1q", "vision_protocol_image_1q")
+    predictor, _, _ = warmed_predictor(names[0], "host_steps")
     table = workloads()
-    predictor = shape_only_predictor("qwen3_5-0.8b")
-    for name in names or ("distinct_text_1q", "vision_protocol_image_1q"):
+    for name in names:
         state, questions = table[name]
-        for _ in range(5):
-            predictor.predict(state, questions)
-        torch.cuda.synchronize()
+        warm_up(predictor, state, questions)
         samples = [steps(predictor, state, questions) for _ in range(100)]
         plain = timed_samples(lambda state=state, questions=questions: predictor.predict(state, questions), 100)
         print(f"## {name}: p50 of 100 calls (ms); plain predict p50 {statistics.median(plain):.3f}")

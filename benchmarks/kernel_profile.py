@@ -15,7 +15,7 @@ import sys
 from collections import defaultdict
 
 import torch
-from profile_predict import timed_samples, warmed_predictor  # this folder is on the path when run as a script
+from profile_predict import timed_samples, warm_up, warmed_predictor  # this folder is on the path when run as a script
 from torch.profiler import ProfilerActivity, profile
 
 from dohnuts.model.cuda_graphs import layout_key
@@ -45,8 +45,7 @@ def _busy(intervals) -> float:
 
 @torch.no_grad()
 def report(predictor, name: str, state, questions) -> None:
-    for _ in range(5):
-        predictor.predict(state, questions)
+    warm_up(predictor, state, questions)
     batch, _ = predictor.encode(state, questions)
     moved = batch.to(predictor.model.device)
     graph = predictor.scores.graphs[layout_key(moved)]

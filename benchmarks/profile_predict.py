@@ -31,6 +31,13 @@ def timed_samples(call, calls: int) -> list[float]:
     return samples
 
 
+def warm_up(predictor, state, questions) -> None:
+    """Five calls of one request, so its CUDA graph is captured (on the third), then a sync."""
+    for _ in range(5):
+        predictor.predict(state, questions)
+    torch.cuda.synchronize()
+
+
 def warmed_predictor(name: str, script: str):
     """(the benchmark's shape-only Qwen3.5-0.8B predictor after 5 calls of workload `name`, so
     its CUDA graph is captured, the workload's state, its questions); exits with a message
@@ -42,9 +49,7 @@ def warmed_predictor(name: str, script: str):
         sys.exit(f"{script}: unknown workload {name!r}; known: {sorted(table)}")
     predictor = shape_only_predictor("qwen3_5-0.8b")
     state, questions = table[name]
-    for _ in range(5):
-        predictor.predict(state, questions)
-    torch.cuda.synchronize()
+    warm_up(predictor, state, questions)
     return predictor, state, questions
 
 

@@ -79,8 +79,9 @@ class _Built(torch.utils.data.Dataset):
 def worker_batches(build: Callable[[object], Item], keys: Sequence, device: torch.device,
                    workers: int | None = None) -> Iterable[Item]:
     """`build(key)` for every key, in order, run by worker processes; pinned when the device is
-    CUDA and workers build them. `build` must be a picklable callable (a module-level function or an object). No more
-    workers start than there are keys, and by default (`workers_for`) none for a few batches."""
+    CUDA and workers build them. `build` must be a picklable callable (a module-level function or
+    an object). No more workers start than there are keys, and by default (`workers_for`) none
+    for a few batches."""
     workers = min(workers_for(device, len(keys)) if workers is None else workers, len(keys))
     # Pinned by the loader's pinning thread beside the workers; built in the loop, a batch would
     # pay for the pinning copy on the loop's own time, where the plain copy costs no more.
