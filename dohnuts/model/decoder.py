@@ -113,20 +113,21 @@ def projections(modules, x: torch.Tensor) -> list[torch.Tensor]:
     stacked = _stacked_weight(modules)
     if stacked is not None:  # one product for all of them, its outputs column blocks of one tensor
         outputs = F.linear(flat, stacked).split([module.out_features for module in modules], dim=1)
-        return [out.view(*x.shape[:-1], out.shape[-1]) for out in outputs]
-    names = [_plain_lora(module) for module in modules]
-    plain = [index for index, name in enumerate(names) if name]
-    outputs = [None] * len(modules)
-    if plain:
-        adapted = lora_linear(flat, [modules[i].base_layer.weight for i in plain],
-                              [modules[i].lora_A[names[i]].weight for i in plain],
-                              [modules[i].lora_B[names[i]].weight for i in plain],
-                              [modules[i].scaling[names[i]] for i in plain])
-        for index, out in zip(plain, adapted):
-            outputs[index] = out
-    for index, module in enumerate(modules):
-        if not names[index]:
-            outputs[index] = F.linear(flat, module.weight, module.bias) if type(module) is nn.Linear else module(flat)
+    else:
+        names = [_plain_lora(module) for module in modules]
+        plain = [index for index, name in enumerate(names) if name]
+        outputs = [None] * len(modules)
+        if plain:
+            adapted = lora_linear(flat, [modules[i].base_layer.weight for i in plain],
+                                  [modules[i].lora_A[names[i]].weight for i in plain],
+                                  [modules[i].lora_B[names[i]].weight for i in plain],
+                                  [modules[i].scaling[names[i]] for i in plain])
+            for index, out in zip(plain, adapted):
+                outputs[index] = out
+        for index, module in enumerate(modules):
+            if not names[index]:
+                outputs[index] = (F.linear(flat, module.weight, module.bias) if type(module) is nn.Linear
+                                  else module(flat))
     return [out.view(*x.shape[:-1], out.shape[-1]) for out in outputs]
 
 
@@ -252,7 +253,7 @@ def attention_core(config, query, key, value, rows: Segments, prefixes: Prefixes
 
 def attention_output(module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """The attention output [T, H, Dh] gated by sigmoid(gate [T, H, Dh]) and projected: [T, D]."""
-    return project(module.o_proj, (out.reshape(gate.shape) * torch.sigmoid(gate)).flatten(1))
+    return project(module.o_proj, (out * torch.sigmoid(gate)).flatten(1))
 
 
 def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: Prefixes | None):

@@ -837,14 +837,10 @@ class AddRMSNorm(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dtotal, dy):
+        # Autograd materialises an output's unused gradient as zeros: both arrive as tensors.
         total, scale, rstd = ctx.saved_tensors
-        dscale = None
-        if dy is None:
-            grad = dtotal
-        else:
-            grad, dscale = _rms_norm_grads(total, scale, rstd, dy, ctx.needs_input_grad[2])
-            if dtotal is not None:
-                grad = grad + dtotal
+        grad, dscale = _rms_norm_grads(total, scale, rstd, dy, ctx.needs_input_grad[2])
+        grad = grad + dtotal
         return grad, grad, dscale, None
 
 
