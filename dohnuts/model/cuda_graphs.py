@@ -41,9 +41,11 @@ PLAN_FIELDS = ("prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices", "chunk
 GRAPH_FIELDS = ("position_ids", "markers", "candidate_mask") + PLAN_FIELDS
 
 
-def _inputs(embeds: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
-    """What a replay copies into the graph: everything it reads but the plan."""
-    tensors = [embeds] + [getattr(batch, name) for name in GRAPH_FIELDS if name not in PLAN_FIELDS]
+def _inputs(embeds: torch.Tensor | None, batch: Batch) -> list[torch.Tensor]:
+    """What a replay copies into the graph: everything it reads but the plan; the token ids
+    where the graph looks up the embeddings itself (`embeds` None)."""
+    tensors = [batch.input_ids if embeds is None else embeds]
+    tensors += [getattr(batch, name) for name in GRAPH_FIELDS if name not in PLAN_FIELDS]
     if batch.fork is not None:
         tensors += batch.fork.tensors()
     return tensors
@@ -69,7 +71,11 @@ class _Graph:
     """One captured `scores` call with its static inputs and output."""
 
     def __init__(self, model, embeds: torch.Tensor, batch: Batch, pool):
-        self.embeds = embeds.clone()
+        # A text batch's embeddings are a lookup of its token ids, which the graph does itself:
+        # a replay then launches nothing before it and copies no embeddings. An image batch's
+        # come in: their image features are the cache's, found on the host.
+        self.text = not batch.image_keys
+        self.embeds = None if self.text else embeds.clone()
         # Every tensor of the batch gets a place in one byte buffer (`packed_layout`): a host
         # batch of the same shapes then moves straight into the graph's inputs in one copy
         # (`load`), and the replay copies only the embeddings.
@@ -92,11 +98,15 @@ class _Graph:
         # or it would read the capture's plans, which only a replay fills.
         with kernels.uncached_plans(), torch.cuda.stream(side):
             for _ in range(2):  # kernels autotune and compile outside the capture
-                model.scores(self.embeds, self.batch)
+                self._forward(model)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with kernels.holding_derived() as self.derived, torch.cuda.graph(self.graph, pool=pool):
-            self.output = model.scores(self.embeds, self.batch)
+            self.output = self._forward(model)
+
+    def _forward(self, model) -> torch.Tensor:
+        embeds = model.embeddings(self.batch) if self.text else self.embeds
+        return model.scores(embeds, self.batch)
 
     def load(self, batch: Batch) -> Batch | None:
         """A host batch of this graph's layout moved straight into the graph's inputs (one copy,
@@ -115,7 +125,10 @@ class _Graph:
         placed = iter(self.tensors)
         return batch.map_tensors(lambda tensor: next(placed))
 
-    def replay(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def replay(self, embeds: torch.Tensor | None, batch: Batch) -> torch.Tensor:
+        """Logits of `batch`, whose `embeds` a text graph ignores (None will do)."""
+        if self.text:
+            embeds = None
         for static, value in zip(_inputs(self.embeds, self.batch), _inputs(embeds, batch)):
             if static.data_ptr() != value.data_ptr():  # moved into `inputs`: already in place
                 static.copy_(value)
@@ -355,7 +368,7 @@ class GraphedScores:
         moved = graph.load(batch) if on_host else None
         if moved is None:
             moved = batch.to(model.device) if on_host else batch
-        logits = graph.replay(model.embeddings(moved), moved)
+        logits = graph.replay(None if graph.text else model.embeddings(moved), moved)
         if list(map(_VERSION, self.parameters)) != self.versions:
             torch.cuda.current_stream(model.device).synchronize()  # the replay ends before its graph goes
             self._check_versions()
