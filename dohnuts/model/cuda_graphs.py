@@ -113,17 +113,27 @@ class _Graph:
         `move_packed`): the batch on the device, its tensors the graph's own. None when a tensor's
         shape or dtype differs from the captured batch's (an image of another size) or the batch
         is large or not contiguous: it then moves as usual."""
-        tensors = batch.device_tensors()
-        if ([(tensor.shape, tensor.dtype) for tensor in tensors] != self.shapes or self.bytes > PACKED_BYTES
+        if self.bytes > PACKED_BYTES:
+            return None
+        tensors = []
+        owned = self._own(batch, tensors)  # one walk over the fields: their tensors, and the batch on ours
+        if ([(tensor.shape, tensor.dtype) for tensor in tensors] != self.shapes
                 or not all(tensor.is_contiguous() for tensor in tensors)):
             return None
         move_packed(tensors, self.buffer, self.offsets, self.bytes)
-        return self._own(batch)
+        return owned
 
-    def _own(self, batch: Batch) -> Batch:
-        """`batch` with the graph's own input tensors in place of its tensors, in order."""
+    def _own(self, batch: Batch, found: list | None = None) -> Batch:
+        """`batch` with the graph's own input tensors in place of its tensors, in order (each of
+        its own appended to `found`)."""
         placed = iter(self.tensors)
-        return batch.map_tensors(lambda tensor: next(placed))
+
+        def swap(tensor):
+            if found is not None:
+                found.append(tensor)
+            return next(placed, tensor)
+
+        return batch.map_tensors(swap)
 
     def replay(self, embeds: torch.Tensor | None, batch: Batch) -> torch.Tensor:
         """Logits of `batch`, whose `embeds` a text graph ignores (None will do)."""
