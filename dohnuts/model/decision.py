@@ -9,7 +9,8 @@ from .batch import Batch
 from .decoder import Prefixes, Segments, forget_stacked, packed_forward
 from .features import ImageFeatureCache
 from .training_graphs import TrainingGraphs
-from .vision import VisionGraphs, VisionPlans, image_features, linear_patch_projection
+from .vision import VisionPlans, image_features, linear_patch_projection
+from .vision_graphs import VisionGraphs
 
 HEAD_KEY = "head.weight"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -17,6 +17,7 @@ from .cuda_graphs import GraphedScores
 from .decision import default_device
 from .decoder import pack_projections
 from .features import image_key
+from .vision_graphs import vision_buckets
 
 BATCHED_CONFIDENCE = 8  # rows from which the answers' confidences are computed together
 
@@ -54,10 +55,17 @@ class Predictor:
 
     def prepare_graphs(self, buckets=None) -> int:
         """Capture the CUDA graphs of the shape buckets (`dohnuts.model.buckets`; all by
-        default), so that requests met for the first time replay one: a few seconds, once, on
-        a CUDA device; nothing on the CPU. Returns how many buckets are ready."""
+        default) and of the vision tower's patch buckets (`vision_graphs.vision_buckets`, for
+        the template's pixel policy), so that requests and image sizes met for the first time
+        replay one: a few seconds, once, on a CUDA device; nothing on the CPU. Returns how many
+        of the language model's buckets are ready."""
         with self.lock:
-            return self.scores.prepare(buckets)
+            ready = self.scores.prepare(buckets)
+            settings = self.template.pixels
+            if settings is not None:
+                self.model.vision_graphs.prepare(self.model.backbone.visual,
+                                                 vision_buckets(settings.max_pixels, settings.patch, settings.merge))
+            return ready
 
     def encode(self, state, questions):
         """Validate and encode a request into a batch. Returns (batch, request)."""

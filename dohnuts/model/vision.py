@@ -147,88 +147,14 @@ class VisionPlans:
         self.entries.clear()
 
 
-class VisionGraphs:
-    """CUDA graphs of the tower, one per list of image grids (and pixel dtype), captured on its
-    `capture_at`-th sighting and kept in an LRU of `capacity`: eager, the tower's forward is
-    some 12 launches a block and host-bound: 13.0 ms eager against 1.8 ms replayed for one
-    512 x 512 image of the Qwen3.5-0.8B shape on the H200
-    (docs/results/h200-first-sight-device-pixels-vision-graphs-bff99ba.txt). A replay
-    copies the patches in; the plan (positions, rotary tables, cumulative lengths) is the grid
-    list's, fixed. A capture that fails leaves that grid list eager, logged once."""
-
-    def __init__(self, capacity: int = 16, capture_at: int = 3):
-        self.capacity, self.capture_at = capacity, capture_at
-        self.graphs: OrderedDict = OrderedDict()
-        self.seen: dict = {}
-        self.failed: set = set()
-        self.pool = None
-        self.stats = {"eager": 0, "captures": 0, "replays": 0}
-
-    def clear(self) -> None:
-        self.graphs.clear()
-        self.seen.clear()
-        self.failed.clear()
-        self.pool = None
-
-    def __call__(self, visual, pixel_values: torch.Tensor, key: tuple, plan: VisionPlan) -> torch.Tensor:
-        if not pixel_values.is_cuda:
-            self.stats["eager"] += 1
-            return vision_blocks(visual, pixel_values, plan)
-        key = (key, pixel_values.dtype, pixel_values.shape[0])
-        entry = self.graphs.get(key)
-        if entry is None:
-            self.seen[key] = self.seen.get(key, 0) + 1
-            if len(self.seen) > 64 * self.capacity:  # a bound on the sightings remembered
-                self.seen.pop(next(iter(self.seen)))
-            if self.seen[key] < self.capture_at or key in self.failed:
-                self.stats["eager"] += 1
-                return vision_blocks(visual, pixel_values, plan)
-            entry = self._capture(visual, pixel_values, key, plan)
-            if entry is None:
-                self.stats["eager"] += 1
-                return vision_blocks(visual, pixel_values, plan)
-        self.graphs.move_to_end(key)
-        static, graph, output = entry
-        static.copy_(pixel_values)
-        graph.replay()
-        self.stats["replays"] += 1
-        return output.clone()  # the next replay reuses the graph's memory
-
-    def _capture(self, visual, pixel_values, key, plan):
-        if not self.graphs:
-            self.pool = torch.cuda.graph_pool_handle()  # see GraphedScores._capture: a fresh pool
-        static = pixel_values.clone()
-        try:
-            side = torch.cuda.Stream(static.device)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    vision_blocks(visual, static, plan)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: a loader's pin-memory thread may call CUDA meanwhile (evaluation)
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                output = vision_blocks(visual, static, plan)
-        except Exception as error:  # noqa: BLE001 - a failed capture leaves the grid list eager
-            self.failed.add(key)
-            kernels.slow_path("vision-graph-capture", f"a CUDA graph capture of the vision tower failed (grids "
-                                                      f"{key[0]}), so it runs eagerly: {type(error).__name__}: {error}")
-            torch.cuda.synchronize()
-            return None
-        self.stats["captures"] += 1
-        self.graphs[key] = (static, graph, output)
-        if len(self.graphs) > self.capacity:
-            self.graphs.popitem(last=False)
-        return self.graphs[key]
-
-
 def image_features(visual, pixel_values, grid_thw_cpu, plans: dict | None = None,
-                   graphs: VisionGraphs | None = None) -> torch.Tensor:
+                   graphs=None) -> torch.Tensor:
     """Frozen vision tower: the merged features of every image, concatenated [tokens, D].
 
     grid_thw_cpu [I, 3] on the host. `plans` (a `VisionPlans` or a dict) caches each grid
-    list's `VisionPlan` and `graphs` its CUDA graph (their owner clears both when the tower's
-    weights move; a graph holds its plan, so it needs `plans`); without transformers' helpers
+    list's `VisionPlan`, and `graphs` (a `vision_graphs.VisionGraphs`) replays the tower's CUDA
+    graphs (their owner clears both when the tower's weights move; a graph holds its plan, so it
+    needs `plans`); without transformers' helpers
     the tower runs Hugging Face's forward.
     """
     if graphs is not None and plans is None:

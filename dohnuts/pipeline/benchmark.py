@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import platform
@@ -295,20 +296,22 @@ def varied_traffic(predictor, count: int, seed: int = 0, warmup: int = 8) -> tup
 
 def _timed_pass(predictor, requests) -> dict:
     """Each request once, bracketed by syncs: latency percentiles and what each call ran."""
-    device, stats = predictor.model.device, predictor.scores.stats
-    samples, calls = [], {"graph_replays": 0, "graph_captures": 0, "bucket_replays": 0, "eager": 0,
-                          "padding_tokens": 0}
+    device, stats, vision = predictor.model.device, predictor.scores.stats, predictor.model.vision_graphs.stats
+    counted = [(stats, "graph_replays", "replays"), (stats, "graph_captures", "captures"),
+               (stats, "bucket_replays", "bucket_replays"), (stats, "eager", "eager"),
+               (stats, "padding_tokens", "padding_tokens"), (vision, "vision_replays", "replays"),
+               (vision, "vision_captures", "captures"), (vision, "vision_bucket_replays", "bucket_replays"),
+               (vision, "vision_eager", "eager"), (vision, "vision_padding_patches", "padding_patches")]
+    samples, calls = [], {name: 0 for _, name, _ in counted}
     for state, questions in requests:
-        before = dict(stats)
+        before = [source[counter] for source, _, counter in counted]
         synchronize(device)
         start = time.perf_counter()
         predictor.predict(state, questions)
         synchronize(device)
         samples.append((time.perf_counter() - start) * 1000.0)
-        for name, counter in (("graph_replays", "replays"), ("graph_captures", "captures"),
-                              ("bucket_replays", "bucket_replays"), ("eager", "eager"),
-                              ("padding_tokens", "padding_tokens")):
-            calls[name] += stats[counter] - before[counter]
+        for (source, name, counter), value in zip(counted, before):
+            calls[name] += source[counter] - value
     images = [ms for ms, (state, _) in zip(samples, requests) if "image" in state]
     texts = [ms for ms, (state, _) in zip(samples, requests) if "image" not in state]
     return {"p50_ms": percentile(samples, 0.5), "p95_ms": percentile(samples, 0.95),
@@ -344,6 +347,7 @@ def varied_traffic_record(predictor, count: int, seed: int = 0, warmup: int = 8)
         "questions": [len(questions) for _, questions in timed], "input_tokens": tokens,
         "first_sight": first, "second_pass": second,
         "buckets": len(predictor.scores.buckets), "bucket_prepare_seconds": predictor.scores.stats["prepare_seconds"],
+        "vision_buckets": [dataclasses.asdict(bucket) for bucket in predictor.model.vision_graphs.buckets],
         "hugging_face_p50_ms": percentile(baseline, 0.5), "hugging_face_p99_ms": percentile(baseline, 0.99),
         "hugging_face_samples_ms": baseline,
     }

@@ -92,30 +92,6 @@ def test_the_tower_on_cuda_in_bf16_matches_hugging_face(tiny):
     assert (ours.float() - theirs.float()).abs().max() <= 0.02 * theirs.float().abs().max()
 
 
-@pytest.mark.gpu
-def test_vision_graphs_replay_the_eager_tower_for_new_pixels(tiny):
-    """A grid list's third sighting captures the tower's graph; replays with other pixels of the
-    same grids equal the eager tower (the same kernels: to 1e-6); another grid list stays eager."""
-    backbone = load_backbone(tiny.base, torch.bfloat16).cuda()
-    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01).cuda()).eval()
-    visual, graphs, template = model.backbone.visual, model.vision_graphs, tiny.template()
-    colours = [(20, 60, 220), (200, 30, 30), (30, 200, 30), (90, 90, 90), (250, 200, 10)]
-    for index, colour in enumerate(colours):
-        image = Image.new("RGB", (64, 48), "white")
-        image.paste(colour, (4, 4, 30 + index, 30))
-        encoded = template.encode_image(image)
-        pixels = encoded.patches("cuda")
-        ours = image_features(visual, pixels, encoded.grid_thw, model.vision_plans, graphs)
-        eager = image_features(visual, pixels, encoded.grid_thw, model.vision_plans)
-        torch.testing.assert_close(ours, eager, rtol=1e-6, atol=1e-6)
-    assert graphs.stats == {"eager": 2, "captures": 1, "replays": 3}
-    other = template.encode_image(Image.new("RGB", (40, 90), (10, 10, 10)))
-    image_features(visual, other.patches("cuda"), other.grid_thw, model.vision_plans, graphs)
-    assert graphs.stats["eager"] == 3 and len(graphs.graphs) == 1
-    model.changed()
-    assert not graphs.graphs  # a move or a new module: captured again when seen again
-
-
 def test_vision_plans_keep_the_most_recent_grid_lists():
     from dohnuts.model.vision import VisionPlans
 
