@@ -22,6 +22,7 @@ matrix products' shapes differ). Padding patches are counted in `stats["padding_
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -125,6 +126,7 @@ class VisionGraphs:
         self.failed: set = set()
         self.pool = None
         self.stats = {"eager": 0, "captures": 0, "replays": 0, "bucket_replays": 0, "padding_patches": 0}
+        self.prepare_seconds = 0.0  # spent capturing the buckets, all calls of `prepare` together
 
     def clear(self) -> None:
         self.stale = self.stale or bool(self.buckets)
@@ -141,6 +143,7 @@ class VisionGraphs:
         self.wanted, self.stale = tuple(sorted(buckets, key=lambda bucket: bucket.patches)), False
         if device.type != "cuda":
             return 0
+        start = time.perf_counter()
         with torch.no_grad():
             for bucket in self.wanted:
                 if bucket in self.buckets:
@@ -154,6 +157,7 @@ class VisionGraphs:
                                       f"run through the exact graphs: {type(error).__name__}: {error}")
                     torch.cuda.synchronize()
         torch.cuda.synchronize()
+        self.prepare_seconds += time.perf_counter() - start
         return len(self.buckets)
 
     def bucket_for(self, patches: int, segments: int) -> _BucketGraph | None:

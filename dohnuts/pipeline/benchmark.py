@@ -348,6 +348,7 @@ def varied_traffic_record(predictor, count: int, seed: int = 0, warmup: int = 8)
         "first_sight": first, "second_pass": second,
         "buckets": len(predictor.scores.buckets), "bucket_prepare_seconds": predictor.scores.stats["prepare_seconds"],
         "vision_buckets": [dataclasses.asdict(bucket) for bucket in predictor.model.vision_graphs.buckets],
+        "vision_bucket_prepare_seconds": predictor.model.vision_graphs.prepare_seconds,
         "hugging_face_p50_ms": percentile(baseline, 0.5), "hugging_face_p99_ms": percentile(baseline, 0.99),
         "hugging_face_samples_ms": baseline,
     }
