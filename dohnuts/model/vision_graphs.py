@@ -60,6 +60,23 @@ def vision_buckets(pixels: int, patch: int, merge: int, images=IMAGES, slack: fl
     return [VisionBucket(count * per_image, count) for count in images]
 
 
+def _capture_tower(visual, pixels: torch.Tensor, plan: VisionPlan, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """The tower's CUDA graph over fixed inputs (`pixels` and `plan`'s tensors, which a replay
+    reads) and its output tensor. Two calls on a side stream first keep the kernels' first
+    calls (autotuning, workspaces) out of the graph."""
+    side = torch.cuda.Stream(pixels.device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            vision_blocks(visual, pixels, plan)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a loader's pin-memory thread may call CUDA meanwhile (evaluation)
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        output = vision_blocks(visual, pixels, plan)
+    return graph, output
+
+
 class _BucketGraph:
     """A bucket's inputs, written in place for each call, and (on CUDA) its captured graph;
     on the CPU it runs the tower eagerly over the same padded inputs (what the tests check)."""
@@ -82,15 +99,7 @@ class _BucketGraph:
             self._capture(visual, pool)
 
     def _capture(self, visual, pool) -> None:
-        side = torch.cuda.Stream(self.pixels.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):  # kernels' first calls (autotuning, workspaces) stay out of the graph
-                vision_blocks(visual, self.pixels, self.plan)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.output = vision_blocks(visual, self.pixels, self.plan)
+        self.graph, self.output = _capture_tower(visual, self.pixels, self.plan, pool)
 
     def __call__(self, visual, pixel_values: torch.Tensor, plan: VisionPlan) -> torch.Tensor:
         """The merged features [patches / merge**2, D] of pixel_values [patches, C*t*p*p] under
@@ -207,16 +216,7 @@ class VisionGraphs:
         self._pool()
         static = pixel_values.clone()
         try:
-            side = torch.cuda.Stream(static.device)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    vision_blocks(visual, static, plan)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: a loader's pin-memory thread may call CUDA meanwhile (evaluation)
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                output = vision_blocks(visual, static, plan)
+            graph, output = _capture_tower(visual, static, plan, self.pool)
         except Exception as error:  # noqa: BLE001 - a failed capture leaves the grid list eager
             self.failed.add(key)
             kernels.slow_path("vision-graph-capture", f"a CUDA graph capture of the vision tower failed (grids "
