@@ -96,10 +96,7 @@ class _BucketGraph:
         self.plan = VisionPlan(self.positions, self.cos, self.sin, self.cu_seqlens, bucket.patches)
         self.graph = self.output = None
         if torch.device(device).type == "cuda":
-            self._capture(visual, pool)
-
-    def _capture(self, visual, pool) -> None:
-        self.graph, self.output = _capture_tower(visual, self.pixels, self.plan, pool)
+            self.graph, self.output = _capture_tower(visual, self.pixels, self.plan, pool)
 
     def __call__(self, visual, pixel_values: torch.Tensor, plan: VisionPlan) -> torch.Tensor:
         """The merged features [patches / merge**2, D] of pixel_values [patches, C*t*p*p] under
