@@ -1,8 +1,8 @@
 """Token rows and their packed batches: shared prefixes planned once on the host.
 
 A batch packs every row along one token axis. Rows of one request begin alike (image block
-and state); when at least two rows share that beginning, its first multiple of 64 tokens is a
-prefix computed once and forked into the rows, which then carry only their remaining tokens.
+and state); when at least two rows share that beginning and it holds at least 64 tokens, it is
+a prefix computed once and forked into the rows, which then carry only their remaining tokens.
 All the index arithmetic happens here, on the host, so the model's forward needs no device
 synchronisation to find its way.
 """
@@ -15,12 +15,14 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from ..ops.plan import CHUNK, Fork, chunk_plan, cumulative, plan_fork
+from ..ops.plan import Fork, chunk_plan, cumulative, plan_fork
 from ..schema import Question
 from .base import SPATIAL_MERGE
 from .pixels import PixelSettings
 
-PREFIX_ALIGN = CHUNK  # prefixes end on a multiple of the delta-rule chunk size
+# The shortest prefix worth sharing: below a delta-rule chunk, forking its states into every
+# row costs about what computing it again would.
+SHARED_MIN = 64
 
 
 @dataclass(frozen=True)
@@ -201,14 +203,15 @@ def prefix_groups(rows: list[Row]) -> list[tuple[int, list[int]]]:
     """(split, row indices) of each prefix worth sharing.
 
     Rows share a prefix when they have the same image and the same first `split` tokens,
-    where split is the row's common beginning aligned down to 64 and never past its first
-    candidate marker (every candidate stays in the row's own part). A prefix serves at
-    least two rows and is at least 64 tokens long; other rows run whole.
+    where split is the row's whole common beginning, never past its first candidate marker
+    (every candidate stays in the row's own part). A prefix serves at least two rows and is at
+    least SHARED_MIN tokens long; other rows run whole. The delta-rule kernels carry state
+    across any split, so a row computes none of its shared tokens again.
     """
     by_key: dict[tuple, list[int]] = {}
     for index, row in enumerate(rows):
-        split = min(row.shared, row.markers[0] if row.markers else 0) // PREFIX_ALIGN * PREFIX_ALIGN
-        if split > 0:
+        split = min(row.shared, row.markers[0] if row.markers else 0)
+        if split >= SHARED_MIN:
             by_key.setdefault((row.image, row.input_ids[:split]), []).append(index)
     return [(len(key[1]), members) for key, members in by_key.items() if len(members) > 1]
 

@@ -7,8 +7,9 @@ few milliseconds of device work (docs/runtime.md). A bucket fixes every shape th
 depends on, and `pad_to_bucket` brings any batch under it there:
 
 - the prefix part holds `prefix_tokens` (P*) tokens in `prefixes` (G*) sequences: the real
-  prefixes, then one padding prefix of the remaining tokens (a multiple of 64, possibly none),
-  then empty ones;
+  prefixes (at least 64 tokens each), then one padding prefix of the remaining tokens
+  (possibly none), then empty ones; its chunk plan is padded with entries of an empty prefix
+  to `prefix_chunks` (a prefix's last chunk may be partial, so the count varies);
 - the rows' part holds `row_tokens` (S*) tokens in `rows` (N*) sequences: the real rows, then
   padding rows of the remaining tokens (at most 64 tokens each unless `long_rows`), then empty
   ones; its chunk plan is padded with entries of an empty row to `row_chunks`;
@@ -28,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.plan import CHUNK, chunk_plan, cumulative, plan_fork
-from .batch import Batch
+from ..ops.plan import CHUNK, chunk_plan, cumulative, padded_plan, plan_fork
+from .batch import SHARED_MIN, Batch
 
 # The sizes captured at load: prefix tokens, and the rows' tokens for short rows (at most 64
 # own tokens, `delta_rule_rows`) and for long ones (`delta_rule_scan`). Each is twice the one
@@ -63,7 +64,14 @@ class Bucket:
 
     @property
     def prefixes(self) -> int:
-        return self.prefix_tokens // CHUNK + 1  # a real prefix has at least 64 tokens; one padding
+        # A real prefix has at least SHARED_MIN (64) tokens; then the padding one and an empty one.
+        return self.prefix_tokens // SHARED_MIN + 2
+
+    @property
+    def prefix_chunks(self) -> int:
+        """Chunks of any prefix layout: each real prefix and the padding one add at most one
+        partial chunk to the prefix tokens' whole ones."""
+        return self.prefix_tokens // CHUNK + self.prefix_tokens // SHARED_MIN + 1
 
     @property
     def rows(self) -> int:
@@ -138,7 +146,7 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
     prefix_lengths, row_lengths = sequence_lengths(batch.prefix_cu_seqlens_cpu), sequence_lengths(batch.cu_seqlens_cpu)
     row_padding = _row_padding(bucket, len(row_lengths), sum(row_lengths))
     spare = bucket.prefix_tokens - batch.prefix_tokens
-    if (row_padding is None or spare < 0 or spare % CHUNK or len(prefix_lengths) >= bucket.prefixes
+    if (row_padding is None or spare < 0 or len(prefix_lengths) > bucket.prefixes - 2
             or batch.markers.shape[1] > CANDIDATES or (max(row_lengths) > ROW_TOKENS) != bucket.long_rows):
         raise ValueError(f"a batch of {batch.prefix_tokens} prefix tokens in {len(prefix_lengths)} prefixes and "
                          f"{len(row_lengths)} rows of {sum(row_lengths)} tokens does not fit {bucket}")
@@ -156,9 +164,6 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
         out[..., bucket.prefix_tokens:bucket.prefix_tokens + S] = values[..., P:]
         return out
 
-    plan = chunk_plan(rows)
-    empty = len(rows) - 1  # the last row is always empty: padding plan entries name it
-    padding = torch.tensor([[empty, 0]], dtype=plan.dtype).expand(bucket.row_chunks - len(plan), 2)
     markers = torch.zeros(bucket.rows, CANDIDATES, dtype=batch.markers.dtype)
     markers[:batch.markers.shape[0], :batch.markers.shape[1]] = batch.markers
     mask = torch.zeros(bucket.rows, CANDIDATES, dtype=torch.bool)
@@ -168,8 +173,8 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
     return dataclasses.replace(
         batch, input_ids=spread(batch.input_ids, pad_id), position_ids=spread(batch.position_ids, 0),
         prefix_tokens=bucket.prefix_tokens, prefix_cu_seqlens=prefix_cu, prefix_cu_seqlens_cpu=prefix_cu,
-        cu_seqlens=row_cu, cu_seqlens_cpu=row_cu, prefix_chunk_indices=chunk_plan(prefixes),
-        chunk_indices=torch.cat([plan, padding]), fork=plan_fork(prefixes, rows, parents), markers=markers,
+        cu_seqlens=row_cu, cu_seqlens_cpu=row_cu, prefix_chunk_indices=padded_plan(prefixes, bucket.prefix_chunks),
+        chunk_indices=padded_plan(rows, bucket.row_chunks), fork=plan_fork(prefixes, rows, parents), markers=markers,
         candidate_mask=mask, image_slots=slots, rows_bound=bucket.longest_row)
 
 

@@ -10,7 +10,8 @@ rows' prefixes). So a batch is padded to a `TrainingBucket`, whose sizes are its
 up: prefix and row tokens to multiples of `TOKEN_STEP`, attention keys to multiples of
 `KEY_STEP`, prefix and row counts and candidates to small multiples. The padding is inert:
 
-- a padding prefix (its spare tokens, at least 64) that no row continues, then empty prefixes;
+- padding prefixes (the spare prefix tokens, in sequences of at most `LONGEST_SEQUENCE`) that
+  no row continues, then empty prefixes;
 - a padding row (the spare row tokens, at least one) without a prefix, then empty rows;
 - the attention keys the bucket holds beyond the batch's are given to the padding row, ahead of
   its own (it sees them all; no real row does);
@@ -46,7 +47,7 @@ import numpy as np
 import torch
 
 from ..ops import kernels
-from ..ops.plan import CHUNK, Fork, chunk_plan, cumulative, plan_fork
+from ..ops.plan import CHUNK, Fork, cumulative, padded_plan, plan_fork
 from .batch import Batch
 from .buckets import LONGEST_SEQUENCE, sequence_lengths
 from .decoder import MIXER_KEEP_TOKENS, _plain_lora
@@ -96,6 +97,10 @@ class TrainingBucket:
         return self.prefix_tokens + self.row_tokens
 
     @property
+    def prefix_chunks(self) -> int:
+        return self.prefix_tokens // CHUNK + self.prefixes  # each prefix adds at most one partial chunk
+
+    @property
     def row_chunks(self) -> int:
         return self.row_tokens // CHUNK + self.rows  # each row adds at most one partial chunk
 
@@ -140,7 +145,7 @@ def fits(batch: Batch, bucket: TrainingBucket) -> bool:
     if max(prefixes + rows, default=0) > LONGEST_SEQUENCE:
         return False
     spare_prefix, spare_rows = bucket.prefix_tokens - batch.prefix_tokens, bucket.row_tokens - sum(rows)
-    return (spare_prefix >= 0 and spare_prefix % CHUNK == 0 and spare_rows >= 1
+    return (spare_prefix >= 0 and spare_rows >= 1
             and len(prefixes) + len(_pieces(spare_prefix)) < bucket.prefixes
             and len(rows) + len(_pieces(spare_rows)) < bucket.rows
             and bucket.tokens + inherited <= bucket.key_tokens)
@@ -192,10 +197,9 @@ def training_plan(batch: Batch, bucket: TrainingBucket, parents: list[int]) -> T
     fork = Fork(fork.parents, fork.cu_seqlens_q, torch.from_numpy(key_index), torch.from_numpy(cu_k.astype(np.int32)),
                 LONGEST_SEQUENCE, bucket.longest_key, True)
 
-    plan = chunk_plan(rows)
-    empty = len(rows) - 1  # the last row is always empty: the plan's padding entries name it
-    padding = torch.tensor([[empty, 0]], dtype=plan.dtype).expand(bucket.row_chunks - len(plan), 2)
-    return TrainingPlan(cumulative(prefixes), cumulative(rows), chunk_plan(prefixes), torch.cat([plan, padding]), fork)
+    # The last prefix and the last row are always empty: the plans' padding entries name them.
+    return TrainingPlan(cumulative(prefixes), cumulative(rows), padded_plan(prefixes, bucket.prefix_chunks),
+                        padded_plan(rows, bucket.row_chunks), fork)
 
 
 def graphable(model) -> str | None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-CHUNK = 64  # the delta-rule kernels' chunk size; shared prefixes end on a multiple of it
+CHUNK = 64  # the delta-rule kernels' chunk size
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,22 @@ def chunk_plan(lengths, chunk_size: int = CHUNK) -> torch.Tensor:
     plan[:, 0] = np.repeat(np.arange(len(counts)), counts)
     plan[:, 1] = np.arange(len(plan)) - np.repeat(firsts, counts)
     return torch.from_numpy(plan)
+
+
+def padded_plan(lengths: list[int], chunks: int) -> torch.Tensor:
+    """`chunk_plan(lengths)` padded to `chunks` entries with entries naming the last sequence,
+    which must be empty (kernels skip a chunk past its sequence's end): the fixed-size plan a
+    CUDA graph of a bucket reads.
+
+    Raises:
+        ValueError: the last sequence holds tokens, or the plan needs more than `chunks`.
+    """
+    plan = chunk_plan(lengths)
+    if not lengths or lengths[-1] != 0 or len(plan) > chunks:
+        raise ValueError(f"a plan padded to {chunks} chunks needs an empty last sequence and at most that many "
+                         f"chunks: {len(lengths)} sequences make {len(plan)}")
+    padding = torch.tensor([[len(lengths) - 1, 0]], dtype=plan.dtype).expand(chunks - len(plan), 2)
+    return torch.cat([plan, padding])
 
 
 def cumulative(lengths) -> torch.Tensor:

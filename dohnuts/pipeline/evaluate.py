@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from ..data.loader import Item, prefetch, worker_batches
 from ..data.records import RecordReader
-from ..model.batch import PREFIX_ALIGN
+from ..model.batch import SHARED_MIN
 from ..model.template import Template, pieces_of
 from ..schema import parse_request
 from ..scoring.calibration import apply_temperatures
@@ -61,15 +61,15 @@ def _requests(rows: pd.DataFrame) -> list[StateRecords]:
 
 def request_tokens(template: Template, records: StateRecords) -> int:
     """The tokens one request (a state's records) computes once packed, as `pack_rows` lays it
-    out: the image block and state, shared by its questions down to a multiple of
-    `PREFIX_ALIGN`, then each question's own header, candidates and markers. Counted from the
+    out: the image block and state, shared by its questions when it holds at least
+    `SHARED_MIN` tokens, then each question's own header, candidates and markers. Counted from the
     text, without decoding the image (`Template.image_tokens` bounds its block)."""
     request = parse_request(json.loads(records.state), records.request_questions(), template.reserved)
     pieces = iter(len(ids) for ids in template.tokenize(pieces_of(request)))
     prefix = next(pieces) + (template.image_tokens() if records.image is not None else 0)
     own = [next(pieces) + sum(next(pieces) + 1 for _ in question.candidates)  # header, candidates, markers
            for question in request.questions]
-    split = prefix // PREFIX_ALIGN * PREFIX_ALIGN if len(own) > 1 else 0
+    split = prefix if len(own) > 1 and prefix >= SHARED_MIN else 0
     return split + sum(prefix - split + tokens for tokens in own)
 
 

@@ -1,4 +1,5 @@
-"""Packed batches: prefix planning (64-aligned, before the first marker, fallbacks) and shared
+"""Packed batches: prefix planning (the whole shared beginning of at least 64 tokens, before
+the first marker, fallbacks) and shared
 prefixes against the unshared computation in logits and gradients."""
 
 import dataclasses
@@ -10,7 +11,7 @@ from helpers import state_of_tokens
 from dohnuts.config import LoraConfig
 from dohnuts.model.adapters import build_training_model
 from dohnuts.model.batch import EncodedImage, Row, mrope_positions, pack_rows, prefix_groups
-from dohnuts.ops.plan import chunk_plan
+from dohnuts.ops.plan import chunk_plan, padded_plan
 from dohnuts.schema import parse_request
 
 QUESTION = None  # rows built by hand carry no question object
@@ -20,18 +21,22 @@ def _row(ids, shared, markers, image=None):
     return Row(tuple(ids), tuple(markers), QUESTION, shared, image, (2, 2) if image is not None else None)
 
 
-def test_split_is_aligned_down_to_64_and_never_passes_the_first_marker():
+def test_split_is_the_whole_shared_beginning_and_never_passes_the_first_marker():
     common = list(range(10, 140))  # 130 tokens in common
     rows = [_row(common + [1, 2, 3, 0], 130, [133]), _row(common + [4, 0], 130, [131])]
-    assert prefix_groups(rows) == [(128, [0, 1])]
-    # The first marker at 100 bounds the split: 64, although 130 tokens are shared.
+    assert prefix_groups(rows) == [(130, [0, 1])]
+    # The first marker at 100 bounds the split: 100, although 130 tokens are shared.
     marked = common[:100] + [0] + common[100:]
     rows = [_row(marked + [1, 0], 130, [100, 132]), _row(marked + [0], 130, [100, 131])]
-    assert prefix_groups(rows) == [(64, [0, 1])]
+    assert prefix_groups(rows) == [(100, [0, 1])]
+    # A marker before the 64th token leaves nothing worth sharing.
+    early = common[:50] + [0] + common[50:]
+    rows = [_row(early + [1, 0], 130, [50, 132]), _row(early + [0], 130, [50, 131])]
+    assert prefix_groups(rows) == []
 
 
-@pytest.mark.parametrize("shared, split", [(63, None), (64, 64), (127, 64), (128, 128)])
-def test_prefix_lengths_at_the_alignment_boundaries(shared, split):
+@pytest.mark.parametrize("shared, split", [(63, None), (64, 64), (127, 127), (128, 128)])
+def test_prefix_lengths_at_the_sharing_threshold(shared, split):
     common = list(range(10, 10 + shared))
     rows = [_row(common + [1, 0], shared, [shared + 1]), _row(common + [2, 3, 0], shared, [shared + 2])]
     assert prefix_groups(rows) == ([] if split is None else [(split, [0, 1])])
@@ -46,7 +51,7 @@ def test_no_shared_prefix_for_a_single_row_differing_rows_or_differing_images():
     images = [_row(common + [0], 80, [80], image=0), _row(common + [0], 80, [80], image=1)]
     assert prefix_groups(images) == []
     same_image = [_row(common + [0], 80, [80], image=0), _row(common + [1, 0], 80, [81], image=0)]
-    assert prefix_groups(same_image) == [(64, [0, 1])]
+    assert prefix_groups(same_image) == [(80, [0, 1])]
 
 
 def test_several_prefixes_and_unshared_rows_in_one_batch_rebuild_every_row():
@@ -55,7 +60,7 @@ def test_several_prefixes_and_unshared_rows_in_one_batch_rebuild_every_row():
             _row(first + [3, 4, 0], 70, [72]), _row(second + [0], 140, [140])]
     batch = pack_rows(rows, [], image_pad_id=-1)
     assert batch.fork.parents.tolist() == [0, 1, -1, 0, 1]
-    assert batch.prefix_cu_seqlens.tolist() == [0, 64, 192]
+    assert batch.prefix_cu_seqlens.tolist() == [0, 70, 210]
     prefix = batch.input_ids[: batch.prefix_tokens]
     starts = batch.prefix_cu_seqlens.tolist()
     for index, row in enumerate(rows):
@@ -65,13 +70,14 @@ def test_several_prefixes_and_unshared_rows_in_one_batch_rebuild_every_row():
         assert torch.cat([head, own]).tolist() == list(row.input_ids)
         assert own[batch.markers[index, 0] - batch.cu_seqlens[index]].item() == 0  # the marker token
     assert batch.input_tokens == sum(len(row.input_ids) for row in rows)
-    assert batch.computed_tokens == batch.input_tokens - 64 - 128  # each prefix once instead of twice
+    assert batch.computed_tokens == batch.input_tokens - 70 - 140  # each prefix once instead of twice
 
 
 def test_image_block_cut_by_the_split_feeds_each_part_its_features():
     """An image of 4 tokens at positions 62..65: the prefix holds 2 of them, each row 2."""
     ids = [9] * 61 + [50] + [77] * 4 + [51] + list(range(10, 20))
-    rows = [_row(ids + [1, 0], len(ids), [len(ids) + 1], image=0), _row(ids + [0], len(ids), [len(ids)], image=0)]
+    # The template marks 64 tokens as the rows' common beginning: the split is there.
+    rows = [_row(ids + [1, 0], 64, [len(ids) + 1], image=0), _row(ids + [0], 64, [len(ids)], image=0)]
     image = EncodedImage(torch.zeros(16, 3), torch.tensor([[1, 4, 4]]), "one image")
     batch = pack_rows(rows, [image], image_pad_id=77)
     assert batch.image_slots.tolist() == [62, 63, 64 + 0, 64 + 1, 64 + 15, 64 + 16]
@@ -89,8 +95,8 @@ def test_positions_of_a_mixed_batch_rebuild_every_rows_own_mrope_positions():
     before = [9] * 61 + [50] + [77] * 4 + [51]  # an image block at 62..65, cut by a split at 64
     after = [9] * 3 + [50] + [77] * 4 + [51] + list(range(10, 70))  # the block wholly before 64
     text = list(range(100, 180))
-    rows = [_row(before + [1, 0], len(before), [len(before) + 1], image=0),
-            _row(before + [2, 3, 0], len(before), [len(before) + 2], image=0),
+    rows = [_row(before + [1, 0], 64, [len(before) + 1], image=0),  # 64 tokens marked common
+            _row(before + [2, 3, 0], 64, [len(before) + 2], image=0),
             _row(text + [4, 0], 80, [81]), _row(after + [5, 0], len(after), [len(after) + 1], image=1),
             _row(text + [6, 7, 0], 80, [82]), _row(after + [8, 0], len(after), [len(after) + 1], image=1),
             _row([50] + [77] * 4 + [51, 3, 0], 0, [7], image=2)]
@@ -127,8 +133,8 @@ def test_shared_prefixes_of_64_and_127_tokens_match_unshared_logits_and_gradient
     shared = template.collate(rows, [])
     unshared = template.collate([dataclasses.replace(row, shared=0) for row in rows], [])
     assert shared.fork is not None and unshared.fork is None
-    assert shared.prefix_cu_seqlens.tolist() == [0, 64, 128]
-    assert shared.computed_tokens == unshared.computed_tokens - 2 * 64 - 2 * 64
+    assert shared.prefix_cu_seqlens.tolist() == [0, 64, 64 + 127]
+    assert shared.computed_tokens == unshared.computed_tokens - 2 * 64 - 2 * 127
 
     model, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
     model.double().train()
@@ -154,6 +160,15 @@ def test_chunk_plan_lists_every_64_token_chunk_of_every_sequence():
     assert chunk_plan([63, 1, 130, 64]).tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [2, 2], [3, 0]]
     assert chunk_plan([]).shape == (0, 2)
     assert chunk_plan([0, 5], 4).tolist() == [[1, 0], [1, 1]] and chunk_plan([5]).dtype == torch.int32
+
+
+def test_padded_plan_names_the_empty_last_sequence_or_refuses():
+    assert padded_plan([63, 1, 70, 0], 6).tolist() == [[0, 0], [1, 0], [2, 0], [2, 1], [3, 0], [3, 0]]
+    assert padded_plan([0], 2).tolist() == [[0, 0], [0, 0]]
+    with pytest.raises(ValueError, match="empty last sequence"):
+        padded_plan([63, 1], 4)
+    with pytest.raises(ValueError, match="make 4"):
+        padded_plan([63, 1, 70, 0], 3)
 
 
 def test_plans_of_a_few_sequences_in_python_equal_numpys():

@@ -8,7 +8,6 @@ from helpers import LAYOUTS, batch_of, questions
 from dohnuts.model.base import load_backbone
 from dohnuts.model.buckets import CANDIDATES, ROW_TOKENS, Bucket, all_buckets, bucket_for, empty_batch, pad_to_bucket
 from dohnuts.model.decision import DecisionModel, new_head
-from dohnuts.ops.plan import CHUNK
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +47,8 @@ def test_padding_keeps_the_shapes_the_bucket_fixes(parts):
             padded = pad_to_bucket(batch, bucket, template.pad_id)
             lengths = padded.cu_seqlens_cpu.diff()
             assert lengths.max() <= bucket.longest_row and lengths[-1] == 0  # an empty row for the plan's padding
-            assert padded.prefix_cu_seqlens_cpu.diff().remainder(CHUNK).eq(0).all()
+            prefixes = padded.prefix_cu_seqlens_cpu.diff()
+            assert prefixes[-1] == 0 and prefixes.sum() == bucket.prefix_tokens  # an empty prefix for the plan
             assert padded.fork.parents[len(batch.markers):].eq(-1).all()
             shapes.append([tuple(getattr(padded, name).shape) for name in
                            ("input_ids", "position_ids", "prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices",
@@ -59,6 +59,7 @@ def test_padding_keeps_the_shapes_the_bucket_fixes(parts):
                         "chunk_indices", "markers", "candidate_mask")] + [tuple(empty.fork.parents.shape)])
         assert len(shapes) >= 2 and all(shape == shapes[0] for shape in shapes), bucket
         assert shapes[0][0] == (bucket.tokens,) and shapes[0][5] == (bucket.row_chunks, 2)
+        assert shapes[0][4] == (bucket.prefix_chunks, 2)
         assert shapes[0][6] == (bucket.rows, CANDIDATES)
 
 

@@ -11,7 +11,6 @@ from helpers import LAYOUTS, batch_of, questions
 from dohnuts.config import LoraConfig
 from dohnuts.model.adapters import build_training_model
 from dohnuts.model.training_graphs import BucketInputs, fits, graphable, training_bucket, training_plan
-from dohnuts.ops.plan import CHUNK
 
 SEVERAL = [({"note": "a long note about a parcel " * 12}, questions(3)), ("short", questions(1)),
            ({"note": "another note, of other words, about a box " * 9}, questions(2, candidates=5))]
@@ -96,12 +95,11 @@ def test_batches_of_one_bucket_fill_the_same_shapes(tiny, model):
         shapes.append([tuple(tensor.shape) for tensor in plan.tensors()])
         lengths = plan.cu_seqlens.diff()
         assert lengths[-1] == 0 and lengths[batch.markers.shape[0]] > 0  # the padding row, then empty rows
-        assert plan.prefix_cu_seqlens.diff().remainder(CHUNK).eq(0).all()
         assert plan.prefix_cu_seqlens.diff()[-1] == 0  # an empty prefix, always
         assert plan.fork.parents[batch.markers.shape[0]:].eq(-1).all()
         assert int(plan.fork.cu_seqlens_k[-1]) == bucket.key_tokens == len(plan.fork.key_index)
     assert shapes[0] == shapes[1]
-    assert shapes[0][3] == (bucket.row_chunks, 2) and shapes[0][2] == (bucket.prefix_tokens // CHUNK, 2)
+    assert shapes[0][3] == (bucket.row_chunks, 2) and shapes[0][2] == (bucket.prefix_chunks, 2)
     with pytest.raises(ValueError, match="does not fit"):
         training_plan(first, dataclasses.replace(bucket, candidates=2), _parents(first))
 
