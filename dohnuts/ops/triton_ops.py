@@ -484,33 +484,47 @@ def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlen
     u0 = _part_values(k0, v0, g0, b0, h0, tl.zeros([BC, BV], dtype=tl.float32), BC)
     o0 = _part_output(q0, k0, g0, g0, u0, True, BC) + tl.exp(g0)[:, None] * tl.dot(q0, h0)
     _store_part(o, o0 * scale, bos, eos, 0, i_h, o_v, HV, V, BC)
+    # A part past the row's end is skipped (nested: a part reads the ones before it). PARTS
+    # covers the launch's longest row; most rows of a request or a bucket are shorter.
     if PARTS > 1:
-        q1, k1, v1, g1, b1 = _row_part(q, k, v, a, b, bos, eos, 1, i_hk, i_h, log_a, bias, o_k, o_v, sa, H, K, HV, V,
-                                       BC)
-        g1 = tl.cumsum(g1, 0) + _last(g0, BC)
-        u1 = _part_values(k1, v1, g1, b1, h0, _coupling(k1, g1, b1, k0, g0, u0, BC), BC)
-        o1 = (_part_output(q1, k1, g1, g1, u1, True, BC) + _part_output(q1, k0, g1, g0, u0, False, BC)
-              + tl.exp(g1)[:, None] * tl.dot(q1, h0))
-        _store_part(o, o1 * scale, bos, eos, 1, i_h, o_v, HV, V, BC)
-    if PARTS > 2:
-        q2, k2, v2, g2, b2 = _row_part(q, k, v, a, b, bos, eos, 2, i_hk, i_h, log_a, bias, o_k, o_v, sa, H, K, HV, V,
-                                       BC)
-        g2 = tl.cumsum(g2, 0) + _last(g1, BC)
-        u2 = _part_values(k2, v2, g2, b2, h0, _coupling(k2, g2, b2, k0, g0, u0, BC)
-                          + _coupling(k2, g2, b2, k1, g1, u1, BC), BC)
-        o2 = (_part_output(q2, k2, g2, g2, u2, True, BC) + _part_output(q2, k0, g2, g0, u0, False, BC)
-              + _part_output(q2, k1, g2, g1, u1, False, BC) + tl.exp(g2)[:, None] * tl.dot(q2, h0))
-        _store_part(o, o2 * scale, bos, eos, 2, i_h, o_v, HV, V, BC)
-    if PARTS > 3:
-        q3, k3, v3, g3, b3 = _row_part(q, k, v, a, b, bos, eos, 3, i_hk, i_h, log_a, bias, o_k, o_v, sa, H, K, HV, V,
-                                       BC)
-        g3 = tl.cumsum(g3, 0) + _last(g2, BC)
-        u3 = _part_values(k3, v3, g3, b3, h0, _coupling(k3, g3, b3, k0, g0, u0, BC)
-                          + _coupling(k3, g3, b3, k1, g1, u1, BC) + _coupling(k3, g3, b3, k2, g2, u2, BC), BC)
-        o3 = (_part_output(q3, k3, g3, g3, u3, True, BC) + _part_output(q3, k0, g3, g0, u0, False, BC)
-              + _part_output(q3, k1, g3, g1, u1, False, BC) + _part_output(q3, k2, g3, g2, u2, False, BC)
-              + tl.exp(g3)[:, None] * tl.dot(q3, h0))
-        _store_part(o, o3 * scale, bos, eos, 3, i_h, o_v, HV, V, BC)
+        if eos - bos > BC:
+            q1, k1, v1, g1, b1 = _row_part(q, k, v, a, b, bos, eos, 1, i_hk, i_h, log_a, bias, o_k, o_v, sa, H, K, HV,
+                                           V, BC)
+            g1 = tl.cumsum(g1, 0) + _last(g0, BC)
+            u1 = _part_values(k1, v1, g1, b1, h0, _coupling(k1, g1, b1, k0, g0, u0, BC), BC)
+            o1 = (_part_output(q1, k1, g1, g1, u1, True, BC) + _part_output(q1, k0, g1, g0, u0, False, BC)
+                  + tl.exp(g1)[:, None] * tl.dot(q1, h0))
+            _store_part(o, o1 * scale, bos, eos, 1, i_h, o_v, HV, V, BC)
+            if PARTS > 2:
+                if eos - bos > 2 * BC:
+                    q2, k2, v2, g2, b2 = _row_part(q, k, v, a, b, bos, eos, 2, i_hk, i_h, log_a, bias, o_k, o_v, sa,
+                                                   H, K, HV, V, BC)
+                    g2 = tl.cumsum(g2, 0) + _last(g1, BC)
+                    u2 = _part_values(k2, v2, g2, b2, h0, _coupling(k2, g2, b2, k0, g0, u0, BC)
+                                      + _coupling(k2, g2, b2, k1, g1, u1, BC), BC)
+                    o2 = (_part_output(q2, k2, g2, g2, u2, True, BC) + _part_output(q2, k0, g2, g0, u0, False, BC)
+                          + _part_output(q2, k1, g2, g1, u1, False, BC) + tl.exp(g2)[:, None] * tl.dot(q2, h0))
+                    _store_part(o, o2 * scale, bos, eos, 2, i_h, o_v, HV, V, BC)
+                    if PARTS > 3:
+                        if eos - bos > 3 * BC:
+                            _row_last_part(q, k, v, a, b, o, bos, eos, i_hk, i_h, log_a, bias, o_k, o_v, sa, scale,
+                                           h0, k0, g0, u0, k1, g1, u1, k2, g2, u2, H, K, HV, V, BC)
+
+
+@triton.jit
+def _row_last_part(q, k, v, a, b, o, bos, eos, i_hk, i_h, log_a, bias, o_k, o_v, sa, scale, h0, k0, g0, u0, k1, g1,
+                   u1, k2, g2, u2, H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr,
+                   BC: tl.constexpr):
+    """`_delta_rows_fwd`'s fourth part, from the three before it (a function of its own keeps
+    the nesting readable)."""
+    q3, k3, v3, g3, b3 = _row_part(q, k, v, a, b, bos, eos, 3, i_hk, i_h, log_a, bias, o_k, o_v, sa, H, K, HV, V, BC)
+    g3 = tl.cumsum(g3, 0) + _last(g2, BC)
+    u3 = _part_values(k3, v3, g3, b3, h0, _coupling(k3, g3, b3, k0, g0, u0, BC)
+                      + _coupling(k3, g3, b3, k1, g1, u1, BC) + _coupling(k3, g3, b3, k2, g2, u2, BC), BC)
+    o3 = (_part_output(q3, k3, g3, g3, u3, True, BC) + _part_output(q3, k0, g3, g0, u0, False, BC)
+          + _part_output(q3, k1, g3, g1, u1, False, BC) + _part_output(q3, k2, g3, g2, u2, False, BC)
+          + tl.exp(g3)[:, None] * tl.dot(q3, h0))
+    _store_part(o, o3 * scale, bos, eos, 3, i_h, o_v, HV, V, BC)
 
 
 @triton.jit

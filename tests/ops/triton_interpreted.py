@@ -171,7 +171,7 @@ def check_delta_rule_rows():
     try:
         for value_dim, values in ((6, default), (40, 16), (40, default)):
             triton_ops.VALUES = values
-            for lengths in ([1, 15, 16, 17, 33, 63, 64], [5], [17, 30], [33, 2, 40], [64, 2, 48]):
+            for lengths in ([1, 15, 16, 17, 33, 49, 63, 64], [5], [17, 30], [33, 2, 40], [64, 2, 48]):
                 total, states = sum(lengths), torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
                 q, k = (kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
