@@ -336,12 +336,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         # Flash attention's variable-length kernel: no padding, bottom-right causal mask.
         varlen_attn, options = _varlen(causal)
-        if "enable_gqa" not in options and k.shape[1] != q.shape[1]:  # torch < 2.12: as many key heads
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if "enable_gqa" not in options and k.shape[1] != q.shape[1]:
+            return _flash_grouped(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
         return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
                            **options)
     return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k, causal)
+
+
+def _flash_grouped(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+    """Grouped-query attention through flash's own kernel (`aten._flash_attention_forward`,
+    differentiable), which takes fewer key heads than query heads. On torch < 2.12 varlen_attn
+    wants as many key heads, and repeating keys and values to them cost 12 copies of 23 us in
+    the 50-question replay on the H200 (`h200-kernels-05c99b9.txt`). torch >= 2.12's
+    varlen_attn(enable_gqa=True) calls the same kernel."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   0.0, causal, False, scale=scale)[0]
 
 
 @functools.cache
