@@ -159,7 +159,7 @@ def test_bucket_graphs_are_captured_again_after_the_model_changes(tiny):
 
     template, model, graphed = _on_cuda(tiny, torch.bfloat16)
     graphed.pad_id = template.pad_id
-    graphed.prepare([Bucket(128, 256, False), Bucket(64, 128, False)])
+    graphed.prepare([Bucket(256, 256, False), Bucket(64, 128, False)])  # the first layout: 131 prefix tokens
     batch = _varied(template)[0]
     with torch.no_grad():
         graphed(batch)
