@@ -206,11 +206,11 @@ def _row(ids, shared, markers, image=None):
 
 
 def test_geometry_from_a_packed_batch_with_a_shared_prefix():
-    first = list(range(10, 80))  # 70 tokens in common: a prefix of 64
+    first = list(range(10, 80))  # 70 tokens in common: the prefix
     rows = [_row(first + [1, 0], 70, [71]), _row(first + [3, 4, 0], 70, [71, 72]), _row([7, 8, 0], 2, [2])]
     batch = pack_rows(rows, [], image_pad_id=-1)
     geometry = geometry_from_batch(batch)
-    assert geometry == Geometry((64,), (72 - 64, 73 - 64, 3), (0, 0, -1), candidates=4, image_patches=0)
+    assert geometry == Geometry((70,), (72 - 70, 73 - 70, 3), (0, 0, -1), candidates=4, image_patches=0)
     assert geometry.useful_tokens == batch.computed_tokens
 
 
