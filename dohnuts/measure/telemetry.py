@@ -117,6 +117,13 @@ def _readers(pynvml) -> dict:
     }
 
 
+# The sampling interval. The sampler is a thread of the timed process, so each sample takes the
+# interpreter lock from the calls being timed: at 10 ms, the 50-question request's p50 on the H200
+# (7.1 to 7.4 ms without telemetry) measured 7.3 and 8.3 ms while sampled, and 7.1 at 100 ms
+# (docs/results/h200-telemetry-overhead-2026-12-02.txt).
+INTERVAL_S = 0.1
+
+
 class Telemetry:
     """Device and process counters while the context is open.
 
@@ -127,7 +134,7 @@ class Telemetry:
     entry (entering resets CUDA's peak statistics).
     """
 
-    def __init__(self, device=None, interval_s: float = 0.01):
+    def __init__(self, device=None, interval_s: float = INTERVAL_S):
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.interval_s = interval_s
         self._samples = {name: [] for name in COUNTERS}
