@@ -29,6 +29,7 @@ from .decoder import (
     attention_output,
     delta_layer,
     final_norm,
+    input_norm,
     mlp_block,
     rotary_tables,
 )
@@ -198,20 +199,21 @@ class _BucketGraph:
         config, layers, attention = self.config, self.layers, self.attention
         if index == 0:
             cos, sin = rotary_tables(config, self.static.position_ids, self.embeds.dtype)
-            hidden, first = self.embeds, 0
+            (hidden, branch), first = (self.embeds, None), 0
         else:
             hidden, _, _, _, gate, cos, sin = self.outputs[index - 1]
             layer = layers[attention[index - 1]]
-            hidden = mlp_block(layer, config, hidden, attention_output(layer.self_attn, self.attended[index - 1], gate))
+            hidden, branch = mlp_block(layer, config, hidden,
+                                       attention_output(layer.self_attn, self.attended[index - 1], gate))
             first = attention[index - 1] + 1
         last = attention[index] if index < len(attention) else len(layers)
         for layer in layers[first:last]:  # delta-rule layers only: pieces end at attention layers
-            hidden = delta_layer(layer, config, hidden, self.rows, self.prefixes, False)
+            hidden, branch = delta_layer(layer, config, hidden, branch, self.rows, self.prefixes, False)
         if index == len(attention):
-            rows = final_norm(self.model.backbone.language_model, hidden, self.static.prefix_tokens)
+            rows = final_norm(self.model.backbone.language_model, hidden, branch, self.static.prefix_tokens)
             return self.model.logits(rows, self.static.markers, self.static.candidate_mask)
         layer = layers[last]
-        normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
+        hidden, normed = input_norm(layer, config, hidden, branch)
         return (hidden, *attention_inputs(layer.self_attn, config, normed, cos, sin), cos, sin)
 
     def _attend(self, index: int, fork) -> None:

@@ -308,12 +308,26 @@ def _delta_output(module, config, out: torch.Tensor, gate: torch.Tensor) -> torc
     return project(module.out_proj, out.flatten(1))
 
 
-def mlp_block(layer, config, hidden: torch.Tensor, mixed: torch.Tensor) -> torch.Tensor:
-    """The residual add of a token mixer's output, then the MLP's residual branch."""
+# The residual stream runs as a pair (hidden, branch): its value is hidden + branch, the branch
+# being the last MLP's output (None before the first layer). The add is left to the next norm
+# that reads the stream, the next layer's input norm or the final norm, which adds and norms in
+# one kernel (`kernels.add_rms_norm`): one launch a layer fewer than a separate add.
+
+
+def input_norm(layer, config, hidden: torch.Tensor, branch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the residual stream hidden + branch, the layer's input norm of it)."""
+    if branch is None:
+        return hidden, kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
+    return kernels.add_rms_norm(hidden, branch, layer.input_layernorm.weight, config.rms_norm_eps)
+
+
+def mlp_block(layer, config, hidden: torch.Tensor, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add of a token mixer's output, then the MLP: (the stream after the mixer,
+    the MLP's output, its branch, left for the next norm to add)."""
     hidden, normed = kernels.add_rms_norm(hidden, mixed, layer.post_attention_layernorm.weight, config.rms_norm_eps)
     mlp = layer.mlp
     gate, up = projections([mlp.gate_proj, mlp.up_proj], normed)
-    return hidden + project(mlp.down_proj, kernels.swiglu(gate, up))
+    return hidden, project(mlp.down_proj, kernels.swiglu(gate, up))
 
 
 def _delta_tail(layer, config, hidden, out, gate):
@@ -342,8 +356,9 @@ def _run(function, *args):
     return function(*args)
 
 
-def delta_layer(layer, config, hidden, rows: Segments, prefixes: Prefixes | None, checkpointed: bool):
-    """One gated delta-rule decoder layer over every packed token. Returns hidden [T, D].
+def delta_layer(layer, config, hidden, branch, rows: Segments, prefixes: Prefixes | None, checkpointed: bool):
+    """One gated delta-rule decoder layer over every packed token, from the residual stream
+    hidden + branch (branch may be None). Returns the stream as (hidden, branch) [T, D] each.
 
     Under activation checkpointing, a batch of up to MIXER_KEEP_TOKENS tokens recomputes only
     the part after the delta rule (gated norm, output projection, MLP) in the backward pass.
@@ -353,27 +368,28 @@ def delta_layer(layer, config, hidden, rows: Segments, prefixes: Prefixes | None
     bounded.
     """
     if checkpointed and hidden.shape[0] > MIXER_KEEP_TOKENS:
-        return _recomputed(_delta_whole, layer, config, hidden, rows, prefixes)
-    normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
+        return _recomputed(_delta_whole, layer, config, hidden, branch, rows, prefixes)
+    hidden, normed = input_norm(layer, config, hidden, branch)
     out, gate = _delta_mix(layer.linear_attn, config, normed, rows, prefixes)
     return (_recomputed if checkpointed else _run)(_delta_tail, layer, config, hidden, out, gate)
 
 
-def _delta_whole(layer, config, hidden, rows: Segments, prefixes: Prefixes | None):
-    return delta_layer(layer, config, hidden, rows, prefixes, False)
+def _delta_whole(layer, config, hidden, branch, rows: Segments, prefixes: Prefixes | None):
+    return delta_layer(layer, config, hidden, branch, rows, prefixes, False)
 
 
-def attention_layer(layer, config, hidden, cos, sin, rows: Segments, prefixes: Prefixes | None,
+def attention_layer(layer, config, hidden, branch, cos, sin, rows: Segments, prefixes: Prefixes | None,
                     checkpointed: bool):
-    """One full-attention decoder layer over every packed token. Returns hidden [T, D].
+    """One full-attention decoder layer over every packed token, from the residual stream
+    hidden + branch (branch may be None). Returns the stream as (hidden, branch) [T, D] each.
 
     Under activation checkpointing, as a delta-rule layer: a batch of up to MIXER_KEEP_TOKENS
     tokens recomputes only what follows the attention core (the output gate and projection, the
     MLP); a larger one recomputes the whole layer.
     """
     if checkpointed and hidden.shape[0] > MIXER_KEEP_TOKENS:
-        return _recomputed(_attention_whole, layer, config, hidden, cos, sin, rows, prefixes)
-    normed = kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
+        return _recomputed(_attention_whole, layer, config, hidden, branch, cos, sin, rows, prefixes)
+    hidden, normed = input_norm(layer, config, hidden, branch)
     query, key, value, gate = attention_inputs(layer.self_attn, config, normed, cos, sin)
     out = attention_core(config, query, key, value, rows, prefixes)
     return (_recomputed if checkpointed else _run)(_attention_tail, layer, config, hidden, out, gate)
@@ -383,8 +399,8 @@ def _attention_tail(layer, config, hidden, out, gate):
     return mlp_block(layer, config, hidden, attention_output(layer.self_attn, out, gate))
 
 
-def _attention_whole(layer, config, hidden, cos, sin, rows: Segments, prefixes: Prefixes | None):
-    return attention_layer(layer, config, hidden, cos, sin, rows, prefixes, False)
+def _attention_whole(layer, config, hidden, branch, cos, sin, rows: Segments, prefixes: Prefixes | None):
+    return attention_layer(layer, config, hidden, branch, cos, sin, rows, prefixes, False)
 
 
 def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
@@ -417,16 +433,19 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
     config = language_model.config
     rows = Segments.of(cu_seqlens, cu_seqlens_cpu, chunk_indices, max_seqlen)
     cos, sin = rotary_tables(config, position_ids, inputs_embeds.dtype)
-    hidden = inputs_embeds
+    hidden, branch = inputs_embeds, None
     checkpointed = activation_checkpointing and torch.is_grad_enabled()
     for layer, kind in zip(language_model.layers, config.layer_types):
         if kind == "linear_attention":
-            hidden = delta_layer(layer, config, hidden, rows, prefixes, checkpointed)
+            hidden, branch = delta_layer(layer, config, hidden, branch, rows, prefixes, checkpointed)
         else:
-            hidden = attention_layer(layer, config, hidden, cos, sin, rows, prefixes, checkpointed)
-    return final_norm(language_model, hidden, prefixes.tokens if prefixes is not None else 0)
+            hidden, branch = attention_layer(layer, config, hidden, branch, cos, sin, rows, prefixes, checkpointed)
+    return final_norm(language_model, hidden, branch, prefixes.tokens if prefixes is not None else 0)
 
 
-def final_norm(language_model, hidden: torch.Tensor, prefix_tokens: int) -> torch.Tensor:
-    """The rows' own tokens of the last layer's output, normed: [S, D]."""
-    return kernels.rms_norm(hidden[prefix_tokens:], language_model.norm.weight, language_model.config.rms_norm_eps)
+def final_norm(language_model, hidden: torch.Tensor, branch: torch.Tensor | None, prefix_tokens: int) -> torch.Tensor:
+    """The rows' own tokens of the last layer's residual stream hidden + branch, normed: [S, D]."""
+    weight, eps = language_model.norm.weight, language_model.config.rms_norm_eps
+    if branch is None:
+        return kernels.rms_norm(hidden[prefix_tokens:], weight, eps)
+    return kernels.add_rms_norm(hidden[prefix_tokens:], branch[prefix_tokens:], weight, eps)[1]
