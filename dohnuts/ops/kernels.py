@@ -518,7 +518,8 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor, longest: int, chunk_indices: torch.Tensor | None,
                A_log: torch.Tensor, dt_bias: torch.Tensor, states: torch.Tensor | None = None,
                parents: torch.Tensor | None = None, orphans: bool = False,
-               output_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+               output_final_state: bool = False, out: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule of packed sequences, the decoder's entry point: tensors [T, ...]
     with no batch axis, so autograd records no select or unsqueeze around the kernels.
 
@@ -530,6 +531,9 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         states: [G, HV, K, V] float32 states sequence n continues through parents[n] (a zero
             state for parent -1, which `orphans` announces), or None for zero states.
         output_final_state: also return the [N, HV, K, V] float32 final states.
+        out: [T, HV, V] contiguous in v's dtype, to hold o (a part of a larger output, which then
+            needs no concatenation), or None. Forward only: autograd does not see the write. The
+            Triton forward kernels write there; the other paths copy their output in.
 
     On CUDA, with A_log and dt_bias frozen and sequences of at most `SCAN_TOKENS`: rows that
     continue states, need no gradient and no final states, and hold at most 64 tokens run
@@ -540,17 +544,25 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     Returns:
         (o [T, HV, V] in v's dtype, final states or None)
     """
+    if out is not None and _differentiable(q, k, v, g, beta, states, A_log, dt_bias):
+        raise ValueError("delta_rule: out is for forward passes only; autograd would not see the write")
     ours = _ours(q)
     if ours is not None and not _differentiable(A_log, dt_bias) and longest <= ours.SCAN_TOKENS:
         if (states is not None and not output_final_state and longest <= ours.ROW_TOKENS
                 and not _differentiable(q, k, v, g, beta, states)):
-            return ours.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias), None
+            return ours.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias,
+                                        out=out), None
+        if out is not None:
+            return ours.delta_rule_scan(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
+                                        dt_bias, out=out)
         return _scan(q, k, v, g, beta, states)(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state,
                                                A_log, dt_bias)
     initial = fork_states(states, parents, orphans) if states is not None else None
-    out, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial, output_final_state,
-                                        cu_seqlens, False, cu_seqlens_cpu, chunk_indices, A_log, dt_bias)
-    return out[0], final
+    o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial, output_final_state,
+                                      cu_seqlens, False, cu_seqlens_cpu, chunk_indices, A_log, dt_bias)
+    if out is not None:
+        return out.copy_(o[0]), final
+    return o[0], final
 
 
 def _scan(*tensors):

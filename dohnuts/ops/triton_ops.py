@@ -562,7 +562,8 @@ def _store_part(o, value, bos, eos, part, i_h, o_v, HV: tl.constexpr, V: tl.cons
 
 def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     states: torch.Tensor, parents: torch.Tensor, cu_seqlens: torch.Tensor, longest: int,
-                    A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+                    A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """The gated delta rule's output for packed rows of at most ROW_TOKENS tokens, row n
     starting from states[parents[n]] (a zero state where parents[n] < 0); forward only.
 
@@ -575,6 +576,7 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             ROW_TOKENS. The kernel covers each row's first `longest` tokens (rounded up to a
             multiple of PART), so a smaller value would leave later tokens unwritten.
         A_log, dt_bias: [HV]. scale: of q, K^-0.5 by default.
+        out: as `delta_rule_scan`'s.
 
     Returns:
         o [T, HV, V] in v's dtype.
@@ -593,7 +595,7 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                          f"{key_dim} x {value_dim}")
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     g, gate_stride = _even_rows(g)
-    o = torch.empty_like(v)
+    o = _output(v, out, "delta_rule_rows")
     block_k = max(16, triton.next_power_of_2(key_dim))
     block_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
     parts = -(-max(longest, 1) // PART)
@@ -647,10 +649,21 @@ def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu
         tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
 
 
+def _output(v: torch.Tensor, out: torch.Tensor | None, name: str) -> torch.Tensor:
+    """A delta-rule kernel's output tensor: `out` when given (checked), else a new one like v."""
+    if out is None:
+        return torch.empty_like(v)
+    if out.shape != v.shape or out.dtype != v.dtype or out.device != v.device or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be a contiguous {v.dtype} tensor of shape {tuple(v.shape)} on {v.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
 def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     states: torch.Tensor | None, parents: torch.Tensor | None, cu_seqlens: torch.Tensor,
                     output_final_state: bool, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    scale: float | None = None, out: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule's output for packed sequences of any length, sequence n starting
     from states[parents[n]] (zero where parents[n] < 0, or everywhere without `states`);
     forward only.
@@ -662,6 +675,8 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         cu_seqlens: [N + 1] on q's device.
         output_final_state: also return each sequence's final state [N, HV, K, V] float32.
         A_log, dt_bias: [HV]. scale: of q, K^-0.5 by default.
+        out: [T, HV, V] contiguous, v's dtype: where to write o (a part of a larger output), or
+            None for a new tensor.
 
     Returns:
         (o [T, HV, V] in v's dtype, final states or None)
@@ -679,7 +694,7 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                          f"{tuple(states.shape)}, for {value_heads} heads of {key_dim} x {value_dim}")
     q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
     g, gate_stride = _even_rows(g)
-    o = torch.empty_like(v)
+    o = _output(v, out, "delta_rule_scan")
     final = q.new_empty(sequences, value_heads, key_dim, value_dim, dtype=torch.float32) if output_final_state else o
     initial = states.contiguous() if states is not None else o
     block_k = max(16, triton.next_power_of_2(key_dim))

@@ -151,6 +151,9 @@ def test_shared_prefixes_of_64_and_127_tokens_match_unshared_logits_and_gradient
         results.append((logits.detach(), torch.autograd.grad((logits * weights).sum(), trainable)))
     (logits, grads), (expected_logits, expected_grads) = results
     assert ((logits - expected_logits).abs().max() / expected_logits.abs().max()).item() <= 1e-5
+    with torch.no_grad():  # without autograd, prefixes and rows write one output instead of joining two
+        inference = model(shared)
+    assert ((inference - expected_logits).abs().max() / expected_logits.abs().max()).item() <= 1e-5
     for ours, reference in zip(grads, expected_grads):
         assert ((ours - reference).abs().max() / reference.abs().max().clamp_min(1e-12)).item() <= 1e-5
 

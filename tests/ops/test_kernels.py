@@ -130,6 +130,23 @@ def test_chunked_delta_rule_equals_the_recurrence_in_outputs_states_and_gradient
         torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_delta_rule_writes_into_out_without_autograd_and_refuses_it_with():
+    total = sum(LENGTHS)
+    q, k, v, g, beta = (x[0] for x in _delta_inputs(total))
+    cu = _cu(LENGTHS).to(torch.int32)
+    A_log, dt_bias = torch.randn(4), torch.randn(4)
+    args = (q, k, v, g, beta, cu, cu, max(LENGTHS), None, A_log, dt_bias)
+    expected, _ = kernels.delta_rule(*args)
+    larger = torch.full((total + 4, *v.shape[1:]), 5.0)
+    with torch.no_grad():
+        out, final = kernels.delta_rule(*args, out=larger[1:1 + total])
+    assert out.data_ptr() == larger[1].data_ptr() and final is None
+    torch.testing.assert_close(larger[1:1 + total], expected)
+    assert larger[0].eq(5).all() and larger[1 + total:].eq(5).all()
+    with pytest.raises(ValueError, match="forward passes only"):
+        kernels.delta_rule(q.requires_grad_(), *args[1:], out=larger[1:1 + total])
+
+
 def test_delta_rule_state_carries_a_sequence_across_a_split():
     q, k, v, g, beta = _delta_inputs(40)
     whole, whole_state = kernels.gated_delta_rule_reference(q, k, v, g, beta, None, True)

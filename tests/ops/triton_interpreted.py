@@ -187,6 +187,12 @@ def check_delta_rule_rows():
                     q[None], k[None], v[None], kernels.decay(gate, A_log, dt_bias)[None], beta[None],
                     kernels.fork_states(states, parents, True), False, cu.long(), normalise=False)
                 close(f"delta_rule_rows lengths={lengths} V={value_dim} block={values}", ours, reference[0])
+                larger = torch.full((total + 5, value_heads, value_dim), 5.0)
+                into = triton_ops.delta_rule_rows(q, k, v, gate, beta, states, parents, cu, max(lengths), A_log,
+                                                  dt_bias, out=larger[2:2 + total])
+                assert into.data_ptr() == larger[2].data_ptr()
+                close(f"delta_rule_rows into out lengths={lengths}", larger[2:2 + total], reference[0])
+                assert larger[:2].eq(5).all() and larger[2 + total:].eq(5).all()
     finally:
         triton_ops.VALUES = default
     # Badly conditioned blocks: nearly parallel keys, beta near 1 and almost no decay make the
@@ -249,6 +255,13 @@ def check_delta_rule_scan():
                     False, cu.long(), normalise=False)
                 assert none is None, case
                 close(f"{case} forked", ours, reference[0])
+                # Written into a part of a larger output: there, and nowhere else in it.
+                larger = torch.full((total + 7, value_heads, value_dim), 5.0)
+                into, _ = triton_ops.delta_rule_scan(q, k, v, gate, beta, states, parents, cu, False, A_log, dt_bias,
+                                                     out=larger[3:3 + total])
+                assert into.data_ptr() == larger[3].data_ptr(), case
+                close(f"{case} into out", larger[3:3 + total], reference[0])
+                assert larger[:3].eq(5).all() and larger[3 + total:].eq(5).all(), case
     finally:
         triton_ops.VALUES = default
 
@@ -413,7 +426,7 @@ def check_decoder_with_triton_kernels():
     reference, (_, reference_grad) = run_short(False), run_short(True)
     rows_calls = []
     kernel, ours = triton_ops.delta_rule_rows, kernels._ours
-    triton_ops.delta_rule_rows = lambda *args: rows_calls.append(1) or kernel(*args)
+    triton_ops.delta_rule_rows = lambda *args, **options: rows_calls.append(1) or kernel(*args, **options)
     kernels._ours = lambda x: triton_ops if x.dtype != torch.float64 else None
     try:
         inference = run_short(False)
@@ -434,7 +447,7 @@ def check_decoder_with_triton_kernels():
         expected = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(row_lengths))
     scan_calls = []
     scan = triton_ops.delta_rule_scan
-    triton_ops.delta_rule_scan = lambda *args: scan_calls.append(args[5] is None) or scan(*args)
+    triton_ops.delta_rule_scan = lambda *args, **options: scan_calls.append(args[5] is None) or scan(*args, **options)
     kernels._ours = lambda x: triton_ops if x.dtype != torch.float64 else None
     try:
         with torch.no_grad():
