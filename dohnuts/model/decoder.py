@@ -272,12 +272,12 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
 
     def mix(mixed, gate, beta, segments: Segments, conv_state, states, fork: Fork | None, keep: bool, out=None):
         """The convolution (split into L2-normalised q, k and v, as Qwen3.5's delta rule wants)
-        and the delta rule of whole sequences of `segments`, from carried conv states and the
-        recurrent states `states` through `fork`'s parents (zeros without): ([t, Hv, V], written
+        and the delta rule of whole sequences of `segments`, from the conv states `conv_state`
+        and the recurrent states `states` through `fork`'s parents (zeros without): ([t, Hv, V], written
         into `out` when given, the final conv and recurrent states if `keep`)."""
         query, key, value, conv_final = kernels.conv_split_heads(
             mixed, weight, conv_state, keep, segments.cu_seqlens, segments.cu_seqlens_cpu, segments.chunk_indices,
-            key_heads, key_dim, value_heads, value_dim)
+            key_heads, key_dim, value_heads, value_dim, fork.parents if fork else None, fork.orphans if fork else True)
         out, final = kernels.delta_rule(
             query, key, value, gate, beta, segments.cu_seqlens, segments.cu_seqlens_cpu, segments.max_seqlen,
             segments.chunk_indices, module.A_log, module.dt_bias, states, fork.parents if fork else None,
@@ -287,10 +287,11 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
     if prefixes is None:
         out, _, _ = mix(mixed, gate, beta, rows, None, None, None, False)
         return out, output_gate
-    # The prefixes first, from zero states; then the rows continue their final states: the conv
-    # states are forked (a few inputs a channel), the recurrent ones read through the parent
-    # index. Split, not sliced, so the backward joins the two parts' gradients in one copy.
-    # Without autograd, both parts write their outputs into one tensor instead of being joined.
+    # The prefixes first, from zero states; then the rows continue their final states, the conv
+    # and the recurrent ones read through the parent index (the conv states forked first under
+    # autograd, `kernels.conv_split_heads`). Split, not sliced, so the backward joins the two
+    # parts' gradients in one copy. Without autograd, both parts write their outputs into one
+    # tensor instead of being joined.
     sizes = [prefixes.tokens, hidden.shape[0] - prefixes.tokens]
     (mixed_head, mixed_tail), (gate_head, gate_tail), (beta_head, beta_tail) = (
         x.split(sizes) for x in (mixed, gate, beta))
@@ -299,9 +300,7 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
         joined = hidden.new_empty(hidden.shape[0], value_heads, value_dim)
     head, conv_final, recurrent_final = mix(mixed_head, gate_head, beta_head, prefixes.segments, None, None, None,
                                             True, joined[:sizes[0]] if joined is not None else None)
-    fork = prefixes.fork
-    conv_states = kernels.fork_states(conv_final, fork.parents, fork.orphans)
-    tail, _, _ = mix(mixed_tail, gate_tail, beta_tail, rows, conv_states, recurrent_final, fork, False,
+    tail, _, _ = mix(mixed_tail, gate_tail, beta_tail, rows, conv_final, recurrent_final, prefixes.fork, False,
                      joined[sizes[0]:] if joined is not None else None)
     return (joined if joined is not None else torch.cat([head, tail])), output_gate
 

@@ -440,16 +440,24 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None,
                      output_final_state: bool, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
-                     chunk_indices: torch.Tensor | None, heads: int, key_dim: int, value_heads: int, value_dim: int):
+                     chunk_indices: torch.Tensor | None, heads: int, key_dim: int, value_heads: int, value_dim: int,
+                     parents: torch.Tensor | None = None, orphans: bool = True):
     """The delta rule's causal convolution (SiLU, `causal_conv1d_reference`) of packed sequences
     x [T, 2*H*K + HV*V], split into q, k [T, H, K], L2-normalised per head in float32 (Qwen3.5's
     delta rule), and v [T, HV, V]: returns (q, k, v, final state or None). On CUDA, one Triton
     kernel (`triton_ops.conv_split_heads`) reads x once and writes q, k and v contiguous, as
-    the delta-rule kernel reads them."""
+    the delta-rule kernel reads them.
+
+    With `parents` [N], initial_state is [G, C, W] and sequence n continues row parents[n] (a
+    zero state for -1, which `orphans` announces), as `fork_states` would give it. Without
+    autograd the Triton kernel reads each state there; otherwise the states are forked first,
+    so their gradient flows back to the G rows."""
     ops = _ours(x)
+    if parents is not None and (ops is None or _differentiable(x, weight, initial_state)):
+        initial_state, parents = fork_states(initial_state, parents, orphans), None
     if ops is not None:
         return ops.conv_split_heads(x, weight, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                                    chunk_indices, heads, key_dim, value_heads, value_dim)
+                                    chunk_indices, heads, key_dim, value_heads, value_dim, parents)
     return conv_split_heads_reference(x, weight, initial_state, output_final_state, cu_seqlens, heads, key_dim,
                                       value_heads, value_dim)
 

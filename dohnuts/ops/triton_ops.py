@@ -104,11 +104,11 @@ def _slot(i_s, H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constex
 
 
 @triton.jit
-def _conv_window(x, init, weight, o_t, start, bos, n, cols, m_t, m_d, stride, C, W: tl.constexpr,
+def _conv_window(x, init, weight, o_t, start, bos, row, cols, m_t, m_d, m_init, stride, C, W: tl.constexpr,
                  HAS_INIT: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """The convolution before its activation, [BT, BD] float32, of tokens o_t (from start, of
-    one sequence starting at bos) and channels cols; inputs before bos come from init[n] (or
-    are zero)."""
+    one sequence starting at bos) and channels cols (mask m_d); inputs before bos come from
+    init[row] where m_init (`_carried`), else they are zero."""
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     for i in tl.static_range(W):
         s = o_t - (W - 1) + i
@@ -126,17 +126,28 @@ def _conv_window(x, init, weight, o_t, start, bos, n, cols, m_t, m_d, stride, C,
             for r in tl.static_range(W - 1):
                 carried = tl.zeros([BD], dtype=tl.float32)
                 for i in tl.static_range(W - 1 - r):
-                    h = tl.load(init + n * C * W + cols * W + (r + 1 + i), mask=m_d, other=0.0).to(tl.float32)
+                    h = tl.load(init + row * C * W + cols * W + (r + 1 + i), mask=m_init, other=0.0).to(tl.float32)
                     carried += h * tl.load(weight + cols * W + i, mask=m_d, other=0.0).to(tl.float32)
                 acc += tl.where((o_t == bos + r)[:, None], carried[None, :], 0.0)
     return acc
 
 
 @triton.jit
-def _conv_heads_fwd(x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_indices, stride, eps,
+def _carried(parents, n, m_d, HAS_PARENTS: tl.constexpr, BD: tl.constexpr):
+    """(the carried state's row for sequence n, the channel mask where it is read): row
+    parents[n] with HAS_PARENTS, no channel where that is negative (a zero state), else row n.
+    (The parent as a vector in the mask: Triton's interpreter wants that.)"""
+    if HAS_PARENTS:
+        parent = tl.load(parents + n).to(tl.int64)
+        return tl.maximum(parent, 0), m_d & ((tl.zeros([BD], dtype=tl.int64) + parent) >= 0)
+    return n, m_d
+
+
+@triton.jit
+def _conv_heads_fwd(x, weight, init, parents, q, k, v, rstd, final, cu_seqlens, chunk_indices, stride, eps,
                     H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, W: tl.constexpr,
-                    HAS_INIT: tl.constexpr, HAS_FINAL: tl.constexpr, BT: tl.constexpr, PLAN: tl.constexpr,
-                    BD: tl.constexpr, ALIGN: tl.constexpr):
+                    HAS_INIT: tl.constexpr, HAS_PARENTS: tl.constexpr, HAS_FINAL: tl.constexpr, BT: tl.constexpr,
+                    PLAN: tl.constexpr, BD: tl.constexpr, ALIGN: tl.constexpr):
     i_s = tl.program_id(1)
     n, bos, eos, start, o_t, m_t = _chunk(cu_seqlens, chunk_indices, BT, PLAN)
     if start >= eos:  # a block past its sequence's end (TOKENS < CHUNK) has nothing to do
@@ -144,7 +155,8 @@ def _conv_heads_fwd(x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_ind
     C = 2 * H * K + HV * V
     is_qk = i_s < 2 * H
     o_d, cols, m_d = _slot(i_s, H, K, HV, V, BD, ALIGN)
-    pre = _conv_window(x, init, weight, o_t, start, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
+    row, m_init = _carried(parents, n, m_d, HAS_PARENTS, BD)
+    pre = _conv_window(x, init, weight, o_t, start, bos, row, cols, m_t, m_d, m_init, stride, C, W, HAS_INIT, BT, BD)
     u = pre * tl.sigmoid(pre)  # 0 in masked lanes
     m = m_t[:, None] & m_d[None, :]
     if is_qk:
@@ -165,7 +177,7 @@ def _conv_heads_fwd(x, weight, init, q, k, v, rstd, final, cu_seqlens, chunk_ind
                 at = tl.zeros([BD], dtype=tl.int64) + position
                 own = tl.load(x + position * stride + cols, mask=m_d & (at >= bos), other=0.0)
                 if HAS_INIT:
-                    own += tl.load(init + n * C * W + cols * W + (W + position - bos), mask=m_d & (at < bos),
+                    own += tl.load(init + row * C * W + cols * W + (W + position - bos), mask=m_init & (at < bos),
                                    other=0.0)
                 tl.store(final + n * C * W + cols * W + j, own, mask=m_d)
 
@@ -184,7 +196,7 @@ def _conv_heads_bwd_pre(x, weight, init, q, k, rstd, dq, dk, dv, dpre, cu_seqlen
     is_qk = i_s < 2 * H
     o_d, cols, m_d = _slot(i_s, H, K, HV, V, BD, ALIGN)
     m = m_t[:, None] & m_d[None, :]
-    pre = _conv_window(x, init, weight, o_t, start, bos, n, cols, m_t, m_d, stride, C, W, HAS_INIT, BT, BD)
+    pre = _conv_window(x, init, weight, o_t, start, bos, n, cols, m_t, m_d, m_d, stride, C, W, HAS_INIT, BT, BD)
     sig = tl.sigmoid(pre)
     if is_qk:
         if i_s < H:
@@ -253,7 +265,7 @@ def _conv_heads_bwd_x(dpre, weight, dfinal, dx, dinit, cu_seqlens, chunk_indices
 class ConvSplitHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, initial_state, output_final_state, cu_seqlens, bounds, chunk_indices, heads,
-                key_dim, value_heads, value_dim, empty_sequences=False):
+                key_dim, value_heads, value_dim, empty_sequences=False, parents=None):
         total, channels = x.shape
         width = weight.shape[-1]
         ctx.bounds = bounds
@@ -274,10 +286,11 @@ class ConvSplitHeads(torch.autograd.Function):
         # Without a carried state the kernels get x in its place, unread (HAS_INIT is False): the
         # helper they call then always receives a pointer, never None.
         with _on(x.device):
-            _conv_heads_fwd[grid](x, weight, init if init is not None else x, q, k, v, rstd, final, cu_seqlens,
+            _conv_heads_fwd[grid](x, weight, init if init is not None else x,
+                                  parents if parents is not None else cu_seqlens, q, k, v, rstd, final, cu_seqlens,
                                   chunk_indices, x.stride(0), EPS,
-                                  heads, key_dim, value_heads, value_dim, width, init is not None, final is not None,
-                                  TOKENS, CHUNK, block, align, num_warps=WARPS)
+                                  heads, key_dim, value_heads, value_dim, width, init is not None, parents is not None,
+                                  final is not None, TOKENS, CHUNK, block, align, num_warps=WARPS)
         ctx.save_for_backward(x, weight, init, q, k, rstd, cu_seqlens, chunk_indices)
         ctx.shape = (heads, key_dim, value_heads, value_dim, block, align)
         return q, k, v, final
@@ -310,7 +323,7 @@ class ConvSplitHeads(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dweight = _conv_weight_grad(x, init, dpre, ctx.bounds, width).to(weight.dtype)
         return (dx if ctx.needs_input_grad[0] else None, dweight, dinit, None, None, None, None, None, None, None, None,
-                None)
+                None, None)
 
 
 def _conv_weight_grad(x, init, dpre, bounds: list[int], width):
@@ -330,12 +343,15 @@ def _conv_weight_grad(x, init, dpre, bounds: list[int], width):
 
 def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None,
                      output_final_state: bool, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor,
-                     chunk_indices: torch.Tensor | None, heads: int, key_dim: int, value_heads: int, value_dim: int):
+                     chunk_indices: torch.Tensor | None, heads: int, key_dim: int, value_heads: int, value_dim: int,
+                     parents: torch.Tensor | None = None):
     """SiLU(causal depthwise conv) of packed sequences, split into L2-normalised q, k and v.
 
     Args:
         x: [T, 2*H*K + HV*V] (unit stride along channels); weight: [C, W].
-        initial_state: [N, C, W] the W inputs before each sequence (last one most recent), or None.
+        initial_state: [N, C, W] the W inputs before each sequence (last one most recent), or None;
+            with `parents`, [G, C, W] states that sequence n reads at row parents[n] (a zero
+            state where that is negative), forward only: no gradient reaches them.
         output_final_state: also return each sequence's last W inputs, [N, C, W].
         cu_seqlens: [N + 1] on x's device; cu_seqlens_cpu its host copy (a sequence may be empty;
             its final state is then zero);
@@ -349,6 +365,12 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
     if min(lengths, default=1) < 0:
         raise ValueError("conv_split_heads: the cumulative lengths decrease")
     empty = min(lengths, default=1) == 0
+    if parents is not None and (initial_state is None or parents.shape != (len(lengths),)):
+        raise ValueError(f"conv_split_heads: parents come with carried states, one a sequence: {len(lengths)} "
+                         f"sequences, parents {None if parents is None else tuple(parents.shape)}")
+    if parents is not None and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (x, weight, initial_state)):
+        raise ValueError("conv_split_heads: states read through parents are for forward passes only")
     if empty and output_final_state and initial_state is not None:
         raise ValueError("conv_split_heads: an empty sequence would keep its carried state as its final state; "
                          "give every sequence a token")
@@ -366,7 +388,7 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
             raise ValueError(f"conv_split_heads: the chunk plan has {chunk_indices.shape[0]} chunks, but the "
                              f"sequences make {chunks} of {CHUNK} tokens")
     return ConvSplitHeads.apply(x, weight, initial_state, output_final_state, cu_seqlens, bounds, chunk_indices,
-                                heads, key_dim, value_heads, value_dim, empty)
+                                heads, key_dim, value_heads, value_dim, empty, parents)
 
 
 # -- the delta rule of short rows continuing forked states -----------------------------------------

@@ -157,6 +157,25 @@ def test_delta_rule_state_carries_a_sequence_across_a_split():
     torch.testing.assert_close(final, whole_state, rtol=1e-5, atol=1e-6)
 
 
+def test_conv_split_heads_through_parents_equals_forked_states_with_their_gradient():
+    lengths, heads, key_dim, value_heads, value_dim = [5, 3, 9], 2, 4, 2, 6
+    channels = 2 * heads * key_dim + value_heads * value_dim
+    cu = _cu(lengths).to(torch.int32)
+    x = torch.randn(sum(lengths), channels, dtype=torch.float64)
+    weight = torch.randn(channels, 4, dtype=torch.float64)
+    shared = torch.randn(2, channels, 4, dtype=torch.float64, requires_grad=True)
+    parents = torch.tensor([1, -1, 0])
+    shape = (heads, key_dim, value_heads, value_dim)
+    ours = kernels.conv_split_heads(x, weight, shared, False, cu, cu, None, *shape, parents, True)
+    states = kernels.fork_states(shared, parents, True)
+    forked = kernels.conv_split_heads(x, weight, states, False, cu, cu, None, *shape)
+    for a, b in zip(ours[:3], forked[:3]):
+        torch.testing.assert_close(a, b)
+    # The gradient reaches the shared states' rows (the orphan's zero state takes none).
+    grad = torch.autograd.grad(sum(out.sum() for out in ours[:3]), shared)[0]
+    assert grad[0].abs().sum() > 0 and grad[1].abs().sum() > 0
+
+
 def test_causal_conv_reference_matches_conv1d_per_sequence_with_carried_state():
     dim, width = 5, 4
     x = torch.randn(1, sum(LENGTHS), dim)

@@ -64,6 +64,21 @@ def check_conv_split_heads_blocks():
                 expected = [out for out in reference if out is not None]
                 for name, a, b in zip(["x", "weight", "state"], grads(outputs, inputs, 1), grads(expected, inputs, 1)):
                     close(f"{case} grad {name}", a, b)
+                if with_state:
+                    # Two carried states read through parents (-1: a zero state), forward only.
+                    shared = torch.randn(2, channels, width)
+                    parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
+                    with torch.no_grad():
+                        ours = triton_ops.conv_split_heads(x, weight, shared, keep, cu, cu, None, heads, key_dim,
+                                                           value_heads, value_dim, parents)
+                        reference = kernels.conv_split_heads_reference(
+                            x, weight, kernels.fork_states(shared, parents, True), keep, cu.long(), heads, key_dim,
+                            value_heads, value_dim)
+                    for name, a, b in zip(["q", "k", "v", "final"], ours, reference):
+                        if b is None:
+                            assert a is None, f"{case} through parents: {name}"
+                        else:
+                            close(f"{case} through parents {name}", a, b)
 
 
 def check_norms_and_swiglu():
@@ -366,10 +381,17 @@ def check_decoder_with_triton_kernels():
         return out.detach(), torch.autograd.grad((out * weights).sum(), embeds)[0]
 
     reference = run()
+    def conv_on_cuda(x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, heads, key_dim, value_heads,
+                     value_dim, parents=None, orphans=True):
+        """kernels.conv_split_heads' CUDA choice: states through parents, forked first under autograd."""
+        if parents is not None and kernels._differentiable(x, weight, state):
+            state, parents = kernels.fork_states(state, parents, orphans), None
+        return triton_ops.conv_split_heads(x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, heads,
+                                           key_dim, value_heads, value_dim, parents)
+
     # What kernels.py chooses on CUDA, routed to our Triton kernels for these CPU tensors.
     cuda_path = {
-        "conv_split_heads": lambda x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, *heads: (
-            triton_ops.conv_split_heads(x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, *heads)),
+        "conv_split_heads": conv_on_cuda,
         "rms_norm": lambda x, weight, eps: triton_ops.rms_norm(x, 1.0 + weight.float(), eps),
         "norm_rotate": lambda x, weight, cos, sin, eps: triton_ops.norm_rotate(x, 1.0 + weight.float(), cos, sin,
                                                                               eps),
