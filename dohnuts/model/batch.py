@@ -242,11 +242,14 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         for index in members:
             parents[index], splits[index] = group, split
 
-    # Plain lists, one tensor per field at the end: per-row tensors cost more than the rows. The
-    # positions come in numpy pieces, [n] each when every row is text (the three M-RoPE axes are
-    # then equal: one built, repeated), else [3, n].
+    # Plain lists, one tensor per field at the end: per-row tensors cost more than the rows. When
+    # every row is text, the three M-RoPE axes are equal and each piece's positions continue its
+    # row's count: one line built at the end from each piece's shift (its first position less its
+    # place on the token axis) and length. Otherwise they come in numpy pieces [3, n].
     ids: list[int] = []
     pieces: list[np.ndarray] = []
+    shifts: list[int] = []
+    spans: list[int] = []
     slot_positions: list[int] = []
     slot_sources: list[int] = []
 
@@ -255,6 +258,10 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     def add(row: Row, begin: int, end: int) -> None:
         offset = len(ids)
         ids.extend(row.input_ids[begin:end])
+        if text_only:
+            shifts.append(begin - offset)
+            spans.append(end - begin)
+            return
         shift = 0
         if row.image_grid is not None:
             start = row.input_ids.index(image_pad_id)
@@ -266,8 +273,7 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
                 slot_sources.extend(sources)
                 return
             shift = max(height, width) - height * width  # all after the image: shifted as it leaves them
-        line = np.arange(begin + shift, end + shift)
-        pieces.append(line if text_only else np.broadcast_to(line, (3, end - begin)))
+        pieces.append(np.broadcast_to(np.arange(begin + shift, end + shift), (3, end - begin)))
 
     for split, members in groups:
         add(rows[members[0]], 0, split)
@@ -293,7 +299,7 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     grid = torch.cat([image.grid_thw for image in images]) if images else None
     return Batch(
         input_ids=_longs(ids),
-        position_ids=_positions(pieces, text_only),
+        position_ids=_text_positions(shifts, spans, len(ids)) if text_only else _positions(pieces),
         prefix_tokens=prefix_tokens,
         # The *_cpu fields are the same host tensors: `to` moves the others, never these.
         prefix_cu_seqlens=prefix_cu, prefix_cu_seqlens_cpu=prefix_cu, cu_seqlens=row_cu, cu_seqlens_cpu=row_cu,
@@ -312,11 +318,15 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     )
 
 
-def _positions(pieces: list[np.ndarray], text_only: bool) -> torch.Tensor:
+def _text_positions(shifts: list[int], spans: list[int], tokens: int) -> torch.Tensor:
+    """[3, tokens] int64 positions of text pieces: token i of the axis has position i plus its
+    piece's shift (`pack_rows`)."""
+    line = np.arange(tokens, dtype=np.int64) + np.repeat(np.asarray(shifts, dtype=np.int64), spans)
+    return torch.from_numpy(np.broadcast_to(line, (3, tokens)).copy())
+
+
+def _positions(pieces: list[np.ndarray]) -> torch.Tensor:
     """[3, tokens] int64 positions from `pack_rows`' pieces."""
-    if text_only:
-        line = np.concatenate(pieces)
-        return torch.from_numpy(np.broadcast_to(line, (3, line.size)).copy())
     return torch.from_numpy(np.concatenate(pieces, axis=1))
 
 
