@@ -31,11 +31,9 @@ than `LONGEST_SEQUENCE`), models with anything but plain LoRA and the head train
 float32, several processes (DistributedDataParallel's hooks are not yet tested under graphs) and
 the CPU run eagerly.
 
-On the H200 the benchmark's update (4,484 computed tokens then) replayed in 134 to 136 ms,
-against about 390 ms eager on the same machine; a capture costs about 0.9 s, two or three eager
-updates (docs/runtime.md, `h200-shape-only-benchmark-0dc52ba-run*.jsonl`). With shared prefixes
-taking the rows' whole common beginning (3,020 tokens) it replays in 95 to 101 ms
-(`h200-shape-only-benchmark-3154dbb-run*.jsonl`).
+On the H200 the benchmark's update (3,020 computed tokens) replays in 95 to 101 ms
+(`h200-shape-only-benchmark-3154dbb-run*.jsonl`); a capture costs about 0.9 s, two or three
+eager updates (docs/runtime.md, `h200-shape-only-benchmark-0dc52ba-run*.jsonl`).
 """
 
 from __future__ import annotations
