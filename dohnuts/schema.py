@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from PIL import Image
 
 QUESTION_TYPES = ("choice", "noul", "score")
+QUESTION_KEYS = frozenset({"type", "instructions", "criteria"})
 MIN_CANDIDATES = 2
 MAX_CANDIDATES = 255  # the wire format's bound on choice options (score levels: 10 there)
 NOUL_DEFAULTS = {
@@ -100,7 +101,7 @@ def _parse_question(qid, question) -> Question:
         raise TypeError(f"question ids must be non-empty strings, got {qid!r}")
     if not isinstance(question, Mapping):
         raise TypeError(f"question {qid!r} must be a mapping, got {type(question).__name__}")
-    unknown = set(question) - {"type", "instructions", "criteria"}
+    unknown = question.keys() - QUESTION_KEYS
     if unknown:
         raise ValueError(f"question {qid!r} has unknown keys {sorted(unknown)}")
     kind = question.get("type")
@@ -112,7 +113,7 @@ def _parse_question(qid, question) -> Question:
     if not isinstance(instructions, str):
         raise TypeError(f"question {qid!r} needs string instructions, got {instructions!r}")
     criteria = question.get("criteria")
-    labels, candidates = {"choice": _choice, "noul": _noul, "score": _score}[kind](qid, criteria)
+    labels, candidates = _CANDIDATES[kind](qid, criteria)
     if not MIN_CANDIDATES <= len(labels) <= MAX_CANDIDATES:
         raise ValueError(
             f"question {qid!r} has {len(labels)} candidates; "
@@ -169,6 +170,9 @@ def _score(qid, criteria):
             raise TypeError(f"score question {qid!r}: level descriptions must be strings, got {item!r}")
     labels = [str(level) for level in range(len(criteria))]
     return labels, [f"level {level}: {text}" for level, text in enumerate(criteria)]
+
+
+_CANDIDATES = {"choice": _choice, "noul": _noul, "score": _score}  # each type's (labels, candidate texts)
 
 
 def _reject_reserved(where: str, text: str, reserved: Sequence[str]) -> None:
