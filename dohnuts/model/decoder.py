@@ -297,7 +297,7 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
         x.split(sizes) for x in (mixed, gate, beta))
     joined = None
     if not torch.is_grad_enabled():
-        joined = hidden.new_empty(hidden.shape[0], value_heads, value_dim)
+        joined = mixed.new_empty(hidden.shape[0], value_heads, value_dim)  # v's dtype: the conv writes x's
     head, conv_final, recurrent_final = mix(mixed_head, gate_head, beta_head, prefixes.segments, None, None, None,
                                             True, joined[:sizes[0]] if joined is not None else None)
     tail, _, _ = mix(mixed_tail, gate_tail, beta_tail, rows, conv_final, recurrent_final, prefixes.fork, False,
