@@ -295,13 +295,14 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
     sizes = [prefixes.tokens, hidden.shape[0] - prefixes.tokens]
     (mixed_head, mixed_tail), (gate_head, gate_tail), (beta_head, beta_tail) = (
         x.split(sizes) for x in (mixed, gate, beta))
-    joined = None
+    joined, parts = None, (None, None)
     if not torch.is_grad_enabled():
         joined = mixed.new_empty(hidden.shape[0], value_heads, value_dim)  # v's dtype: the conv writes x's
+        parts = joined.split(sizes)
     head, conv_final, recurrent_final = mix(mixed_head, gate_head, beta_head, prefixes.segments, None, None, None,
-                                            True, joined[:sizes[0]] if joined is not None else None)
+                                            True, parts[0])
     tail, _, _ = mix(mixed_tail, gate_tail, beta_tail, rows, conv_final, recurrent_final, prefixes.fork, False,
-                     joined[sizes[0]:] if joined is not None else None)
+                     parts[1])
     return (joined if joined is not None else torch.cat([head, tail])), output_gate
 
 
@@ -317,11 +318,17 @@ def _delta_output(module, config, out: torch.Tensor, gate: torch.Tensor) -> torc
 # one kernel (`kernels.add_rms_norm`): one launch a layer fewer than a separate add.
 
 
+def _stream_norm(hidden: torch.Tensor, branch: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the residual stream hidden + branch, its RMSNorm by weight): one kernel either way."""
+    if branch is None:
+        return hidden, kernels.rms_norm(hidden, weight, eps)
+    return kernels.add_rms_norm(hidden, branch, weight, eps)
+
+
 def input_norm(layer, config, hidden: torch.Tensor, branch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the residual stream hidden + branch, the layer's input norm of it)."""
-    if branch is None:
-        return hidden, kernels.rms_norm(hidden, layer.input_layernorm.weight, config.rms_norm_eps)
-    return kernels.add_rms_norm(hidden, branch, layer.input_layernorm.weight, config.rms_norm_eps)
+    return _stream_norm(hidden, branch, layer.input_layernorm.weight, config.rms_norm_eps)
 
 
 def mlp_block(layer, config, hidden: torch.Tensor, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -448,7 +455,5 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
 
 def final_norm(language_model, hidden: torch.Tensor, branch: torch.Tensor | None, prefix_tokens: int) -> torch.Tensor:
     """The rows' own tokens of the last layer's residual stream hidden + branch, normed: [S, D]."""
-    weight, eps = language_model.norm.weight, language_model.config.rms_norm_eps
-    if branch is None:
-        return kernels.rms_norm(hidden[prefix_tokens:], weight, eps)
-    return kernels.add_rms_norm(hidden[prefix_tokens:], branch[prefix_tokens:], weight, eps)[1]
+    rows = branch[prefix_tokens:] if branch is not None else None
+    return _stream_norm(hidden[prefix_tokens:], rows, language_model.norm.weight, language_model.config.rms_norm_eps)[1]

@@ -560,27 +560,19 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                 and not _differentiable(q, k, v, g, beta, states)):
             return ours.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias,
                                         out=out), None
-        if out is not None:
+        if not _differentiable(q, k, v, g, beta, states):
             return ours.delta_rule_scan(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
                                         dt_bias, out=out)
-        return _scan(q, k, v, g, beta, states)(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state,
-                                               A_log, dt_bias)
+        from . import triton_delta  # the same walk with its gradient
+
+        return triton_delta.delta_rule(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
+                                       dt_bias)
     initial = fork_states(states, parents, orphans) if states is not None else None
     o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial, output_final_state,
                                       cu_seqlens, False, cu_seqlens_cpu, chunk_indices, A_log, dt_bias)
     if out is not None:
         return out.copy_(o[0]), final
     return o[0], final
-
-
-def _scan(*tensors):
-    """`triton_ops.delta_rule_scan`, or `triton_delta.delta_rule` (the same with its gradient)
-    when autograd would record it."""
-    if _differentiable(*tensors):
-        from . import triton_delta
-
-        return triton_delta.delta_rule
-    return _triton_ops().delta_rule_scan
 
 
 def _differentiable(*tensors) -> bool:
