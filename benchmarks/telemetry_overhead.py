@@ -9,13 +9,13 @@ prints the p50 and p95 of 200 calls without telemetry and with NVML sampled ever
 the timed process.
 """
 
-import statistics
 import sys
 
 import torch
 from profile_predict import timed_samples, warmed_predictor  # this folder is on the path as a script
 
 from dohnuts.measure.telemetry import Telemetry
+from dohnuts.measure.traffic import percentile
 
 WINDOWS = (("none", None), ("telemetry 0.01", 0.01), ("none", None), ("telemetry 0.1", 0.1),
            ("telemetry 0.01", 0.01))
@@ -33,8 +33,7 @@ def main(name: str = "distinct_text_50q", calls: int = 200) -> None:
         else:
             with Telemetry(torch.device("cuda"), interval_s=interval):
                 samples = timed_samples(call, calls)
-        samples.sort()
-        print(f"{label:16s} p50 {statistics.median(samples):.3f} p95 {samples[int(0.95 * calls) - 1]:.3f}", flush=True)
+        print(f"{label:16s} p50 {percentile(samples, 0.5):.3f} p95 {percentile(samples, 0.95):.3f}", flush=True)
 
 
 if __name__ == "__main__":
