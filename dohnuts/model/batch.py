@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,9 +26,8 @@ from .pixels import PixelSettings
 SHARED_MIN = 64
 
 
-@dataclass(frozen=True)
-class Row:
-    """One question of one request as token ids.
+class Row(NamedTuple):
+    """One question of one request as token ids (a named tuple: see `schema.Question`).
 
     `shared` is the length of the request's common beginning (image block and state);
     `image` indexes the encoded images of the batch this row goes into (None: no image);

@@ -2,7 +2,6 @@
 the first marker, fallbacks) and shared
 prefixes against the unshared computation in logits and gradients."""
 
-import dataclasses
 
 import pytest
 import torch
@@ -131,7 +130,7 @@ def test_shared_prefixes_of_64_and_127_tokens_match_unshared_logits_and_gradient
     rows += template.encode(parse_request("short", {"plan": questions["plan"]}, template.reserved), 4096)
     assert [row.shared for row in rows[:6:3]] == [64, 127]
     shared = template.collate(rows, [])
-    unshared = template.collate([dataclasses.replace(row, shared=0) for row in rows], [])
+    unshared = template.collate([row._replace(shared=0) for row in rows], [])
     assert shared.fork is not None and unshared.fork is None
     assert shared.prefix_cu_seqlens.tolist() == [0, 64, 64 + 127]
     assert shared.computed_tokens == unshared.computed_tokens - 2 * 64 - 2 * 127
@@ -216,7 +215,7 @@ def test_shared_prefixes_match_unshared_rows_end_to_end_on_cuda_in_bf16(tiny):
     for tokens in (127, 200):
         rows += template.encode(parse_request(state_of_tokens(template, tokens), questions, template.reserved), 4096)
     shared = template.collate(rows, [])
-    whole = template.collate([dataclasses.replace(row, shared=0) for row in rows], [])
+    whole = template.collate([row._replace(shared=0) for row in rows], [])
     assert shared.fork is not None and whole.fork is None
     model, _ = build_training_model(tiny.base, "bfloat16", LoraConfig(), 0.5, seed=0)
     with torch.no_grad():
