@@ -270,47 +270,39 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
     beta = torch.sigmoid(beta)  # gate stays raw: the kernels make it Qwen3.5's decay (kernels.decay)
     weight = module.conv1d.weight.squeeze(1)
 
-    def convolve(mixed, segments: Segments, conv_state, fork: Fork | None, keep: bool):
-        """The convolution of whole sequences of `segments` from the conv states `conv_state`
-        through `fork`'s parents (zeros without), split into L2-normalised q, k and v, as
-        Qwen3.5's delta rule wants: (q, k, v, the final conv states if `keep`)."""
-        return kernels.conv_split_heads(
+    def mix(mixed, gate, beta, segments: Segments, conv_state, states, fork: Fork | None, keep: bool, out=None):
+        """The convolution (split into L2-normalised q, k and v, as Qwen3.5's delta rule wants)
+        and the delta rule of whole sequences of `segments`, from the conv states `conv_state`
+        and the recurrent states `states` through `fork`'s parents (zeros without): ([t, Hv, V], written
+        into `out` when given, the final conv and recurrent states if `keep`)."""
+        query, key, value, conv_final = kernels.conv_split_heads(
             mixed, weight, conv_state, keep, segments.cu_seqlens, segments.cu_seqlens_cpu, segments.chunk_indices,
             key_heads, key_dim, value_heads, value_dim, fork.parents if fork else None, fork.orphans if fork else True)
-
-    def recur(query, key, value, gate, beta, segments: Segments, states, fork: Fork | None, keep: bool, out=None):
-        """The delta rule of whole sequences of `segments` from the recurrent states `states`
-        through `fork`'s parents (zeros without): ([t, Hv, V], written into `out` when given, the
-        final states if `keep`)."""
-        return kernels.delta_rule(
+        out, final = kernels.delta_rule(
             query, key, value, gate, beta, segments.cu_seqlens, segments.cu_seqlens_cpu, segments.max_seqlen,
             segments.chunk_indices, module.A_log, module.dt_bias, states, fork.parents if fork else None,
             fork.orphans if fork else False, keep, out)
+        return out, conv_final, final
 
     if prefixes is None:
-        out, _ = recur(*convolve(mixed, rows, None, None, False)[:3], gate, beta, rows, None, None, False)
+        out, _, _ = mix(mixed, gate, beta, rows, None, None, None, False)
         return out, output_gate
     # The prefixes first, from zero states; then the rows continue their final states, the conv
     # and the recurrent ones read through the parent index (the conv states forked first under
     # autograd, `kernels.conv_split_heads`). Split, not sliced, so the backward joins the two
     # parts' gradients in one copy. Without autograd, both parts write their outputs into one
-    # tensor instead of being joined, and the prefixes' delta rule, a few programs walking their
-    # tokens one part after another, runs on a side stream while the rows' convolution fills the
-    # device (the rows read only the prefixes' conv states, which come first).
+    # tensor instead of being joined.
     sizes = [prefixes.tokens, hidden.shape[0] - prefixes.tokens]
     (mixed_head, mixed_tail), (gate_head, gate_tail), (beta_head, beta_tail) = (
         x.split(sizes) for x in (mixed, gate, beta))
-    joined, parts, side = None, (None, None), None
+    joined, parts = None, (None, None)
     if not torch.is_grad_enabled():
         joined = mixed.new_empty(hidden.shape[0], value_heads, value_dim)  # v's dtype: the conv writes x's
-        parts, side = joined.split(sizes), kernels.side_stream(mixed)
-    *head_qkv, conv_final = convolve(mixed_head, prefixes.segments, None, None, True)
-    with kernels.aside(side):
-        head, recurrent_final = recur(*head_qkv, gate_head, beta_head, prefixes.segments, None, None, True, parts[0])
-    tail_qkv = convolve(mixed_tail, rows, conv_final, prefixes.fork, False)[:3]
-    kernels.rejoin(side)
-    tail, _ = recur(*tail_qkv, gate_tail, beta_tail, rows, kernels.hand_over(recurrent_final, side), prefixes.fork,
-                    False, parts[1])
+        parts = joined.split(sizes)
+    head, conv_final, recurrent_final = mix(mixed_head, gate_head, beta_head, prefixes.segments, None, None, None,
+                                            True, parts[0])
+    tail, _, _ = mix(mixed_tail, gate_tail, beta_tail, rows, conv_final, recurrent_final, prefixes.fork, False,
+                     parts[1])
     return (joined if joined is not None else torch.cat([head, tail])), output_gate
 
 

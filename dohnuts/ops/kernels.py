@@ -580,57 +580,6 @@ def _differentiable(*tensors) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
-class _SideStreams(threading.local):
-    """This thread's second stream of each CUDA device (`side_stream`)."""
-
-    def __init__(self):
-        self.streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-_SIDE = _SideStreams()
-
-
-def side_stream(x: torch.Tensor) -> torch.cuda.Stream | None:
-    """A second stream of x's CUDA device, this thread's own, for work that may overlap what
-    the current stream runs meanwhile (`aside`); None off CUDA."""
-    if not x.is_cuda:
-        return None
-    stream = _SIDE.streams.get(x.device)
-    if stream is None:
-        stream = _SIDE.streams[x.device] = torch.cuda.Stream(x.device)
-    return stream
-
-
-@contextlib.contextmanager
-def aside(stream: torch.cuda.Stream | None):
-    """Queue the block's work on `stream` (`side_stream`), after everything queued so far on the
-    current stream, so that what the current stream queues next may run beside it; `rejoin`
-    before the current stream reads its results. With None, the block runs on the current
-    stream as usual. A CUDA graph captured across the block holds both branches. A tensor the
-    block makes and the current stream reads must be handed over with `hand_over`."""
-    if stream is None:
-        yield
-        return
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
-        yield
-
-
-def rejoin(stream: torch.cuda.Stream | None) -> None:
-    """Make the current stream wait for the work `aside` queued on `stream` (None: nothing to wait for)."""
-    if stream is not None:
-        torch.cuda.current_stream(stream.device).wait_stream(stream)
-
-
-def hand_over(x: torch.Tensor, stream: torch.cuda.Stream | None) -> torch.Tensor:
-    """x, made on side stream `stream`, marked as used by the current stream, so that the caching
-    allocator does not give its memory to the side stream's later work before the current
-    stream's reads are done. Returns x."""
-    if stream is not None:
-        x.record_stream(torch.cuda.current_stream(stream.device))
-    return x
-
-
 def fork_states(states: torch.Tensor, parents: torch.Tensor, orphans: bool) -> torch.Tensor:
     """Per-prefix states [G, ...] -> each row's [N, ...]: states[parents[n]], or zeros for a
     row without a prefix (parent -1) when `orphans` (host bool) says some row has none."""
