@@ -202,11 +202,28 @@ def _vector_flops(shape: dict, tokens: int, pairs: int) -> int:
     return tokens * (per_token + NORM_FLOPS * hidden) + shape["full"] * SOFTMAX_FLOPS * shape["heads"] * pairs
 
 
+def _output_side(shape: dict, kind: str) -> tuple[int, int]:
+    """(matrix, vector) FLOPs per token of a layer of `kind` after its token mixer: the output
+    projection with its gate or gated norm, the residual adds, the MLP with its norm; counted
+    at the last layer's candidate markers only, the one place its output is read."""
+    hidden, inner = shape["hidden"], shape["intermediate"]
+    mlp_matrix = 2 * hidden * inner + inner * hidden
+    mlp_vector = NORM_FLOPS * hidden + RESIDUAL_FLOPS * hidden + GATE_FLOPS * inner
+    if kind == "full_attention":
+        width = shape["heads"] * shape["head_dim"]
+        return 2 * (width * hidden + mlp_matrix), GATE_FLOPS * width + RESIDUAL_FLOPS * hidden + mlp_vector
+    width = shape["value_width"]
+    return (2 * (width * hidden + mlp_matrix),
+            (NORM_FLOPS + GATE_FLOPS) * width + RESIDUAL_FLOPS * hidden + mlp_vector)
+
+
 def useful_work(text_config: dict, vision_config: dict | None, geometry: Geometry, dtype_bytes: int = 2) -> dict:
     """FLOPs and necessary bytes of one invocation, from the configuration and the geometry alone.
 
     A multiply-add is 2 FLOPs. Tokens T = sum(prefix_lengths) + sum(row_lengths): each shared
-    prefix counts once, and padding counts nowhere (it is reported, never useful).
+    prefix counts once, and padding counts nowhere (it is reported, never useful). The last
+    layer's output side (what follows its token mixer: output projection, residual adds, MLP)
+    and the final norm count at the C candidate markers only, where the head reads them.
 
     FLOPs:
         matrix: 2 * T * in * out over every linear map of every layer. Full attention: q_proj
@@ -232,8 +249,8 @@ def useful_work(text_config: dict, vision_config: dict | None, geometry: Geometr
         weights: `language_parameters` (and `vision_parameters` when patches are encoded) at
             dtype_bytes, once per invocation, plus the float32 head.
         embedding: the looked-up rows, T * D * dtype_bytes.
-        activations: the hidden states in and out, 2 * T * D * dtype_bytes; with vision, the
-            patches in and the merged features out.
+        activations: the hidden states in and out, (T + C) * D * dtype_bytes; with vision,
+            the patches in and the merged features out.
         states: float32 delta-rule states, Hv * K * V * 4 per delta-rule layer, written once per
             prefix and read once per row that forks it. Prefix keys and values are not counted.
 
@@ -253,17 +270,21 @@ def useful_work(text_config: dict, vision_config: dict | None, geometry: Geometr
     tokens, pairs, hidden = geometry.useful_tokens, attention_pairs(geometry), shape["hidden"]
     layer = {kind: sum(a * b for a, b in maps) for kind, maps in _linear_maps(shape).items()}
     state = shape["value_heads"] * shape["key_dim"] * shape["value_dim"]
+    # Tokens past the markers skip the last layer's output side and the final norm.
+    skipped = tokens - geometry.candidates
+    side_matrix, side_vector = _output_side(shape, text_config["layer_types"][-1])
     flops = {
-        "matrix": 2 * tokens * (shape["full"] * layer["full_attention"] + shape["linear"] * layer["linear_attention"]),
+        "matrix": 2 * tokens * (shape["full"] * layer["full_attention"] + shape["linear"] * layer["linear_attention"])
+        - skipped * side_matrix,
         "attention": shape["full"] * 2 * 2 * shape["heads"] * shape["head_dim"] * pairs,
         "recurrence": shape["linear"] * DELTA_RULE_FLOPS * state * tokens,
-        "vector": _vector_flops(shape, tokens, pairs),
+        "vector": _vector_flops(shape, tokens, pairs) - skipped * (side_vector + NORM_FLOPS * hidden),
         "head": 2 * hidden * geometry.candidates,
         "vision": _vision_flops(vision_config, geometry.image_patches) if geometry.image_patches else 0,
     }
     flops["total"] = sum(flops.values())
     weights = language_parameters(text_config) * dtype_bytes + hidden * HEAD_BYTES
-    activations = 2 * tokens * hidden * dtype_bytes
+    activations = (tokens + geometry.candidates) * hidden * dtype_bytes
     if geometry.image_patches:
         weights += vision_parameters(vision_config) * dtype_bytes
         merged = geometry.image_patches // vision_config["spatial_merge_size"] ** 2
@@ -390,9 +411,13 @@ def stages(text_config: dict, vision_config: dict | None, geometry: Geometry, dt
         return Stage(name, {key: int(value) for key, value in flops.items()}, int(weights * dtype_bytes + data),
                      recomputed)
 
-    mlp_matrix = 2 * tokens * sum(a * b for a, b in maps["full_attention"][4:])
-    mlp = dict(matrix=mlp_matrix, vector=tokens * (NORM_FLOPS * hidden + RESIDUAL_FLOPS * hidden + GATE_FLOPS * inner),
-               weights=sum(a * b for a, b in maps["full_attention"][4:]) + hidden)
+    mlp_weights = sum(a * b for a, b in maps["full_attention"][4:])
+
+    def mlp(count):  # the MLP with its norm and residual add over `count` tokens
+        return dict(matrix=2 * count * mlp_weights, weights=mlp_weights + hidden,
+                    vector=count * (NORM_FLOPS * hidden + RESIDUAL_FLOPS * hidden + GATE_FLOPS * inner))
+
+    last, picked = len(text_config["layer_types"]) - 1, geometry.candidates
     forked = sum(parent >= 0 for parent in geometry.parents)
     result = []
     if geometry.image_patches:
@@ -403,6 +428,7 @@ def stages(text_config: dict, vision_config: dict | None, geometry: Geometry, dt
                            vision=_vision_flops(vision_config, geometry.image_patches)))
     result.append(work("embedding", data=2 * tokens * hidden * dtype_bytes))  # the rows looked up, the hidden in
     for index, kind in enumerate(text_config["layer_types"]):
+        out = picked if index == last else tokens  # the last layer's output side runs at the markers
         if kind == "linear_attention":
             projections = maps["linear_attention"][:4]
             result += [
@@ -416,8 +442,8 @@ def stages(text_config: dict, vision_config: dict | None, geometry: Geometry, dt
                 work(f"{index}.delta.rule", whole_layers, recurrence=DELTA_RULE_FLOPS * state * tokens,
                      data=state * STATE_BYTES * (len(geometry.prefix_lengths) + forked)),
                 work(f"{index}.delta.output", True, weights=value_width * hidden + shape["value_dim"],
-                     matrix=2 * tokens * value_width * hidden,
-                     vector=tokens * ((NORM_FLOPS + GATE_FLOPS) * value_width + RESIDUAL_FLOPS * hidden)),
+                     matrix=2 * out * value_width * hidden,
+                     vector=out * ((NORM_FLOPS + GATE_FLOPS) * value_width + RESIDUAL_FLOPS * hidden)),
             ]
         else:
             projections = maps["full_attention"][:3]
@@ -431,12 +457,12 @@ def stages(text_config: dict, vision_config: dict | None, geometry: Geometry, dt
                 work(f"{index}.attention.scores", whole_layers, attention=2 * 2 * query_width * pairs,
                      vector=SOFTMAX_FLOPS * shape["heads"] * pairs),
                 work(f"{index}.attention.output", True, weights=query_width * hidden,
-                     matrix=2 * tokens * query_width * hidden,
-                     vector=tokens * (GATE_FLOPS * query_width + RESIDUAL_FLOPS * hidden)),
+                     matrix=2 * out * query_width * hidden,
+                     vector=out * (GATE_FLOPS * query_width + RESIDUAL_FLOPS * hidden)),
             ]
-        result.append(work(f"{index}.mlp", True, weights=mlp["weights"], matrix=mlp["matrix"], vector=mlp["vector"]))
-    result.append(work("final norm", weights=hidden, data=tokens * hidden * dtype_bytes,
-                       vector=tokens * NORM_FLOPS * hidden))
+        result.append(work(f"{index}.mlp", True, **mlp(out)))
+    result.append(work("final norm", weights=hidden, data=picked * hidden * dtype_bytes,
+                       vector=picked * NORM_FLOPS * hidden))
     result.append(work("head", data=hidden * HEAD_BYTES, head=2 * hidden * geometry.candidates))
     return result
 

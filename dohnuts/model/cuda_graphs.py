@@ -31,6 +31,7 @@ from .decoder import (
     final_norm,
     input_norm,
     mlp_block,
+    picked_tokens,
     rotary_tables,
 )
 
@@ -172,6 +173,7 @@ class _BucketGraph:
         self.embeds = torch.zeros(bucket.tokens, self.config.hidden_size, device=batch.input_ids.device,
                                   dtype=language.get_input_embeddings().weight.dtype)
         self.rows, self.prefixes = plan_segments(self.static)
+        self.picked = self.static.markers.flatten()  # a view: replays see the markers copied in
         heads, head_dim = self.config.num_attention_heads, self.config.head_dim
         self.attended = [torch.zeros(bucket.tokens, heads, head_dim, dtype=self.embeds.dtype, device=self.embeds.device)
                          for _ in self.attention]  # each attention core's output, copied in
@@ -203,15 +205,18 @@ class _BucketGraph:
         else:
             hidden, _, _, _, gate, cos, sin = self.outputs[index - 1]
             layer = layers[attention[index - 1]]
-            hidden, branch = mlp_block(layer, config, hidden,
-                                       attention_output(layer.self_attn, self.attended[index - 1], gate))
+            out = self.attended[index - 1]
+            if attention[index - 1] == len(layers) - 1:  # the last layer: its output side at the markers only
+                hidden, out, gate = picked_tokens(self.picked, self.prefixes, hidden, out, gate)
+            hidden, branch = mlp_block(layer, config, hidden, attention_output(layer.self_attn, out, gate))
             first = attention[index - 1] + 1
         last = attention[index] if index < len(attention) else len(layers)
-        for layer in layers[first:last]:  # delta-rule layers only: pieces end at attention layers
-            hidden, branch = delta_layer(layer, config, hidden, branch, self.rows, self.prefixes, False)
+        for position in range(first, last):  # delta-rule layers only: pieces end at attention layers
+            hidden, branch = delta_layer(layers[position], config, hidden, branch, self.rows, self.prefixes, False,
+                                         self.picked if position == len(layers) - 1 else None)
         if index == len(attention):
-            rows = final_norm(self.model.backbone.language_model, hidden, branch, self.static.prefix_tokens)
-            return self.model.logits(rows, self.static.markers, self.static.candidate_mask)
+            rows = final_norm(self.model.backbone.language_model, hidden, branch, 0)  # the markers' states only
+            return self.model.logits(rows, self.static.candidate_mask)
         layer = layers[last]
         hidden, normed = input_norm(layer, config, hidden, branch)
         return (hidden, *attention_inputs(layer.self_attn, config, normed, cos, sin), cos, sin)

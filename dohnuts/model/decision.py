@@ -80,8 +80,9 @@ class DecisionModel(nn.Module):
                                              visual.spatial_merge_size**2)
         return embeds.index_put((batch.image_slots,), features[batch.image_sources].to(embeds.dtype))
 
-    def language(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Final hidden states of the rows' own tokens [S, D], packed one row after another.
+    def language(self, embeds: torch.Tensor, batch: Batch, picked: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states of the rows' own tokens [S, D], packed one row after another, or
+        [M, D] at `picked` [M] of them (`decoder.packed_forward`).
 
         Shared prefixes (`batch.fork`) run once, in the same pass as the rows, and every row
         continues its prefix's states.
@@ -89,7 +90,7 @@ class DecisionModel(nn.Module):
         rows, prefixes = plan_segments(batch)
         return packed_forward(self.backbone.language_model, embeds, batch.position_ids, batch.cu_seqlens,
                               self.activation_checkpointing and self.training, prefixes, batch.cu_seqlens_cpu,
-                              batch.chunk_indices, rows.max_seqlen)
+                              batch.chunk_indices, rows.max_seqlen, picked)
 
     def hidden_states(self, batch: Batch) -> torch.Tensor:
         """Final hidden states of the rows' own tokens [S, D] (see `language`)."""
@@ -97,14 +98,14 @@ class DecisionModel(nn.Module):
 
     def scores(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Logits [B, K] float32 (0 where masked) from the input embeddings: the part of the
-        forward with no host-side decisions, which a CUDA graph can replay."""
-        return self.logits(self.language(embeds, batch), batch.markers, batch.candidate_mask)
+        forward with no host-side decisions, which a CUDA graph can replay. The last layer's
+        output side runs at the markers only (`decoder.packed_forward`'s `picked`)."""
+        return self.logits(self.language(embeds, batch, batch.markers.flatten()), batch.candidate_mask)
 
-    def logits(self, hidden: torch.Tensor, markers: torch.Tensor, candidate_mask: torch.Tensor) -> torch.Tensor:
-        """The head at the markers [B, K] of the rows' final hidden states [S, D]: [B, K] float32,
-        0 where masked."""
-        picked = hidden[markers]  # [B, K, D]
-        logits = self.head(picked.to(self.head.weight.dtype)).squeeze(-1)  # [B, K], the head in float32
+    def logits(self, at_markers: torch.Tensor, candidate_mask: torch.Tensor) -> torch.Tensor:
+        """The head at the rows' final hidden states at their markers, [B * K, D] in the order
+        of `markers` [B, K]: [B, K] float32, 0 where masked."""
+        logits = self.head(at_markers.to(self.head.weight.dtype)).view(candidate_mask.shape)  # the head in float32
         return logits.masked_fill(~candidate_mask, 0.0)
 
     def forward(self, batch: Batch) -> torch.Tensor:

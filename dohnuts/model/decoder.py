@@ -366,9 +366,21 @@ def _run(function, *args):
     return function(*args)
 
 
-def delta_layer(layer, config, hidden, branch, rows: Segments, prefixes: Prefixes | None, checkpointed: bool):
+def picked_tokens(picked: torch.Tensor | None, prefixes: Prefixes | None, *tensors: torch.Tensor):
+    """The tensors [T, ...] at the rows' tokens `picked` [M] (indices into the rows' own tokens,
+    past the prefixes), or as they are when picked is None."""
+    if picked is None:
+        return tensors
+    skip = prefixes.tokens if prefixes is not None else 0
+    return tuple(tensor[skip:][picked] for tensor in tensors)
+
+
+def delta_layer(layer, config, hidden, branch, rows: Segments, prefixes: Prefixes | None, checkpointed: bool,
+                picked: torch.Tensor | None = None):
     """One gated delta-rule decoder layer over every packed token, from the residual stream
-    hidden + branch (branch may be None). Returns the stream as (hidden, branch) [T, D] each.
+    hidden + branch (branch may be None). Returns the stream as (hidden, branch) [T, D] each;
+    with `picked` (see `packed_forward`), [M, D] at those rows' tokens: what follows the token
+    mixer runs there only.
 
     Under activation checkpointing, a batch of up to MIXER_KEEP_TOKENS tokens recomputes only
     the part after the delta rule (gated norm, output projection, MLP) in the backward pass.
@@ -378,30 +390,33 @@ def delta_layer(layer, config, hidden, branch, rows: Segments, prefixes: Prefixe
     bounded.
     """
     if checkpointed and hidden.shape[0] > MIXER_KEEP_TOKENS:
-        return _recomputed(_delta_whole, layer, config, hidden, branch, rows, prefixes)
+        return _recomputed(_delta_whole, layer, config, hidden, branch, rows, prefixes, picked)
     hidden, normed = input_norm(layer, config, hidden, branch)
     out, gate = _delta_mix(layer.linear_attn, config, normed, rows, prefixes)
+    hidden, out, gate = picked_tokens(picked, prefixes, hidden, out, gate)
     return (_recomputed if checkpointed else _run)(_delta_tail, layer, config, hidden, out, gate)
 
 
-def _delta_whole(layer, config, hidden, branch, rows: Segments, prefixes: Prefixes | None):
-    return delta_layer(layer, config, hidden, branch, rows, prefixes, False)
+def _delta_whole(layer, config, hidden, branch, rows: Segments, prefixes: Prefixes | None, picked):
+    return delta_layer(layer, config, hidden, branch, rows, prefixes, False, picked)
 
 
 def attention_layer(layer, config, hidden, branch, cos, sin, rows: Segments, prefixes: Prefixes | None,
-                    checkpointed: bool):
+                    checkpointed: bool, picked: torch.Tensor | None = None):
     """One full-attention decoder layer over every packed token, from the residual stream
-    hidden + branch (branch may be None). Returns the stream as (hidden, branch) [T, D] each.
+    hidden + branch (branch may be None). Returns the stream as (hidden, branch) [T, D] each,
+    or [M, D] at the rows' tokens `picked`, as `delta_layer`.
 
     Under activation checkpointing, as a delta-rule layer: a batch of up to MIXER_KEEP_TOKENS
     tokens recomputes only what follows the attention core (the output gate and projection, the
     MLP); a larger one recomputes the whole layer.
     """
     if checkpointed and hidden.shape[0] > MIXER_KEEP_TOKENS:
-        return _recomputed(_attention_whole, layer, config, hidden, branch, cos, sin, rows, prefixes)
+        return _recomputed(_attention_whole, layer, config, hidden, branch, cos, sin, rows, prefixes, picked)
     hidden, normed = input_norm(layer, config, hidden, branch)
     query, key, value, gate = attention_inputs(layer.self_attn, config, normed, cos, sin)
     out = attention_core(config, query, key, value, rows, prefixes)
+    hidden, out, gate = picked_tokens(picked, prefixes, hidden, out, gate)
     return (_recomputed if checkpointed else _run)(_attention_tail, layer, config, hidden, out, gate)
 
 
@@ -409,14 +424,14 @@ def _attention_tail(layer, config, hidden, out, gate):
     return mlp_block(layer, config, hidden, attention_output(layer.self_attn, out, gate))
 
 
-def _attention_whole(layer, config, hidden, branch, cos, sin, rows: Segments, prefixes: Prefixes | None):
-    return attention_layer(layer, config, hidden, branch, cos, sin, rows, prefixes, False)
+def _attention_whole(layer, config, hidden, branch, cos, sin, rows: Segments, prefixes: Prefixes | None, picked):
+    return attention_layer(layer, config, hidden, branch, cos, sin, rows, prefixes, False, picked)
 
 
 def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
                    cu_seqlens: torch.Tensor, activation_checkpointing: bool = False, prefixes: Prefixes | None = None,
                    cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
-                   max_seqlen: int | None = None) -> torch.Tensor:
+                   max_seqlen: int | None = None, picked: torch.Tensor | None = None) -> torch.Tensor:
     """Final (normed) hidden states of packed rows, in one pass over the layers.
 
     Args:
@@ -436,24 +451,32 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
         chunk_indices: [chunks, 2] (sequence, chunk) of every 64-token chunk (`chunk_plan`), so
             the fused kernels need not plan; a CUDA graph then owns the plan it replays.
         max_seqlen: a bound on the longest row, planned for instead of it (a bucket's graph).
+        picked: [M] indices into the rows' own tokens (the candidate markers) whose states are
+            wanted, or None for all. The last layer's keys and states come from every token, but
+            what follows its token mixer (output projection, MLP) and the final norm run only
+            at these.
 
     Returns:
-        [S, D] hidden states of the rows' own tokens.
+        [S, D] hidden states of the rows' own tokens, or [M, D] at `picked`.
     """
     config = language_model.config
     rows = Segments.of(cu_seqlens, cu_seqlens_cpu, chunk_indices, max_seqlen)
     cos, sin = rotary_tables(config, position_ids, inputs_embeds.dtype)
     hidden, branch = inputs_embeds, None
     checkpointed = activation_checkpointing and torch.is_grad_enabled()
-    for layer, kind in zip(language_model.layers, config.layer_types):
+    last = len(language_model.layers) - 1
+    for index, (layer, kind) in enumerate(zip(language_model.layers, config.layer_types)):
+        at = picked if index == last else None
         if kind == "linear_attention":
-            hidden, branch = delta_layer(layer, config, hidden, branch, rows, prefixes, checkpointed)
+            hidden, branch = delta_layer(layer, config, hidden, branch, rows, prefixes, checkpointed, at)
         else:
-            hidden, branch = attention_layer(layer, config, hidden, branch, cos, sin, rows, prefixes, checkpointed)
-    return final_norm(language_model, hidden, branch, prefixes.tokens if prefixes is not None else 0)
+            hidden, branch = attention_layer(layer, config, hidden, branch, cos, sin, rows, prefixes, checkpointed,
+                                             at)
+    return final_norm(language_model, hidden, branch, prefixes.tokens if prefixes is not None and picked is None else 0)
 
 
 def final_norm(language_model, hidden: torch.Tensor, branch: torch.Tensor | None, prefix_tokens: int) -> torch.Tensor:
-    """The rows' own tokens of the last layer's residual stream hidden + branch, normed: [S, D]."""
+    """The last layer's residual stream hidden + branch past its first `prefix_tokens` tokens
+    (the prefixes'; 0 when it holds the picked tokens only), normed: [S, D]."""
     rows = branch[prefix_tokens:] if branch is not None else None
     return _stream_norm(hidden[prefix_tokens:], rows, language_model.norm.weight, language_model.config.rms_norm_eps)[1]

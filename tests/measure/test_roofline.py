@@ -51,6 +51,11 @@ VECTOR_PER_TOKEN = (
     + 4 * 8  # final norm
 )
 SOFTMAX_PER_PAIR = 4 * 2  # 2 heads
+# The last layer (full attention) runs its output side at the candidate markers only: per other
+# token, o_proj and the MLP are left out, and so are the output gate, both residual adds, the
+# MLP's norm, SwiGLU and the final norm.
+LAST_OUTPUT_MATRIX = 2 * (8 * 8 + 8 * 16 + 8 * 16 + 16 * 8)
+LAST_OUTPUT_VECTOR = 4 * 8 + 8 + 4 * 8 + 8 + 4 * 16 + 4 * 8
 HEAD_PER_CANDIDATE = 2 * 8
 PARAMETERS = (
     (8 * 16 + 8 * 4 + 8 * 4 + 8 * 8) + 2 * 4 + 3 * 8 * 16 + 2 * 8  # full: maps, q/k norms, MLP, two layer norms
@@ -63,9 +68,10 @@ STATE_BYTES = 2 * 4 * 4 * 4  # one float32 state of 2 heads of 4 x 4
 
 
 def _flops(tokens, pairs, candidates, vision=0):
-    parts = {"matrix": tokens * MATRIX_PER_TOKEN, "attention": pairs * ATTENTION_PER_PAIR,
+    unread = tokens - candidates  # tokens whose last-layer output nothing reads
+    parts = {"matrix": tokens * MATRIX_PER_TOKEN - unread * LAST_OUTPUT_MATRIX, "attention": pairs * ATTENTION_PER_PAIR,
              "recurrence": tokens * RECURRENCE_PER_TOKEN,
-             "vector": tokens * VECTOR_PER_TOKEN + pairs * SOFTMAX_PER_PAIR,
+             "vector": tokens * VECTOR_PER_TOKEN + pairs * SOFTMAX_PER_PAIR - unread * LAST_OUTPUT_VECTOR,
              "head": candidates * HEAD_PER_CANDIDATE, "vision": vision}
     return {**parts, "total": sum(parts.values())}
 
@@ -73,8 +79,9 @@ def _flops(tokens, pairs, candidates, vision=0):
 def test_one_row_of_five_tokens_matches_the_hand_count():
     work = useful_work(TEXT, None, Geometry((), (5,), (-1,), candidates=2, image_patches=0))
     assert work["flops"] == _flops(tokens=5, pairs=5 * 6 // 2, candidates=2)
-    assert work["bytes"] == {"weights": WEIGHT_BYTES, "embedding": 5 * 8 * 2, "activations": 2 * 5 * 8 * 2,
-                             "states": 0, "total": WEIGHT_BYTES + 5 * 8 * 2 + 2 * 5 * 8 * 2}
+    # Activations: the 5 tokens' hidden states in, the 2 markers' out.
+    assert work["bytes"] == {"weights": WEIGHT_BYTES, "embedding": 5 * 8 * 2, "activations": (5 + 2) * 8 * 2,
+                             "states": 0, "total": WEIGHT_BYTES + 5 * 8 * 2 + (5 + 2) * 8 * 2}
     assert work["tokens"]["useful_tokens"] == work["tokens"]["computed_tokens"] == 5
 
 
@@ -86,10 +93,13 @@ def test_shared_prefix_counts_once_and_its_keys_join_every_rows_attention():
     assert work["flops"] == _flops(tokens=4 + 3 + 2, pairs=pairs, candidates=2)
     tokens_bytes = 9 * 8 * 2
     states = STATE_BYTES * (1 + 2)  # written once by the prefix, read by each of the two rows
-    assert work["bytes"] == {"weights": WEIGHT_BYTES, "embedding": tokens_bytes, "activations": 2 * tokens_bytes,
-                             "states": states, "total": WEIGHT_BYTES + 3 * tokens_bytes + states}
+    markers_bytes = 2 * 8 * 2
+    assert work["bytes"] == {"weights": WEIGHT_BYTES, "embedding": tokens_bytes,
+                             "activations": tokens_bytes + markers_bytes, "states": states,
+                             "total": WEIGHT_BYTES + 2 * tokens_bytes + markers_bytes + states}
     unshared = useful_work(TEXT, None, Geometry((), (7, 6), (-1, -1), candidates=2, image_patches=0))
-    assert unshared["flops"]["matrix"] - work["flops"]["matrix"] == 4 * MATRIX_PER_TOKEN
+    # The prefix's 4 tokens computed again, none of them a marker.
+    assert unshared["flops"]["matrix"] - work["flops"]["matrix"] == 4 * (MATRIX_PER_TOKEN - LAST_OUTPUT_MATRIX)
     assert unshared["flops"]["attention"] == work["flops"]["attention"] + 10 * ATTENTION_PER_PAIR
 
 
@@ -246,8 +256,9 @@ def test_checkpointing_recomputes_what_follows_each_token_mixer_or_whole_layers_
     assert recomputed == {"0.delta.output", "0.mlp", "1.attention.output", "1.mlp"}
     again = total(stages(TEXT, None, Geometry((64,), (5, 9), (0, 0), 5, 0)), recomputed_only=True)
     tokens = geometry.useful_tokens
-    # Hand count: the delta layer's out_proj, both MLPs and the attention layer's o_proj.
-    matrix = 2 * tokens * (8 * 8 + 2 * (8 * 16 + 8 * 16 + 16 * 8) + 8 * 8)
+    # Hand count: the delta layer's out_proj and MLP over every token; the last layer's o_proj
+    # and MLP at its 5 markers.
+    matrix = 2 * tokens * (8 * 8 + (8 * 16 + 8 * 16 + 16 * 8)) + 2 * 5 * (8 * 8 + (8 * 16 + 8 * 16 + 16 * 8))
     assert again["flops"]["matrix"] == matrix and again["flops"]["recurrence"] == 0
     assert again["flops"].get("attention", 0) == 0
     whole = total(stages(TEXT, None, Geometry((64,), (5, 9), (0, 0), 5, 0), whole_layers=True), recomputed_only=True)
