@@ -9,6 +9,7 @@ synchronisation to find its way.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, fields
 from typing import NamedTuple
@@ -279,15 +280,25 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         add(rows[members[0]], 0, split)
     prefix_tokens = len(ids)
     prefix_lengths = [split for split, _ in groups]
-    own_lengths = [len(row.input_ids) - split for row, split in zip(rows, splits)]
-    width = max(len(row.markers) for row in rows)
-    marker_rows = []
-    for row, split in zip(rows, splits):
-        start = len(ids) - prefix_tokens
-        add(row, split, len(row.input_ids))
-        marker_rows.append([marker - split + start for marker in row.markers] + [0] * (width - len(row.markers)))
-    markers = _longs(marker_rows)
-    candidate_mask = torch.from_numpy(np.arange(width)[None, :] < np.array([len(row.markers) for row in rows])[:, None])
+    lengths = [len(row.input_ids) for row in rows]
+    own_lengths = [length - split for length, split in zip(lengths, splits)]
+    if text_only:  # `add` inlined: a request's rows are most of its host time
+        for row, split, length in zip(rows, splits, lengths):
+            shifts.append(split - len(ids))
+            spans.append(length - split)
+            ids.extend(row.input_ids[split:])
+    else:
+        for row, split, length in zip(rows, splits, lengths):
+            add(row, split, length)
+    # Each row's markers move by its start on the rows' axis less its split, laid out [B, K] by
+    # one boolean assignment (row-major, as they are listed), zero where a row has fewer.
+    counts = np.fromiter(map(len, (row.markers for row in rows)), dtype=np.int64, count=len(rows))
+    candidates = np.arange(int(counts.max()))[None, :] < counts[:, None]
+    starts = np.cumsum(own_lengths) - np.asarray(own_lengths) - np.asarray(splits)
+    placed = np.zeros(candidates.shape, dtype=np.int64)
+    placed[candidates] = np.fromiter(itertools.chain.from_iterable(row.markers for row in rows), dtype=np.int64,
+                                     count=int(counts.sum())) + np.repeat(starts, counts)
+    markers, candidate_mask = torch.from_numpy(placed), torch.from_numpy(candidates)
 
     carried = [image.pixel_values for image in images if image.pixel_values is not None]
     kinds = {image.settings for image in images if image.pixel_values is not None}
@@ -311,7 +322,7 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         image_grid_thw_cpu=grid,
         image_keys=tuple(image.key for image in images),
         image_has_pixels=tuple(image.pixel_values is not None for image in images),
-        input_tokens=sum(len(row.input_ids) for row in rows),
+        input_tokens=sum(lengths),
         pixel_settings=settings if raw else None,
         image_shapes_cpu=_longs([list(pixels.shape) for pixels in carried]).reshape(-1, 3) if raw and carried
         else None,
