@@ -267,7 +267,12 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
     key_dim, value_dim = config.linear_key_head_dim, config.linear_value_head_dim
     mixed, beta, gate, output_gate = projections(
         [module.in_proj_qkv, module.in_proj_b, module.in_proj_a, module.in_proj_z], hidden)
-    beta = torch.sigmoid(beta)  # gate stays raw: the kernels make it Qwen3.5's decay (kernels.decay)
+    # gate stays raw: the kernels make it Qwen3.5's decay (kernels.decay). Without autograd so
+    # does beta's input, whose sigmoid the forward kernels take as they read it; with autograd
+    # the sigmoid runs once here, before the prefixes and rows are split.
+    logits = not torch.is_grad_enabled()
+    if not logits:
+        beta = torch.sigmoid(beta)
     weight = module.conv1d.weight.squeeze(1)
 
     def mix(mixed, gate, beta, segments: Segments, conv_state, states, fork: Fork | None, keep: bool, out=None):
@@ -281,7 +286,7 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
         out, final = kernels.delta_rule(
             query, key, value, gate, beta, segments.cu_seqlens, segments.cu_seqlens_cpu, segments.max_seqlen,
             segments.chunk_indices, module.A_log, module.dt_bias, states, fork.parents if fork else None,
-            fork.orphans if fork else False, keep, out)
+            fork.orphans if fork else False, keep, out, logits)
         return out, conv_final, final
 
     if prefixes is None:

@@ -526,14 +526,16 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor, longest: int, chunk_indices: torch.Tensor | None,
                A_log: torch.Tensor, dt_bias: torch.Tensor, states: torch.Tensor | None = None,
                parents: torch.Tensor | None = None, orphans: bool = False,
-               output_final_state: bool = False, out: torch.Tensor | None = None
+               output_final_state: bool = False, out: torch.Tensor | None = None, beta_logits: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule of packed sequences, the decoder's entry point: tensors [T, ...]
     with no batch axis, so autograd records no select or unsqueeze around the kernels.
 
     Args:
         q, k: [T, H, K] L2-normalised; v: [T, HV, V]; g: [T, HV] the raw gate input (the decay
-            is `decay(g, A_log, dt_bias)`); beta: [T, HV].
+            is `decay(g, A_log, dt_bias)`); beta: [T, HV], or with `beta_logits` the input of
+            its sigmoid (Qwen3.5's b), which the Triton forward kernels take as they read it,
+            a launch a layer fewer; the other paths take the sigmoid first.
         cu_seqlens: [N + 1] on q's device, cu_seqlens_cpu its host copy; longest: the longest
             sequence, or a bound on it; chunk_indices: the 64-token chunk plan, or None.
         states: [G, HV, K, V] float32 states sequence n continues through parents[n] (a zero
@@ -555,14 +557,16 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     if out is not None and _differentiable(q, k, v, g, beta, states, A_log, dt_bias):
         raise ValueError("delta_rule: out is for forward passes only; autograd would not see the write")
     ours = _ours(q)
-    if ours is not None and not _differentiable(A_log, dt_bias) and longest <= ours.SCAN_TOKENS:
-        if (states is not None and not output_final_state and longest <= ours.ROW_TOKENS
-                and not _differentiable(q, k, v, g, beta, states)):
+    walks = ours is not None and not _differentiable(A_log, dt_bias) and longest <= ours.SCAN_TOKENS
+    if walks and not _differentiable(q, k, v, g, beta, states):
+        if states is not None and not output_final_state and longest <= ours.ROW_TOKENS:
             return ours.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias,
-                                        out=out), None
-        if not _differentiable(q, k, v, g, beta, states):
-            return ours.delta_rule_scan(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
-                                        dt_bias, out=out)
+                                        out=out, beta_logits=beta_logits), None
+        return ours.delta_rule_scan(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
+                                    dt_bias, out=out, beta_logits=beta_logits)
+    if beta_logits:
+        beta = torch.sigmoid(beta)
+    if walks:
         from . import triton_delta  # the same walk with its gradient
 
         return triton_delta.delta_rule(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,

@@ -412,11 +412,13 @@ ROW_WARPS = 4
 
 
 @triton.jit
-def _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, A_log, dt_bias, o_k, o_v, sa,
-              H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BC: tl.constexpr):
+def _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, A_log, dt_bias, o_k, o_v, sa, sb,
+              H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
+              SIGMOID: tl.constexpr):
     """Part `part` of the row bos:eos: q, k [BC, BK], v [BC, BV], the log decay g [BC] and beta
-    [BC], both float32 and 0 past the row's end (as are q, k and v). The gate input a is read
-    with row stride `sa` (a column block of a wider projection output)."""
+    [BC], both float32 and 0 past the row's end (as are q, k and v). The gate input a and b are
+    read with row strides `sa` and `sb` (column blocks of a wider projection output); b is beta,
+    or with SIGMOID beta's input, whose sigmoid is taken here (one launch a layer fewer)."""
     o_t = bos + part * BC + tl.arange(0, BC)
     m_t = o_t < eos
     m_qk = m_t[:, None] & (o_k < K)[None, :]
@@ -428,7 +430,9 @@ def _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, A_log, dt_bias, o_k, o_v
     # PyTorch's, linear past 20).
     x = tl.load(a + o_t * sa + i_h, mask=m_t, other=0.0).to(tl.float32) + dt_bias
     g = tl.where(m_t, -tl.exp(A_log) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))), 0.0)
-    beta = tl.load(b + o_t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+    beta = tl.load(b + o_t * sb + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if SIGMOID:
+        beta = tl.where(m_t, tl.sigmoid(beta), 0.0)
     return b_q, b_k, b_v, g, beta
 
 
@@ -487,9 +491,9 @@ def _parent_state(states, parents, n, i_h, G, o_k, o_v, K: tl.constexpr, HV: tl.
 
 
 @triton.jit
-def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlens, G, scale, sa,
+def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlens, G, scale, sa, sb,
                     H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                    BV: tl.constexpr, BC: tl.constexpr, PARTS: tl.constexpr):
+                    BV: tl.constexpr, BC: tl.constexpr, PARTS: tl.constexpr, SIGMOID: tl.constexpr):
     n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
     h0 = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK).to(q.dtype.element_ty)
     log_a = tl.load(A_log + i_h).to(tl.float32)
@@ -497,7 +501,8 @@ def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlen
     # The row's parts (PARTS of them, enough for the longest row; past a row's end they are
     # zero): q, k [BC, BK], v [BC, BV], the log decay and beta [BC]. Written out part by part:
     # Triton keeps register tiles in named variables only, not in lists a loop could index.
-    q0, k0, v0, g0, b0 = _row_part(q, k, v, a, b, bos, eos, 0, i_hk, i_h, log_a, bias, o_k, o_v, sa, H, K, HV, V, BC)
+    q0, k0, v0, g0, b0 = _row_part(q, k, v, a, b, bos, eos, 0, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb, H, K, HV, V,
+                                   BC, SIGMOID)
     g0 = tl.cumsum(g0, 0)  # cumulative log decays from the row's start
     # The pseudo-values U_i of each part by block forward substitution:
     # U_i = (I + A_ii)^-1 (beta_i (v_i - exp(G_i) S0^T k_i) - sum_{j < i} A_ij U_j), with
@@ -510,8 +515,8 @@ def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlen
     # covers the launch's longest row; most rows of a request or a bucket are shorter.
     if PARTS > 1:
         if eos - bos > BC:
-            q1, k1, v1, g1, b1 = _row_part(q, k, v, a, b, bos, eos, 1, i_hk, i_h, log_a, bias, o_k, o_v, sa, H, K, HV,
-                                           V, BC)
+            q1, k1, v1, g1, b1 = _row_part(q, k, v, a, b, bos, eos, 1, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb, H, K,
+                                           HV, V, BC, SIGMOID)
             g1 = tl.cumsum(g1, 0) + _last(g0, BC)
             u1 = _part_values(k1, v1, g1, b1, h0, _coupling(k1, g1, b1, k0, g0, u0, BC), BC)
             o1 = (_part_output(q1, k1, g1, g1, u1, True, BC) + _part_output(q1, k0, g1, g0, u0, False, BC)
@@ -520,7 +525,7 @@ def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlen
             if PARTS > 2:
                 if eos - bos > 2 * BC:
                     q2, k2, v2, g2, b2 = _row_part(q, k, v, a, b, bos, eos, 2, i_hk, i_h, log_a, bias, o_k, o_v, sa,
-                                                   H, K, HV, V, BC)
+                                                   sb, H, K, HV, V, BC, SIGMOID)
                     g2 = tl.cumsum(g2, 0) + _last(g1, BC)
                     u2 = _part_values(k2, v2, g2, b2, h0, _coupling(k2, g2, b2, k0, g0, u0, BC)
                                       + _coupling(k2, g2, b2, k1, g1, u1, BC), BC)
@@ -529,17 +534,18 @@ def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlen
                     _store_part(o, o2 * scale, bos, eos, 2, i_h, o_v, HV, V, BC)
                     if PARTS > 3:
                         if eos - bos > 3 * BC:
-                            _row_last_part(q, k, v, a, b, o, bos, eos, i_hk, i_h, log_a, bias, o_k, o_v, sa, scale,
-                                           h0, k0, g0, u0, k1, g1, u1, k2, g2, u2, H, K, HV, V, BC)
+                            _row_last_part(q, k, v, a, b, o, bos, eos, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb,
+                                           scale, h0, k0, g0, u0, k1, g1, u1, k2, g2, u2, H, K, HV, V, BC, SIGMOID)
 
 
 @triton.jit
-def _row_last_part(q, k, v, a, b, o, bos, eos, i_hk, i_h, log_a, bias, o_k, o_v, sa, scale, h0, k0, g0, u0, k1, g1,
-                   u1, k2, g2, u2, H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr,
-                   BC: tl.constexpr):
+def _row_last_part(q, k, v, a, b, o, bos, eos, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb, scale, h0, k0, g0, u0, k1,
+                   g1, u1, k2, g2, u2, H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr,
+                   BC: tl.constexpr, SIGMOID: tl.constexpr):
     """`_delta_rows_fwd`'s fourth part, from the three before it (a function of its own keeps
     the nesting readable)."""
-    q3, k3, v3, g3, b3 = _row_part(q, k, v, a, b, bos, eos, 3, i_hk, i_h, log_a, bias, o_k, o_v, sa, H, K, HV, V, BC)
+    q3, k3, v3, g3, b3 = _row_part(q, k, v, a, b, bos, eos, 3, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb, H, K, HV, V,
+                                   BC, SIGMOID)
     g3 = tl.cumsum(g3, 0) + _last(g2, BC)
     u3 = _part_values(k3, v3, g3, b3, h0, _coupling(k3, g3, b3, k0, g0, u0, BC)
                       + _coupling(k3, g3, b3, k1, g1, u1, BC) + _coupling(k3, g3, b3, k2, g2, u2, BC), BC)
@@ -585,14 +591,15 @@ def _store_part(o, value, bos, eos, part, i_h, o_v, HV: tl.constexpr, V: tl.cons
 def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     states: torch.Tensor, parents: torch.Tensor, cu_seqlens: torch.Tensor, longest: int,
                     A_log: torch.Tensor, dt_bias: torch.Tensor, scale: float | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, beta_logits: bool = False) -> torch.Tensor:
     """The gated delta rule's output for packed rows of at most ROW_TOKENS tokens, row n
     starting from states[parents[n]] (a zero state where parents[n] < 0); forward only.
 
     Args:
         q, k: [T, H, K] (L2-normalised, as Qwen3.5's delta rule wants); v: [T, HV, V].
         g: [T, HV] the raw gate input (the decay is `kernels.decay(g, A_log, dt_bias)`);
-            beta: [T, HV].
+            beta: [T, HV], or with `beta_logits` the input of its sigmoid, which the kernel
+            takes as it reads it. Both may be column blocks of a wider projection output.
         states: [G, HV, K, V] float32; parents: [N] integer; cu_seqlens: [N + 1] on q's device.
         longest: the longest row (host int, from the host's copy of cu_seqlens), at most
             ROW_TOKENS. The kernel covers each row's first `longest` tokens (rounded up to a
@@ -615,8 +622,8 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if states.shape[1:] != (value_heads, key_dim, value_dim):
         raise ValueError(f"delta_rule_rows: states {tuple(states.shape)} do not fit {value_heads} heads of "
                          f"{key_dim} x {value_dim}")
-    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-    g, gate_stride = _even_rows(g)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    (g, gate_stride), (beta, beta_stride) = _even_rows(g), _even_rows(beta)
     o = _output(v, out, "delta_rule_rows")
     block_k = max(16, triton.next_power_of_2(key_dim))
     block_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
@@ -624,8 +631,8 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     grid = (cu_seqlens.shape[0] - 1, value_heads, triton.cdiv(value_dim, block_v))
     with _on(q.device):
         _delta_rows_fwd[grid](q, k, v, g, beta, A_log, dt_bias, states.contiguous(), parents, o, cu_seqlens,
-                              states.shape[0], key_dim**-0.5 if scale is None else scale, gate_stride,
-                              heads, key_dim, value_heads, value_dim, block_k, block_v, PART, parts,
+                              states.shape[0], key_dim**-0.5 if scale is None else scale, gate_stride, beta_stride,
+                              heads, key_dim, value_heads, value_dim, block_k, block_v, PART, parts, beta_logits,
                               num_warps=ROW_WARPS)
     return o
 
@@ -646,9 +653,10 @@ SCAN_TOKENS = 1024  # the longest sequence `kernels` sends to `delta_rule_scan`
 
 
 @triton.jit
-def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale, sa,
+def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale, sa, sb,
                     H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                    BV: tl.constexpr, BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr):
+                    BV: tl.constexpr, BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr,
+                    SIGMOID: tl.constexpr):
     n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     h = tl.zeros([BK, BV], dtype=tl.float32)
@@ -657,8 +665,8 @@ def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu
     log_a = tl.load(A_log + i_h).to(tl.float32)
     bias = tl.load(dt_bias + i_h).to(tl.float32)
     for part in range(0, tl.cdiv(eos - bos, BC)):
-        q_i, k_i, v_i, g_i, b_i = _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v, sa, H, K,
-                                            HV, V, BC)
+        q_i, k_i, v_i, g_i, b_i = _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb,
+                                            H, K, HV, V, BC, SIGMOID)
         g_i = tl.cumsum(g_i, 0)  # from the part's start; 0 added past the sequence's end
         h_in = h.to(q_i.dtype)
         u_i = _part_values(k_i, v_i, g_i, b_i, h_in, tl.zeros([BC, BV], dtype=tl.float32), BC)
@@ -684,7 +692,7 @@ def _output(v: torch.Tensor, out: torch.Tensor | None, name: str) -> torch.Tenso
 def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     states: torch.Tensor | None, parents: torch.Tensor | None, cu_seqlens: torch.Tensor,
                     output_final_state: bool, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                    scale: float | None = None, out: torch.Tensor | None = None
+                    scale: float | None = None, out: torch.Tensor | None = None, beta_logits: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule's output for packed sequences of any length, sequence n starting
     from states[parents[n]] (zero where parents[n] < 0, or everywhere without `states`);
@@ -692,7 +700,8 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
     Args:
         q, k: [T, H, K] (L2-normalised); v: [T, HV, V]; g: [T, HV] the raw gate input (the
-            decay is `kernels.decay(g, A_log, dt_bias)`); beta: [T, HV].
+            decay is `kernels.decay(g, A_log, dt_bias)`); beta: [T, HV], or with `beta_logits`
+            the input of its sigmoid (as `delta_rule_rows`).
         states: [G, HV, K, V] float32 or None; parents: [N] integer (with `states`).
         cu_seqlens: [N + 1] on q's device.
         output_final_state: also return each sequence's final state [N, HV, K, V] float32.
@@ -714,8 +723,8 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if states is not None and (parents.shape != (sequences,) or states.shape[1:] != (value_heads, key_dim, value_dim)):
         raise ValueError(f"delta_rule_scan: {sequences} sequences, parents {tuple(parents.shape)}, states "
                          f"{tuple(states.shape)}, for {value_heads} heads of {key_dim} x {value_dim}")
-    q, k, v, beta = (x.contiguous() for x in (q, k, v, beta))
-    g, gate_stride = _even_rows(g)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    (g, gate_stride), (beta, beta_stride) = _even_rows(g), _even_rows(beta)
     o = _output(v, out, "delta_rule_scan")
     final = q.new_empty(sequences, value_heads, key_dim, value_dim, dtype=torch.float32) if output_final_state else o
     initial = states.contiguous() if states is not None else o
@@ -725,9 +734,9 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     with _on(q.device):
         _delta_scan_fwd[grid](q, k, v, g, beta, A_log, dt_bias, initial, parents if parents is not None else cu_seqlens,
                               o, final, cu_seqlens, 0 if states is None else states.shape[0],
-                              key_dim**-0.5 if scale is None else scale, gate_stride, heads, key_dim, value_heads,
-                              value_dim, block_k, block_v, PART, states is not None, output_final_state,
-                              num_warps=ROW_WARPS)
+                              key_dim**-0.5 if scale is None else scale, gate_stride, beta_stride, heads, key_dim,
+                              value_heads, value_dim, block_k, block_v, PART, states is not None, output_final_state,
+                              beta_logits, num_warps=ROW_WARPS)
     return o, final if output_final_state else None
 
 

@@ -208,6 +208,14 @@ def check_delta_rule_rows():
                 assert into.data_ptr() == larger[2].data_ptr()
                 close(f"delta_rule_rows into out lengths={lengths}", larger[2:2 + total], reference[0])
                 assert larger[:2].eq(5).all() and larger[2 + total:].eq(5).all()
+                # Beta's input, a column block of a packed projection's output, its sigmoid taken
+                # in the kernel: as beta itself.
+                raw = torch.randn(total, value_heads + 3, generator=generator)[:, 2:-1]
+                from_raw = triton_ops.delta_rule_rows(q, k, v, gate, raw, states, parents, cu, max(lengths), A_log,
+                                                      dt_bias, beta_logits=True)
+                close(f"delta_rule_rows from beta's input lengths={lengths}", from_raw,
+                      triton_ops.delta_rule_rows(q, k, v, gate, torch.sigmoid(raw), states, parents, cu, max(lengths),
+                                                 A_log, dt_bias))
     finally:
         triton_ops.VALUES = default
     # Badly conditioned blocks: nearly parallel keys, beta near 1 and almost no decay make the
@@ -277,6 +285,13 @@ def check_delta_rule_scan():
                 assert into.data_ptr() == larger[3].data_ptr(), case
                 close(f"{case} into out", larger[3:3 + total], reference[0])
                 assert larger[:3].eq(5).all() and larger[3 + total:].eq(5).all(), case
+                raw = torch.randn(total, value_heads + 3, generator=generator)[:, 2:-1]  # beta's input, in place
+                from_raw, raw_final = triton_ops.delta_rule_scan(q, k, v, gate, raw, None, None, cu, True, A_log,
+                                                                 dt_bias, beta_logits=True)
+                expected, expected_final = triton_ops.delta_rule_scan(q, k, v, gate, torch.sigmoid(raw), None, None,
+                                                                      cu, True, A_log, dt_bias)
+                close(f"{case} from beta's input", from_raw, expected)
+                close(f"{case} final states from beta's input", raw_final, expected_final)
     finally:
         triton_ops.VALUES = default
 
