@@ -371,6 +371,13 @@ def _run(function, *args):
     return function(*args)
 
 
+def picks_early(picked: torch.Tensor | None, row_tokens: int) -> bool:
+    """Whether the last layer's output side runs at `picked` only: when they are fewer than the
+    rows' tokens. Padded markers may outnumber them (a bucket's [rows, 16]); then the whole last
+    layer runs, and the states are picked after the final norm."""
+    return picked is not None and picked.numel() < row_tokens
+
+
 def picked_tokens(picked: torch.Tensor | None, prefixes: Prefixes | None, *tensors: torch.Tensor):
     """The tensors [T, ...] at the rows' tokens `picked` [M] (indices into the rows' own tokens,
     past the prefixes), or as they are when picked is None."""
@@ -459,7 +466,7 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
         picked: [M] indices into the rows' own tokens (the candidate markers) whose states are
             wanted, or None for all. The last layer's keys and states come from every token, but
             what follows its token mixer (output projection, MLP) and the final norm run only
-            at these.
+            at these, when they are fewer than the rows' tokens (`picks_early`).
 
     Returns:
         [S, D] hidden states of the rows' own tokens, or [M, D] at `picked`.
@@ -469,15 +476,20 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
     cos, sin = rotary_tables(config, position_ids, inputs_embeds.dtype)
     hidden, branch = inputs_embeds, None
     checkpointed = activation_checkpointing and torch.is_grad_enabled()
+    prefix_tokens = prefixes.tokens if prefixes is not None else 0
+    early = picks_early(picked, inputs_embeds.shape[0] - prefix_tokens)
     last = len(language_model.layers) - 1
     for index, (layer, kind) in enumerate(zip(language_model.layers, config.layer_types)):
-        at = picked if index == last else None
+        at = picked if index == last and early else None
         if kind == "linear_attention":
             hidden, branch = delta_layer(layer, config, hidden, branch, rows, prefixes, checkpointed, at)
         else:
             hidden, branch = attention_layer(layer, config, hidden, branch, cos, sin, rows, prefixes, checkpointed,
                                              at)
-    return final_norm(language_model, hidden, branch, prefixes.tokens if prefixes is not None and picked is None else 0)
+    if early:
+        return final_norm(language_model, hidden, branch, 0)
+    states = final_norm(language_model, hidden, branch, prefix_tokens)
+    return states if picked is None else states[picked]
 
 
 def final_norm(language_model, hidden: torch.Tensor, branch: torch.Tensor | None, prefix_tokens: int) -> torch.Tensor:

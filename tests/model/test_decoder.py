@@ -261,25 +261,32 @@ def test_shared_prefixes_match_unshared_rows_in_outputs_and_gradients(tiny):
 def test_picked_tokens_equal_the_whole_forward_at_them_in_outputs_and_gradients(tiny, monkeypatch, shared,
                                                                                 keep_tokens):
     """With `picked`, the last layer's output side and the final norm run at those rows' tokens
-    only; in float64 the states equal the whole forward's at them (to 1e-12 relative), and so do
-    the LoRA gradients, with prefixes or without, with the layers' tails or whole layers
-    recomputed under checkpointing. A picked token may repeat (a padded marker reads token 0)."""
+    only (when fewer than the rows' tokens); in float64 the states equal the whole forward's at
+    them (to 1e-12 relative), and so do the LoRA gradients, with prefixes or without, with the
+    layers' tails or whole layers recomputed under checkpointing. A picked token may repeat (a
+    padded marker reads token 0)."""
     monkeypatch.setattr(decoder, "MIXER_KEEP_TOKENS", keep_tokens)
     language_model, lora = _float64_lora_model(tiny)
     full_inputs, shared_inputs, prefixes, _ = _shared_case(tiny, language_model)
     inputs, prefixes = (shared_inputs, prefixes) if shared else (full_inputs, None)
     whole = packed_forward(language_model, *inputs, activation_checkpointing=True, prefixes=prefixes)
-    picked = torch.tensor([0, 3, 4, 4, whole.shape[0] - 1, 0])
-    ours = packed_forward(language_model, *inputs, activation_checkpointing=True, prefixes=prefixes, picked=picked)
-    expected = whole[picked]
-    assert ours.shape == expected.shape
-    assert ((ours - expected).abs().max() / expected.abs().max()).item() <= 1e-12
+    tokens = whole.shape[0]
+    # Fewer than the rows' tokens: the last layer's output side runs at them only. As many or
+    # more (padded markers can be): the whole layer runs, and the states are picked after it.
+    for picked, early in ((torch.tensor([0, 3, 4, 4, tokens - 1, 0]), True),
+                          (torch.arange(tokens + 3) % tokens, False)):
+        assert decoder.picks_early(picked, tokens) == early
+        ours = packed_forward(language_model, *inputs, activation_checkpointing=True, prefixes=prefixes,
+                              picked=picked)
+        expected = whole[picked]
+        assert ours.shape == expected.shape
+        assert ((ours - expected).abs().max() / expected.abs().max()).item() <= 1e-12
 
-    weights = torch.randn(expected.shape, dtype=expected.dtype, generator=torch.Generator().manual_seed(3))
-    reference = torch.autograd.grad((expected * weights).sum(), lora)
-    actual = torch.autograd.grad((ours * weights).sum(), lora)
-    for mine, theirs in zip(actual, reference):
-        assert ((mine - theirs).abs().max() / theirs.abs().max().clamp_min(1e-12)).item() <= 1e-10
+        weights = torch.randn(expected.shape, dtype=expected.dtype, generator=torch.Generator().manual_seed(3))
+        reference = torch.autograd.grad((expected * weights).sum(), lora, retain_graph=True)
+        actual = torch.autograd.grad((ours * weights).sum(), lora)
+        for mine, theirs in zip(actual, reference):
+            assert ((mine - theirs).abs().max() / theirs.abs().max().clamp_min(1e-12)).item() <= 1e-10
 
 
 def _lora_linear(dtype, dropout=0.0, lora_bias=False):
