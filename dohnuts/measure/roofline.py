@@ -398,7 +398,10 @@ def stages(text_config: dict, vision_config: dict | None, geometry: Geometry, dt
     """`useful_work` stage by stage, in the order the forward runs them: vision, embedding, per
     layer its mixer's parts and its MLP, the final norm and the head. Summed over the stages,
     FLOPs per category and bytes equal `useful_work`'s (each stage carries its own weights and
-    states; the hidden states in and out are the embedding's and the final norm's)."""
+    states; the hidden states in and out are the embedding's and the final norm's). Like it,
+    they count the last layer's output side at the candidates: a batch whose padded markers
+    outnumber its row tokens (`decoder.picks_early`) runs, and under checkpointing recomputes,
+    that side over every row token, so its recomputed work is understated by that much."""
     shape = _text_shape(text_config)
     tokens, pairs, hidden = geometry.useful_tokens, attention_pairs(geometry), shape["hidden"]
     state = shape["value_heads"] * shape["key_dim"] * shape["value_dim"]
