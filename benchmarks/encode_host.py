@@ -17,11 +17,11 @@ import numpy as np
 
 from dohnuts.config import ModelConfig
 from dohnuts.model.base import new_image_processor
+from dohnuts.model.predict import answers_of
 from dohnuts.model.template import Template
 from dohnuts.model.vocabulary import qwen3_5_tokenizer
 from dohnuts.pipeline.benchmark import workloads
-from dohnuts.schema import answer, parse_request
-from dohnuts.scoring.metrics import masked_softmax_rows, normalised_entropy_confidence
+from dohnuts.schema import parse_request
 
 
 def block_median(call, calls: int = 300) -> float:
@@ -46,20 +46,14 @@ def main(name: str = "distinct_text_50q", blocks: int = 5) -> None:
     logits = np.random.default_rng(0).standard_normal(tuple(batch.markers.shape)).astype(np.float32)
     mask = batch.candidate_mask.numpy()
 
-    def answers():  # `Predictor._answers` from host logits
-        table = masked_softmax_rows(logits, mask, np.ones(len(rows)))
-        confidences = normalised_entropy_confidence(table, mask).tolist()
-        probs = table.tolist()
-        return {question.qid: answer(question, probs[row][: len(question.labels)], confidences[row])
-                for row, question in enumerate(request.questions)}
-
+    temperatures = {"choice": 1.0, "noul": 1.0, "score": 1.0}
     steps = {
         "parse": lambda: parse_request(state, questions, template.reserved),
         "template": lambda: template.encode(request, config.max_tokens),
         "pack": lambda: template.collate(rows, []),
         "encode (all three)": lambda: template.collate(
             template.encode(parse_request(state, questions, template.reserved), config.max_tokens), []),
-        "answers": answers,
+        "answers": lambda: answers_of(logits, mask, [request], [batch.input_tokens], temperatures),
     }
     medians = {step: [] for step in steps}
     for _ in range(blocks):

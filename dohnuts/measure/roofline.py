@@ -207,14 +207,11 @@ def _output_side(shape: dict, kind: str) -> tuple[int, int]:
     projection with its gate or gated norm, the residual adds, the MLP with its norm; counted
     at the last layer's candidate markers only, the one place its output is read."""
     hidden, inner = shape["hidden"], shape["intermediate"]
-    mlp_matrix = 2 * hidden * inner + inner * hidden
+    matrix = 2 * sum(a * b for a, b in _linear_maps(shape)[kind][-4:])  # the output projection, then the MLP's three
     mlp_vector = NORM_FLOPS * hidden + RESIDUAL_FLOPS * hidden + GATE_FLOPS * inner
     if kind == "full_attention":
-        width = shape["heads"] * shape["head_dim"]
-        return 2 * (width * hidden + mlp_matrix), GATE_FLOPS * width + RESIDUAL_FLOPS * hidden + mlp_vector
-    width = shape["value_width"]
-    return (2 * (width * hidden + mlp_matrix),
-            (NORM_FLOPS + GATE_FLOPS) * width + RESIDUAL_FLOPS * hidden + mlp_vector)
+        return matrix, GATE_FLOPS * shape["heads"] * shape["head_dim"] + RESIDUAL_FLOPS * hidden + mlp_vector
+    return matrix, (NORM_FLOPS + GATE_FLOPS) * shape["value_width"] + RESIDUAL_FLOPS * hidden + mlp_vector
 
 
 def useful_work(text_config: dict, vision_config: dict | None, geometry: Geometry, dtype_bytes: int = 2) -> dict:

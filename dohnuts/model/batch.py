@@ -256,13 +256,9 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
 
     text_only = all(row.image_grid is None for row in rows)
 
-    def add(row: Row, begin: int, end: int) -> None:
+    def add(row: Row, begin: int, end: int) -> None:  # a piece of a batch with images
         offset = len(ids)
         ids.extend(row.input_ids[begin:end])
-        if text_only:
-            shifts.append(begin - offset)
-            spans.append(end - begin)
-            return
         shift = 0
         if row.image_grid is not None:
             start = row.input_ids.index(image_pad_id)
@@ -276,20 +272,20 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
             shift = max(height, width) - height * width  # all after the image: shifted as it leaves them
         pieces.append(np.broadcast_to(np.arange(begin + shift, end + shift), (3, end - begin)))
 
-    for split, members in groups:
-        add(rows[members[0]], 0, split)
-    prefix_tokens = len(ids)
     prefix_lengths = [split for split, _ in groups]
+    prefix_tokens = sum(prefix_lengths)
     lengths = [len(row.input_ids) for row in rows]
     own_lengths = [length - split for length, split in zip(lengths, splits)]
-    if text_only:  # `add` inlined: a request's rows are most of its host time
-        for row, split, length in zip(rows, splits, lengths):
-            shifts.append(split - len(ids))
-            spans.append(length - split)
-            ids.extend(row.input_ids[split:])
+    # The pieces in order: each prefix once (from its first row), then each row past its split.
+    segments = [(rows[members[0]], 0, split) for split, members in groups] + list(zip(rows, splits, lengths))
+    if text_only:  # inline, no call a piece: a request's rows are most of its host time
+        for row, begin, end in segments:
+            shifts.append(begin - len(ids))
+            spans.append(end - begin)
+            ids.extend(row.input_ids[begin:end])
     else:
-        for row, split, length in zip(rows, splits, lengths):
-            add(row, split, length)
+        for row, begin, end in segments:
+            add(row, begin, end)
     # Each row's markers move by its start on the rows' axis less its split, laid out [B, K] by
     # one boolean assignment (row-major, as they are listed), zero where a row has fewer.
     counts = np.fromiter(map(len, (row.markers for row in rows)), dtype=np.int64, count=len(rows))

@@ -31,8 +31,6 @@ from .decoder import (
     final_norm,
     input_norm,
     mlp_block,
-    picked_tokens,
-    picks_early,
     rotary_tables,
 )
 
@@ -174,8 +172,6 @@ class _BucketGraph:
         self.embeds = torch.zeros(bucket.tokens, self.config.hidden_size, device=batch.input_ids.device,
                                   dtype=language.get_input_embeddings().weight.dtype)
         self.rows, self.prefixes = plan_segments(self.static)
-        self.picked = self.static.markers.flatten()  # a view: replays see the markers copied in
-        self.early = picks_early(self.picked, bucket.row_tokens)
         heads, head_dim = self.config.num_attention_heads, self.config.head_dim
         self.attended = [torch.zeros(bucket.tokens, heads, head_dim, dtype=self.embeds.dtype, device=self.embeds.device)
                          for _ in self.attention]  # each attention core's output, copied in
@@ -207,20 +203,17 @@ class _BucketGraph:
         else:
             hidden, _, _, _, gate, cos, sin = self.outputs[index - 1]
             layer = layers[attention[index - 1]]
-            out = self.attended[index - 1]
-            if attention[index - 1] == len(layers) - 1 and self.early:  # its output side at the markers only
-                hidden, out, gate = picked_tokens(self.picked, self.prefixes, hidden, out, gate)
-            hidden, branch = mlp_block(layer, config, hidden, attention_output(layer.self_attn, out, gate))
+            hidden, branch = mlp_block(layer, config, hidden,
+                                       attention_output(layer.self_attn, self.attended[index - 1], gate))
             first = attention[index - 1] + 1
         last = attention[index] if index < len(attention) else len(layers)
-        for position in range(first, last):  # delta-rule layers only: pieces end at attention layers
-            hidden, branch = delta_layer(layers[position], config, hidden, branch, self.rows, self.prefixes, False,
-                                         self.picked if position == len(layers) - 1 and self.early else None)
-        if index == len(attention):  # as `decoder.packed_forward` ends
-            language = self.model.backbone.language_model
-            states = (final_norm(language, hidden, branch, 0) if self.early
-                      else final_norm(language, hidden, branch, self.static.prefix_tokens)[self.picked])
-            return self.model.logits(states, self.static.candidate_mask)
+        for layer in layers[first:last]:  # delta-rule layers only: pieces end at attention layers
+            hidden, branch = delta_layer(layer, config, hidden, branch, self.rows, self.prefixes, False)
+        if index == len(attention):
+            # A bucket's markers, [rows, 16], outnumber its row tokens about twice, so its last
+            # layer runs whole and the states are picked after the final norm (`decoder.picks_early`).
+            rows = final_norm(self.model.backbone.language_model, hidden, branch, self.static.prefix_tokens)
+            return self.model.logits(rows[self.static.markers.flatten()], self.static.candidate_mask)
         layer = layers[last]
         hidden, normed = input_norm(layer, config, hidden, branch)
         return (hidden, *attention_inputs(layer.self_attn, config, normed, cos, sin), cos, sin)

@@ -270,8 +270,8 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
     # gate stays raw: the kernels make it Qwen3.5's decay (kernels.decay). Without autograd so
     # does beta's input, whose sigmoid the forward kernels take as they read it; with autograd
     # the sigmoid runs once here, before the prefixes and rows are split.
-    logits = not torch.is_grad_enabled()
-    if not logits:
+    forward_only = not torch.is_grad_enabled()
+    if not forward_only:
         beta = torch.sigmoid(beta)
     weight = module.conv1d.weight.squeeze(1)
 
@@ -286,7 +286,7 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
         out, final = kernels.delta_rule(
             query, key, value, gate, beta, segments.cu_seqlens, segments.cu_seqlens_cpu, segments.max_seqlen,
             segments.chunk_indices, module.A_log, module.dt_bias, states, fork.parents if fork else None,
-            fork.orphans if fork else False, keep, out, logits)
+            fork.orphans if fork else False, keep, out, forward_only)
         return out, conv_final, final
 
     if prefixes is None:
@@ -301,7 +301,7 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
     (mixed_head, mixed_tail), (gate_head, gate_tail), (beta_head, beta_tail) = (
         x.split(sizes) for x in (mixed, gate, beta))
     joined, parts = None, (None, None)
-    if not torch.is_grad_enabled():
+    if forward_only:
         joined = mixed.new_empty(hidden.shape[0], value_heads, value_dim)  # v's dtype: the conv writes x's
         parts = joined.split(sizes)
     head, conv_final, recurrent_final = mix(mixed_head, gate_head, beta_head, prefixes.segments, None, None, None,
@@ -378,7 +378,7 @@ def picks_early(picked: torch.Tensor | None, row_tokens: int) -> bool:
     return picked is not None and picked.numel() < row_tokens
 
 
-def picked_tokens(picked: torch.Tensor | None, prefixes: Prefixes | None, *tensors: torch.Tensor):
+def _picked_tokens(picked: torch.Tensor | None, prefixes: Prefixes | None, *tensors: torch.Tensor):
     """The tensors [T, ...] at the rows' tokens `picked` [M] (indices into the rows' own tokens,
     past the prefixes), or as they are when picked is None."""
     if picked is None:
@@ -405,7 +405,7 @@ def delta_layer(layer, config, hidden, branch, rows: Segments, prefixes: Prefixe
         return _recomputed(_delta_whole, layer, config, hidden, branch, rows, prefixes, picked)
     hidden, normed = input_norm(layer, config, hidden, branch)
     out, gate = _delta_mix(layer.linear_attn, config, normed, rows, prefixes)
-    hidden, out, gate = picked_tokens(picked, prefixes, hidden, out, gate)
+    hidden, out, gate = _picked_tokens(picked, prefixes, hidden, out, gate)
     return (_recomputed if checkpointed else _run)(_delta_tail, layer, config, hidden, out, gate)
 
 
@@ -428,7 +428,7 @@ def attention_layer(layer, config, hidden, branch, cos, sin, rows: Segments, pre
     hidden, normed = input_norm(layer, config, hidden, branch)
     query, key, value, gate = attention_inputs(layer.self_attn, config, normed, cos, sin)
     out = attention_core(config, query, key, value, rows, prefixes)
-    hidden, out, gate = picked_tokens(picked, prefixes, hidden, out, gate)
+    hidden, out, gate = _picked_tokens(picked, prefixes, hidden, out, gate)
     return (_recomputed if checkpointed else _run)(_attention_tail, layer, config, hidden, out, gate)
 
 

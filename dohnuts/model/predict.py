@@ -170,25 +170,37 @@ class Predictor:
         # small operations after them cost less there than as device launches, each a host
         # round trip once the forward has finished, and the temperatures need no copy to the device.
         logits = self.scores(batch).cpu().float().numpy()  # the host batch: a bucket pads it before the copy
-        scale = np.array([self.temperatures[question.kind] for request in parsed for question in request.questions])
-        mask = batch.candidate_mask.numpy()
-        table = masked_softmax_rows(logits, mask, scale)
-        # Every row's confidence at once, where that pays (a few numpy calls cost about 5 us, a
-        # question's own about 1 us): with fewer rows `answer` computes each.
-        confidences = (normalised_entropy_confidence(table, mask).tolist() if len(table) >= BATCHED_CONFIDENCE
-                       else [None] * len(table))
-        probs = table.tolist()  # one conversion, not one a question
-        raw = logits.tolist() if raw_logits else None
-        results, row = [], 0
-        for request, count in zip(parsed, tokens):
-            answers = {}
-            for question in request.questions:
-                answers[question.qid] = answer(question, probs[row][: len(question.labels)], confidences[row])
-                row += 1
-            result = {"answers": answers, "usage": {"input_tokens": count, "images": int(request.image is not None)}}
-            if raw is not None:
-                first = row - len(request.questions)
-                result["logits"] = {question.qid: raw[first + index][: len(question.labels)]
-                                    for index, question in enumerate(request.questions)}
-            results.append(result)
-        return results
+        return answers_of(logits, batch.candidate_mask.numpy(), parsed, tokens, self.temperatures, raw_logits)
+
+
+def answers_of(logits: np.ndarray, mask: np.ndarray, parsed: list[Request], tokens: list[int],
+               temperatures: dict[str, float], raw_logits: bool = False) -> list[dict]:
+    """Each request's `predict` result from its rows' logits on the host.
+
+    Args:
+        logits: [B, K] float32, the rows of `parsed`'s questions in order; mask: [B, K] bool.
+        parsed: the validated requests; tokens: each one's input tokens.
+        temperatures: question kind -> temperature.
+        raw_logits: also give each result "logits" (see `Predictor.predict_many`).
+    """
+    scale = np.array([temperatures[question.kind] for request in parsed for question in request.questions])
+    table = masked_softmax_rows(logits, mask, scale)
+    # Every row's confidence at once, where that pays (a few numpy calls cost about 5 us, a
+    # question's own about 1 us): with fewer rows `answer` computes each.
+    confidences = (normalised_entropy_confidence(table, mask).tolist() if len(table) >= BATCHED_CONFIDENCE
+                   else [None] * len(table))
+    probs = table.tolist()  # one conversion, not one a question
+    raw = logits.tolist() if raw_logits else None
+    results, row = [], 0
+    for request, count in zip(parsed, tokens):
+        answers = {}
+        for question in request.questions:
+            answers[question.qid] = answer(question, probs[row][: len(question.labels)], confidences[row])
+            row += 1
+        result = {"answers": answers, "usage": {"input_tokens": count, "images": int(request.image is not None)}}
+        if raw is not None:
+            first = row - len(request.questions)
+            result["logits"] = {question.qid: raw[first + index][: len(question.labels)]
+                                for index, question in enumerate(request.questions)}
+        results.append(result)
+    return results
