@@ -393,12 +393,15 @@ def _forked_inputs(lengths, heads, value_heads, width, seed):
 @pytest.mark.parametrize("heads, value_heads, width", [(16, 16, 128), (2, 4, 40)])
 def test_delta_rule_rows_matches_reference_and_fla_on_forked_states(heads, value_heads, width):
     """The one-program-a-row kernel (bf16, rows of 1 to 64 tokens continuing forked states, some
-    without a parent) against the float32 recurrence and FLA's chunked kernels on the same rows."""
+    without a parent) against the float32 recurrence and FLA's chunked kernels on the same rows;
+    also fed beta's logits, whose sigmoid it then takes itself (as the decoder runs it)."""
     lengths = [1, 15, 16, 17, 33, 63, 64, 28, 44]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, heads, value_heads, width, 2)
+    rows = kernels._triton_ops().delta_rule_rows
     with torch.no_grad():
-        ours = kernels._triton_ops().delta_rule_rows(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu,
-                                                     max(lengths), A_log, dt_bias)[None]
+        ours = rows(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, max(lengths), A_log, dt_bias)[None]
+        from_logits = rows(q[0], k[0], v[0], gate[0], torch.logit(beta[0].float()).to(beta.dtype), states, parents,
+                           cu, max(lengths), A_log, dt_bias, beta_logits=True)[None]
         forked = kernels.fork_states(states, parents, True)
         fla, _ = kernels.chunk_gated_delta_rule(q, k, v, gate, beta, forked, False, cu, False, cu.cpu(), None,
                                                 A_log, dt_bias)
@@ -406,6 +409,7 @@ def test_delta_rule_rows_matches_reference_and_fla_on_forked_states(heads, value
                                                       False, cu.long(), normalise=False)
     assert _relative_error(ours, reference) < 1e-2
     assert _relative_error(ours, fla) < 1e-2
+    assert _relative_error(from_logits, reference) < 1e-2
 
 
 @pytest.mark.gpu
@@ -413,7 +417,8 @@ def test_delta_rule_rows_matches_reference_and_fla_on_forked_states(heads, value
 def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width):
     """The whole-sequence scan (bf16, sequences of 1 to 700 tokens): from zero states keeping the
     final states (as prefixes run), and from forked states (as long rows run), against the float32
-    recurrence and FLA's chunked kernels on the same sequences."""
+    recurrence and FLA's chunked kernels on the same sequences; also fed beta's logits, whose
+    sigmoid it then takes itself."""
     lengths = [1, 15, 16, 17, 65, 130, 257, 700, 44]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, heads, value_heads, width, 3)
     scan = kernels._triton_ops().delta_rule_scan
@@ -422,6 +427,9 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width):
     with torch.no_grad():
         fresh, final = scan(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias)
         continued, _ = scan(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log, dt_bias)
+        logits = torch.logit(beta[0].float()).to(beta.dtype)
+        fresh_from_logits, final_from_logits = scan(q[0], k[0], v[0], gate[0], logits, None, None, cu, True, A_log,
+                                                    dt_bias, beta_logits=True)
         fla_fresh, fla_final = kernels.fused(q)["chunk_gated_delta_rule"](
             q, k, v, gate, beta, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=False,
             use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
@@ -436,6 +444,8 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width):
     assert _relative_error(final, reference_final) < 1e-2 and _relative_error(final, fla_final) < 1e-2
     assert _relative_error(continued[None], reference_continued) < 1e-2
     assert _relative_error(continued[None], fla_continued) < 1e-2
+    assert _relative_error(fresh_from_logits[None], reference) < 1e-2
+    assert _relative_error(final_from_logits, reference_final) < 1e-2
 
 
 @pytest.mark.gpu
