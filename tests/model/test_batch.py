@@ -208,13 +208,12 @@ def test_shared_prefixes_match_unshared_rows_end_to_end_on_cuda_in_bf16(tiny):
     rule of forked rows at inference): a batch of requests with shared prefixes against the same
     rows run whole, in logits (eval, no gradient) and in LoRA and head gradients (training).
 
-    The logits are held to the same model in float64 on the CPU. In bf16 this tiny random
-    model's logits land 1% to 6% of the largest from it (a max over 18 logits), shared or not:
-    on the H200, the rows run whole erred 1.2% to 3.5% and the shared ones 1.1% to 6.0%, over
-    five draws of LoRA weights, and the two paths differed from each other by up to 5.4%. A
-    check of one against the other at 2% failed on bf16 rounding alone (beta's sigmoid taken in
-    float32 moved it from 1.7% to 5.4%). Sharing reorders the same arithmetic, so its error must
-    stay of the unshared rows' order; a wrong fork of states errs by the logits' own size."""
+    Each path's logits are held to the same model in float64 on the CPU, since two bf16 paths
+    of this tiny random model differ by about as much as each errs: on the H200 the rows run
+    whole erred 1.2% to 3.5% of the largest logit and the shared ones 1.1% to 6.0%, over five
+    draws of LoRA weights (docs/results/h200-gpu-tests-d99f160.txt). Sharing reorders the same
+    arithmetic, so its error must stay of the unshared rows' order; a wrong fork of states errs
+    by the logits' own size."""
     template = tiny.template()
     questions = {
         "plan": {"type": "choice", "instructions": "Which plan?", "criteria": ["free", "business", "enterprise"]},
