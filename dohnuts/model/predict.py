@@ -67,6 +67,18 @@ class Predictor:
                                                  vision_buckets(settings.max_pixels, settings.patch, settings.merge))
             return ready
 
+    def capture_when_idle(self) -> None:
+        """From now on, a layout that recurs gets its CUDA graph not on the request that brings
+        it back but from `idle`, which the caller runs when no request waits (the server's
+        batcher does): no request waits for a capture (`GraphedScores.deferred`)."""
+        self.scores.deferred = True
+
+    def idle(self) -> bool:
+        """Do one piece of deferred work, a pending CUDA graph capture; False when there was
+        none. About as long as three forward passes of that layout."""
+        with self.lock:
+            return self.scores.capture_pending()
+
     def encode(self, state, questions):
         """Validate and encode a request into a batch. Returns (batch, request)."""
         batch, requests, _ = self.encode_many([(state, questions)])

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 
 class Overloaded(RuntimeError):
@@ -36,13 +39,22 @@ class Batcher:
 
     `on_batch(requests, rows, seconds)` is called after every invocation (metrics), before its
     callers get their answers.
+
+    A predictor with deferred work (`Predictor.capture_when_idle` and `idle`: the CUDA graphs
+    of layouts that recur) is asked to do it only once no request has come for `idle_after`
+    seconds, one piece at a time, until it has none left; so no request waits for a capture
+    unless it arrives during one, and a server under steady load captures nothing.
     """
 
     def __init__(self, predictor, max_wait: float = 0.003, max_rows: int = 512, max_queue: int = 1024,
-                 on_batch=None):
+                 on_batch=None, idle_after: float = 0.05):
         self.predictor = predictor
         self.max_wait, self.max_rows, self.max_queue = max_wait, max_rows, max_queue
         self.on_batch = on_batch
+        self.idle_after = idle_after
+        self.idle = getattr(predictor, "idle", None)
+        if self.idle is not None:
+            predictor.capture_when_idle()
         self.waiting: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="dohnuts-batcher", daemon=True)
         self.thread.start()
@@ -84,13 +96,28 @@ class Batcher:
             rows += item.rows
         return batch, False
 
+    def _next(self, idle_work: bool) -> tuple[_Pending | None, bool]:
+        """(the next request, or None to stop; whether idle work may remain). While some may,
+        waiting `idle_after` seconds with no request runs one piece of it."""
+        while idle_work:
+            try:
+                return self.waiting.get(timeout=self.idle_after), True
+            except queue.Empty:
+                try:
+                    idle_work = bool(self.idle())
+                except Exception:  # noqa: BLE001 - deferred work is an optimisation: its failure is logged, never fatal
+                    logger.exception("the predictor's idle work failed; the batcher goes on without it")
+                    idle_work = False
+        return self.waiting.get(), False
+
     def _run(self) -> None:
-        stop = False
+        stop, idle_work = False, False
         while not stop:
-            first = self.waiting.get()
+            first, idle_work = self._next(idle_work)
             if first is None:
                 break
             batch, stop = self._gather(first)
+            idle_work = self.idle is not None  # each batch may leave deferred work
             started = time.monotonic()
             try:
                 results = self.predictor.predict_many([(p.state, p.questions) for p in batch], errors="return")

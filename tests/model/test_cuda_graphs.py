@@ -117,6 +117,45 @@ def test_graphs_are_dropped_when_the_model_changes(tiny):
         assert graphed.stats["captures"] == 2 and len(graphed.graphs) == 0  # seen again from scratch
 
 
+@pytest.mark.gpu
+def test_deferred_layouts_are_captured_when_idle_and_never_on_a_request(tiny):
+    """With `deferred`, the sighting that would capture runs as the others did (eagerly here, no
+    buckets), `capture_pending` captures later, and the layout then replays with the eager
+    logits; a model changed in the meantime drops what was pending."""
+    template, model, graphed = _on_cuda(tiny, torch.bfloat16)
+    graphed.deferred = True
+    with torch.no_grad():
+        for colour in [(220, 20, 20)] * graphed.capture_at + [(20, 220, 20)]:
+            host = _batch(template, colour)
+            torch.testing.assert_close(graphed(host), model(host.to("cuda")), rtol=1e-5, atol=1e-6)
+        assert {name: graphed.stats[name] for name in ("eager", "captures", "replays")} == {
+            "eager": graphed.capture_at + 1, "captures": 0, "replays": 0}
+        assert len(graphed.pending) == 1
+        assert graphed.capture_pending() and not graphed.pending and graphed.stats["captures"] == 1
+        assert not graphed.capture_pending()  # nothing left
+        host = _batch(template, (20, 20, 220))
+        torch.testing.assert_close(graphed(host), model(host.to("cuda")), rtol=1e-5, atol=1e-6)
+        assert graphed.stats["replays"] == 1
+        longer = [_batch(template, (220, 20, 20), note="a longer note " * 30) for _ in range(graphed.capture_at)]
+        for host in longer:
+            graphed(host)
+        assert len(graphed.pending) == 1
+        model.backbone.language_model.layers[0].input_layernorm.weight.add_(0.5)
+        assert not graphed.capture_pending() and not graphed.pending and not graphed.graphs
+
+
+def test_deferred_captures_are_a_no_op_on_the_cpu(tiny):
+    backbone = load_backbone(tiny.base, torch.float32).eval()
+    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
+    graphed = GraphedScores(model)
+    graphed.deferred = True
+    batch = _batch(tiny.template(), (220, 20, 20))
+    with torch.no_grad():
+        for _ in range(graphed.capture_at + 1):
+            assert torch.equal(graphed(batch), model(batch))
+    assert not graphed.pending and not graphed.capture_pending() and graphed.stats["eager"] == graphed.capture_at + 1
+
+
 def _varied(template):
     """Host batches of distinct layouts: images in the prefix and in a row, text only, long rows."""
     batches = [batch_of(template, requests) for requests in LAYOUTS.values()]

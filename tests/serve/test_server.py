@@ -207,3 +207,11 @@ def test_health_models_and_metrics(served):
     assert [model.name for model in models.models] == ["dohnuts-tiny"] and models.models[0].release_date
     metrics = httpx2.get(f"{served.url}/metrics")
     assert metrics.status_code == 200 and "dohnuts_request_seconds_bucket" in metrics.text
+
+
+def test_the_server_leaves_graph_captures_to_its_idle_time(served, predictor):
+    """The batcher asked the predictor to capture recurring layouts' graphs when idle
+    (`Predictor.capture_when_idle`); on the CPU there is never one to capture."""
+    assert httpx2.get(f"{served.url}/health").json()["status"] == "ready"
+    assert predictor.scores.deferred
+    assert predictor.idle() is False

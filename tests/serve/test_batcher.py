@@ -1,0 +1,103 @@
+"""The batcher's worker: deferred work only when no request waits, and never fatal."""
+
+import threading
+import time
+
+from dohnuts.serve.batcher import Batcher
+
+
+class _Predictor:
+    """Answers each request with its state; `idle` returns the listed results in turn (False
+    once they run out), and each call is logged with whether a request was waiting."""
+
+    def __init__(self, idle_results=(), fail=False):
+        self.idle_results = list(idle_results)
+        self.fail = fail
+        self.deferred = False
+        self.idle_calls = []
+        self.batches = []
+        self.batcher = None
+        self.called = threading.Event()
+
+    def capture_when_idle(self):
+        self.deferred = True
+
+    def idle(self):
+        self.idle_calls.append(self.batcher.depth if self.batcher else None)
+        self.called.set()
+        if self.fail:
+            raise RuntimeError("capture failed")
+        return self.idle_results.pop(0) if self.idle_results else False
+
+    def predict_many(self, requests, errors="return"):
+        self.batches.append(len(requests))
+        return [state for state, _ in requests]
+
+
+def _settle(predictor, seconds=0.5):
+    """Wait until the worker has stopped calling `idle` (no call for `seconds`)."""
+    count = -1
+    while count != len(predictor.idle_calls):
+        count = len(predictor.idle_calls)
+        time.sleep(seconds)
+
+
+def test_deferred_work_runs_only_after_a_quiet_spell_and_stops_when_done():
+    predictor = _Predictor(idle_results=[True, True])
+    batcher = Batcher(predictor, max_wait=0.0, idle_after=0.05)
+    predictor.batcher = batcher
+    try:
+        assert predictor.deferred  # the batcher asked for deferred captures
+        time.sleep(0.2)
+        assert predictor.idle_calls == []  # no request yet: nothing could be pending
+        assert batcher.submit("a", {"q": {}}).result(timeout=5) == "a"
+        _settle(predictor)
+        # Two pieces of work, then the False that says none is left; none while a request waited.
+        assert predictor.idle_calls == [0, 0, 0]
+        assert batcher.submit("b", {"q": {}}).result(timeout=5) == "b"
+        _settle(predictor)
+        assert len(predictor.idle_calls) == 4  # each batch may leave work: asked once more
+    finally:
+        batcher.close()
+    assert predictor.batches == [1, 1]
+
+
+def test_requests_during_steady_traffic_are_not_held_by_deferred_work():
+    predictor = _Predictor(idle_results=[True] * 100)
+    batcher = Batcher(predictor, max_wait=0.0, idle_after=0.5)
+    predictor.batcher = batcher
+    try:
+        for index in range(20):  # a request every 10 ms: never a 500 ms quiet spell
+            assert batcher.submit(index, {"q": {}}).result(timeout=5) == index
+            time.sleep(0.01)
+        assert predictor.idle_calls == []
+        assert predictor.called.wait(timeout=5)  # once traffic stops, the work starts
+    finally:
+        batcher.close()
+
+
+def test_failing_deferred_work_is_logged_and_the_batcher_keeps_serving(caplog):
+    predictor = _Predictor(fail=True)
+    batcher = Batcher(predictor, max_wait=0.0, idle_after=0.02)
+    predictor.batcher = batcher
+    try:
+        assert batcher.submit("a", {"q": {}}).result(timeout=5) == "a"
+        _settle(predictor, 0.2)
+        assert len(predictor.idle_calls) == 1  # a failure ends the work until the next batch
+        assert batcher.submit("b", {"q": {}}).result(timeout=5) == "b"
+    finally:
+        batcher.close()
+    assert "idle work failed" in caplog.text
+
+
+def test_a_predictor_without_deferred_work_is_served_as_before():
+    class Plain:
+        def predict_many(self, requests, errors="return"):
+            return [state for state, _ in requests]
+
+    batcher = Batcher(Plain(), max_wait=0.0, idle_after=0.01)
+    try:
+        assert batcher.idle is None
+        assert batcher.submit("a", {"q": {}}).result(timeout=5) == "a"
+    finally:
+        batcher.close()
