@@ -101,3 +101,32 @@ def test_a_predictor_without_deferred_work_is_served_as_before():
         assert batcher.submit("a", {"q": {}}).result(timeout=5) == "a"
     finally:
         batcher.close()
+
+
+def test_a_lone_request_runs_at_once_and_concurrent_ones_are_gathered():
+    class Sleepy:
+        def __init__(self):
+            self.batches = []
+
+        def predict_many(self, requests, errors="return"):
+            self.batches.append([state for state, _ in requests])
+            if self.batches[-1] == ["b"]:
+                time.sleep(0.2)  # c and d arrive while b runs
+            return [state for state, _ in requests]
+
+    predictor = Sleepy()
+    batcher = Batcher(predictor, max_wait=1.0)
+    try:
+        # Alone, "a" does not wait the gathering second for company: well within half of it.
+        assert batcher.submit("a", {"q": {}}).result(timeout=0.5) == "a"
+        b = batcher.submit("b", {"q": {}})
+        time.sleep(0.05)
+        c, d = batcher.submit("c", {"q": {}}), batcher.submit("d", {"q": {}})
+        assert b.result(timeout=5) == "b"
+        # c and d waited while b ran: traffic is concurrent, so their batch waits for e.
+        time.sleep(0.05)
+        e = batcher.submit("e", {"q": {}})
+        assert [future.result(timeout=5) for future in (c, d, e)] == ["c", "d", "e"]
+    finally:
+        batcher.close()
+    assert predictor.batches == [["a"], ["b"], ["c", "d", "e"]]
