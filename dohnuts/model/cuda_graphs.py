@@ -12,6 +12,7 @@ layout: a replay copies the new embeddings and index tensors into the graph's in
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 import time
 from collections import OrderedDict
@@ -63,6 +64,7 @@ def layout_key(batch: Batch) -> tuple:
     return tuple(key)
 
 
+logger = logging.getLogger(__name__)
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place version counter
 CAPTURE_AT = 3  # the sighting of a layout that captures its graph
 BUCKET_MEMORY = 0.25  # the share of the device's memory the bucket graphs may hold
@@ -389,21 +391,33 @@ class GraphedScores:
         return model.scores(embeds, moved)
 
     def capture_pending(self) -> bool:
-        """Capture the graph of the layout longest pending (see `deferred`); False when none was
-        (nothing pending, not on CUDA, or the model training). Call it only where no request
-        waits: it takes about as long as three eager calls of the layout."""
+        """Do one piece of deferred work (see `deferred`): capture the graph of the layout longest
+        pending, or, after the model changed, its buckets' graphs again. False when there was
+        none (nothing pending, not on CUDA, or the model training); an attempt that failed still
+        counts, so the caller goes on with the rest. Call it only where no request waits: a
+        layout takes about as long as three eager calls of it."""
         model = self.model
         if not self.pending or model.device.type != "cuda" or model.training:
             return False
-        self._check_versions()  # a changed model dropped its pending layouts with its graphs
-        while self.pending:
-            key, batch = self.pending.popitem(last=False)
-            if key in self.graphs or key in self.failed:
-                continue
-            with torch.no_grad():
+        self._check_versions()  # a changed model drops its pending layouts with its graphs...
+        if self.stale:  # ...and leaves its buckets to capture again: here, not on a request
+            self.prepare(self.wanted)
+            return True
+        if not self.pending:
+            return False
+        key, batch = self.pending.popitem(last=False)
+        if key in self.graphs or key in self.failed:
+            return True
+        with torch.no_grad():
+            try:
                 moved = batch.to(model.device)
-                return self._capture(key, model.embeddings(moved), moved) is not None
-        return False
+                embeds = model.embeddings(moved)
+            except Exception as error:  # noqa: BLE001 - e.g. its image's cached features evicted since
+                logger.info("a pending layout could not be embedded for its capture (%s: %s); it waits for "
+                            "its next sighting", type(error).__name__, error)
+                return True
+            self._capture(key, embeds, moved)  # a failure is logged there, and the layout runs eagerly
+        return True
 
     def _replay(self, graph: _Graph, key: tuple, batch: Batch, on_host: bool) -> torch.Tensor:
         """Logits of a batch of a captured layout. The weights' versions are read while the

@@ -39,6 +39,7 @@ class Predictor:
         self.temperatures = temperatures
         # CUDA graphs: of the shape buckets once `prepare_graphs` ran, and of layouts that recur.
         self.scores = GraphedScores(model, pad_id=template.pad_id)
+        self.deferrers = 0  # callers that run `idle` (`capture_when_idle`)
         self.lock = threading.RLock()
 
     @classmethod
@@ -67,11 +68,17 @@ class Predictor:
                                                  vision_buckets(settings.max_pixels, settings.patch, settings.merge))
             return ready
 
-    def capture_when_idle(self) -> None:
-        """From now on, a layout that recurs gets its CUDA graph not on the request that brings
-        it back but from `idle`, which the caller runs when no request waits (the server's
-        batcher does): no request waits for a capture (`GraphedScores.deferred`)."""
-        self.scores.deferred = True
+    def capture_when_idle(self, on: bool = True) -> None:
+        """With `on`, a layout that recurs gets its CUDA graph not on the request that brings it
+        back but from `idle`, which the caller runs when no request waits (the server's batcher
+        does): no request waits for a capture (`GraphedScores.deferred`). Each caller that
+        asked turns it off again when it stops calling `idle` (a closing batcher); once all
+        have, the third sighting captures on the request again and nothing stays pending."""
+        with self.lock:
+            self.deferrers = max(0, self.deferrers + (1 if on else -1))
+            self.scores.deferred = self.deferrers > 0
+            if not self.scores.deferred:
+                self.scores.pending.clear()
 
     def idle(self) -> bool:
         """Do one piece of deferred work, a pending CUDA graph capture; False when there was

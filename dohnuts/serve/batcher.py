@@ -32,13 +32,14 @@ class Batcher:
     """Runs `Predictor.predict_many` on one worker thread over the requests that arrive together.
 
     The worker takes the first waiting request, then gathers what else is waiting and, while
-    traffic is concurrent (the last invocation answered several requests, or others waited as it
-    ran), more for up to `max_wait` seconds, until `max_rows` question rows; a lone client's
-    request runs at once instead of waiting for company that is not coming (3 ms of its
-    latency by default). It answers them in one forward pass; every request
-    still computes its own shared prefix once (the runtime's several-prefixes path), and its
-    answers equal those it gets alone. An invalid request fails alone. Nothing else touches the
-    model, so nothing races. At most `max_queue` requests wait; beyond, `submit` refuses.
+    traffic is concurrent (the last invocation answered several requests, or others waited as
+    it ran, and no quiet spell of `idle_after` seconds came since), more for up to `max_wait`
+    seconds, until `max_rows` question rows; a lone client's request runs at once instead of
+    waiting for company that is not coming (3 ms of its latency by default). It answers them
+    in one forward pass; every request still computes its own shared prefix once (the
+    runtime's several-prefixes path), and its answers equal those it gets alone. An invalid
+    request fails alone. Nothing else touches the model, so nothing races. At most `max_queue`
+    requests wait; beyond, `submit` refuses.
 
     `on_batch(requests, rows, seconds)` is called after every invocation (metrics), before its
     callers get their answers.
@@ -54,7 +55,8 @@ class Batcher:
         self.predictor = predictor
         self.max_wait, self.max_rows, self.max_queue = max_wait, max_rows, max_queue
         self.on_batch = on_batch
-        self.concurrent = False  # whether the last invocation met concurrent traffic
+        self.concurrent = False  # whether the last invocation met concurrent traffic...
+        self.finished = float("-inf")  # ...and when it ended
         self.idle_after = idle_after
         self.idle = getattr(predictor, "idle", None)
         if self.idle is not None:
@@ -81,13 +83,18 @@ class Batcher:
         return pending.future
 
     def close(self) -> None:
-        """Stop the worker once the requests already queued are answered."""
+        """Stop the worker once the requests already queued are answered; a predictor asked to
+        defer work to the batcher's idle time no longer does."""
         self.waiting.put(None)
         self.thread.join()
+        if self.idle is not None:
+            self.predictor.capture_when_idle(False)
 
     def _gather(self, first: _Pending) -> tuple[list[_Pending], bool]:
         batch, rows = [first], first.rows
-        deadline = time.monotonic() + (self.max_wait if self.concurrent else 0.0)
+        # Concurrent traffic, unless a quiet spell (idle_after) came between it and this request.
+        concurrent = self.concurrent and first.enqueued - self.finished < self.idle_after
+        deadline = time.monotonic() + (self.max_wait if concurrent else 0.0)
         while rows < self.max_rows:
             try:
                 # Whatever is already waiting joins at once; then up to the deadline.
@@ -127,7 +134,7 @@ class Batcher:
                 results = self.predictor.predict_many([(p.state, p.questions) for p in batch], errors="return")
             except Exception as error:  # noqa: BLE001 - the batch fails as a whole: every caller hears why
                 results = [error] * len(batch)
-            self.concurrent = len(batch) > 1 or self.waiting.qsize() > 0
+            self.concurrent, self.finished = len(batch) > 1 or self.waiting.qsize() > 0, time.monotonic()
             try:
                 # Counted before any caller hears its answer, so a caller that has every answer
                 # also finds every invocation counted (the serving benchmark reads both).

@@ -144,6 +144,33 @@ def test_deferred_layouts_are_captured_when_idle_and_never_on_a_request(tiny):
         assert not graphed.capture_pending() and not graphed.pending and not graphed.graphs
 
 
+@pytest.mark.gpu
+def test_a_pending_layout_that_fails_is_dropped_and_the_rest_still_captured(tiny, monkeypatch):
+    """A pending batch that can no longer be embedded (its image's cached features evicted, in
+    a server) is dropped, the call still counts as work done, and the next layout is captured."""
+    template, model, graphed = _on_cuda(tiny, torch.bfloat16)
+    graphed.deferred = True
+    with torch.no_grad():
+        for note in ("a note " * 5, "another note " * 9):
+            for _ in range(graphed.capture_at):
+                graphed(_batch(template, (220, 20, 20), note=note))
+    assert len(graphed.pending) == 2
+    embeddings = model.embeddings
+
+    def evicted(batch):
+        monkeypatch.setattr(model, "embeddings", embeddings)
+        raise RuntimeError("the image's cached features are gone")
+
+    monkeypatch.setattr(model, "embeddings", evicted)
+    assert graphed.capture_pending() and len(graphed.pending) == 1 and not graphed.graphs
+    assert graphed.capture_pending() and not graphed.pending and len(graphed.graphs) == 1
+    assert not graphed.capture_pending()
+    host = _batch(template, (20, 220, 20), note="another note " * 9)
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(host), model(host.to("cuda")), rtol=1e-5, atol=1e-6)
+    assert graphed.stats["replays"] == 1
+
+
 def test_deferred_captures_are_a_no_op_on_the_cpu(tiny):
     backbone = load_backbone(tiny.base, torch.float32).eval()
     model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()

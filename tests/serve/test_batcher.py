@@ -19,8 +19,8 @@ class _Predictor:
         self.batcher = None
         self.called = threading.Event()
 
-    def capture_when_idle(self):
-        self.deferred = True
+    def capture_when_idle(self, on=True):
+        self.deferred = on
 
     def idle(self):
         self.idle_calls.append(self.batcher.depth if self.batcher else None)
@@ -60,6 +60,7 @@ def test_deferred_work_runs_only_after_a_quiet_spell_and_stops_when_done():
     finally:
         batcher.close()
     assert predictor.batches == [1, 1]
+    assert not predictor.deferred  # closed, the batcher no longer runs the work it deferred
 
 
 def test_requests_during_steady_traffic_are_not_held_by_deferred_work():
@@ -104,29 +105,37 @@ def test_a_predictor_without_deferred_work_is_served_as_before():
 
 
 def test_a_lone_request_runs_at_once_and_concurrent_ones_are_gathered():
-    class Sleepy:
+    class Held:
+        """Holds the call that answers "b" until the test releases it."""
+
         def __init__(self):
             self.batches = []
+            self.started, self.release = threading.Event(), threading.Event()
 
         def predict_many(self, requests, errors="return"):
             self.batches.append([state for state, _ in requests])
             if self.batches[-1] == ["b"]:
-                time.sleep(0.2)  # c and d arrive while b runs
+                self.started.set()
+                assert self.release.wait(timeout=10)
             return [state for state, _ in requests]
 
-    predictor = Sleepy()
-    batcher = Batcher(predictor, max_wait=1.0)
+    predictor = Held()
+    batcher = Batcher(predictor, max_wait=1.0, idle_after=0.3)
     try:
         # Alone, "a" does not wait the gathering second for company: well within half of it.
         assert batcher.submit("a", {"q": {}}).result(timeout=0.5) == "a"
         b = batcher.submit("b", {"q": {}})
-        time.sleep(0.05)
-        c, d = batcher.submit("c", {"q": {}}), batcher.submit("d", {"q": {}})
+        assert predictor.started.wait(timeout=5)
+        c, d = batcher.submit("c", {"q": {}}), batcher.submit("d", {"q": {}})  # they wait while b runs
+        predictor.release.set()
         assert b.result(timeout=5) == "b"
-        # c and d waited while b ran: traffic is concurrent, so their batch waits for e.
+        # Traffic is concurrent: c and d's batch waits for e, which comes within the second.
         time.sleep(0.05)
         e = batcher.submit("e", {"q": {}})
         assert [future.result(timeout=5) for future in (c, d, e)] == ["c", "d", "e"]
+        # After a quiet spell longer than idle_after, a lone request runs at once again.
+        time.sleep(0.5)
+        assert batcher.submit("f", {"q": {}}).result(timeout=0.5) == "f"
     finally:
         batcher.close()
-    assert predictor.batches == [["a"], ["b"], ["c", "d", "e"]]
+    assert predictor.batches == [["a"], ["b"], ["c", "d", "e"], ["f"]]
