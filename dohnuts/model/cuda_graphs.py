@@ -280,7 +280,7 @@ class GraphedScores:
         self.deferred = False
         self.pending: OrderedDict[tuple, Batch] = OrderedDict()  # host batches of layouts due a capture
         self.stats = {"eager": 0, "captures": 0, "replays": 0, "failed": 0, "bucket_replays": 0,
-                      "padding_tokens": 0, "prepare_seconds": 0.0}
+                      "padding_tokens": 0, "prepare_seconds": 0.0, "idle_captures": 0}
 
     def prepare(self, buckets=None, memory_fraction: float = BUCKET_MEMORY) -> int:
         """Capture the graphs of `buckets` (all of `buckets.all_buckets` by default) on a CUDA
@@ -416,7 +416,8 @@ class GraphedScores:
                 logger.info("a pending layout could not be embedded for its capture (%s: %s); it waits for "
                             "its next sighting", type(error).__name__, error)
                 return True
-            self._capture(key, embeds, moved)  # a failure is logged there, and the layout runs eagerly
+            if self._capture(key, embeds, moved) is not None:  # a failure is logged there; it runs eagerly
+                self.stats["idle_captures"] += 1  # of `captures`, those made here, on no request
         return True
 
     def _replay(self, graph: _Graph, key: tuple, batch: Batch, on_host: bool) -> torch.Tensor:

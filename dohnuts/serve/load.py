@@ -116,7 +116,8 @@ def serving_record(predictor, requests: int, clients: tuple[int, ...], seed: int
     on loopback at each count of concurrent `clients`; one client sending one request at a time
     is the baseline. Each level also records the mean batch size the server ran (requests per
     model invocation), from the batcher's own count, and how many invocations replayed a CUDA
-    graph, captured one or ran eagerly."""
+    graph or a bucket's graphs, captured one or ran eagerly; `idle_captures` counts the captures
+    the server made between requests (all of them: no request waits for one)."""
     from .app import create_app  # FastAPI and uvicorn (the serve extra) only when serving is measured
 
     batches = []
@@ -133,7 +134,7 @@ def serving_record(predictor, requests: int, clients: tuple[int, ...], seed: int
             level["mean_batch_requests"] = statistics.fmean(batches) if batches else None
             level["invocations"] = len(batches)
             level["timed_calls"] = {name: predictor.scores.stats[name] - before[name]
-                                    for name in ("replays", "captures", "eager")}
+                                    for name in ("replays", "bucket_replays", "captures", "idle_captures", "eager")}
             levels.append(level)
     finally:
         server.close()
