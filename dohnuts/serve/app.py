@@ -26,7 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request as StarletteRequest
 
 from ..model.template import OverBudget
-from .batcher import Batcher, Overloaded
+from .batcher import Batcher, Closed, Overloaded
 from .wire import WireError, parse_system_one, render_response
 
 ALIAS = "jev-latest"  # the official client's default model name
@@ -188,6 +188,8 @@ def create_app(predictor, model_name: str, api_key: str | None = None, release_d
         except Overloaded as error:
             return _error(429, "rate_limit_error", f"the server is busy ({error}); retry shortly",
                           {"Retry-After": "1", "retry-after-ms": "200"})
+        except Closed:
+            return _error(503, "overloaded_error", "the server is shutting down", {"Retry-After": "1"})
         metrics.queue.set(batcher.depth)
         try:
             result = await asyncio.wrap_future(future)

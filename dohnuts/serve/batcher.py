@@ -16,6 +16,10 @@ class Overloaded(RuntimeError):
     """More requests are waiting than the batcher queues: the caller should retry later."""
 
 
+class Closed(RuntimeError):
+    """The batcher was closed: it takes no more requests."""
+
+
 @dataclass
 class _Pending:
     state: object
@@ -62,6 +66,7 @@ class Batcher:
         if self.idle is not None:
             predictor.capture_when_idle()
         self.waiting: queue.Queue = queue.Queue()
+        self.closing, self.closed = threading.Lock(), False  # nothing is queued behind the stop
         self.thread = threading.Thread(target=self._run, name="dohnuts-batcher", daemon=True)
         self.thread.start()
 
@@ -75,17 +80,25 @@ class Batcher:
 
         Raises:
             Overloaded: `max_queue` requests are already waiting.
+            Closed: the batcher was closed (a request queued behind its stop would never run).
         """
-        if self.waiting.qsize() >= self.max_queue:
-            raise Overloaded(f"{self.max_queue} requests are waiting")
-        pending = _Pending(state, questions)
-        self.waiting.put(pending)
+        with self.closing:
+            if self.closed:
+                raise Closed("the batcher is closed: it takes no more requests")
+            if self.waiting.qsize() >= self.max_queue:
+                raise Overloaded(f"{self.max_queue} requests are waiting")
+            pending = _Pending(state, questions)
+            self.waiting.put(pending)
         return pending.future
 
     def close(self) -> None:
-        """Stop the worker once the requests already queued are answered; a predictor asked to
-        defer work to the batcher's idle time no longer does."""
-        self.waiting.put(None)
+        """Stop the worker once the requests already queued are answered (later ones are refused
+        with `Closed`); a predictor asked to defer work to the batcher's idle time no longer does."""
+        with self.closing:
+            if self.closed:
+                return
+            self.closed = True
+            self.waiting.put(None)
         self.thread.join()
         if self.idle is not None:
             self.predictor.capture_when_idle(False)

@@ -1,9 +1,12 @@
-"""The batcher's worker: deferred work only when no request waits, and never fatal."""
+"""The batcher's worker: gathering only while traffic is concurrent, deferred work only when no
+request waits (and never fatal), and no request lost behind its stop."""
 
 import threading
 import time
 
-from dohnuts.serve.batcher import Batcher
+import pytest
+
+from dohnuts.serve.batcher import Batcher, Closed
 
 
 class _Predictor:
@@ -139,3 +142,17 @@ def test_a_lone_request_runs_at_once_and_concurrent_ones_are_gathered():
     finally:
         batcher.close()
     assert predictor.batches == [["a"], ["b"], ["c", "d", "e"], ["f"]]
+
+
+def test_a_closed_batcher_refuses_new_requests_instead_of_losing_them():
+    class Plain:
+        def predict_many(self, requests, errors="return"):
+            return [state for state, _ in requests]
+
+    batcher = Batcher(Plain())
+    queued = batcher.submit("a", {"q": {}})
+    batcher.close()
+    assert queued.result(timeout=5) == "a"  # queued before the stop: answered
+    with pytest.raises(Closed, match="closed"):
+        batcher.submit("b", {"q": {}})
+    batcher.close()  # a second close returns at once
