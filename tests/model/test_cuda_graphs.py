@@ -37,11 +37,16 @@ def test_layout_key_ignores_contents_but_not_the_plan(tiny):
     assert layout_key(moved) != layout_key(red)
 
 
-def test_eager_on_the_cpu_equals_the_model(tiny):
-    template = tiny.template()
+def _on_cpu(tiny):
+    """(the tiny model in float32 on the CPU, its GraphedScores)."""
     backbone = load_backbone(tiny.base, torch.float32).eval()
     model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
-    graphed = GraphedScores(model)
+    return model, GraphedScores(model)
+
+
+def test_eager_on_the_cpu_equals_the_model(tiny):
+    template = tiny.template()
+    model, graphed = _on_cpu(tiny)
     batch = _batch(template, (220, 20, 20))
     with torch.no_grad():
         for _ in range(3):
@@ -173,9 +178,7 @@ def test_a_pending_layout_that_fails_is_dropped_and_the_rest_still_captured(tiny
 
 
 def test_deferred_captures_are_a_no_op_on_the_cpu(tiny):
-    backbone = load_backbone(tiny.base, torch.float32).eval()
-    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
-    graphed = GraphedScores(model)
+    model, graphed = _on_cpu(tiny)
     graphed.deferred = True
     batch = _batch(tiny.template(), (220, 20, 20))
     with torch.no_grad():

@@ -9,9 +9,16 @@ import pytest
 from dohnuts.serve.batcher import Batcher, Closed
 
 
-class _Predictor:
-    """Answers each request with its state; `idle` returns the listed results in turn (False
-    once they run out), and each call is logged with whether a request was waiting."""
+class _Echo:
+    """Answers each request with its state."""
+
+    def predict_many(self, requests, errors="return"):
+        return [state for state, _ in requests]
+
+
+class _Predictor(_Echo):
+    """`_Echo` whose `idle` returns the listed results in turn (False once they run out), each
+    call logged with how many requests were waiting."""
 
     def __init__(self, idle_results=(), fail=False):
         self.idle_results = list(idle_results)
@@ -34,7 +41,7 @@ class _Predictor:
 
     def predict_many(self, requests, errors="return"):
         self.batches.append(len(requests))
-        return [state for state, _ in requests]
+        return super().predict_many(requests)
 
 
 def _settle(predictor, seconds=0.5):
@@ -95,11 +102,7 @@ def test_failing_deferred_work_is_logged_and_the_batcher_keeps_serving(caplog):
 
 
 def test_a_predictor_without_deferred_work_is_served_as_before():
-    class Plain:
-        def predict_many(self, requests, errors="return"):
-            return [state for state, _ in requests]
-
-    batcher = Batcher(Plain(), max_wait=0.0, idle_after=0.01)
+    batcher = Batcher(_Echo(), max_wait=0.0, idle_after=0.01)
     try:
         assert batcher.idle is None
         assert batcher.submit("a", {"q": {}}).result(timeout=5) == "a"
@@ -108,7 +111,7 @@ def test_a_predictor_without_deferred_work_is_served_as_before():
 
 
 def test_a_lone_request_runs_at_once_and_concurrent_ones_are_gathered():
-    class Held:
+    class Held(_Echo):
         """Holds the call that answers "b" until the test releases it."""
 
         def __init__(self):
@@ -120,7 +123,7 @@ def test_a_lone_request_runs_at_once_and_concurrent_ones_are_gathered():
             if self.batches[-1] == ["b"]:
                 self.started.set()
                 assert self.release.wait(timeout=10)
-            return [state for state, _ in requests]
+            return super().predict_many(requests)
 
     predictor = Held()
     batcher = Batcher(predictor, max_wait=1.0, idle_after=0.3)
@@ -145,11 +148,7 @@ def test_a_lone_request_runs_at_once_and_concurrent_ones_are_gathered():
 
 
 def test_a_closed_batcher_refuses_new_requests_instead_of_losing_them():
-    class Plain:
-        def predict_many(self, requests, errors="return"):
-            return [state for state, _ in requests]
-
-    batcher = Batcher(Plain())
+    batcher = Batcher(_Echo())
     queued = batcher.submit("a", {"q": {}})
     batcher.close()
     assert queued.result(timeout=5) == "a"  # queued before the stop: answered
