@@ -277,10 +277,21 @@ class GraphedScores:
         self.wanted: tuple = ()  # the buckets `prepare` was asked for, made again after a change
         self.stale = False  # the model changed since they were
         self.generation, self.parameters, self.versions = None, [], None
-        self.deferred = False
+        self._deferred = False
         self.pending: OrderedDict[tuple, Batch] = OrderedDict()  # host batches of layouts due a capture
         self.stats = {"eager": 0, "captures": 0, "replays": 0, "failed": 0, "bucket_replays": 0,
                       "padding_tokens": 0, "prepare_seconds": 0.0, "idle_captures": 0}
+
+    @property
+    def deferred(self) -> bool:
+        """Whether a layout due its capture waits for `capture_pending` (see the class)."""
+        return self._deferred
+
+    @deferred.setter
+    def deferred(self, on: bool) -> None:
+        self._deferred = bool(on)
+        if not on:  # captures happen on requests again: nothing stays pending
+            self.pending.clear()
 
     def prepare(self, buckets=None, memory_fraction: float = BUCKET_MEMORY) -> int:
         """Capture the graphs of `buckets` (all of `buckets.all_buckets` by default) on a CUDA

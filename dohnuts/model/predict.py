@@ -76,9 +76,7 @@ class Predictor:
         have, the third sighting captures on the request again and nothing stays pending."""
         with self.lock:
             self.deferrers = max(0, self.deferrers + (1 if on else -1))
-            self.scores.deferred = self.deferrers > 0
-            if not self.scores.deferred:
-                self.scores.pending.clear()
+            self.scores.deferred = self.deferrers > 0  # off, it drops what was pending
 
     def idle(self) -> bool:
         """Do one piece of deferred work, a pending CUDA graph capture; False when there was
