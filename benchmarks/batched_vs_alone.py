@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from dohnuts.measure.shapes import shape_only_predictor
-from dohnuts.serve.load import mixed_requests
+from dohnuts.bench.serving import mixed_requests
+from dohnuts.bench.shapes import shape_only_predictor
 from dohnuts.serve.wire import parse_system_one
 
 

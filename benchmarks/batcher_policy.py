@@ -19,11 +19,11 @@ import time
 
 import numpy as np
 
-from dohnuts.model.predict import answers_of
+from dohnuts.bench.serving import LoopbackServer, drive, mixed_requests
+from dohnuts.runtime.predict import answers_of
 from dohnuts.schema import parse_request
 from dohnuts.serve.app import create_app
 from dohnuts.serve.batcher import Batcher
-from dohnuts.serve.load import LoopbackServer, drive, mixed_requests
 
 TEMPERATURES = {"choice": 1.0, "noul": 1.0, "score": 1.0}
 

@@ -16,8 +16,8 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dohnuts.measure.shapes import shape_only_predictor
-from dohnuts.pipeline.benchmark import workloads
+from dohnuts.bench.protocol import workloads
+from dohnuts.bench.shapes import shape_only_predictor
 
 COPIES = ("copy_", "clone", "cat", "index.Tensor", "_to_copy")
 

@@ -15,12 +15,12 @@ import time
 
 import numpy as np
 
+from dohnuts.bench.protocol import workloads
 from dohnuts.config import ModelConfig
+from dohnuts.inputs.template import Template
+from dohnuts.inputs.vocabulary import qwen3_5_tokenizer
 from dohnuts.model.base import new_image_processor
-from dohnuts.model.predict import answers_of
-from dohnuts.model.template import Template
-from dohnuts.model.vocabulary import qwen3_5_tokenizer
-from dohnuts.pipeline.benchmark import workloads
+from dohnuts.runtime.predict import answers_of
 from dohnuts.schema import parse_request
 
 

@@ -20,12 +20,12 @@ from pathlib import Path
 import torch
 from profile_predict import timed_samples  # this folder is on the path when run as a script
 
+from dohnuts.bench.evaluation import synchronous_evaluation
+from dohnuts.bench.shapes import shape_only_predictor
 from dohnuts.config import EVALUATION_BATCH_TOKENS
 from dohnuts.data import synthetic
 from dohnuts.data.records import RecordReader, load_records, write_mixture
-from dohnuts.measure.shapes import shape_only_predictor
-from dohnuts.pipeline.benchmark import synchronous_evaluation
-from dohnuts.pipeline.evaluate import EvaluationBatches, evaluate, plan_batches
+from dohnuts.runtime.evaluation import EvaluationBatches, evaluate, plan_batches
 
 
 def main() -> None:

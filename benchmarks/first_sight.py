@@ -26,12 +26,14 @@ from pathlib import Path
 import torch
 from profile_predict import timed_samples  # this folder is on the path when run as a script
 
-from dohnuts.measure.shapes import shape_only_predictor
-from dohnuts.measure.traffic import percentile, varied_requests
-from dohnuts.model.features import image_key
+from dohnuts.bench.evaluation import evaluation_throughput_record
+from dohnuts.bench.protocol import workloads
+from dohnuts.bench.shapes import shape_only_predictor
+from dohnuts.bench.traffic import percentile, varied_requests
+from dohnuts.bench.varied import varied_traffic_record
+from dohnuts.inputs.pixels import image_key
 from dohnuts.model.vision import image_features
 from dohnuts.ops import kernels
-from dohnuts.pipeline.benchmark import evaluation_throughput_record, varied_traffic_record, workloads
 
 
 def line(label: str, samples: list[float]) -> None:

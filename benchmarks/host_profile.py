@@ -19,8 +19,8 @@ import sys
 import torch
 from profile_predict import timed_samples, warm_up, warmed_predictor  # this folder is on the path as a script
 
-from dohnuts.measure.telemetry import Telemetry
-from dohnuts.pipeline.benchmark import workloads
+from dohnuts.bench.protocol import workloads
+from dohnuts.bench.telemetry import Telemetry
 
 
 def p50(call, calls: int = 30) -> float:

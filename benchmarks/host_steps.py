@@ -20,8 +20,8 @@ import time
 import torch
 from profile_predict import timed_samples, warm_up, warmed_predictor  # this folder is on the path as a script
 
-from dohnuts.model.cuda_graphs import layout_key
-from dohnuts.pipeline.benchmark import workloads
+from dohnuts.bench.protocol import workloads
+from dohnuts.runtime.cuda_graphs import layout_key
 
 STEPS = ("encode", "layout key", "load into the graph", "embeddings", "replay launch", "version check",
          "wait for the logits", "answers")

@@ -18,7 +18,7 @@ import torch
 from profile_predict import timed_samples, warm_up, warmed_predictor  # this folder is on the path when run as a script
 from torch.profiler import ProfilerActivity, profile
 
-from dohnuts.model.cuda_graphs import layout_key
+from dohnuts.runtime.cuda_graphs import layout_key
 
 PROFILED = 5
 
@@ -73,7 +73,7 @@ def report(predictor, name: str, state, questions) -> None:
 
 def main(names: list[str]) -> None:
     predictor, state, questions = warmed_predictor(names[0], "kernel_profile")
-    from dohnuts.pipeline.benchmark import workloads
+    from dohnuts.bench.protocol import workloads
 
     table = workloads()
     for name in names:

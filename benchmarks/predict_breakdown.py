@@ -17,8 +17,8 @@ import sys
 import torch
 from profile_predict import timed_samples, warmed_predictor  # this folder is on the path when run as a script
 
-from dohnuts.measure.telemetry import Telemetry
-from dohnuts.model.cuda_graphs import layout_key
+from dohnuts.bench.telemetry import Telemetry
+from dohnuts.runtime.cuda_graphs import layout_key
 
 
 def timed(label: str, call, calls: int = 50) -> None:

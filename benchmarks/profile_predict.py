@@ -15,8 +15,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dohnuts.measure.shapes import shape_only_predictor
-from dohnuts.pipeline.benchmark import workloads
+from dohnuts.bench.protocol import workloads
+from dohnuts.bench.shapes import shape_only_predictor
 
 
 def timed_samples(call, calls: int) -> list[float]:

@@ -11,9 +11,10 @@ import sys
 
 import torch
 
-from dohnuts.measure.shapes import shape_only_predictor
-from dohnuts.pipeline.benchmark import describe, environment
-from dohnuts.serve.load import serving_record
+from dohnuts.bench.records import environment
+from dohnuts.bench.serving import serving_record
+from dohnuts.bench.shapes import shape_only_predictor
+from dohnuts.bench.stage import describe
 
 
 def main(requests: int = 256, clients: tuple[int, ...] = (1, 8, 64)) -> None:

@@ -14,8 +14,8 @@ import json
 import os
 from pathlib import Path
 
-from dohnuts.measure.shapes import shape_only_predictor
-from dohnuts.pipeline.benchmark import benchmark, describe
+from dohnuts.bench.shapes import shape_only_predictor
+from dohnuts.bench.stage import benchmark, describe
 
 
 def main() -> None:

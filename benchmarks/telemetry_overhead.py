@@ -14,8 +14,8 @@ import sys
 import torch
 from profile_predict import timed_samples, warmed_predictor  # this folder is on the path as a script
 
-from dohnuts.measure.telemetry import Telemetry
-from dohnuts.measure.traffic import percentile
+from dohnuts.bench.telemetry import Telemetry
+from dohnuts.bench.traffic import percentile
 
 WINDOWS = (("none", None), ("telemetry 0.01", 0.01), ("none", None), ("telemetry 0.1", 0.1),
            ("telemetry 0.01", 0.01))

@@ -16,9 +16,9 @@ import sys
 
 import torch
 
-from dohnuts.measure.shapes import shape_only_predictor
-from dohnuts.measure.telemetry import measure_ceilings
-from dohnuts.pipeline.benchmark import training_update_record
+from dohnuts.bench.shapes import shape_only_predictor
+from dohnuts.bench.telemetry import measure_ceilings
+from dohnuts.bench.training import training_update_record
 
 
 def main(varied: int, modes: str = "eager,graphs") -> None:

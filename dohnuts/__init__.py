@@ -8,7 +8,7 @@ __all__ = ["Predictor"]
 
 def __getattr__(name):
     if name == "Predictor":
-        from .model.predict import Predictor
+        from .runtime.predict import Predictor
 
         return Predictor
     raise AttributeError(f"module 'dohnuts' has no attribute {name!r}")

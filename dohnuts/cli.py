@@ -154,7 +154,7 @@ def public_fingerprint(texts):
 
 
 def _load(folder: Path, device):
-    from .model.predict import Predictor
+    from .runtime.predict import Predictor
 
     try:
         return Predictor.from_checkpoint(folder, device)

@@ -4,10 +4,18 @@ from pathlib import Path
 
 import click
 
+from dohnuts.bench.stage import run
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json
-from dohnuts.pipeline.benchmark import run
 from stages import user_errors
+
+
+def served_app(predictor, model_name: str, on_batch):
+    """The server the serving workload drives (`dohnuts.serve.app.create_app`); bench and serve are
+    peers, so the stage wires them. FastAPI (the serve extra) is imported only when serving is measured."""
+    from dohnuts.serve.app import create_app
+
+    return create_app(predictor, model_name, on_batch=on_batch)
 
 
 @click.command()
@@ -25,7 +33,8 @@ from stages import user_errors
 def main(params_path, checkpoint, records, summary, plots):
     """Cold call, warm-up calls, then timed calls per workload; p50/p95/mean and decisions/s."""
     config = section(read_params(params_path), "benchmark")
-    result, rows = run(config, Path(checkpoint), Path(records), echo=lambda line: click.echo(line, err=True))
+    result, rows = run(config, Path(checkpoint), Path(records), echo=lambda line: click.echo(line, err=True),
+                       app_factory=served_app)
     write_json(Path(summary), result)
     write_json(Path(plots), rows)
 

@@ -7,8 +7,8 @@ import click
 
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json
-from dohnuts.pipeline.distributed import relaunch
 from dohnuts.pipeline.select import select
+from dohnuts.runtime.distributed import relaunch
 from stages import user_errors
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from dohnuts.config import init_mode, read_params, section
-from dohnuts.pipeline.distributed import relaunch
 from dohnuts.pipeline.train import TrainRun, train
+from dohnuts.runtime.distributed import relaunch
 from stages import user_errors
 
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from dohnuts.config import CalibrateConfig, DataConfig, LoraConfig, ModelConfig, to_dict
-from dohnuts.model.adapters import base_fingerprint, build_training_model, write_adapter_checkpoint
+from dohnuts.inputs.template import Template
 from dohnuts.model.base import load_processors
-from dohnuts.model.template import Template
 from dohnuts.pipeline.calibrate import calibrate
 from dohnuts.pipeline.merge import merge
 from dohnuts.pipeline.prepare import prepare
+from dohnuts.runtime.checkpoint import base_fingerprint, build_training_model, write_adapter_checkpoint
 
 
 @dataclass

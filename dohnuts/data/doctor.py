@@ -12,9 +12,10 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 
-from ..model.base import load_processors, special_tokens
-from ..model.batch import EncodedImage
-from ..model.template import Template, pieces_of
+from ..inputs.batch import EncodedImage
+from ..inputs.template import Template, pieces_of
+from ..inputs.tokens import special_tokens
+from ..model.base import load_processors
 from ..schema import parse_request
 from .image_files import ImageFile, pil_state
 from .isolation import PARTITIONS

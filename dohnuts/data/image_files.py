@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
-from ..model.features import image_key
+from ..inputs.pixels import image_key
 
 SUFFIXES = {"PNG": ".png", "JPEG": ".jpg", "GIF": ".gif", "WEBP": ".webp", "BMP": ".bmp", "TIFF": ".tif"}
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.batch import Batch
+from ..inputs.batch import Batch
 
 
 def loader_workers(device: torch.device) -> int:

@@ -13,9 +13,9 @@ import pandas as pd
 import torch
 from PIL import Image
 
+from ..inputs.pixels import image_key
+from ..inputs.template import EncodedImage, Row, Template
 from ..io import atomic_directory, verify_manifest, write_bytes, write_manifest, write_parquet
-from ..model.features import image_key
-from ..model.template import EncodedImage, Row, Template
 from ..schema import parse_request
 from .image_files import ImageFile
 from .isolation import PARTITIONS, Unit, assign, cross_partition, stable_fraction

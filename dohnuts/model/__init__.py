@@ -1,2 +1,2 @@
-"""The decision model and everything that runs it: base loading, the template, packed batches, our
-Qwen3.5 decoder, LoRA adapters, checkpoints, the image-feature cache, CUDA graphs and `Predictor`."""
+"""The network: base loading, our Qwen3.5 decoder, the vision tower, the decision model, LoRA
+adapters and the frozen image-feature cache."""

@@ -5,12 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .batch import Batch
+from ..inputs.batch import Batch
 from .decoder import Prefixes, Segments, forget_stacked, packed_forward
 from .features import ImageFeatureCache
-from .training_graphs import TrainingGraphs
 from .vision import VisionPlans, image_features, linear_patch_projection
-from .vision_graphs import VisionGraphs
 
 HEAD_KEY = "head.weight"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -25,10 +23,15 @@ class DecisionModel(nn.Module):
     """Scores every candidate of every row with one scalar logit.
 
     `backbone` is a Hugging Face `Qwen3_5Model` (LoRA may be injected into its language
-    model); `head` is Linear(hidden, 1) in float32.
+    model); `head` is Linear(hidden, 1) in float32. The runtime hands it its CUDA graph
+    holders (`runtime.checkpoint.assemble`): `vision_graphs` replays the vision tower outside
+    training (`runtime.vision_graphs.VisionGraphs`), `training_graphs(model, batch)` runs a
+    training forward on CUDA (`runtime.training_graphs.TrainingGraphs`). Without them the
+    model runs eagerly.
     """
 
-    def __init__(self, backbone, head: nn.Linear, activation_checkpointing: bool = False):
+    def __init__(self, backbone, head: nn.Linear, activation_checkpointing: bool = False,
+                 vision_graphs=None, training_graphs=None):
         super().__init__()
         self.backbone = backbone
         self.head = head
@@ -37,8 +40,8 @@ class DecisionModel(nn.Module):
         linear_patch_projection(self.backbone.visual)
         self.image_cache = ImageFeatureCache()  # new and empty for every model
         self.vision_plans = VisionPlans()  # image grids -> the vision tower's positions and plan
-        self.vision_graphs = VisionGraphs()  # image grids -> the tower's CUDA graph (not in training)
-        self.training_graphs = TrainingGraphs()  # training buckets -> forward and backward graphs
+        self.vision_graphs = vision_graphs  # image grids -> the tower's CUDA graph (not in training)
+        self.training_graphs = training_graphs  # training buckets -> forward and backward graphs
         self.generation = 0  # bumped whenever parameters may have moved (see `changed`)
 
     def changed(self) -> None:
@@ -46,8 +49,9 @@ class DecisionModel(nn.Module):
         CUDA graphs and cached image features no longer apply."""
         self.image_cache.clear()
         self.vision_plans.clear()
-        self.vision_graphs.clear()
-        self.training_graphs.clear()
+        for graphs in (self.vision_graphs, self.training_graphs):
+            if graphs is not None:
+                graphs.clear()
         forget_stacked()
         self.generation += 1
 
@@ -111,9 +115,11 @@ class DecisionModel(nn.Module):
     def forward(self, batch: Batch) -> torch.Tensor:
         """Args: batch on the model's device. Returns: logits [B, K] float32 (0 where masked).
 
-        In training with gradients on CUDA, through `training_graphs` (the same logits and
-        gradients, replayed from CUDA graphs where the batch's bucket has them)."""
-        if self.training and torch.is_grad_enabled() and self.device.type == "cuda":
+        In training with gradients on CUDA, through `training_graphs` when the model has them
+        (the same logits and gradients, replayed from CUDA graphs where the batch's bucket has
+        them)."""
+        if (self.training_graphs is not None and self.training and torch.is_grad_enabled()
+                and self.device.type == "cuda"):
             return self.training_graphs(self, batch)
         return self.scores(self.embeddings(batch), batch)
 

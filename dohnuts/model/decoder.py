@@ -77,7 +77,7 @@ class Prefixes:
     fork: Fork
 
 
-def _plain_lora(module) -> str | None:
+def plain_lora(module) -> str | None:
     """The one active adapter of a peft LoRA `Linear` that is plain LoRA (unmerged, no dropout
     at work, no bias, no variant such as DoRA, over an exact nn.Linear without bias or
     gradient), else None: such a module runs its own forward."""
@@ -101,7 +101,7 @@ def _plain_lora(module) -> str | None:
 def projections(modules, x: torch.Tensor) -> list[torch.Tensor]:
     """`[module(x) for module in modules]` for linear projections of one input [..., D].
 
-    The plain peft LoRA projections among them (`_plain_lora`) run as one autograd node
+    The plain peft LoRA projections among them (`plain_lora`) run as one autograd node
     (`ops.lora`): they share one product with their stacked A matrices, and autograd records
     one node instead of a dozen operations each, the host work that bounds a training update.
     The adapters run in x's dtype, as mixed-precision training does (float32 weights,
@@ -114,7 +114,7 @@ def projections(modules, x: torch.Tensor) -> list[torch.Tensor]:
     if stacked is not None:  # one product for all of them, its outputs column blocks of one tensor
         outputs = F.linear(flat, stacked).split([module.out_features for module in modules], dim=1)
     else:
-        names = [_plain_lora(module) for module in modules]
+        names = [plain_lora(module) for module in modules]
         plain = [index for index, name in enumerate(names) if name]
         outputs = [None] * len(modules)
         if plain:

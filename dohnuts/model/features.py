@@ -8,20 +8,11 @@ empty cache.
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
 import torch
 
 DEFAULT_CAPACITY = 128 * 2**20  # bytes of cached features
-
-
-def image_key(image) -> str:
-    """SHA-256 of a decoded image's RGB content and dimensions (the cache key)."""
-    rgb = image.convert("RGB")
-    digest = hashlib.sha256(f"{rgb.width}x{rgb.height}:".encode())
-    digest.update(rgb.tobytes())
-    return digest.hexdigest()
 
 
 class ImageFeatureCache:
@@ -71,7 +62,7 @@ class ImageFeatureCache:
         together in one call of `encode(pixel_values, grid_thw)`.
 
         Args:
-            keys: one `image_key` per image of the batch.
+            keys: one `inputs.pixels.image_key` per image of the batch.
             pixel_values: [patches, C * temporal * patch * patch] of the images that carry
                 pixels, in image order (None when none does).
             grid_thw_cpu: [images, 3] patch grids of every image, on the host.

@@ -1,4 +1,4 @@
-"""One module per pipeline stage, plus what only the stages use (schedule, evaluation).
+"""One module per pipeline stage, plus what only the stages use (schedule, the source reader).
 
-Only the stage scripts in `stages/` import this wing.
+Only the stage scripts in `stages/` and the `dohnuts` command import this wing.
 """

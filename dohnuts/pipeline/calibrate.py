@@ -7,10 +7,10 @@ from pathlib import Path
 from ..config import CalibrateConfig
 from ..data.records import RecordReader, load_records
 from ..io import atomic_directory, read_json
-from ..model.checkpoint import load_merged, write_merged
+from ..runtime.checkpoint import load_merged, write_merged
+from ..runtime.distributed import world
+from ..runtime.evaluation import evaluate, padded, score_table
 from ..scoring.calibration import calibrated_temperatures
-from .distributed import world
-from .evaluate import evaluate, padded, score_table
 
 
 def calibrate(merged: Path, data: Path, config: CalibrateConfig, out: Path) -> dict | None:

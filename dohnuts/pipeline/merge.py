@@ -8,12 +8,11 @@ import torch
 from PIL import Image
 
 from ..config import LoraConfig, ModelConfig
+from ..inputs.template import Template
 from ..io import atomic_directory, read_json
-from ..model.adapters import load_adapter_model, verify_base
 from ..model.base import load_processors
-from ..model.checkpoint import write_merged
 from ..model.decision import DecisionModel
-from ..model.template import Template
+from ..runtime.checkpoint import load_adapter_model, verify_base, write_merged
 from ..schema import parse_request
 
 # Max abs logit difference allowed between merged and unmerged models: float32 differs only by

@@ -12,9 +12,10 @@ from ..data.guard import guarded, read_guard
 from ..data.public.mixture import public_states
 from ..data.records import partition_rows, write_partition
 from ..data.user_records import RecordsError, read_records
+from ..inputs.template import Template
+from ..inputs.tokens import special_tokens
 from ..io import atomic_directory, write_manifest
-from ..model.base import load_processors, prepare_base, special_tokens
-from ..model.template import Template
+from ..model.base import load_processors, prepare_base
 
 
 def source_states(model: ModelConfig, data: DataConfig) -> tuple[list, list, dict | None]:

@@ -6,7 +6,7 @@ import shutil
 from pathlib import Path
 
 from ..io import atomic_directory, verify_manifest
-from ..model.adapters import ADAPTER
+from ..runtime.checkpoint import ADAPTER
 
 
 def publish(source: Path, target: Path) -> None:

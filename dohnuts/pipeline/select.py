@@ -9,12 +9,12 @@ import pandas as pd
 
 from ..config import LoraConfig, ModelConfig, SelectConfig
 from ..data.records import RecordReader, hash_order, load_records
+from ..inputs.template import Template
 from ..io import atomic_directory, read_json, write_json_files, write_parquet
-from ..model.adapters import load_adapter_model, verify_base
 from ..model.base import load_processors
-from ..model.template import Template
-from .distributed import world
-from .evaluate import evaluate, score_table
+from ..runtime.checkpoint import load_adapter_model, verify_base
+from ..runtime.distributed import world
+from ..runtime.evaluation import evaluate, score_table
 
 
 def select(checkpoints: Path, base: Path, data: Path, model: ModelConfig, lora: LoraConfig,

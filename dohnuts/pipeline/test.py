@@ -9,12 +9,12 @@ from tqdm import tqdm
 
 from ..config import TestConfig
 from ..data.records import RecordReader, load_records
-from ..model.buckets import all_buckets
-from ..model.predict import Predictor
+from ..runtime.buckets import all_buckets
+from ..runtime.distributed import World, gathered, shard, world
+from ..runtime.evaluation import plan_batches, request_of, score_table
+from ..runtime.predict import Predictor
 from ..schema import QUESTION_TYPES
 from ..scoring.metrics import reliability
-from .distributed import World, gathered, shard, world
-from .evaluate import plan_batches, request_of, score_table
 
 
 def predictions(predictor: Predictor, rows: pd.DataFrame, reader: RecordReader, batch_tokens: int,

@@ -3,50 +3,37 @@
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
-import json
 import logging
-import math
-import random
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from ..config import LoraConfig, ModelConfig, TrainConfig, to_dict
 from ..data.loader import Item, prefetch, worker_batches
 from ..data.records import GroupSampler, RecordReader, encode_examples, load_records, shuffled_choice
-from ..io import (
-    IntegrityError,
-    atomic_directory,
-    read_json,
-    sha256_file,
-    verify_manifest,
-    write_bytes,
-    write_json,
-    write_manifest,
-)
-from ..model.adapters import (
-    ADAPTER,
+from ..inputs.template import Template
+from ..io import atomic_directory, sha256_file, write_bytes, write_json
+from ..model.base import load_processors
+from ..runtime.checkpoint import (
     base_fingerprint,
     build_training_model,
     load_adapter,
-    save_adapter,
+    load_training_state,
+    read_training_progress,
+    run_fingerprint,
+    save_training_state,
     verify_base,
     verify_parent,
     write_adapter_checkpoint,
 )
-from ..model.base import load_processors
-from ..model.decision import DecisionModel
-from ..model.template import Template
-from ..scoring.objective import microbatch_losses, microbatch_slices, pack_targets
-from .distributed import World, all_true, barrier, mean_over_ranks, world
+from ..runtime.distributed import World, all_true, barrier, world
+from ..runtime.training import build_optimizer, noise_generator, update_step
+from ..scoring.objective import pack_targets
 from .schedule import lr_factor
 from .sources import executed_by, module_path, relative_file
 
@@ -152,122 +139,7 @@ def _fingerprint(run: TrainRun) -> str:
     manifests, and the source of what training runs, so changed code never continues an old run."""
     config = resolved_config(run)
     config["train"] = {key: value for key, value in config["train"].items() if key != "steps"}
-    inputs = [read_json(run.data / "manifest.json")["files"], read_json(run.base / "manifest.json")["files"]]
-    if run.parent:
-        inputs.append(read_json(run.parent / "manifest.json")["files"])
-    return hashlib.sha256(json.dumps([config, inputs, source_digests()], sort_keys=True).encode()).hexdigest()
-
-
-def build_optimizer(model: DecisionModel, config: TrainConfig) -> torch.optim.AdamW:
-    """AdamW over the trainable weights in two groups: LoRA at `lora_lr`, the head at `head_lr`.
-
-    The fused implementation: one kernel for all the weights of a group, where the default
-    launches several per step for the hundreds of small LoRA matrices (host time, which bounds
-    a training update on a GPU: docs/runtime.md)."""
-    lora_params = [p for p in model.backbone.parameters() if p.requires_grad]
-    return torch.optim.AdamW(
-        [{"params": lora_params, "lr": config.lora_lr}, {"params": [model.head.weight], "lr": config.head_lr}],
-        weight_decay=config.weight_decay, fused=True)
-
-
-def noise_generator(seed: int, microbatch: int, device) -> torch.Generator:
-    """The generator of a microbatch's exploration noise, seeded by (run seed, absolute microbatch
-    index): the same draw whichever process runs it, and after a resume."""
-    mixed = hashlib.sha256(f"noise:{seed}:{microbatch}".encode()).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(mixed[:8], "big") >> 1)
-
-
-def update_step(model, optimizer: torch.optim.Optimizer, batch, targets: torch.Tensor, ordinal: torch.Tensor,
-                sizes: list[tuple[int, int]], config: TrainConfig, noise: list[torch.Generator] | None,
-                update: int = 0, place: World | None = None) -> dict:
-    """One update: several microbatches at one parameter snapshot, averaged, clipped once, one
-    optimizer step; run in one packed forward and backward (`TrainingUpdates`). Training and
-    the benchmark both run it. Under several processes each rank runs its share of the
-    microbatches; `model` is then wrapped in DistributedDataParallel, which averages the
-    gradients over the ranks (equal shares: the mean over all microbatches), and the clip acts
-    once on that global gradient.
-
-    Args:
-        model: the DecisionModel (or its DistributedDataParallel), in training mode, on the
-            batch's device.
-        batch: the update's packed batch; targets [R, K], ordinal [R] and `sizes` (each
-            microbatch's rows and candidate width) as `TrainingUpdates` builds them.
-        noise: one generator of exploration noise per microbatch (`noise_generator`).
-        update: the update's index, for error messages.
-        place: this process's `World` (None: one process).
-
-    Returns:
-        The means over microbatches of loss, reward, cross_entropy and accuracy, and grad_norm.
-
-    Raises:
-        FloatingPointError: a non-finite loss or gradient norm (before the optimizer step).
-    """
-    place = place or World(0, 1, batch.input_ids.device)
-    logits = model(batch)
-    outputs = microbatch_losses(logits, batch.candidate_mask, targets, ordinal, sizes, config.objective, noise)
-    losses = torch.stack([out.loss for out in outputs])
-    # The checks below read the device once, after the backward: a read between the forward
-    # and the backward would stall the host, whose launches bound the update, until the device
-    # caught up. A non-finite loss still aborts before the optimizer step.
-    losses.mean().backward()
-    parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
-    with torch.no_grad():
-        accuracy = []
-        for rows, width in microbatch_slices(sizes):
-            mask = batch.candidate_mask[rows, :width]
-            predicted = logits[rows, :width].masked_fill(~mask, float("-inf")).argmax(-1)
-            accuracy.append((predicted == targets[rows, :width].argmax(-1)).float().mean())
-        means = mean_over_ranks(place, torch.stack([losses, torch.stack([out.reward_mean for out in outputs]),
-                                                    torch.stack([out.cross_entropy for out in outputs]),
-                                                    torch.stack(accuracy)]).mean(1))
-        # (clip_grad_norm_ returns a host zero when no weight has a gradient.)
-        norm = grad_norm.reshape(1).float().to(losses.device)
-        report = torch.cat([torch.isfinite(losses).float(), norm, means]).tolist()
-    finite, norm = [flag == 1.0 for flag in report[:len(outputs)]], report[len(outputs)]
-    if not all_true(place, all(finite)):  # every rank aborts together, none waits in a collective
-        micro = finite.index(False) if not all(finite) else None
-        where = f"microbatch {micro} of this process" if micro is not None else "another process"
-        raise FloatingPointError(f"non-finite loss at update {update}, {where}: aborting before the optimizer step")
-    if not math.isfinite(norm):
-        raise FloatingPointError(f"non-finite gradient norm {norm} at update {update}: "
-                                 f"aborting before the optimizer step")
-    totals = dict(zip(("loss", "reward", "cross_entropy", "accuracy"), report[len(outputs) + 1:]))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {**totals, "grad_norm": norm}
-
-
-GENERATORS = "generators.safetensors"  # torch, CUDA and noise generator states
-HOST_GENERATORS = "generators.json"  # Python's and numpy's
-
-
-def save_generators(folder: Path) -> None:
-    """Every global random generator's state (LoRA dropout draws from them), as tensors and JSON:
-    nothing a load would unpickle. The exploration noise needs none: it is seeded per microbatch."""
-    tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors.update({f"cuda.{index}": state for index, state in enumerate(torch.cuda.get_rng_state_all())})
-    save_file(tensors, str(folder / GENERATORS))
-    version, internal, gauss = random.getstate()
-    kind, keys, position, has_gauss, cached = np.random.get_state()
-    write_json(folder / HOST_GENERATORS, {
-        "python": [version, list(internal), gauss],
-        "numpy": [kind, keys.tolist(), int(position), int(has_gauss), float(cached)]})
-
-
-def load_generators(folder: Path) -> None:
-    """Restore what `save_generators` wrote."""
-    tensors = load_file(str(folder / GENERATORS))
-    torch.set_rng_state(tensors["torch"])
-    cuda = [tensors[f"cuda.{index}"] for index in range(len(tensors)) if f"cuda.{index}" in tensors]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
-    host = read_json(folder / HOST_GENERATORS)
-    version, internal, gauss = host["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, position, has_gauss, cached = host["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
+    return run_fingerprint(config, [run.data, run.base] + ([run.parent] if run.parent else []), source_digests())
 
 
 class Trainer:
@@ -324,12 +196,9 @@ class Trainer:
         (rank 0 writes; every rank can resume from it, with any process count)."""
         if self.place.main:
             with atomic_directory(self.run.out / "state") as tmp:
-                save_adapter(tmp / ADAPTER, self.model, self.peft_model)
-                torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")  # tensors and numbers only
-                save_generators(tmp)
-                write_json(tmp / "progress.json", {"update": self.update, "fingerprint": self.fingerprint,
-                                                   "log": self.log, "processes": self.place.size})
-                write_manifest(tmp)
+                save_training_state(tmp, self.model, self.peft_model, self.optimizer,
+                                    {"update": self.update, "fingerprint": self.fingerprint, "log": self.log,
+                                     "processes": self.place.size})
         barrier(self.place)
 
     def try_resume(self) -> str | None:
@@ -340,22 +209,15 @@ class Trainer:
             configuration, or a saved run already past the step budget).
         """
         state = self.run.out / "state"
-        if not (state / "progress.json").is_file():
-            return f"no saved state in {state}"
-        try:
-            verify_manifest(state)
-        except IntegrityError as error:
-            return f"the saved state is damaged ({error})"
-        progress = read_json(state / "progress.json")
+        progress, reason = read_training_progress(state)
+        if reason is not None:
+            return reason
         if progress["fingerprint"] != self.fingerprint:
             return "the saved state belongs to another configuration, input or code version"
         if progress["update"] > self.run.train.steps:
             return (f"the saved run reached update {progress['update']}, past train.steps = "
                     f"{self.run.train.steps} (only the budget may grow on resume)")
-        load_adapter(state / ADAPTER, self.model, self.peft_model)
-        self.optimizer.load_state_dict(torch.load(state / "optimizer.pt", map_location=self.device,
-                                                  weights_only=True))
-        load_generators(state)
+        load_training_state(state, self.model, self.peft_model, self.optimizer, self.device)
         self.update, self.log = progress["update"], progress["log"]
         return None
 

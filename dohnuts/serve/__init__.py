@@ -1,1 +1,1 @@
-"""Serving: the /v1/systemone HTTP server and batch prediction (above the model wing)."""
+"""Serving: the /v1/systemone HTTP server, its batcher, the wire format and batch prediction."""

@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request as StarletteRequest
 
-from ..model.template import OverBudget
+from ..inputs.template import OverBudget
 from .batcher import Batcher, Closed, Overloaded
 from .wire import WireError, parse_system_one, render_response
 

@@ -6,7 +6,7 @@ import pytest
 from PIL import Image
 
 from dohnuts.data.image_files import ImageFile, pil_state
-from dohnuts.model.features import image_key
+from dohnuts.inputs.pixels import image_key
 
 
 def _encoded(fmt, **save) -> tuple[bytes, Image.Image]:

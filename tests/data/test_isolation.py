@@ -9,7 +9,7 @@ from PIL import Image
 from dohnuts.data import synthetic
 from dohnuts.data.isolation import PARTITIONS, Unit, assign, components, normalise_text
 from dohnuts.data.records import load_records, write_mixture
-from dohnuts.model.features import image_key
+from dohnuts.inputs.pixels import image_key
 
 FRACTIONS = {"train": 0.7, "dev": 0.1, "calibration": 0.1, "test": 0.1}
 

@@ -10,8 +10,9 @@ import torch
 from dohnuts.data.loader import prefetch, worker_batches, workers_for
 from dohnuts.data.records import RecordReader, load_records
 from dohnuts.model.base import load_backbone
-from dohnuts.model.decision import DecisionModel, new_head
-from dohnuts.pipeline.evaluate import EvaluationBatches, _requests, evaluate, plan_batches, request_tokens
+from dohnuts.model.decision import new_head
+from dohnuts.runtime.checkpoint import assemble
+from dohnuts.runtime.evaluation import EvaluationBatches, _requests, evaluate, plan_batches, request_tokens
 
 BUDGET = 400  # computed tokens a test batch holds: two or three of the tiny partition's requests
 
@@ -97,7 +98,7 @@ def _synchronous_rows(model, template, build, rows, table):
 def test_overlapped_evaluation_writes_exactly_the_rows_of_the_synchronous_loop(tiny, evaluation):
     template, reader, rows, build = evaluation
     backbone = load_backbone(tiny.base, torch.float32).eval()
-    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
+    model = assemble(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
     table = evaluate(model, template, reader, rows, BUDGET, 4096, workers=1)
     assert len(table) == len(rows)
     pd.testing.assert_frame_equal(table, _synchronous_rows(model, template, build, rows, table))
@@ -109,7 +110,7 @@ def test_evaluation_on_cuda_copies_results_on_a_side_stream_in_order_and_content
     forward runs; in bf16 the rows, their order and their logits equal the synchronous loop's."""
     template, reader, rows, build = evaluation
     backbone = load_backbone(tiny.base, torch.bfloat16).eval()
-    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).to("cuda").eval()
+    model = assemble(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).to("cuda").eval()
     table = evaluate(model, template, reader, rows, BUDGET, 4096, workers=1)
     expected = _synchronous_rows(model, template, build, rows, table)
     assert list(zip(table.state_id, table.qid)) == list(zip(expected.state_id, expected.qid))

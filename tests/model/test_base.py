@@ -7,7 +7,8 @@ from PIL import Image
 from transformers import AutoConfig
 
 from dohnuts.config import DataConfig, ModelConfig
-from dohnuts.model.base import load_backbone, load_processors, special_tokens
+from dohnuts.inputs.tokens import special_tokens
+from dohnuts.model.base import load_backbone, load_processors
 from dohnuts.pipeline.prepare import prepare
 
 

@@ -6,7 +6,8 @@ import torch
 from PIL import Image
 
 from dohnuts.model.base import load_backbone
-from dohnuts.model.decision import DecisionModel, new_head
+from dohnuts.model.decision import new_head
+from dohnuts.runtime.checkpoint import assemble
 from dohnuts.schema import parse_request
 
 TOLERANCE = 1e-4  # float32, max abs error on final hidden states
@@ -52,7 +53,7 @@ def _hugging_face_hidden(backbone, row, image):
 def _model_and_batch(tiny):
     template = tiny.template()
     backbone = load_backbone(tiny.base, torch.float32).eval()
-    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
+    model = assemble(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
     rows, images = _rows(template)
     return model, rows, images, template.collate(rows, images)
 

@@ -7,11 +7,11 @@ import torch
 
 from dohnuts.config import LoraConfig
 from dohnuts.model import decoder
-from dohnuts.model.adapters import build_training_model
 from dohnuts.model.base import load_backbone
 from dohnuts.model.decoder import Prefixes, Segments, packed_forward, project
 from dohnuts.ops import kernels
 from dohnuts.ops.plan import plan_fork
+from dohnuts.runtime.checkpoint import build_training_model
 from dohnuts.schema import parse_request
 
 TOLERANCE = 1e-4  # float32, max abs error on final hidden states

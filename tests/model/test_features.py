@@ -5,12 +5,13 @@ import torch
 from PIL import Image
 
 from dohnuts.config import LoraConfig
-from dohnuts.model.adapters import build_training_model
+from dohnuts.inputs.batch import EncodedImage
+from dohnuts.inputs.pixels import image_key
 from dohnuts.model.base import load_backbone
-from dohnuts.model.batch import EncodedImage
-from dohnuts.model.decision import DecisionModel, new_head
-from dohnuts.model.features import ImageFeatureCache, image_key
+from dohnuts.model.decision import new_head
+from dohnuts.model.features import ImageFeatureCache
 from dohnuts.model.vision import image_features
+from dohnuts.runtime.checkpoint import assemble, build_training_model
 from dohnuts.schema import parse_request
 
 MERGE = 4  # patches per merged token
@@ -114,7 +115,7 @@ def _image_batch(template, image):
 def test_model_hits_skip_the_vision_tower_and_give_identical_logits(tiny):
     template = tiny.template()
     backbone = load_backbone(tiny.base, torch.float32).eval()
-    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
+    model = assemble(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
     calls = []
     backbone.visual.merger.register_forward_hook(lambda *args: calls.append(1))  # once a tower pass
     image = Image.new("RGB", (64, 64), "white")
@@ -127,7 +128,7 @@ def test_model_hits_skip_the_vision_tower_and_give_identical_logits(tiny):
         changed.putpixel((0, 0), (255, 255, 254))
         model(_image_batch(template, changed))
         assert len(calls) == 2  # one pixel changed: a miss
-    fresh = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01))
+    fresh = assemble(backbone, new_head(backbone.config.text_config.hidden_size, 0.01))
     assert len(fresh.image_cache) == 0 and len(model.image_cache) == 2
     model.double()
     assert len(model.image_cache) == 0  # a dtype or device change empties it

@@ -8,8 +8,9 @@ import torch
 from PIL import Image
 
 from dohnuts.model.base import load_backbone
-from dohnuts.model.decision import DecisionModel, new_head
+from dohnuts.model.decision import new_head
 from dohnuts.model.vision import PatchProjection, image_features, linear_patch_projection
+from dohnuts.runtime.checkpoint import assemble
 
 
 def test_patch_projection_equals_the_conv3d_it_replaces():
@@ -28,7 +29,7 @@ def test_patch_projection_equals_the_conv3d_it_replaces():
 def test_vision_features_and_saved_weights_are_unchanged_by_the_linear_projection(tiny, tmp_path):
     backbone = load_backbone(tiny.base, torch.float32)
     reference = copy.deepcopy(backbone.visual).eval()  # Hugging Face's Conv3d tower
-    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
+    model = assemble(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
     assert isinstance(model.backbone.visual.patch_embed.proj, PatchProjection)
     assert isinstance(reference.patch_embed.proj, torch.nn.Conv3d)
     template = tiny.template()
@@ -54,7 +55,7 @@ def test_images_of_several_grids_in_one_call_equal_hugging_face_and_reuse_their_
     plan is made once and read again."""
     backbone = load_backbone(tiny.base, torch.float32)
     reference = copy.deepcopy(backbone.visual).eval()
-    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
+    model = assemble(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
     template = tiny.template()
     encoded = []
     for size, colour in (((64, 48), (20, 60, 220)), ((40, 90), (200, 30, 30)), ((64, 64), (30, 200, 30))):
@@ -80,7 +81,7 @@ def test_the_tower_on_cuda_in_bf16_matches_hugging_face(tiny):
     same CUDA bf16 weights: within 2% of the largest feature."""
     backbone = load_backbone(tiny.base, torch.bfloat16).cuda()
     reference = copy.deepcopy(backbone.visual).eval()
-    model = DecisionModel(backbone, new_head(backbone.config.text_config.hidden_size, 0.01).cuda()).eval()
+    model = assemble(backbone, new_head(backbone.config.text_config.hidden_size, 0.01).cuda()).eval()
     template = tiny.template()
     encoded = [template.encode_image(Image.new("RGB", size, colour)) for size, colour in
                (((64, 48), (20, 60, 220)), ((40, 90), (200, 30, 30)))]

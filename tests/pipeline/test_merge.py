@@ -6,9 +6,8 @@ import torch
 from dohnuts.config import LoraConfig
 from dohnuts.data.records import RecordReader, encode_examples, load_records
 from dohnuts.io import IntegrityError
-from dohnuts.model.adapters import build_training_model, write_adapter_checkpoint
-from dohnuts.model.checkpoint import load_merged
 from dohnuts.pipeline.merge import merge
+from dohnuts.runtime.checkpoint import build_training_model, load_merged, write_adapter_checkpoint
 
 TOLERANCE = 1e-5  # float32 logits, max abs error
 

@@ -5,8 +5,8 @@ import pytest
 from dohnuts import Predictor
 from dohnuts.config import TestConfig
 from dohnuts.data.records import RecordReader, load_records
-from dohnuts.pipeline.evaluate import _requests, request_of
 from dohnuts.pipeline.test import test as run_test_stage
+from dohnuts.runtime.evaluation import _requests, request_of
 
 
 def test_test_stage_probabilities_equal_predict_on_each_request_alone(tiny, deployable):

@@ -10,10 +10,11 @@ from safetensors.torch import load_file
 from dohnuts.config import LoraConfig, TrainConfig
 from dohnuts.data.records import Example, GroupSampler, load_records, shuffled_choice
 from dohnuts.io import IntegrityError, read_json, write_json, write_manifest
-from dohnuts.model.adapters import ADAPTER, adapter_state, build_training_model, write_adapter_checkpoint
+from dohnuts.model.adapters import adapter_state
 from dohnuts.pipeline.publish import publish
 from dohnuts.pipeline.schedule import lr_factor
 from dohnuts.pipeline.train import RUN_MARKER, Trainer, TrainRun, source_digests, train
+from dohnuts.runtime.checkpoint import ADAPTER, build_training_model, write_adapter_checkpoint
 from dohnuts.scoring.objective import rlcd_loss
 
 
@@ -215,9 +216,11 @@ def test_choice_shuffle_moves_targets_with_their_candidates():
     assert shuffled_choice(noul, np.random.default_rng(0)) is noul
 
 
-def test_an_update_averages_its_microbatch_gradients_at_one_snapshot_and_sets_the_scheduled_lr(tiny, tmp_path):
+def _trainer_and_microbatch_gradients(tiny, tmp_path, grad_clip: float):
+    """A fresh trainer at `grad_clip`, its trainable parameters, and each microbatch of its first
+    update's gradient, taken one microbatch at a time (the reference of the packed update)."""
     run = _run(tiny, tmp_path / "train")
-    run = TrainRun(run.model, run.lora, TrainConfig(**{**vars(run.train), "grad_clip": 1e9}), run.seed,
+    run = TrainRun(run.model, run.lora, TrainConfig(**{**vars(run.train), "grad_clip": grad_clip}), run.seed,
                    run.base, run.data, run.out)
     trainer = Trainer(run)
     parameters = [p for group in trainer.optimizer.param_groups for p in group["params"]]
@@ -228,6 +231,12 @@ def test_an_update_averages_its_microbatch_gradients_at_one_snapshot_and_sets_th
         loss = rlcd_loss(trainer.model(batch), batch.candidate_mask, targets, ordinal, run.train.objective,
                          trainer.noise(micro)).loss
         separate.append(torch.autograd.grad(loss, parameters))
+    return trainer, parameters, separate
+
+
+def test_an_update_averages_its_microbatch_gradients_at_one_snapshot_and_sets_the_scheduled_lr(tiny, tmp_path):
+    trainer, parameters, separate = _trainer_and_microbatch_gradients(tiny, tmp_path, grad_clip=1e9)
+    run = trainer.run
     captured = []
     trainer.optimizer.step = lambda: captured.append([p.grad.clone() for p in parameters])
     trainer.step()
@@ -245,18 +254,7 @@ def test_an_update_clips_the_global_gradient_once_when_the_clip_binds(tiny, tmp_
     clip far below its norm, the step sees exactly that gradient scaled to the clip's norm (not
     each microbatch clipped, nor each parameter)."""
     clip = 1e-3
-    run = _run(tiny, tmp_path / "train")
-    run = TrainRun(run.model, run.lora, TrainConfig(**{**vars(run.train), "grad_clip": clip}), run.seed,
-                   run.base, run.data, run.out)
-    trainer = Trainer(run)
-    parameters = [p for group in trainer.optimizer.param_groups for p in group["params"]]
-    trainer.model.train()
-    separate = []
-    for micro in range(run.train.microbatches_per_update):
-        batch, targets, ordinal = trainer.microbatch(micro)
-        loss = rlcd_loss(trainer.model(batch), batch.candidate_mask, targets, ordinal, run.train.objective,
-                         trainer.noise(micro)).loss
-        separate.append(torch.autograd.grad(loss, parameters))
+    trainer, parameters, separate = _trainer_and_microbatch_gradients(tiny, tmp_path, grad_clip=clip)
     mean = [sum(grads[index] for grads in separate) / len(separate) for index in range(len(parameters))]
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in mean]))
     assert norm > 100 * clip  # the clip binds
@@ -351,9 +349,10 @@ def test_prefixes_shared_across_an_updates_microbatches_give_each_rows_own_logit
 
 def test_the_resume_fingerprint_covers_what_training_runs_and_nothing_else():
     digests = source_digests()
-    assert {"dohnuts/ops/kernels.py", "dohnuts/ops/triton_ops.py", "dohnuts/model/decoder.py",
-            "dohnuts/pipeline/train.py", "dohnuts/__init__.py", "dohnuts/ops/__init__.py"} <= set(digests)
-    unrelated = {"dohnuts/pipeline/benchmark.py", "dohnuts/measure/roofline.py", "dohnuts/model/predict.py"}
+    assert {"dohnuts/ops/kernels.py", "dohnuts/model/decoder.py", "dohnuts/runtime/training.py",
+            "dohnuts/runtime/checkpoint.py", "dohnuts/pipeline/train.py", "dohnuts/__init__.py",
+            "dohnuts/ops/__init__.py"} <= set(digests)
+    unrelated = {"dohnuts/bench/stage.py", "dohnuts/bench/roofline.py", "dohnuts/runtime/predict.py"}
     assert not unrelated & set(digests)  # an edit to the benchmark keeps a run's checkpoints
     assert all(len(digest) == 64 for digest in digests.values())
 

@@ -1,0 +1,4 @@
+"""Requests into tensors: the template, packed batches, pixels, the vocabulary and its token constants.
+
+Nothing here runs a network.
+"""

@@ -1,0 +1,364 @@
+"""Token rows and their packed batches: shared prefixes planned once on the host.
+
+A batch packs every row along one token axis. Rows of one request begin alike (image block
+and state); when at least two rows share that beginning and it holds at least 64 tokens, it is
+a prefix computed once and forked into the rows, which then carry only their remaining tokens.
+All the index arithmetic happens here, on the host, so the model's forward needs no device
+synchronisation to find its way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, fields
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..ops.plan import Fork, chunk_plan, cumulative, plan_fork
+from ..schema import Question
+from .pixels import PixelSettings
+from .tokens import SPATIAL_MERGE
+
+# The shortest prefix worth sharing: below a delta-rule chunk, forking its states into every
+# row costs about what computing it again would.
+SHARED_MIN = 64
+
+
+class Row(NamedTuple):
+    """One question of one request as token ids (a named tuple: see `schema.Question`).
+
+    `shared` is the length of the request's common beginning (image block and state);
+    `image` indexes the encoded images of the batch this row goes into (None: no image);
+    `image_grid` is the merged (height, width) token grid of that image.
+    """
+
+    input_ids: tuple[int, ...]
+    markers: tuple[int, ...]
+    question: Question
+    shared: int = 0
+    image: int | None = None
+    image_grid: tuple[int, int] | None = None
+
+
+@dataclass
+class EncodedImage:
+    """An image ready for a batch. `pixel_values` is None when its features were cached when
+    it was encoded (the model then reads the cache and skips preprocessing entirely). With
+    `settings`, they are the decoded RGB bytes [H, W, 3] uint8, which the model's device turns
+    into patches (`pixels.PixelSettings.patches`); without, the processor's patches."""
+
+    pixel_values: torch.Tensor | None  # [H, W, 3] uint8 with settings, else [patches, C * temporal * p * p]
+    grid_thw: torch.Tensor  # [1, 3]
+    key: str = ""  # SHA-256 of the decoded RGB content (dohnuts.model.features.image_key)
+    settings: PixelSettings | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Merged image tokens: one per 2x2 patches."""
+        return int(self.grid_thw.prod()) // SPATIAL_MERGE**2
+
+    def patches(self, device=None) -> torch.Tensor:
+        """The tower's patches [patches, C * temporal * p * p] float32, made on `device` (where
+        the bytes are by default)."""
+        if self.pixel_values is None:
+            raise ValueError("a cached image carries no pixels")
+        pixels = self.pixel_values if device is None else self.pixel_values.to(device)
+        return self.settings.patches(pixels) if self.settings is not None else pixels
+
+
+@dataclass
+class Batch:
+    """Packed rows: the prefixes' tokens first (P of them), then each row's own tokens.
+
+    input_ids [P + S], position_ids [3, P + S] M-RoPE (temporal, height, width);
+    prefix_cu_seqlens [G + 1] and cu_seqlens [B + 1] (int32) segment the two parts; their
+    *_cpu copies stay on the host, so kernels plan their work without a device sync, and
+    prefix_chunk_indices and chunk_indices are those plans (`dohnuts.ops.plan.chunk_plan`);
+    fork says which prefix each row continues (None: no shared prefix in this batch);
+    markers [B, K] index the rows' part, candidate_mask [B, K];
+    image_slots [I] are the image-token positions in input_ids and image_sources [I] their
+    rows in the concatenated features of the batch's images (image_grid_thw_cpu, image_keys for
+    the feature cache; pixel_values of the images with image_has_pixels, the others being
+    cache hits known when the batch was built).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    prefix_tokens: int
+    prefix_cu_seqlens: torch.Tensor
+    prefix_cu_seqlens_cpu: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    prefix_chunk_indices: torch.Tensor
+    chunk_indices: torch.Tensor
+    fork: Fork | None
+    markers: torch.Tensor
+    candidate_mask: torch.Tensor
+    image_slots: torch.Tensor
+    image_sources: torch.Tensor
+    pixel_values: torch.Tensor | None
+    image_grid_thw_cpu: torch.Tensor | None
+    image_keys: tuple[str, ...]
+    image_has_pixels: tuple[bool, ...]
+    input_tokens: int  # tokens of the rows as written, prefix counted in every row
+    rows_bound: int | None = None  # a bound on the longest row, planned for instead of it (buckets)
+    pixel_settings: PixelSettings | None = None  # with it, pixel_values are RGB bytes, flat
+    image_shapes_cpu: torch.Tensor | None = None  # [images with pixels, 3] their byte arrays' shapes
+
+    def patches(self) -> torch.Tensor | None:
+        """The patches of the images with pixels, concatenated [patches, C * temporal * p * p],
+        made where pixel_values are (the model's device once the batch is there)."""
+        if self.pixel_values is None or self.pixel_settings is None:
+            return self.pixel_values
+        sizes = self.image_shapes_cpu.prod(-1).tolist()
+        shapes = self.image_shapes_cpu.tolist()
+        return torch.cat([self.pixel_settings.patches(flat.view(*shape)) for flat, shape
+                          in zip(torch.split(self.pixel_values, sizes), shapes)])
+
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens the language model runs: each prefix once, then the rows' own tokens."""
+        return int(self.input_ids.shape[0])
+
+    def map_tensors(self, move) -> Batch:
+        """`move` applied to every tensor bound for the device (the *_cpu copies stay)."""
+        values = {}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, torch.Tensor) and not field.name.endswith("_cpu"):
+                value = move(value)
+            elif isinstance(value, Fork):
+                value = value.map(move)
+            values[field.name] = value
+        return Batch(**values)
+
+    def to(self, device) -> Batch:
+        """The batch on `device`; copies from pinned memory do not block the host."""
+        return self.map_tensors(lambda tensor: tensor.to(device, non_blocking=True))
+
+    def pin_memory(self) -> Batch:
+        return self.map_tensors(torch.Tensor.pin_memory)
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The tensors `to` moves."""
+        found = []
+        self.map_tensors(lambda tensor: found.append(tensor) or tensor)
+        return found
+
+
+# A request's batch holds about ten small tensors (ids, positions, plans, the fork). Moved one
+# by one, each is a host-to-device copy of its own, about 10 us of host time apiece on the
+# H200's host, and a CUDA graph's replay then copies each again into the graph's inputs. A host
+# batch of a captured graph's layout instead goes straight into the graph's inputs, laid out in
+# one pinned buffer and moved in one copy (`move_packed`).
+PACKED_BYTES = 1 << 20  # larger batches move tensor by tensor
+PACKED_ALIGN = 16  # bytes: every tensor starts aligned for any dtype's view
+
+
+class _Staging(threading.local):
+    """A thread's pinned host buffer for `move_packed` and the event after its last copy."""
+
+    tensor: torch.Tensor | None = None
+    array: np.ndarray | None = None
+    done: torch.cuda.Event | None = None
+
+
+_STAGING = _Staging()
+
+
+def packed_layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    """(byte offset of each tensor, total bytes) of `tensors` laid out one after another, each
+    start aligned to PACKED_ALIGN."""
+    offsets, at = [], 0
+    for tensor in tensors:
+        offsets.append(at)
+        at += -(-tensor.numel() * tensor.element_size() // PACKED_ALIGN) * PACKED_ALIGN
+    return offsets, at
+
+
+def move_packed(tensors: list[torch.Tensor], target: torch.Tensor, offsets: list[int], total: int) -> None:
+    """Copy contiguous host tensors into the uint8 CUDA buffer `target` at `offsets` (their
+    `packed_layout`, `total` bytes at most PACKED_BYTES) in one copy that does not block the host:
+    laid out first in a pinned buffer of this thread, which waits for its last copy to be read."""
+    staging = _STAGING
+    if staging.array is None or staging.array.nbytes < total:
+        staging.tensor = torch.empty(max(total, 64 << 10), dtype=torch.uint8).pin_memory()
+        staging.array = staging.tensor.numpy()
+        staging.done = None
+    elif staging.done is not None:
+        staging.done.synchronize()
+    array = staging.array
+    for tensor, offset in zip(tensors, offsets):
+        if tensor.numel():
+            raw = tensor.view(torch.uint8).numpy().reshape(-1)  # bytes of any dtype (bf16 too)
+            array[offset:offset + raw.size] = raw
+    target[:total].copy_(staging.tensor[:total], non_blocking=True)
+    staging.done = torch.cuda.Event()
+    staging.done.record(torch.cuda.current_stream(target.device))  # the stream the copy went on
+
+
+def prefix_groups(rows: list[Row]) -> list[tuple[int, list[int]]]:
+    """(split, row indices) of each prefix worth sharing.
+
+    Rows share a prefix when they have the same image and the same first `split` tokens,
+    where split is the row's whole common beginning, never past its first candidate marker
+    (every candidate stays in the row's own part). A prefix serves at least two rows and is at
+    least SHARED_MIN tokens long; other rows run whole. The delta-rule kernels carry state
+    across any split, so a row computes none of its shared tokens again.
+    """
+    by_key: dict[tuple, list[int]] = {}
+    for index, row in enumerate(rows):
+        split = min(row.shared, row.markers[0] if row.markers else 0)
+        if split >= SHARED_MIN:
+            by_key.setdefault((row.image, row.input_ids[:split]), []).append(index)
+    return [(len(key[1]), members) for key, members in by_key.items() if len(members) > 1]
+
+
+def _image_tokens(row: Row, begin: int, end: int, feature_offset: int, image_pad_id: int) -> tuple[range, range]:
+    """Image-token positions of row[begin:end] (relative to begin) and their feature rows."""
+    if row.image is None:
+        return range(0), range(0)
+    start = row.input_ids.index(image_pad_id)
+    count = row.image_grid[0] * row.image_grid[1]
+    first, last = max(begin, start), min(end, start + count)
+    if first >= last:
+        return range(0), range(0)
+    return range(first - begin, last - begin), range(feature_offset + first - start, feature_offset + last - start)
+
+
+def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) -> Batch:
+    """Pack rows into one batch, planning shared prefixes; `images` are those the rows'
+    `image` indices name."""
+    if not rows:
+        raise ValueError("a batch needs at least one row")
+    feature_offsets = [0]
+    for image in images:
+        feature_offsets.append(feature_offsets[-1] + image.tokens)
+    groups = prefix_groups(rows)
+    parents, splits = [-1] * len(rows), [0] * len(rows)
+    for group, (split, members) in enumerate(groups):
+        for index in members:
+            parents[index], splits[index] = group, split
+
+    # Plain lists, one tensor per field at the end: per-row tensors cost more than the rows. When
+    # every row is text, the three M-RoPE axes are equal and each piece's positions continue its
+    # row's count: one line built at the end from each piece's shift (its first position less its
+    # place on the token axis) and length. Otherwise they come in numpy pieces [3, n].
+    ids: list[int] = []
+    pieces: list[np.ndarray] = []
+    shifts: list[int] = []
+    spans: list[int] = []
+    slot_positions: list[int] = []
+    slot_sources: list[int] = []
+
+    text_only = all(row.image_grid is None for row in rows)
+
+    def add(row: Row, begin: int, end: int) -> None:  # a piece of a batch with images
+        offset = len(ids)
+        ids.extend(row.input_ids[begin:end])
+        shift = 0
+        if row.image_grid is not None:
+            start = row.input_ids.index(image_pad_id)
+            height, width = row.image_grid
+            if begin < start + height * width:
+                pieces.append(_mrope(row, len(row.input_ids), image_pad_id)[:, begin:end])
+                places, sources = _image_tokens(row, begin, end, feature_offsets[row.image], image_pad_id)
+                slot_positions.extend(range(offset + places.start, offset + places.stop))
+                slot_sources.extend(sources)
+                return
+            shift = max(height, width) - height * width  # all after the image: shifted as it leaves them
+        pieces.append(np.broadcast_to(np.arange(begin + shift, end + shift), (3, end - begin)))
+
+    prefix_lengths = [split for split, _ in groups]
+    prefix_tokens = sum(prefix_lengths)
+    lengths = [len(row.input_ids) for row in rows]
+    own_lengths = [length - split for length, split in zip(lengths, splits)]
+    # The pieces in order: each prefix once (from its first row), then each row past its split.
+    segments = [(rows[members[0]], 0, split) for split, members in groups] + list(zip(rows, splits, lengths))
+    if text_only:  # inline, no call a piece: a request's rows are most of its host time
+        for row, begin, end in segments:
+            shifts.append(begin - len(ids))
+            spans.append(end - begin)
+            ids.extend(row.input_ids[begin:end])
+    else:
+        for row, begin, end in segments:
+            add(row, begin, end)
+    # Each row's markers move by its start on the rows' axis less its split, laid out [B, K] by
+    # one boolean assignment (row-major, as they are listed), zero where a row has fewer.
+    counts = np.fromiter(map(len, (row.markers for row in rows)), dtype=np.int64, count=len(rows))
+    candidates = np.arange(int(counts.max()))[None, :] < counts[:, None]
+    starts = np.cumsum(own_lengths) - np.asarray(own_lengths) - np.asarray(splits)
+    placed = np.zeros(candidates.shape, dtype=np.int64)
+    placed[candidates] = np.fromiter(itertools.chain.from_iterable(row.markers for row in rows), dtype=np.int64,
+                                     count=int(counts.sum())) + np.repeat(starts, counts)
+    markers, candidate_mask = torch.from_numpy(placed), torch.from_numpy(candidates)
+
+    carried = [image.pixel_values for image in images if image.pixel_values is not None]
+    kinds = {image.settings for image in images if image.pixel_values is not None}
+    if len(kinds) > 1:
+        raise ValueError("a batch's images come from one template: their pixel settings differ")
+    settings = kinds.pop() if kinds else None
+    raw = settings is not None
+    prefix_cu, row_cu = cumulative(prefix_lengths), cumulative(own_lengths)
+    grid = torch.cat([image.grid_thw for image in images]) if images else None
+    return Batch(
+        input_ids=_longs(ids),
+        position_ids=_text_positions(shifts, spans, len(ids)) if text_only else _positions(pieces),
+        prefix_tokens=prefix_tokens,
+        # The *_cpu fields are the same host tensors: `to` moves the others, never these.
+        prefix_cu_seqlens=prefix_cu, prefix_cu_seqlens_cpu=prefix_cu, cu_seqlens=row_cu, cu_seqlens_cpu=row_cu,
+        prefix_chunk_indices=chunk_plan(prefix_lengths), chunk_indices=chunk_plan(own_lengths),
+        fork=plan_fork(prefix_lengths, own_lengths, parents) if groups else None,
+        markers=markers, candidate_mask=candidate_mask, image_slots=_longs(slot_positions),
+        image_sources=_longs(slot_sources),
+        pixel_values=torch.cat([pixels.reshape(-1) if raw else pixels for pixels in carried]) if carried else None,
+        image_grid_thw_cpu=grid,
+        image_keys=tuple(image.key for image in images),
+        image_has_pixels=tuple(image.pixel_values is not None for image in images),
+        input_tokens=sum(lengths),
+        pixel_settings=settings if raw else None,
+        image_shapes_cpu=_longs([list(pixels.shape) for pixels in carried]).reshape(-1, 3) if raw and carried
+        else None,
+    )
+
+
+def _text_positions(shifts: list[int], spans: list[int], tokens: int) -> torch.Tensor:
+    """[3, tokens] int64 positions of text pieces: token i of the axis has position i plus its
+    piece's shift (`pack_rows`)."""
+    line = np.arange(tokens, dtype=np.int64) + np.repeat(np.asarray(shifts, dtype=np.int64), spans)
+    return torch.from_numpy(np.broadcast_to(line, (3, tokens)).copy())
+
+
+def _positions(pieces: list[np.ndarray]) -> torch.Tensor:
+    """[3, tokens] int64 positions from `pack_rows`' pieces."""
+    return torch.from_numpy(np.concatenate(pieces, axis=1))
+
+
+def _longs(values: list) -> torch.Tensor:
+    """int64 tensor of (nested) integer lists; numpy converts long lists several times faster."""
+    return torch.from_numpy(np.asarray(values, dtype=np.int64))
+
+
+def mrope_positions(row: Row, length: int, image_pad_id: int) -> torch.Tensor:
+    """[3, length] M-RoPE positions: text advances all three axes together; image tokens take
+    (start, start + h, start + w) and the text after them resumes at start + max(H, W)."""
+    return torch.from_numpy(_mrope(row, length, image_pad_id))
+
+
+def _mrope(row: Row, length: int, image_pad_id: int) -> np.ndarray:
+    """`mrope_positions` in numpy (int64): a dozen small torch operations cost several times more."""
+    positions = np.broadcast_to(np.arange(length, dtype=np.int64), (3, length)).copy()
+    if row.image_grid is None:
+        return positions
+    start = row.input_ids.index(image_pad_id)
+    height, width = row.image_grid
+    count = height * width
+    positions[:, start:start + count] = start
+    positions[1, start:start + count] += np.repeat(np.arange(height), width)
+    positions[2, start:start + count] += np.tile(np.arange(width), height)
+    after = start + count
+    positions[:, after:] = np.arange(length - after) + start + max(height, width)
+    return positions

@@ -1,0 +1,139 @@
+"""The single prompt template: request -> token rows with candidate markers, and batching."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from ..schema import Request
+from .batch import Batch, EncodedImage, Row, pack_rows
+from .pixels import PixelSettings, image_key, qwen_pixels, rgb_bytes
+from .tokens import SPATIAL_MERGE, special_tokens
+
+PIECE_CACHE_CHARS = 4 * 2**20  # characters of recently tokenised text kept
+
+
+class OverBudget(ValueError):
+    """A row is longer than the token budget: inputs are rejected, never truncated."""
+
+
+def pieces_of(request: Request) -> list[str]:
+    """The texts the template tokenises, each on its own: the state, then per question its
+    header followed by its candidates."""
+    texts = [f"State: {request.state_text}\n"]
+    for question in request.questions:
+        texts.append(f"{question.kind} question: {question.instructions}\nOptions:\n")
+        texts.extend(f"- {candidate}" for candidate in question.candidates)
+    return texts
+
+
+class Template:
+    """Renders validated requests with the template of recipe.md and enforces the token budget.
+
+        [<|vision_start|><|image_pad|>...<|vision_end|>\\n]State: {state}\\n
+        {type} question: {instructions}\\nOptions:\\n- {candidate 1}<M>- {candidate 2}<M>...
+
+    Every piece is tokenised on its own, so the shared beginning of a request's rows is the
+    same token sequence in each row.
+    """
+
+    def __init__(self, tokenizer, image_processor, marker: str):
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.reserved = tuple(special_tokens(marker))
+        ids = tokenizer.convert_tokens_to_ids(list(self.reserved))
+        unknown = [token for token, index in zip(self.reserved, ids)
+                   if index is None or tokenizer.convert_ids_to_tokens(index) != token]
+        if unknown:
+            raise ValueError(f"the tokenizer lacks the special tokens {unknown}")
+        self.marker_id, self.vision_start_id, self.vision_end_id, self.image_pad_id = ids[:4]
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else ids[-1]
+        self.newline_ids = tokenizer("\n", add_special_tokens=False)["input_ids"]
+        self.pixels = PixelSettings.of(image_processor)  # None: the processor preprocesses on the host
+        self.pieces: OrderedDict[str, list[int]] = OrderedDict()
+        self.piece_chars = 0
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text on its own, through an LRU of recent pieces (questions and
+        candidates recur across requests; the tokenizer runs once on the new ones). The lists
+        are shared with the cache: read them, never modify them."""
+        distinct = list(dict.fromkeys(texts))
+        new = [text for text in distinct if text not in self.pieces]
+        for text in distinct:
+            if text in self.pieces:
+                self.pieces.move_to_end(text)  # this call's pieces are the most recent
+        if new:
+            # split_special_tokens: user text such as "<|im_start|>" stays text, never a control token.
+            encoded = self.tokenizer(new, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            for text, ids in zip(new, encoded):
+                self.pieces[text] = ids
+                self.piece_chars += len(text)
+        out = [self.pieces[text] for text in texts]
+        # Evict the least recent, never a piece of this call (they sit at the end).
+        while self.piece_chars > PIECE_CACHE_CHARS and len(self.pieces) > len(distinct):
+            text, _ = self.pieces.popitem(last=False)
+            self.piece_chars -= len(text)
+        return out
+
+    def image_tokens(self) -> int:
+        """The most tokens an image's block takes under the processor's fixed pixel count (its
+        patches merged 2x2, vision start and end, the newline after), or 0 without a processor:
+        what a batch planner counts for an image it has not preprocessed."""
+        processor = self.image_processor
+        size = getattr(processor, "size", None) or {}
+        pixels = getattr(size, "longest_edge", None) or (size.get("longest_edge") if isinstance(size, dict) else None)
+        pixels = pixels or getattr(processor, "max_pixels", None)
+        if processor is None or not pixels:
+            return 0
+        patch = getattr(processor, "patch_size", 16) * getattr(processor, "merge_size", SPATIAL_MERGE)
+        return pixels // patch**2 + 2 + len(self.newline_ids)
+
+    def encode_image(self, image, key: str | None = None) -> EncodedImage:
+        """Pixels and patch grid of a decoded image; `key` is its `image_key` when known."""
+        key = key or image_key(image)
+        if self.pixels is None:  # a processor `pixels` does not know: it runs itself, here
+            pixel_values, grid = qwen_pixels(image, self.image_processor)
+            return EncodedImage(pixel_values, grid, key)
+        rgb = rgb_bytes(image)  # the patches are made on the model's device (`Batch.patches`)
+        return EncodedImage(rgb, self.pixels.grid(*rgb.shape[:2]), key, self.pixels)
+
+    def encode(self, request: Request, max_tokens: int, image_index: int | None = None,
+               image: EncodedImage | None = None) -> list[Row]:
+        """Token rows of a request, one per question, in question order.
+
+        Args:
+            request: the validated request.
+            max_tokens: the budget; a longer row is rejected, never truncated.
+            image_index: index the rows' image will have in its batch.
+            image: the request's encoded image (required when the request has one).
+
+        Raises:
+            OverBudget: a row is over the token budget (a ValueError).
+        """
+        pieces = iter(self.tokenize(pieces_of(request)))
+        prefix, grid = [], None
+        if request.image is not None:
+            thw = image.grid_thw[0].tolist()
+            grid = (thw[1] // SPATIAL_MERGE, thw[2] // SPATIAL_MERGE)
+            prefix = [self.vision_start_id] + [self.image_pad_id] * (grid[0] * grid[1]) + [self.vision_end_id]
+            prefix = prefix + self.newline_ids
+        prefix = prefix + next(pieces)
+        rows = []
+        for question in request.questions:
+            ids = prefix + next(pieces)
+            markers = []
+            for _ in question.candidates:
+                ids.extend(next(pieces))
+                ids.append(self.marker_id)
+                markers.append(len(ids) - 1)
+            if len(ids) > max_tokens:
+                raise OverBudget(
+                    f"question {question.qid!r}: the input is {len(ids)} tokens, over the budget of "
+                    f"{max_tokens}; inputs are rejected, never truncated"
+                )
+            rows.append(Row(tuple(ids), tuple(markers), question, len(prefix),
+                            image_index if request.image is not None else None, grid))
+        return rows
+
+    def collate(self, rows: list[Row], images: list[EncodedImage]) -> Batch:
+        """Pack rows into one batch; `images` are those the rows' `image` indices name."""
+        return pack_rows(rows, images, self.image_pad_id)

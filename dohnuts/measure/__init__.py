@@ -1,1 +1,0 @@
-"""Measurement: roofline work counts, device ceilings and telemetry, named model shapes."""

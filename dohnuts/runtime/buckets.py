@@ -1,0 +1,203 @@
+"""Shape buckets: a request met for the first time still replays a captured CUDA graph.
+
+A graph replays fixed kernel launches, so it serves exactly one batch layout, and almost every
+request of real traffic brings a layout never seen before (its state's length, its number of
+questions). Run eagerly, such a request costs some 30 to 45 ms of host work on the H200 for a
+few milliseconds of device work (docs/runtime.md). A bucket fixes every shape the graph's work
+depends on, and `pad_to_bucket` brings any batch under it there:
+
+- the prefix part holds `prefix_tokens` (P*) tokens in `prefixes` (G*) sequences: the real
+  prefixes (at least 64 tokens each), then one padding prefix of the remaining tokens
+  (possibly none), then empty ones; its chunk plan is padded with entries of an empty prefix
+  to `prefix_chunks` (a prefix's last chunk may be partial, so the count varies);
+- the rows' part holds `row_tokens` (S*) tokens in `rows` (N*) sequences: the real rows, then
+  padding rows of the remaining tokens (at most 64 tokens each unless `long_rows`), then empty
+  ones; its chunk plan is padded with entries of an empty row to `row_chunks`;
+- markers and the candidate mask are [rows, candidates]; padding rows have no candidate.
+
+Padding tokens are real tokens of padding sequences (so every kernel writes every output) that
+no candidate reads: the rows' logits are those of the batch alone, up to floating-point order.
+Only the device contents of the plan change within a bucket; what the kernels decide on the
+host (grid sizes, the delta rule's route, its longest row) is the bucket's. Attention, whose
+work depends on the keys each row sees, runs eagerly between graphs (`cuda_graphs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..inputs.batch import SHARED_MIN, Batch
+from ..ops.plan import CHUNK, chunk_plan, cumulative, padded_plan, plan_fork
+
+# The sizes captured at load: prefix tokens, and the rows' tokens for short rows (at most 64
+# own tokens, `delta_rule_rows`) and for long ones (`delta_rule_scan`). Each is twice the one
+# before, so padding adds less than the batch itself.
+PREFIX_LADDER = (64, 128, 256, 512, 1024)
+ROW_LADDER = (128, 256, 512, 1024, 2048, 4096)
+LONG_ROW_LADDER = (128, 256, 512, 1024)
+CANDIDATES = 16  # candidates a bucket's row may have
+ROW_TOKENS = 64  # the longest short row (`triton_ops.ROW_TOKENS`)
+
+
+# The longest sequence `kernels` sends to `triton_ops.delta_rule_scan` (its SCAN_TOKENS; a test
+# holds them equal): a bucket's graph must never route a sequence to FLA, whose chunk plans the
+# capture would memoise from its empty batch.
+LONGEST_SEQUENCE = 1024
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Every shape a bucket's graph fixes (see the module's docstring)."""
+
+    prefix_tokens: int
+    row_tokens: int
+    long_rows: bool
+
+    def __post_init__(self):
+        if (self.prefix_tokens < CHUNK or self.prefix_tokens % CHUNK or self.row_tokens < 1
+                or self.prefix_tokens > LONGEST_SEQUENCE or (self.long_rows and self.row_tokens > LONGEST_SEQUENCE)):
+            raise ValueError(f"a bucket needs prefix tokens a multiple of {CHUNK} from {CHUNK} to {LONGEST_SEQUENCE} "
+                             f"and, with long rows, at most {LONGEST_SEQUENCE} row tokens: got {self}")
+
+    @property
+    def prefixes(self) -> int:
+        # A real prefix has at least SHARED_MIN (64) tokens; then the padding one and an empty one.
+        return self.prefix_tokens // SHARED_MIN + 2
+
+    @property
+    def prefix_chunks(self) -> int:
+        """Chunks of any prefix layout: each real prefix and the padding one add at most one
+        partial chunk to the prefix tokens' whole ones."""
+        return self.prefix_tokens // CHUNK + self.prefix_tokens // SHARED_MIN + 1
+
+    @property
+    def rows(self) -> int:
+        return self.row_tokens // 8 + 1  # rows of 8 tokens on average fill it; one empty row at least
+
+    @property
+    def row_chunks(self) -> int:
+        return self.rows if not self.long_rows else self.row_tokens // CHUNK + self.rows
+
+    @property
+    def longest_row(self) -> int:
+        """The bound the graph's delta rule plans for (its host decision)."""
+        return self.row_tokens if self.long_rows else ROW_TOKENS
+
+    @property
+    def tokens(self) -> int:
+        return self.prefix_tokens + self.row_tokens
+
+
+def all_buckets() -> list[Bucket]:
+    """The buckets captured at load, smallest first."""
+    buckets = [Bucket(p, s, False) for p in PREFIX_LADDER for s in ROW_LADDER]
+    buckets += [Bucket(p, s, True) for p in PREFIX_LADDER for s in LONG_ROW_LADDER]
+    return sorted(buckets, key=lambda bucket: bucket.tokens)
+
+
+def sequence_lengths(cu_seqlens_cpu: torch.Tensor) -> list[int]:
+    """The lengths of packed sequences from their host cumulative lengths."""
+    bounds = cu_seqlens_cpu.tolist()
+    return [end - begin for begin, end in zip(bounds[:-1], bounds[1:])]
+
+
+def _row_padding(bucket: Bucket, rows: int, tokens: int) -> list[int] | None:
+    """The padding rows' lengths that bring `rows` rows of `tokens` tokens to the bucket, or
+    None when they cannot."""
+    spare, room = bucket.row_tokens - tokens, bucket.rows - rows
+    if spare < 0 or room < 1:
+        return None
+    if bucket.long_rows:
+        padding = [spare] if spare else []
+    else:
+        padding = [ROW_TOKENS] * (spare // ROW_TOKENS) + ([spare % ROW_TOKENS] if spare % ROW_TOKENS else [])
+    if len(padding) >= room:  # the last row stays empty: the padded chunk plan names it
+        return None
+    return padding + [0] * (room - len(padding))
+
+
+def bucket_for(batch: Batch, buckets) -> Bucket | None:
+    """The smallest of `buckets` the host batch fits, or None."""
+    rows = sequence_lengths(batch.cu_seqlens_cpu)
+    if batch.markers.shape[1] > CANDIDATES:
+        return None
+    long_rows = max(rows) > ROW_TOKENS
+    best = None
+    for bucket in buckets:
+        if (bucket.long_rows != long_rows or bucket.prefix_tokens < batch.prefix_tokens
+                or (long_rows and max(rows) > bucket.row_tokens)
+                or _row_padding(bucket, len(rows), sum(rows)) is None):
+            continue
+        if best is None or bucket.tokens < best.tokens:
+            best = bucket
+    return best
+
+
+def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
+    """The host batch brought to `bucket`'s shapes (see the module's docstring); its first
+    rows and candidates are the batch's, in order.
+
+    Raises:
+        ValueError: the batch does not fit the bucket.
+    """
+    prefix_lengths, row_lengths = sequence_lengths(batch.prefix_cu_seqlens_cpu), sequence_lengths(batch.cu_seqlens_cpu)
+    row_padding = _row_padding(bucket, len(row_lengths), sum(row_lengths))
+    spare = bucket.prefix_tokens - batch.prefix_tokens
+    if (row_padding is None or spare < 0 or len(prefix_lengths) > bucket.prefixes - 2
+            or batch.markers.shape[1] > CANDIDATES or (max(row_lengths) > ROW_TOKENS) != bucket.long_rows):
+        raise ValueError(f"a batch of {batch.prefix_tokens} prefix tokens in {len(prefix_lengths)} prefixes and "
+                         f"{len(row_lengths)} rows of {sum(row_lengths)} tokens does not fit {bucket}")
+    prefixes = prefix_lengths + [spare] + [0] * (bucket.prefixes - len(prefix_lengths) - 1)
+    rows = row_lengths + row_padding
+    parents = (batch.fork.parents.tolist() if batch.fork is not None else [-1] * len(row_lengths))
+    parents += [-1] * len(row_padding)
+    P, S = batch.prefix_tokens, batch.computed_tokens - batch.prefix_tokens
+
+    def spread(values: torch.Tensor, fill: int) -> torch.Tensor:
+        """values [..., P + S] -> [..., P* + S*]: the padding prefix's tokens after the prefixes,
+        the padding rows' after the rows."""
+        out = values.new_full((*values.shape[:-1], bucket.tokens), fill)
+        out[..., :P] = values[..., :P]
+        out[..., bucket.prefix_tokens:bucket.prefix_tokens + S] = values[..., P:]
+        return out
+
+    markers = torch.zeros(bucket.rows, CANDIDATES, dtype=batch.markers.dtype)
+    markers[:batch.markers.shape[0], :batch.markers.shape[1]] = batch.markers
+    mask = torch.zeros(bucket.rows, CANDIDATES, dtype=torch.bool)
+    mask[:batch.candidate_mask.shape[0], :batch.candidate_mask.shape[1]] = batch.candidate_mask
+    slots = batch.image_slots + torch.where(batch.image_slots >= P, spare, 0)
+    prefix_cu, row_cu = cumulative(prefixes), cumulative(rows)
+    return dataclasses.replace(
+        batch, input_ids=spread(batch.input_ids, pad_id), position_ids=spread(batch.position_ids, 0),
+        prefix_tokens=bucket.prefix_tokens, prefix_cu_seqlens=prefix_cu, prefix_cu_seqlens_cpu=prefix_cu,
+        cu_seqlens=row_cu, cu_seqlens_cpu=row_cu, prefix_chunk_indices=padded_plan(prefixes, bucket.prefix_chunks),
+        chunk_indices=padded_plan(rows, bucket.row_chunks), fork=plan_fork(prefixes, rows, parents), markers=markers,
+        candidate_mask=mask, image_slots=slots, rows_bound=bucket.longest_row)
+
+
+def empty_batch(bucket: Bucket, pad_id: int) -> Batch:
+    """A host batch of `bucket` holding only padding: what its graph is captured on."""
+    ids = torch.full((1,), pad_id, dtype=torch.long)
+    one = cumulative([1])
+    none = torch.zeros(0, dtype=torch.long)
+    seed = Batch(input_ids=ids, position_ids=torch.zeros(3, 1, dtype=torch.long), prefix_tokens=0,
+                 prefix_cu_seqlens=cumulative([]), prefix_cu_seqlens_cpu=cumulative([]), cu_seqlens=one,
+                 cu_seqlens_cpu=one, prefix_chunk_indices=chunk_plan([]), chunk_indices=chunk_plan([1]), fork=None,
+                 markers=torch.zeros(1, 1, dtype=torch.long), candidate_mask=torch.zeros(1, 1, dtype=torch.bool),
+                 image_slots=none, image_sources=none, pixel_values=None, image_grid_thw_cpu=None, image_keys=(),
+                 image_has_pixels=(), input_tokens=0)
+    if bucket.long_rows:  # a row over 64 tokens, as the bucket's batches have
+        ids = torch.full((ROW_TOKENS + 1,), pad_id, dtype=torch.long)
+        own = cumulative([ROW_TOKENS + 1])
+        seed = dataclasses.replace(seed, input_ids=ids, position_ids=torch.zeros(3, len(ids), dtype=torch.long),
+                                   cu_seqlens=own, cu_seqlens_cpu=own, chunk_indices=chunk_plan([ROW_TOKENS + 1]))
+    return pad_to_bucket(seed, bucket, pad_id)
+
+
+def padding_tokens(batch: Batch, bucket: Bucket) -> int:
+    """Tokens a bucket adds to a batch: computed, but no useful work."""
+    return bucket.tokens - batch.computed_tokens
+

@@ -1,0 +1,282 @@
+"""Every checkpoint folder: bases, adapter checkpoints, merged and deployable models, the
+resumable training state; their manifests and fingerprints, written and verified here."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..config import LoraConfig, ModelConfig, build, json_ready, to_dict
+from ..inputs.template import Template
+from ..io import MANIFEST, IntegrityError, read_json, verify_manifest, write_json, write_manifest
+from ..model.adapters import adapter_state, load_adapter_state, with_lora
+from ..model.base import load_backbone, load_processors
+from ..model.decision import DTYPES, HEAD_KEY, DecisionModel, new_head
+from ..schema import QUESTION_TYPES
+from .training_graphs import TrainingGraphs
+from .vision_graphs import VisionGraphs
+
+ADAPTER = "adapter.safetensors"  # unmerged LoRA + head weights in a checkpoint folder
+CONFIG = "config.json"  # beside it: the run's resolved configuration, LoRA settings and base
+HEAD = "head.safetensors"  # a merged folder's head
+SETTINGS = "dohnuts.json"  # a merged folder's model settings and resolved configuration
+TEMPERATURES = "temperatures.json"  # a deployable folder's per-type temperatures
+OPTIMIZER = "optimizer.pt"  # the training state's optimizer (tensors and numbers only)
+PROGRESS = "progress.json"  # the training state's update count, fingerprint and log
+GENERATORS = "generators.safetensors"  # torch, CUDA and noise generator states
+HOST_GENERATORS = "generators.json"  # Python's and numpy's
+
+
+def assemble(backbone, head: torch.nn.Linear) -> DecisionModel:
+    """The decision model with the runtime's CUDA graph holders: the vision tower's graphs for
+    prediction and the training buckets' graphs (each captures only on CUDA)."""
+    return DecisionModel(backbone, head, vision_graphs=VisionGraphs(), training_graphs=TrainingGraphs())
+
+
+# -- bases ---------------------------------------------------------------------------------
+
+
+def verify_base(base: Path) -> None:
+    """Check the base folder against the SHA-256 manifest prepare wrote."""
+    verify_manifest(base, required=("config.json",))
+
+
+def base_fingerprint(base: Path) -> str:
+    """SHA-256 of a base folder's manifest entries (every file's digest): which base weights,
+    tokenizer and processor an adapter was trained on."""
+    files = read_json(Path(base) / MANIFEST)["files"]
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+# -- adapter checkpoints (unmerged LoRA + head) ----------------------------------------------
+
+
+def build_training_model(base: Path, dtype: str, lora: LoraConfig, head_std: float, seed: int):
+    """A fresh trainable model: base backbone (verify it once per run with `verify_base`), new
+    LoRA, new head.
+
+    Returns:
+        (model, peft_model)
+    """
+    backbone = load_backbone(base, DTYPES[dtype])
+    peft_model = with_lora(backbone, lora, seed)
+    generator = torch.Generator().manual_seed(seed)
+    head = new_head(backbone.config.text_config.hidden_size, head_std, generator)
+    return assemble(peft_model.get_base_model(), head), peft_model
+
+
+def save_adapter(path: Path, model: DecisionModel, peft_model) -> None:
+    save_file(adapter_state(model, peft_model), str(path))
+
+
+def load_adapter(path: Path, model: DecisionModel, peft_model) -> None:
+    """Load LoRA and head weights from a file (`model.adapters.load_adapter_state` checks them).
+
+    Raises:
+        ValueError: missing, unexpected or mis-shaped keys.
+    """
+    load_adapter_state(model, peft_model, load_file(str(path)), str(path))
+
+
+def write_adapter_checkpoint(folder: Path, model: DecisionModel, peft_model, config: dict,
+                             manifest: dict | None = None) -> None:
+    """An unmerged checkpoint in `folder` (which must exist, empty): adapter.safetensors,
+    config.json (`config`, which must hold the "lora" settings and the "base" fingerprint the
+    loaders check) and a SHA-256 manifest (with `manifest`'s entries)."""
+    missing = {"lora", "base"} - set(config)
+    if missing:
+        raise ValueError(f"an adapter checkpoint's config must state {sorted(missing)}")
+    save_adapter(Path(folder) / ADAPTER, model, peft_model)
+    write_json(Path(folder) / CONFIG, config)
+    write_manifest(folder, manifest)
+
+
+def load_adapter_model(base: Path, dtype: str, lora: LoraConfig, folder: Path, device):
+    """The base with LoRA and head from a checkpoint folder, after `verify_adapter_checkpoint`.
+
+    Returns:
+        (DecisionModel in eval mode on `device`, peft model)
+    """
+    verify_adapter_checkpoint(folder, lora, base)
+    model, peft_model = build_training_model(base, dtype, lora, head_std=0.01, seed=0)
+    load_adapter(Path(folder) / ADAPTER, model, peft_model)
+    return model.to(device).eval(), peft_model
+
+
+def verify_adapter_checkpoint(folder: Path, lora: LoraConfig, base: Path) -> Path:
+    """Check an unmerged checkpoint before loading it: every SHA-256 of its manifest, no file
+    beside them that the manifest does not list, the LoRA settings it states (alpha or dropout
+    differences keep every shape yet change what the weights mean) and the base it was trained
+    on (by `base_fingerprint`). Returns its adapter file.
+
+    Raises:
+        IntegrityError: a missing, changed or unlisted file; ValueError: a missing or differing
+            setting, or another base, each named.
+    """
+    folder = Path(folder)
+    verify_manifest(folder, required=(ADAPTER, CONFIG), complete=True)
+    saved = read_json(folder / CONFIG)
+    if not isinstance(saved.get("lora"), dict):
+        raise ValueError(f"{folder}/{CONFIG} does not state its LoRA settings (no 'lora' mapping): it cannot be "
+                         f"checked against the params, so it is refused")
+    wanted = to_dict(lora)
+    differ = {key: (saved["lora"].get(key), wanted[key]) for key in wanted if saved["lora"].get(key) != wanted[key]}
+    if differ:
+        details = ", ".join(f"lora.{key}: checkpoint {a!r}, params {b!r}" for key, (a, b) in differ.items())
+        raise ValueError(f"{folder} was trained with other LoRA settings ({details})")
+    expected = base_fingerprint(base)
+    if saved.get("base") != expected:
+        raise ValueError(f"{folder} was trained on another base (fingerprint {saved.get('base')!r}; this base "
+                         f"{base} is {expected!r}): its LoRA weights would not mean what they meant")
+    return folder / ADAPTER
+
+
+def verify_parent(parent: Path, lora: LoraConfig, base: Path) -> Path:
+    """The parent's adapter file for `init: checkpoint`, after `verify_adapter_checkpoint`.
+
+    Raises:
+        FileNotFoundError: no parent checkpoint there; IntegrityError, ValueError: as
+            `verify_adapter_checkpoint`.
+    """
+    parent = Path(parent)
+    if not (parent / ADAPTER).is_file():
+        raise FileNotFoundError(
+            f"init: checkpoint needs a parent checkpoint in {parent}, but it holds no {ADAPTER}; "
+            f"publish one first (python -m stages.publish --source runs/select/adapter --target {parent})"
+        )
+    return verify_adapter_checkpoint(parent, lora, base)
+
+
+# -- merged and deployable checkpoints -------------------------------------------------------
+
+
+def write_merged(folder: Path, backbone, head: torch.nn.Linear, tokenizer, image_processor,
+                 model_config: ModelConfig, resolved: dict, temperatures: dict | None = None) -> None:
+    """Write a self-describing folder: HF backbone, head, tokenizer, processor, settings, manifest.
+
+    With `temperatures` it is the deployable checkpoint `Predictor.from_checkpoint` loads.
+    """
+    folder = Path(folder)
+    backbone.save_pretrained(folder)
+    save_file({HEAD_KEY: head.weight.detach().float().cpu().contiguous()}, str(folder / HEAD))
+    tokenizer.save_pretrained(folder)
+    image_processor.save_pretrained(folder)
+    write_json(folder / SETTINGS, {"model": to_dict(model_config), "resolved": json_ready(resolved)})
+    if temperatures is not None:
+        write_json(folder / TEMPERATURES, {kind: float(temperatures[kind]) for kind in QUESTION_TYPES})
+    write_manifest(folder)
+
+
+def load_merged(folder: Path, device: torch.device, need_temperatures: bool = False):
+    """Load a merged folder after checking every SHA-256.
+
+    Returns:
+        (DecisionModel in eval mode on `device`, Template, ModelConfig, temperatures or None)
+    """
+    folder = Path(folder)
+    if need_temperatures and (folder / SETTINGS).is_file() and not (folder / TEMPERATURES).is_file():
+        raise ValueError(f"{folder} is a merged model without temperatures: run the calibrate stage and "
+                         f"load its output (runs/calibrate/checkpoint)")
+    required = (HEAD, SETTINGS) + ((TEMPERATURES,) if need_temperatures else ())
+    verify_manifest(folder, required=required)
+    settings = read_json(folder / SETTINGS)
+    model_config = build(ModelConfig, settings["model"], f"{folder}/{SETTINGS} model")
+    backbone = load_backbone(folder, DTYPES[model_config.dtype])
+    head = torch.nn.Linear(backbone.config.text_config.hidden_size, 1, bias=False, dtype=torch.float32)
+    with torch.no_grad():
+        head.weight.copy_(load_file(str(folder / HEAD))[HEAD_KEY])
+    model = assemble(backbone, head).to(device).eval()
+    model.requires_grad_(False)
+    tokenizer, processor = load_processors(folder, model_config)
+    template = Template(tokenizer, processor, model_config.marker_token)
+    temperatures = None
+    if (folder / TEMPERATURES).is_file():
+        temperatures = {kind: float(value) for kind, value in read_json(folder / TEMPERATURES).items()}
+        bad = {kind: value for kind, value in temperatures.items() if not value > 0}
+        if set(temperatures) != set(QUESTION_TYPES) or bad:
+            raise ValueError(f"{folder}/{TEMPERATURES} must give a positive temperature for each of "
+                             f"{QUESTION_TYPES}, got {json.dumps(temperatures)}")
+    return model, template, model_config, temperatures
+
+
+# -- the resumable training state --------------------------------------------------------------
+
+
+def run_fingerprint(config: dict, manifests: list[Path], sources: dict[str, str]) -> str:
+    """Identity of a training run for resuming: its configuration, the file digests of its
+    inputs' manifests (`manifests`: folders) and `sources` (module -> SHA-256 of what it runs)."""
+    inputs = [read_json(Path(folder) / MANIFEST)["files"] for folder in manifests]
+    return hashlib.sha256(json.dumps([config, inputs, sources], sort_keys=True).encode()).hexdigest()
+
+
+def save_generators(folder: Path) -> None:
+    """Every global random generator's state (LoRA dropout draws from them), as tensors and JSON:
+    nothing a load would unpickle. The exploration noise needs none: it is seeded per microbatch."""
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"cuda.{index}": state for index, state in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(tensors, str(folder / GENERATORS))
+    version, internal, gauss = random.getstate()
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    write_json(folder / HOST_GENERATORS, {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, keys.tolist(), int(position), int(has_gauss), float(cached)]})
+
+
+def load_generators(folder: Path) -> None:
+    """Restore what `save_generators` wrote."""
+    tensors = load_file(str(folder / GENERATORS))
+    torch.set_rng_state(tensors["torch"])
+    cuda = [tensors[f"cuda.{index}"] for index in range(len(tensors)) if f"cuda.{index}" in tensors]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    host = read_json(folder / HOST_GENERATORS)
+    version, internal, gauss = host["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, position, has_gauss, cached = host["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), position, has_gauss, cached))
+
+
+def save_training_state(folder: Path, model: DecisionModel, peft_model, optimizer: torch.optim.Optimizer,
+                        progress: dict) -> None:
+    """Everything needed to continue a run exactly, into `folder` (new and empty, e.g. an
+    `io.atomic_directory`): LoRA and head weights, the optimizer, every random generator,
+    `progress` (update count, fingerprint, log) and a SHA-256 manifest."""
+    folder = Path(folder)
+    save_adapter(folder / ADAPTER, model, peft_model)
+    torch.save(optimizer.state_dict(), folder / OPTIMIZER)  # tensors and numbers only
+    save_generators(folder)
+    write_json(folder / PROGRESS, progress)
+    write_manifest(folder)
+
+
+def read_training_progress(folder: Path) -> tuple[dict | None, str | None]:
+    """The progress of a saved training state after checking its manifest.
+
+    Returns:
+        (progress, None), or (None, why not: no state, or a damaged one).
+    """
+    folder = Path(folder)
+    if not (folder / PROGRESS).is_file():
+        return None, f"no saved state in {folder}"
+    try:
+        verify_manifest(folder)
+    except IntegrityError as error:
+        return None, f"the saved state is damaged ({error})"
+    return read_json(folder / PROGRESS), None
+
+
+def load_training_state(folder: Path, model: DecisionModel, peft_model, optimizer: torch.optim.Optimizer,
+                        device) -> None:
+    """Restore weights, optimizer and generators from what `save_training_state` wrote (check it
+    first with `read_training_progress`)."""
+    folder = Path(folder)
+    load_adapter(folder / ADAPTER, model, peft_model)
+    optimizer.load_state_dict(torch.load(folder / OPTIMIZER, map_location=device, weights_only=True))
+    load_generators(folder)

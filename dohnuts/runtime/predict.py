@@ -1,0 +1,223 @@
+"""The public prediction API: a calibrated checkpoint answering typed questions about a state."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..inputs.batch import Batch, EncodedImage
+from ..inputs.pixels import image_key
+from ..model.decision import default_device
+from ..model.decoder import pack_projections
+from ..schema import Request, answer, parse_request
+from ..scoring.metrics import masked_softmax_rows, normalised_entropy_confidence
+from .checkpoint import load_merged
+from .cuda_graphs import GraphedScores
+from .vision_graphs import vision_buckets
+
+BATCHED_CONFIDENCE = 8  # rows from which the answers' confidences are computed together
+
+
+class Predictor:
+    """Answers `predict(state, questions)` with calibrated probabilities in one forward pass.
+
+    Safe to call from several threads: calls are serialised by a lock (the token cache, the
+    image-feature cache and the CUDA graphs' buffers are shared state). To run concurrent
+    requests together, batch them into one `predict_many` call (the server does).
+    """
+
+    def __init__(self, model, template, model_config, temperatures: dict[str, float]):
+        self.model = model
+        if pack_projections(model.backbone.language_model):
+            model.changed()  # new weight storage: no captured graph or derived constant may outlive it
+        self.template = template
+        self.config = model_config
+        self.temperatures = temperatures
+        # CUDA graphs: of the shape buckets once `prepare_graphs` ran, and of layouts that recur.
+        self.scores = GraphedScores(model, pad_id=template.pad_id)
+        self.deferrers = 0  # callers that run `idle` (`capture_when_idle`)
+        self.lock = threading.RLock()
+
+    @classmethod
+    def from_checkpoint(cls, path, device: str | torch.device | None = None, graphs: bool = True) -> Predictor:
+        """Load the deployable checkpoint folder the calibrate stage writes (hashes verified);
+        with `graphs`, capture the shape buckets' CUDA graphs too (`prepare_graphs`), which a
+        process that only trains the model does not need."""
+        device = torch.device(device) if device is not None else default_device()
+        model, template, config, temperatures = load_merged(Path(path), device, need_temperatures=True)
+        predictor = cls(model, template, config, temperatures)
+        if graphs:
+            predictor.prepare_graphs()
+        return predictor
+
+    def prepare_graphs(self, buckets=None) -> int:
+        """Capture the CUDA graphs of the shape buckets (`dohnuts.model.buckets`; all by
+        default) and of the vision tower's patch buckets (`vision_graphs.vision_buckets`, for
+        the template's pixel policy), so that requests and image sizes met for the first time
+        replay one: a few seconds, once, on a CUDA device; nothing on the CPU. Returns how many
+        of the language model's buckets are ready."""
+        with self.lock:
+            ready = self.scores.prepare(buckets)
+            settings = self.template.pixels
+            if settings is not None:
+                self.model.vision_graphs.prepare(self.model.backbone.visual,
+                                                 vision_buckets(settings.max_pixels, settings.patch, settings.merge))
+            return ready
+
+    def capture_when_idle(self, on: bool = True) -> None:
+        """With `on`, a layout that recurs gets its CUDA graph not on the request that brings it
+        back but from `idle`, which the caller runs when no request waits (the server's batcher
+        does): no request waits for a capture (`GraphedScores.deferred`). Each caller that
+        asked turns it off again when it stops calling `idle` (a closing batcher); once all
+        have, the third sighting captures on the request again and nothing stays pending."""
+        with self.lock:
+            self.deferrers = max(0, self.deferrers + (1 if on else -1))
+            self.scores.deferred = self.deferrers > 0  # off, it drops what was pending
+
+    def idle(self) -> bool:
+        """Do one piece of deferred work, a pending CUDA graph capture; False when there was
+        none. About as long as three forward passes of that layout."""
+        with self.lock:
+            return self.scores.capture_pending()
+
+    def encode(self, state, questions):
+        """Validate and encode a request into a batch. Returns (batch, request)."""
+        batch, requests, _ = self.encode_many([(state, questions)])
+        return batch, requests[0]
+
+    def encode_many(self, requests: Sequence[tuple[object, dict]]) -> tuple[Batch, list[Request], list[int]]:
+        """Validate and encode several requests into one batch: their rows in request order,
+        each request's own prefix shared among its rows, each distinct image once.
+
+        Returns:
+            (batch, the validated requests, each request's input tokens)
+
+        Raises:
+            TypeError, ValueError: an invalid request (see `dohnuts.schema.parse_request`).
+        """
+        with self.lock:
+            batch, parsed, tokens, failures = self._encode(requests, collect=False)
+        return batch, parsed, tokens
+
+    def _encode(self, requests, collect: bool):
+        """(batch or None, validated requests, input tokens, {index: error}) of `requests`; with
+        `collect`, an invalid request is left out and its error kept, else it raises."""
+        template, cache = self.template, self.model.image_cache
+        images: list[EncodedImage] = []
+        seen: dict[str, int] = {}
+        rows, parsed, tokens, failures = [], [], [], {}
+        for index, (state, questions) in enumerate(requests):
+            try:
+                request = parse_request(state, questions, template.reserved)
+                image, image_index = None, None
+                if request.image is not None:
+                    key = image_key(request.image)
+                    image_index = seen.get(key, len(images))
+                    if key in seen:
+                        image = images[image_index]
+                    else:
+                        # A cached image needs no preprocessing: its features and grid are known.
+                        grid = cache.grid(key)
+                        image = EncodedImage(None, grid, key) if grid is not None else template.encode_image(
+                            request.image, key)
+                own = template.encode(request, self.config.max_tokens, image_index, image)
+            except (TypeError, ValueError) as error:
+                if not collect:
+                    raise
+                failures[index] = error
+                continue
+            if image is not None and image.key not in seen:  # only a valid request's image joins the batch
+                seen[image.key] = len(images)
+                images.append(image)
+            rows += own
+            parsed.append(request)
+            tokens.append(sum(len(row.input_ids) for row in own))
+        batch = template.collate(rows, images) if rows else None
+        return batch, parsed, tokens, failures
+
+    @torch.no_grad()
+    def predict(self, state, questions) -> dict:
+        """Answer every question about `state`.
+
+        Args:
+            state: a string, or a mapping (rendered as JSON) with at most one PIL image
+                under "image".
+            questions: qid -> {"type": "choice" | "noul" | "score", "instructions", "criteria"}.
+
+        Returns:
+            {"answers": {qid: answer}, "usage": {"input_tokens", "images"}}; see
+            `dohnuts.schema.answer` for each answer's fields.
+
+        Raises:
+            TypeError, ValueError: invalid request (see `dohnuts.schema.parse_request`).
+        """
+        return self.predict_many([(state, questions)])[0]
+
+    @torch.no_grad()
+    def predict_many(self, requests: Sequence[tuple[object, dict]], raw_logits: bool = False,
+                     errors: str = "raise") -> list:
+        """Answer several requests in one forward pass; each gets what `predict` gives it alone
+        (batched rows differ only by floating-point summation order).
+
+        Args:
+            requests: (state, questions) pairs, as `predict` takes them.
+            raw_logits: also give each result "logits": {qid: the candidates' logits before the
+                temperature}, for evaluation.
+            errors: "raise" (an invalid request raises, nothing is run) or "return" (its place in
+                the results holds its TypeError or ValueError; the others are answered).
+
+        Returns:
+            One `predict` result per request, in order.
+
+        Raises:
+            TypeError, ValueError: an invalid request, with errors="raise".
+        """
+        with self.lock:
+            batch, parsed, tokens, failures = self._encode(requests, collect=errors == "return")
+            answered = self._answers(batch, parsed, tokens, raw_logits) if batch is not None else []
+        results = iter(answered)
+        return [failures[index] if index in failures else next(results) for index in range(len(requests))]
+
+    def _answers(self, batch: Batch, parsed: list[Request], tokens: list[int], raw_logits: bool) -> list[dict]:
+        # The logits [B, K] come to the host at once (the call's one synchronisation): the few
+        # small operations after them cost less there than as device launches, each a host
+        # round trip once the forward has finished, and the temperatures need no copy to the device.
+        logits = self.scores(batch).cpu().float().numpy()  # the host batch: a bucket pads it before the copy
+        return answers_of(logits, batch.candidate_mask.numpy(), parsed, tokens, self.temperatures, raw_logits)
+
+
+def answers_of(logits: np.ndarray, mask: np.ndarray, parsed: list[Request], tokens: list[int],
+               temperatures: dict[str, float], raw_logits: bool = False) -> list[dict]:
+    """Each request's `predict` result from its rows' logits on the host.
+
+    Args:
+        logits: [B, K] float32, the rows of `parsed`'s questions in order; mask: [B, K] bool.
+        parsed: the validated requests; tokens: each one's input tokens.
+        temperatures: question kind -> temperature.
+        raw_logits: also give each result "logits" (see `Predictor.predict_many`).
+    """
+    scale = np.array([temperatures[question.kind] for request in parsed for question in request.questions])
+    table = masked_softmax_rows(logits, mask, scale)
+    # Every row's confidence at once, where that pays (a few numpy calls cost about 5 us, a
+    # question's own about 1 us): with fewer rows `answer` computes each.
+    confidences = (normalised_entropy_confidence(table, mask).tolist() if len(table) >= BATCHED_CONFIDENCE
+                   else [None] * len(table))
+    probs = table.tolist()  # one conversion, not one a question
+    raw = logits.tolist() if raw_logits else None
+    results, row = [], 0
+    for request, count in zip(parsed, tokens):
+        answers = {}
+        for question in request.questions:
+            answers[question.qid] = answer(question, probs[row][: len(question.labels)], confidences[row])
+            row += 1
+        result = {"answers": answers, "usage": {"input_tokens": count, "images": int(request.image is not None)}}
+        if raw is not None:
+            first = row - len(request.questions)
+            result["logits"] = {question.qid: raw[first + index][: len(question.labels)]
+                                for index, question in enumerate(request.questions)}
+        results.append(result)
+    return results

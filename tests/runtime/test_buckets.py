@@ -1,0 +1,94 @@
+"""Shape buckets: a padded batch gives its rows the logits of the batch alone (float32, the
+plain-PyTorch path), and the padding keeps every shape the bucket fixes."""
+
+import pytest
+import torch
+from helpers import LAYOUTS, batch_of, questions
+
+from dohnuts.model.base import load_backbone
+from dohnuts.model.decision import new_head
+from dohnuts.runtime.buckets import CANDIDATES, ROW_TOKENS, Bucket, all_buckets, bucket_for, empty_batch, pad_to_bucket
+from dohnuts.runtime.checkpoint import assemble
+
+
+@pytest.fixture(scope="module")
+def parts(tiny):
+    backbone = load_backbone(tiny.base, torch.float32).eval()
+    model = assemble(backbone, new_head(backbone.config.text_config.hidden_size, 0.5)).eval()
+    return tiny.template(), model
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_padded_batch_gives_its_rows_the_logits_of_the_batch_alone(parts, name):
+    template, model = parts
+    batch = batch_of(template, LAYOUTS[name])
+    bucket = bucket_for(batch, all_buckets())
+    assert bucket is not None
+    assert bucket.long_rows == (int(batch.cu_seqlens_cpu.diff().max()) > ROW_TOKENS)
+    assert bucket.long_rows or name != "long rows"
+    padded = pad_to_bucket(batch, bucket, template.pad_id)
+    assert padded.computed_tokens == bucket.tokens > batch.computed_tokens
+    with torch.no_grad():
+        alone = model(batch)
+        inside = model(padded)
+    rows, candidates = batch.markers.shape
+    torch.testing.assert_close(inside[:rows, :candidates], alone, rtol=1e-5, atol=1e-5)
+    assert not inside[rows:].any() and not inside[:, candidates:].any()  # padding has no candidate
+
+
+def test_padding_keeps_the_shapes_the_bucket_fixes(parts):
+    template, _ = parts
+    for bucket in (Bucket(128, 256, False), Bucket(256, 512, True)):
+        shapes = []
+        for requests in LAYOUTS.values():
+            batch = batch_of(template, requests)
+            if batch.prefix_tokens > bucket.prefix_tokens or (batch.cu_seqlens_cpu.diff().max() > ROW_TOKENS) != \
+                    bucket.long_rows:
+                continue
+            padded = pad_to_bucket(batch, bucket, template.pad_id)
+            lengths = padded.cu_seqlens_cpu.diff()
+            assert lengths.max() <= bucket.longest_row and lengths[-1] == 0  # an empty row for the plan's padding
+            prefixes = padded.prefix_cu_seqlens_cpu.diff()
+            assert prefixes[-1] == 0 and prefixes.sum() == bucket.prefix_tokens  # an empty prefix for the plan
+            assert padded.fork.parents[len(batch.markers):].eq(-1).all()
+            shapes.append([tuple(getattr(padded, name).shape) for name in
+                           ("input_ids", "position_ids", "prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices",
+                            "chunk_indices", "markers", "candidate_mask")] + [tuple(padded.fork.parents.shape)])
+        empty = empty_batch(bucket, template.pad_id)
+        shapes.append([tuple(getattr(empty, name).shape) for name in
+                       ("input_ids", "position_ids", "prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices",
+                        "chunk_indices", "markers", "candidate_mask")] + [tuple(empty.fork.parents.shape)])
+        assert len(shapes) >= 2 and all(shape == shapes[0] for shape in shapes), bucket
+        assert shapes[0][0] == (bucket.tokens,) and shapes[0][5] == (bucket.row_chunks, 2)
+        assert shapes[0][4] == (bucket.prefix_chunks, 2)
+        assert shapes[0][6] == (bucket.rows, CANDIDATES)
+
+
+def test_bucket_for_picks_the_smallest_that_fits_or_none(parts):
+    template, _ = parts
+    batch = batch_of(template, LAYOUTS["shared prefix"])
+    bucket = bucket_for(batch, all_buckets())
+    fitting = [b for b in all_buckets() if not b.long_rows and b.prefix_tokens >= batch.prefix_tokens
+               and b.row_tokens >= batch.computed_tokens - batch.prefix_tokens]
+    assert bucket == min(fitting, key=lambda b: b.tokens)
+    assert bucket_for(batch, [Bucket(64, 128, True)]) is None  # short rows never take a long-row bucket
+    many = batch_of(template, [("state", questions(1, candidates=CANDIDATES + 1))])
+    assert bucket_for(many, all_buckets()) is None  # more candidates than a bucket holds
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_to_bucket(batch, Bucket(64, 128, True), template.pad_id)
+
+
+def test_the_last_row_of_a_padded_batch_is_always_empty_and_buckets_stay_within_the_scan():
+    """Rows that would use up every row slot of a bucket go to the next one, so the padded chunk
+    plan can always name an empty row; a bucket never sends a sequence past the scan kernel's
+    bound (it would route to FLA, whose plans a capture would memoise)."""
+    from dohnuts.ops import triton_ops
+    from dohnuts.runtime.buckets import LONGEST_SEQUENCE, _row_padding
+
+    full = Bucket(64, 128, True)
+    assert full.rows == 17 and _row_padding(full, 16, 65 + 15 * 3) is None  # 16 rows + 1 padding = no room
+    assert _row_padding(full, 15, 65 + 14 * 3)[-1] == 0
+    assert LONGEST_SEQUENCE == triton_ops.SCAN_TOKENS
+    for bad in ((2048, 128, False), (64, 2048, True), (100, 128, False), (0, 128, False)):
+        with pytest.raises(ValueError, match="a bucket needs"):
+            Bucket(*bad)

@@ -1,0 +1,240 @@
+"""CUDA graphs of the inference forward against the eager forward (GPU tests), and the layout key."""
+
+import dataclasses
+
+import pytest
+import torch
+from helpers import LAYOUTS, batch_of
+from PIL import Image
+
+from dohnuts.model.base import load_backbone
+from dohnuts.model.decision import new_head
+from dohnuts.runtime.checkpoint import assemble
+from dohnuts.runtime.cuda_graphs import GraphedScores, layout_key
+from dohnuts.schema import parse_request
+
+QUESTIONS = {
+    "red": {"type": "noul", "instructions": "Is the square red?"},
+    "colour": {"type": "choice", "instructions": "What colour?", "criteria": ["red", "green", "blue"]},
+}
+
+
+def _batch(template, colour, note="a square on a page, drawn for the test " * 4):
+    image = Image.new("RGB", (64, 64), "white")
+    image.paste(colour, (8, 8, 40, 40))
+    request = parse_request({"note": note, "image": image}, QUESTIONS, template.reserved)
+    encoded = template.encode_image(request.image)
+    return template.collate(template.encode(request, 4096, 0, encoded), [encoded])
+
+
+def test_layout_key_ignores_contents_but_not_the_plan(tiny):
+    template = tiny.template()
+    red, green = _batch(template, (220, 20, 20)), _batch(template, (20, 220, 20))
+    assert red.fork is not None  # the rows share a prefix, so the key covers a fork
+    assert layout_key(red) == layout_key(green)
+    longer = _batch(template, (220, 20, 20), note="a longer note " * 30)
+    assert layout_key(longer) != layout_key(red)
+    moved = dataclasses.replace(red, cu_seqlens_cpu=red.cu_seqlens_cpu + torch.tensor([0, 1, 1], dtype=torch.int32))
+    assert layout_key(moved) != layout_key(red)
+
+
+def _on_cpu(tiny):
+    """(the tiny model in float32 on the CPU, its GraphedScores)."""
+    backbone = load_backbone(tiny.base, torch.float32).eval()
+    model = assemble(backbone, new_head(backbone.config.text_config.hidden_size, 0.01)).eval()
+    return model, GraphedScores(model)
+
+
+def test_eager_on_the_cpu_equals_the_model(tiny):
+    template = tiny.template()
+    model, graphed = _on_cpu(tiny)
+    batch = _batch(template, (220, 20, 20))
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(graphed(batch), model(batch))
+    assert {name: graphed.stats[name] for name in ("eager", "captures", "replays", "failed", "bucket_replays")} == {
+        "eager": 3, "captures": 0, "replays": 0, "failed": 0, "bucket_replays": 0}
+    assert graphed.prepare() == 0  # no buckets on the CPU
+
+
+def _on_cuda(tiny, dtype):
+    """(template, the tiny model on CUDA, its GraphedScores)."""
+    backbone = load_backbone(tiny.base, dtype).cuda().eval()
+    model = assemble(backbone, new_head(backbone.config.text_config.hidden_size, 0.01).cuda()).eval()
+    return tiny.template(), model, GraphedScores(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, on_host", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_replayed_graphs_equal_the_eager_forward_for_new_contents(tiny, dtype, on_host):
+    """With `on_host`, the batches come from the host, and a replay's batch moves in one copy
+    straight into the graph's inputs (`_Graph.load`)."""
+    template, model, graphed = _on_cuda(tiny, dtype)
+    colours = [(220, 20, 20), (220, 20, 20), (20, 220, 20), (20, 20, 220)]
+    assert graphed.capture_at == 3
+    with torch.no_grad():
+        for colour in colours:
+            host = _batch(template, colour)
+            batch = host.to("cuda")
+            torch.testing.assert_close(graphed(host if on_host else batch), model(batch), rtol=1e-5, atol=1e-6)
+    # Two sightings eager, the third captures (and replays), then replays with other images
+    # (the same layout).
+    assert {name: graphed.stats[name] for name in ("eager", "captures", "replays", "failed")} == {
+        "eager": 2, "captures": 1, "replays": 2, "failed": 0}
+    assert not graphed.failed
+    if on_host:  # the replays' batches went into the graph's own inputs
+        (graph,) = graphed.graphs.values()
+        loaded = graph.load(_batch(template, (20, 20, 220)))
+        assert loaded is not None and all(a is b for a, b in zip(loaded.device_tensors(), graph.tensors))
+
+
+@pytest.mark.gpu
+def test_a_graph_replayed_after_many_other_layouts_still_equals_eager(tiny):
+    """Eager calls of other layouts churn flash-linear-attention's plan memo; the captured graph
+    owns its plans, so its replay stays right."""
+    template, model, graphed = _on_cuda(tiny, torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(graphed.capture_at):
+            graphed(_batch(template, (220, 20, 20)).to("cuda"))
+        for index in range(12):
+            graphed(_batch(template, (20, 220, 20), note="another note " * (index + 1)).to("cuda"))
+        batch = _batch(template, (20, 20, 220)).to("cuda")
+        torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
+    assert graphed.stats["captures"] == 1 and not graphed.failed
+
+
+@pytest.mark.gpu
+def test_graphs_are_dropped_when_the_model_changes(tiny):
+    template, model, graphed = _on_cuda(tiny, torch.bfloat16)
+    batch = _batch(template, (220, 20, 20)).to("cuda")
+    with torch.no_grad():
+        for _ in range(graphed.capture_at):
+            graphed(batch)
+        assert len(graphed.graphs) == 1
+        # In place, on a weight the forward derives a cached constant from (RMSNorm's 1 + weight).
+        model.backbone.language_model.layers[0].input_layernorm.weight.add_(0.5)
+        torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
+        assert len(graphed.graphs) == 0
+        graphed(batch)  # seen three times again: captured with the new constant
+        torch.testing.assert_close(graphed(batch), model(batch), rtol=1e-5, atol=1e-6)
+        assert graphed.stats["captures"] == 2 and len(graphed.graphs) == 1
+        model.changed()
+        graphed(batch)
+        assert graphed.stats["captures"] == 2 and len(graphed.graphs) == 0  # seen again from scratch
+
+
+@pytest.mark.gpu
+def test_deferred_layouts_are_captured_when_idle_and_never_on_a_request(tiny):
+    """With `deferred`, the sighting that would capture runs as the others did (eagerly here, no
+    buckets), `capture_pending` captures later, and the layout then replays with the eager
+    logits; a model changed in the meantime drops what was pending."""
+    template, model, graphed = _on_cuda(tiny, torch.bfloat16)
+    graphed.deferred = True
+    with torch.no_grad():
+        for colour in [(220, 20, 20)] * graphed.capture_at + [(20, 220, 20)]:
+            host = _batch(template, colour)
+            torch.testing.assert_close(graphed(host), model(host.to("cuda")), rtol=1e-5, atol=1e-6)
+        assert {name: graphed.stats[name] for name in ("eager", "captures", "replays")} == {
+            "eager": graphed.capture_at + 1, "captures": 0, "replays": 0}
+        assert len(graphed.pending) == 1
+        assert graphed.capture_pending() and not graphed.pending
+        assert graphed.stats["captures"] == graphed.stats["idle_captures"] == 1
+        assert not graphed.capture_pending()  # nothing left
+        host = _batch(template, (20, 20, 220))
+        torch.testing.assert_close(graphed(host), model(host.to("cuda")), rtol=1e-5, atol=1e-6)
+        assert graphed.stats["replays"] == 1
+        longer = [_batch(template, (220, 20, 20), note="a longer note " * 30) for _ in range(graphed.capture_at)]
+        for host in longer:
+            graphed(host)
+        assert len(graphed.pending) == 1
+        model.backbone.language_model.layers[0].input_layernorm.weight.add_(0.5)
+        assert not graphed.capture_pending() and not graphed.pending and not graphed.graphs
+
+
+@pytest.mark.gpu
+def test_a_pending_layout_that_fails_is_dropped_and_the_rest_still_captured(tiny, monkeypatch):
+    """A pending batch that can no longer be embedded (its image's cached features evicted, in
+    a server) is dropped, the call still counts as work done, and the next layout is captured."""
+    template, model, graphed = _on_cuda(tiny, torch.bfloat16)
+    graphed.deferred = True
+    with torch.no_grad():
+        for note in ("a note " * 5, "another note " * 9):
+            for _ in range(graphed.capture_at):
+                graphed(_batch(template, (220, 20, 20), note=note))
+    assert len(graphed.pending) == 2
+    embeddings = model.embeddings
+
+    def evicted(batch):
+        monkeypatch.setattr(model, "embeddings", embeddings)
+        raise RuntimeError("the image's cached features are gone")
+
+    monkeypatch.setattr(model, "embeddings", evicted)
+    assert graphed.capture_pending() and len(graphed.pending) == 1 and not graphed.graphs
+    assert graphed.capture_pending() and not graphed.pending and len(graphed.graphs) == 1
+    assert not graphed.capture_pending()
+    host = _batch(template, (20, 220, 20), note="another note " * 9)
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(host), model(host.to("cuda")), rtol=1e-5, atol=1e-6)
+    assert graphed.stats["replays"] == 1
+
+
+def test_deferred_captures_are_a_no_op_on_the_cpu(tiny):
+    model, graphed = _on_cpu(tiny)
+    graphed.deferred = True
+    batch = _batch(tiny.template(), (220, 20, 20))
+    with torch.no_grad():
+        for _ in range(graphed.capture_at + 1):
+            assert torch.equal(graphed(batch), model(batch))
+    assert not graphed.pending and not graphed.capture_pending() and graphed.stats["eager"] == graphed.capture_at + 1
+
+
+def _varied(template):
+    """Host batches of distinct layouts: images in the prefix and in a row, text only, long rows."""
+    batches = [batch_of(template, requests) for requests in LAYOUTS.values()]
+    notes = [({"note": "a parcel " * (5 + 7 * index)}, _questions_of(index)) for index in range(4)]
+    return batches + [batch_of(template, [note]) for note in notes]
+
+
+def _questions_of(count):
+    return {f"q{n}": {"type": "noul", "instructions": f"Is it number {n}?"} for n in range(count + 1)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtype):
+    """Every host batch of a new layout replays its bucket's graphs (captured by `prepare`, none
+    on a request), with the logits of the eager forward of the batch alone: to 1e-4 in float32,
+    to 2% of the largest logit in bf16 (padding changes the matrix products' shapes)."""
+    from dohnuts.runtime.buckets import all_buckets
+
+    template, model, graphed = _on_cuda(tiny, dtype)
+    graphed.pad_id = template.pad_id
+    buckets = [bucket for bucket in all_buckets() if bucket.tokens <= 1536]
+    assert graphed.prepare(buckets) == len(buckets)
+    batches = _varied(template)
+    with torch.no_grad():
+        for batch in batches:
+            ours = graphed(batch)
+            eager = model(batch.to("cuda"))
+            if dtype == torch.float32:
+                torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
+            else:
+                assert (ours - eager).abs().max() <= 0.02 * eager.abs().max()
+    assert graphed.stats["bucket_replays"] == len(batches)
+    assert graphed.stats["captures"] == graphed.stats["eager"] == 0 and graphed.stats["padding_tokens"] > 0
+
+
+@pytest.mark.gpu
+def test_bucket_graphs_are_captured_again_after_the_model_changes(tiny):
+    from dohnuts.runtime.buckets import Bucket
+
+    template, model, graphed = _on_cuda(tiny, torch.bfloat16)
+    graphed.pad_id = template.pad_id
+    graphed.prepare([Bucket(256, 256, False), Bucket(64, 128, False)])  # the first layout: 131 prefix tokens
+    batch = _varied(template)[0]
+    with torch.no_grad():
+        graphed(batch)
+        model.backbone.language_model.layers[0].input_layernorm.weight.add_(0.5)
+        ours, eager = graphed(batch), model(batch.to("cuda"))
+    assert (ours - eager).abs().max() <= 0.02 * eager.abs().max()
+    assert graphed.stats["bucket_replays"] == 2 and len(graphed.buckets) == 2
