@@ -1,0 +1,1 @@
+"""Measurements: workloads, roofline, telemetry, named shapes, load generation, the figures ledger."""
