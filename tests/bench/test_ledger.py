@@ -1,10 +1,12 @@
 """The figures ledger: entries from benchmark records and pytest logs, append-only writes, and the
 Markdown rendered from it (docs/figures.md, the README's figures block)."""
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from dohnuts.bench import ledger
 
@@ -178,3 +180,21 @@ def test_update_markdown_rewrites_only_the_block_between_the_markers(tmp_path):
     plain.write_text(f"# No block\n{ledger.START} but no end marker\n")
     assert not ledger.update_markdown(plain, tiny_ledger())
     assert plain.read_text() == f"# No block\n{ledger.START} but no end marker\n"
+
+
+def test_record_command_appends_a_run_and_names_the_next_one_itself(tmp_path):
+    spec = importlib.util.spec_from_file_location("ledger_command", ROOT / "benchmarks" / "ledger.py")
+    command = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(command)
+    source, path = tmp_path / "dohnuts.jsonl", tmp_path / "ledger.jsonl"
+    source.write_text("".join(json.dumps(record) + "\n" for record in records()))
+    arguments = ["record", str(source), "--machine", "H200", "--commit", "1c7de04", "--date", "2026-12-02",
+                 "--ledger", str(path)]
+    for _ in range(2):
+        result = CliRunner().invoke(command.main, arguments)
+        assert result.exit_code == 0, result.output
+    made = ledger.read(path)
+    assert [entry["run"] for entry in made] == ["2026-12-02-1c7de04-run1"] * 6 + ["2026-12-02-1c7de04-run2"] * 6
+    assert made[0]["source"] == str(source) and made[0]["figures"]["p50_ms"] == 6.35
+    result = CliRunner().invoke(command.main, [*arguments, "--run", "2026-12-02-1c7de04-run1"])
+    assert result.exit_code != 0 and "already holds" in result.output
