@@ -198,3 +198,9 @@ def test_record_command_appends_a_run_and_names_the_next_one_itself(tmp_path):
     assert made[0]["source"] == str(source) and made[0]["figures"]["p50_ms"] == 6.35
     result = CliRunner().invoke(command.main, [*arguments, "--run", "2026-12-02-1c7de04-run1"])
     assert result.exit_code != 0 and "already holds" in result.output
+
+
+def test_docs_figures_md_is_the_render_of_the_ledger():
+    ledger_path, figures = ROOT / "benchmarks" / "ledger.jsonl", ROOT / "docs" / "figures.md"
+    assert figures.read_text() == ledger.render(ledger.read(ledger_path)), (
+        f"docs/figures.md differs from the ledger's render: run `{ledger.RENDER_COMMAND}`, never edit it by hand")
