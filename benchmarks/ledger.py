@@ -1,0 +1,87 @@
+"""Record a measured run in the figures ledger, or render docs/figures.md from it.
+
+    python benchmarks/ledger.py record runs/benchmark/benchmarks/dohnuts.jsonl --machine 'H200 (machine F)'
+    python benchmarks/ledger.py record gpu-tests.txt --tests --machine H200
+    python benchmarks/ledger.py render
+
+`record` appends one entry per workload of a benchmark stage run (or, with --tests, one per
+pytest summary line of a log) to benchmarks/ledger.jsonl; the commit defaults to the checkout's
+HEAD, the date to today, the run id to DATE-COMMIT-runN. `render` rewrites docs/figures.md and
+the README's block between `<!-- figures:start -->` and `<!-- figures:end -->`, if it has one.
+"""
+
+import datetime
+import json
+import subprocess
+from pathlib import Path
+
+import click
+
+from dohnuts.bench import ledger
+
+ROOT = Path(__file__).resolve().parents[1]
+LEDGER = ROOT / "benchmarks" / "ledger.jsonl"
+FIGURES = ROOT / "docs" / "figures.md"
+README = ROOT / "README.md"
+
+
+@click.group()
+def main() -> None:
+    """The figures ledger: record a run, render the figures."""
+
+
+def _head() -> str:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+def _next_run(entries: list[dict], date: str, commit: str) -> str:
+    runs = {made["run"] for made in entries}
+    number = 1
+    while f"{date}-{commit}-run{number}" in runs:
+        number += 1
+    return f"{date}-{commit}-run{number}"
+
+
+@main.command()
+@click.argument("source", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--machine", required=True, help="the machine it ran on: 'H200 (machine F)', 'CPU, 2 cores'")
+@click.option("--commit", help="short hash of the code measured (default: HEAD)")
+@click.option("--date", help="YYYY-MM-DD (default: today)")
+@click.option("--run", "run_id", help="an id unique to the run (default: DATE-COMMIT-runN)")
+@click.option("--tests", is_flag=True, help="SOURCE is a pytest log, not benchmark records")
+@click.option("--ledger", "ledger_path", type=click.Path(dir_okay=False, path_type=Path), default=LEDGER,
+              show_default=True)
+def record(source: Path, machine: str, commit: str | None, date: str | None, run_id: str | None, tests: bool,
+           ledger_path: Path) -> None:
+    """Append SOURCE's run to the ledger: a benchmark stage's records JSONL, or a pytest log."""
+    commit = commit or _head()
+    date = date or datetime.date.today().isoformat()
+    run_id = run_id or _next_run(ledger.read(ledger_path), date, commit)
+    if tests:
+        entries = ledger.entries_from_pytest(source.read_text(), date, commit, machine, run_id, str(source))
+    else:
+        records = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+        entries = ledger.entries_from_records(records, date, commit, machine, run_id, str(source))
+    if not entries:
+        raise click.ClickException(f"{source} holds nothing to record")
+    try:
+        count = ledger.append(ledger_path, entries)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(f"{ledger_path}: run {run_id}, {count} entries; now `python benchmarks/ledger.py render`")
+
+
+@main.command()
+@click.option("--ledger", "ledger_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              default=LEDGER, show_default=True)
+def render(ledger_path: Path) -> None:
+    """Rewrite docs/figures.md (and the README's figures block) from the ledger."""
+    entries = ledger.read(ledger_path)
+    ledger.write_atomically(FIGURES, ledger.render(entries).encode())
+    readme = "; README.md's figures block too" if ledger.update_markdown(README, entries) else ""
+    click.echo(f"{FIGURES.relative_to(ROOT)}: {len(entries)} entries{readme}")
+
+
+if __name__ == "__main__":
+    main()
