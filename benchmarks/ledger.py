@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from dohnuts.bench import ledger
+from dohnuts.bench import figures, ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 LEDGER = ROOT / "benchmarks" / "ledger.jsonl"
@@ -78,8 +78,8 @@ def record(source: Path, machine: str, commit: str | None, date: str | None, run
 def render(ledger_path: Path) -> None:
     """Rewrite docs/figures.md (and the README's figures block) from the ledger."""
     entries = ledger.read(ledger_path)
-    ledger.write_atomically(FIGURES, ledger.render(entries).encode())
-    readme = "; README.md's figures block too" if ledger.update_markdown(README, entries) else ""
+    ledger.write_atomically(FIGURES, figures.render(entries).encode())
+    readme = "; README.md's figures block too" if figures.update_markdown(README, entries) else ""
     click.echo(f"{FIGURES.relative_to(ROOT)}: {len(entries)} entries{readme}")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dohnuts.bench import ledger
+from dohnuts.bench import figures, ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE_ONLY = {"device": "NVIDIA H200", "base": "shape-only:qwen3_5-0.8b", "shape_only": True, "slow_paths": {}}
@@ -142,7 +142,7 @@ def tiny_ledger() -> list[dict]:
 
 
 def test_readme_table_takes_the_latest_run_with_the_spread_of_its_commits_runs():
-    table = ledger.readme_table(tiny_ledger())
+    table = figures.readme_table(tiny_ledger())
     row = next(line for line in table.splitlines() if line.startswith("| distinct_text_50q"))
     assert row == ("| distinct_text_50q: p50 ms | **6.35** | replay | H200 (machine F) | 1c7de04 | 2026-12-02 | "
                    "6.35-7.81 (2 runs) |")
@@ -152,7 +152,7 @@ def test_readme_table_takes_the_latest_run_with_the_spread_of_its_commits_runs()
 
 
 def test_render_gives_each_workload_its_latest_figures_runs_by_commit_and_the_test_runs():
-    text = ledger.render(tiny_ledger())
+    text = figures.render(tiny_ledger())
     assert text.startswith("# Measured figures\n") and ledger.RENDER_COMMAND in text
     section = text[text.index("#### distinct_text_50q"):]
     section = section[: section.index("\n#### ", 1)]
@@ -165,21 +165,21 @@ def test_render_gives_each_workload_its_latest_figures_runs_by_commit_and_the_te
     tests = text[text.index("## Test runs"):]
     assert ("| 2026-12-02 | 1c7de04 | H200 (machine E) | 25 | 0 | `python3 -m pytest -m gpu -q tests/model` |"
             in tests)
-    assert text == ledger.render(list(tiny_ledger()))  # the same ledger renders the same text
+    assert text == figures.render(list(tiny_ledger()))  # the same ledger renders the same text
 
 
 def test_update_markdown_rewrites_only_the_block_between_the_markers(tmp_path):
     readme = tmp_path / "README.md"
-    readme.write_text(f"# Title\n\nBefore.\n\n{ledger.START}\nold table\n{ledger.END}\n\nAfter.\n")
-    assert ledger.update_markdown(readme, tiny_ledger())
+    readme.write_text(f"# Title\n\nBefore.\n\n{figures.START}\nold table\n{figures.END}\n\nAfter.\n")
+    assert figures.update_markdown(readme, tiny_ledger())
     text = readme.read_text()
-    assert text.startswith(f"# Title\n\nBefore.\n\n{ledger.START}\n") and text.endswith(f"\n{ledger.END}\n\nAfter.\n")
-    assert "old table" not in text and ledger.readme_table(tiny_ledger()) in text
-    assert not ledger.update_markdown(readme, tiny_ledger())  # already current
+    assert text.startswith(f"# Title\n\nBefore.\n\n{figures.START}\n") and text.endswith(f"\n{figures.END}\n\nAfter.\n")
+    assert "old table" not in text and figures.readme_table(tiny_ledger()) in text
+    assert not figures.update_markdown(readme, tiny_ledger())  # already current
     plain = tmp_path / "plain.md"
-    plain.write_text(f"# No block\n{ledger.START} but no end marker\n")
-    assert not ledger.update_markdown(plain, tiny_ledger())
-    assert plain.read_text() == f"# No block\n{ledger.START} but no end marker\n"
+    plain.write_text(f"# No block\n{figures.START} but no end marker\n")
+    assert not figures.update_markdown(plain, tiny_ledger())
+    assert plain.read_text() == f"# No block\n{figures.START} but no end marker\n"
 
 
 def test_record_command_appends_a_run_and_names_the_next_one_itself(tmp_path):
@@ -201,6 +201,6 @@ def test_record_command_appends_a_run_and_names_the_next_one_itself(tmp_path):
 
 
 def test_docs_figures_md_is_the_render_of_the_ledger():
-    ledger_path, figures = ROOT / "benchmarks" / "ledger.jsonl", ROOT / "docs" / "figures.md"
-    assert figures.read_text() == ledger.render(ledger.read(ledger_path)), (
+    ledger_path, markdown = ROOT / "benchmarks" / "ledger.jsonl", ROOT / "docs" / "figures.md"
+    assert markdown.read_text() == figures.render(ledger.read(ledger_path)), (
         f"docs/figures.md differs from the ledger's render: run `{ledger.RENDER_COMMAND}`, never edit it by hand")
