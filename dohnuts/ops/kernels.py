@@ -1,10 +1,11 @@
 """Compute kernels: fused Triton kernels on CUDA, plain PyTorch elsewhere.
 
-On CUDA: flash-linear-attention's chunked gated delta rule, our own Triton kernels
-(`dohnuts.ops.triton_ops`: the delta rule's convolution with its head split, RMSNorm, gated
-RMSNorm, SwiGLU, and the forward-only delta rule of short rows continuing forked states), and
-PyTorch's flash varlen attention. This is the only module that imports `fla` or
-`triton_ops`. Each public function chooses the fused kernel for CUDA tensors when it is
+On CUDA: flash-linear-attention's chunked gated delta rule, our own Triton kernels (a module
+a family: `conv.fused`, the delta rule's convolution with its head split; `norm.fused`,
+RMSNorm and its fused variants; `swiglu.fused`; `delta_rule.rows`, `delta_rule.scan` and
+`delta_rule.backward`, the delta rule of short rows continuing forked states, of whole
+sequences, and its gradient), and PyTorch's flash varlen attention. This is the only module
+that imports `fla` or those kernel modules. Each public function chooses the fused kernel for CUDA tensors when it is
 importable and otherwise runs the plain-PyTorch reference of the same math, which is also
 the test oracle for the fused path (FLA keeps a naive.py beside every kernel for the same
 reason). Argument names follow FLA.
@@ -18,6 +19,7 @@ import logging
 import os
 import sys
 import threading
+import types
 
 import torch
 import torch.nn.functional as F
@@ -64,9 +66,13 @@ def _fla():
 
 @functools.cache
 def _triton_ops():
-    """Our own Triton kernels (`dohnuts.ops.triton_ops`), or None without Triton."""
+    """Our own Triton kernels, a module a family (`conv`, `norm`, `swiglu`, and the delta rule's
+    `rows` and `scan`), or None without Triton."""
     try:
-        from . import triton_ops
+        from .conv import fused as conv
+        from .delta_rule import rows, scan
+        from .norm import fused as norm
+        from .swiglu import fused as swiglu
     except ImportError:
         return None
     import triton
@@ -75,7 +81,7 @@ def _triton_ops():
     if version < TRITON_TESTED:
         slow_path("triton-version", f"Triton {triton.__version__} is older than {'.'.join(map(str, TRITON_TESTED))}, "
                                     f"the oldest our kernels are tested on")
-    return triton_ops
+    return types.SimpleNamespace(conv=conv, norm=norm, swiglu=swiglu, rows=rows, scan=scan)
 
 
 def _ours(x: torch.Tensor):
@@ -209,7 +215,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # Our Triton kernel: FLA's RMSNorm wrapper costs about 0.2 ms of host time a call, which
         # a host-bound training step pays about 160 times. The scale stays in float32, as in
         # Hugging Face's Qwen3.5 RMSNorm.
-        return ops.rms_norm(x, _norm_scale(weight), eps)
+        return ops.norm.rms_norm(x, _norm_scale(weight), eps)
     return rms_norm_reference(x, weight, eps)
 
 
@@ -224,7 +230,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     next block's input. On CUDA one Triton kernel reads both once and writes both."""
     ops = _ours(x)
     if ops is not None:
-        return ops.add_rms_norm(x, residual, _norm_scale(weight), eps)
+        return ops.norm.add_rms_norm(x, residual, _norm_scale(weight), eps)
     total = x + residual
     return total, rms_norm_reference(total, weight, eps)
 
@@ -236,7 +242,7 @@ def norm_rotate(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
     halves). Returns [T, H, D] in x's dtype. On CUDA one Triton kernel (in float32 throughout)."""
     ops = _ours(x)
     if ops is not None:
-        return ops.norm_rotate(x, _norm_scale(weight), cos, sin, eps)
+        return ops.norm.norm_rotate(x, _norm_scale(weight), cos, sin, eps)
     return norm_rotate_reference(x, weight, cos, sin, eps)
 
 
@@ -259,7 +265,7 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     multiply by silu(gate). Args: x, gate [..., V], weight [V]. Returns [..., V] in x's dtype."""
     ops = _ours(x)
     if ops is not None:
-        return ops.rms_norm_gated(x, gate, weight, eps)
+        return ops.norm.rms_norm_gated(x, gate, weight, eps)
     return rms_norm_gated_reference(x, gate, weight, eps)
 
 
@@ -272,7 +278,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
     ops = _ours(gate)
     if ops is not None:
-        return ops.swiglu(gate, up)
+        return ops.swiglu.swiglu(gate, up)
     return swiglu_reference(gate, up)
 
 
@@ -445,7 +451,7 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
     """The delta rule's causal convolution (SiLU, `causal_conv1d_reference`) of packed sequences
     x [T, 2*H*K + HV*V], split into q, k [T, H, K], L2-normalised per head in float32 (Qwen3.5's
     delta rule), and v [T, HV, V]: returns (q, k, v, final state or None). On CUDA, one Triton
-    kernel (`triton_ops.conv_split_heads`) reads x once and writes q, k and v contiguous, as
+    kernel (`conv.fused.conv_split_heads`) reads x once and writes q, k and v contiguous, as
     the delta-rule kernel reads them.
 
     With `parents` [N], initial_state is [G, C, W] and sequence n continues row parents[n] (a
@@ -456,8 +462,8 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
     if parents is not None and (ops is None or _differentiable(x, weight, initial_state)):
         initial_state, parents = fork_states(initial_state, parents, orphans), None
     if ops is not None:
-        return ops.conv_split_heads(x, weight, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                                    chunk_indices, heads, key_dim, value_heads, value_dim, parents)
+        return ops.conv.conv_split_heads(x, weight, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                                         chunk_indices, heads, key_dim, value_heads, value_dim, parents)
     return conv_split_heads_reference(x, weight, initial_state, output_final_state, cu_seqlens, heads, key_dim,
                                       value_heads, value_dim)
 
@@ -547,8 +553,8 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
     On CUDA, with A_log and dt_bias frozen and sequences of at most `SCAN_TOKENS`: rows that
     continue states, need no gradient and no final states, and hold at most 64 tokens run
-    `triton_ops.delta_rule_rows`; the rest `triton_ops.delta_rule_scan` (reading each state in
-    place), with `triton_delta`'s gradient when autograd needs one. Otherwise FLA's chunked
+    `delta_rule.rows.delta_rule_rows`; the rest `delta_rule.scan.delta_rule_scan` (reading each
+    state in place), with `delta_rule.backward`'s gradient when autograd needs one. Otherwise FLA's chunked
     kernels, or the plain-PyTorch chunked reference off CUDA.
 
     Returns:
@@ -557,20 +563,20 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     if out is not None and _differentiable(q, k, v, g, beta, states, A_log, dt_bias):
         raise ValueError("delta_rule: out is for forward passes only; autograd would not see the write")
     ours = _ours(q)
-    walks = ours is not None and not _differentiable(A_log, dt_bias) and longest <= ours.SCAN_TOKENS
+    walks = ours is not None and not _differentiable(A_log, dt_bias) and longest <= ours.scan.SCAN_TOKENS
     if walks and not _differentiable(q, k, v, g, beta, states):
-        if states is not None and not output_final_state and longest <= ours.ROW_TOKENS:
-            return ours.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias,
-                                        out=out, beta_logits=beta_logits), None
-        return ours.delta_rule_scan(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
-                                    dt_bias, out=out, beta_logits=beta_logits)
+        if states is not None and not output_final_state and longest <= ours.rows.ROW_TOKENS:
+            return ours.rows.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias,
+                                             out=out, beta_logits=beta_logits), None
+        return ours.scan.delta_rule_scan(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
+                                         dt_bias, out=out, beta_logits=beta_logits)
     if beta_logits:
         beta = torch.sigmoid(beta)
     if walks:
-        from . import triton_delta  # the same walk with its gradient
+        from .delta_rule import backward  # the same walk with its gradient
 
-        return triton_delta.delta_rule(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
-                                       dt_bias)
+        return backward.delta_rule(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
+                                   dt_bias)
     initial = fork_states(states, parents, orphans) if states is not None else None
     o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial, output_final_state,
                                       cu_seqlens, False, cu_seqlens_cpu, chunk_indices, A_log, dt_bias)

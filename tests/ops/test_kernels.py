@@ -397,7 +397,8 @@ def test_delta_rule_rows_matches_reference_and_fla_on_forked_states(heads, value
     also fed beta's logits, whose sigmoid it then takes itself (as the decoder runs it)."""
     lengths = [1, 15, 16, 17, 33, 63, 64, 28, 44]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, heads, value_heads, width, 2)
-    rows = kernels._triton_ops().delta_rule_rows
+    from dohnuts.ops.delta_rule.rows import delta_rule_rows as rows
+
     with torch.no_grad():
         ours = rows(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, max(lengths), A_log, dt_bias)[None]
         from_logits = rows(q[0], k[0], v[0], gate[0], torch.logit(beta[0].float()).to(beta.dtype), states, parents,
@@ -421,7 +422,8 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width):
     sigmoid it then takes itself."""
     lengths = [1, 15, 16, 17, 65, 130, 257, 700, 44]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, heads, value_heads, width, 3)
-    scan = kernels._triton_ops().delta_rule_scan
+    from dohnuts.ops.delta_rule.scan import delta_rule_scan as scan
+
     log_decay = kernels.decay(gate, A_log, dt_bias)
     forked = kernels.fork_states(states, parents, True)
     with torch.no_grad():
@@ -451,11 +453,11 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, value_heads, width", [(16, 16, 128), (2, 4, 40)])
 def test_delta_rule_gradient_matches_reference_and_fla(heads, value_heads, width):
-    """triton_delta.delta_rule in bf16 (sequences of 1 to 700 tokens), its gradients against
+    """delta_rule.backward.delta_rule in bf16 (sequences of 1 to 700 tokens), its gradients against
     autograd through the float32 recurrence and through FLA's chunked kernels, to 2% relative
     (norm-wise): from zero states keeping the final states (the prefixes, with a gradient at
     the final states), and from forked states (the rows, with the states' gradient)."""
-    from dohnuts.ops import triton_delta
+    from dohnuts.ops.delta_rule import backward
 
     lengths = [1, 15, 16, 17, 65, 130, 257, 700, 44]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, heads, value_heads, width, 4)
@@ -465,30 +467,30 @@ def test_delta_rule_gradient_matches_reference_and_fla(heads, value_heads, width
     fla = kernels.fused(q)["chunk_gated_delta_rule"]
     gates = {"use_qk_l2norm_in_kernel": False, "use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
     fresh_inputs = {name: leaves[name] for name in ("q", "k", "v", "gate", "beta")}
-    ours = triton_delta.delta_rule(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias)
+    ours = backward.delta_rule(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias)
     reference = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta, None, True,
                                                    cu.long(), normalise=False)
     theirs = fla(q, k, v, gate, beta, output_final_state=True, cu_seqlens=cu, **gates)
     ours = (ours[0][None], ours[1])
     assert _relative_error(ours[0], reference[0]) < 1e-2 and _relative_error(ours[1], reference[1]) < 1e-2
     _assert_gradients_close(ours, reference, fresh_inputs, 2e-2)
-    ours = triton_delta.delta_rule(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias)
+    ours = backward.delta_rule(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias)
     _assert_gradients_close((ours[0][None], ours[1]), theirs, fresh_inputs, 2e-2)
 
-    ours = triton_delta.delta_rule(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log, dt_bias)
+    ours = backward.delta_rule(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log, dt_bias)
     forked = kernels.fork_states(states, parents, True)
     reference = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta, forked, False,
                                                    cu.long(), normalise=False)
     assert _relative_error(ours[0][None], reference[0]) < 1e-2
     _assert_gradients_close([ours[0][None]], [reference[0]], leaves, 2e-2)
-    ours = triton_delta.delta_rule(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log, dt_bias)
+    ours = backward.delta_rule(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log, dt_bias)
     theirs = fla(q, k, v, gate, beta, initial_state=kernels.fork_states(states, parents, True), cu_seqlens=cu,
                  **gates)
     _assert_gradients_close([ours[0][None]], [theirs[0]], leaves, 2e-2)
 
 
 def test_triton_kernels_match_references_under_triton_interpreter():
-    """dohnuts.triton_ops on the CPU through Triton's interpreter (tests/triton_interpreted.py):
+    """Our Triton kernels on the CPU through Triton's interpreter (tests/ops/triton_interpreted.py):
     conv_split_heads, the norms, the norm fused with the rotary embedding and SwiGLU (also reading
     column blocks of a packed projection's output in place) against their references, outputs and
     every gradient, on
