@@ -22,10 +22,15 @@ import threading
 import types
 
 import torch
-import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .attention import _flash_grouped, _varlen, attention_reference
+from .conv.naive import conv_split_heads_reference
+from .delta_rule.naive import decay, gated_delta_rule_chunked
+from .norm.naive import add_rms_norm_reference, norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
+from .plain import fork_states, l2norm
 from .plan import chunk_plan, cumulative
+from .swiglu.naive import swiglu_reference
 
 LOG = logging.getLogger(__name__)
 TRITON_TESTED = (3, 6)  # the oldest Triton our kernels are tested on
@@ -180,11 +185,6 @@ def derived(parameter: torch.Tensor, tag: str, make) -> torch.Tensor:
     return entry[1]
 
 
-def wide(x: torch.Tensor) -> torch.Tensor:
-    """x in at least float32: half precisions widen, float64 stays (so tests can be exact)."""
-    return x if x.dtype == torch.float64 else x.float()
-
-
 def fused(x: torch.Tensor):
     """The FLA functions when `x` lives on a CUDA device and FLA is installed, else None."""
     if not x.is_cuda:
@@ -219,11 +219,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_reference(x, weight, eps)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    normed = wide(x) * torch.rsqrt(wide(x).pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (1.0 + wide(weight))).to(x.dtype)
-
-
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual, Qwen3.5's RMSNorm of that sum, `rms_norm`): the residual stream and the
@@ -231,8 +226,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     ops = _ours(x)
     if ops is not None:
         return ops.norm.add_rms_norm(x, residual, _norm_scale(weight), eps)
-    total = x + residual
-    return total, rms_norm_reference(total, weight, eps)
+    return add_rms_norm_reference(x, residual, weight, eps)
 
 
 def norm_rotate(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -246,20 +240,6 @@ def norm_rotate(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
     return norm_rotate_reference(x, weight, cos, sin, eps)
 
 
-def norm_rotate_reference(x, weight, cos, sin, eps):
-    return rotate(rms_norm_reference(x, weight, eps), cos, sin)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Partial rotary embedding on the first R channels of x [T, H, D]; cos, sin [T, R]."""
-    width = cos.shape[-1]
-    rotated, rest = x[..., :width], x[..., width:]
-    first, second = rotated.chunk(2, dim=-1)
-    turned = torch.cat([-second, first], dim=-1)
-    rotated = rotated * cos[:, None, :] + turned * sin[:, None, :]
-    return torch.cat([rotated, rest], dim=-1)
-
-
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gated RMSNorm of the delta-rule output: rms-normalise x, scale by `weight` (not 1 + weight),
     multiply by silu(gate). Args: x, gate [..., V], weight [V]. Returns [..., V] in x's dtype."""
@@ -269,53 +249,12 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return rms_norm_gated_reference(x, gate, weight, eps)
 
 
-def rms_norm_gated_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    normed = wide(x) * torch.rsqrt(wide(x).pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * normed.to(x.dtype) * F.silu(wide(gate))).to(x.dtype)
-
-
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
     ops = _ours(gate)
     if ops is not None:
         return ops.swiglu.swiglu(gate, up)
     return swiglu_reference(gate, up)
-
-
-def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-# -- packed sequences -------------------------------------------------------------------------
-
-
-def _segments(cu_seqlens: torch.Tensor, total: int, width: int | None = None):
-    """Packed-to-padded index maps: (index [N, L] into the packed axis, valid [N, L]); L is
-    `width` when the caller knows the longest sequence (no device synchronisation)."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    if width is None:
-        width = int(lengths.max()) if len(lengths) else 0
-    offsets = torch.arange(width, device=cu_seqlens.device)
-    valid = offsets[None, :] < lengths[:, None]
-    index = (cu_seqlens[:-1, None] + offsets[None, :]).clamp(max=max(total - 1, 0))
-    return index, valid
-
-
-def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor | None,
-           width: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[1, T, ...] packed (or [B, T, ...] when cu_seqlens is None) -> ([N, L, ...] padded with 0,
-    [N, L] valid mask or None); `width` is the longest sequence when known."""
-    if cu_seqlens is None:
-        return x, None
-    index, valid = _segments(cu_seqlens, x.shape[1], width)
-    padded = x[0][index]
-    mask = valid.view(*valid.shape, *([1] * (padded.dim() - 2)))
-    return padded * mask, valid
-
-
-def pack(y: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """The inverse of `unpack`: [N, L, ...] -> [1, T, ...]."""
-    return y if valid is None else y[valid].unsqueeze(0)
 
 
 # -- attention --------------------------------------------------------------------------------
@@ -349,99 +288,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
     return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k, causal)
 
 
-def _flash_grouped(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
-    """Grouped-query attention through flash's own kernel (`aten._flash_attention_forward`,
-    differentiable), which takes fewer key heads than query heads. On torch < 2.12 varlen_attn
-    wants as many key heads, and repeating keys and values to them cost 12 copies of 23 us in
-    the 50-question replay on the H200 (`h200-kernels-05c99b9.txt`). torch >= 2.12's
-    varlen_attn(enable_gqa=True) calls the same kernel."""
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                   0.0, causal, False, scale=scale)[0]
-
-
-@functools.cache
-def _varlen(causal: bool = True):
-    """torch's varlen_attn and the keyword arguments for (causal or full) grouped-query
-    attention, which changed between torch releases (is_causal, then window_size; enable_gqa
-    from 2.12)."""
-    import inspect
-
-    from torch.nn.attention.varlen import varlen_attn
-
-    parameters = inspect.signature(varlen_attn).parameters
-    if "window_size" in parameters:
-        options = {"window_size": (-1, 0) if causal else (-1, -1)}
-    else:
-        options = {"is_causal": causal}
-    if "enable_gqa" in parameters:
-        options["enable_gqa"] = True
-    return varlen_attn, options
-
-
-def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q=None, max_seqlen_k=None,
-                        causal=True):
-    """Each sequence padded to the longest and masked: work grows with N * Lq * Lk, not T^2."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    query, valid_q = unpack(q[None], cu_seqlens_q, max_seqlen_q)
-    key, valid_k = unpack(k[None], cu_seqlens_k, max_seqlen_k)
-    value, _ = unpack(v[None], cu_seqlens_k, max_seqlen_k)
-    lead = (valid_k.sum(-1) - valid_q.sum(-1))[:, None, None]  # [N, 1, 1] keys before the first query
-    rows = torch.arange(query.shape[1], device=q.device)[:, None]
-    columns = torch.arange(key.shape[1], device=q.device)[None, :]
-    mask = valid_k[:, None, :].expand(-1, query.shape[1], -1)  # [N, Lq, Lk]
-    if causal:
-        mask = mask & (columns <= rows + lead)
-    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                         attn_mask=mask[:, None], scale=scale).transpose(1, 2)
-    # Back to packed order by index, not by boolean mask (which would wait on the device).
-    tokens = torch.arange(q.shape[0], device=q.device)
-    row = torch.searchsorted(cu_seqlens_q[1:].to(tokens.dtype), tokens, right=True)
-    return out[row, tokens - cu_seqlens_q[row].to(tokens.dtype)]
-
-
-# -- causal convolution -----------------------------------------------------------------------
-
-
-def causal_conv1d_reference(x, weight, initial_state=None, output_final_state=False, cu_seqlens=None,
-                            activation="silu"):
-    """Depthwise causal convolution with optional carried state, per packed sequence.
-
-    Args:
-        x: [B, T, D], or [1, T, D] packed with `cu_seqlens` [N + 1].
-        weight: [D, W].
-        initial_state: [N, D, W], the W inputs before each sequence (last one most recent).
-        output_final_state: also return the last W inputs of each sequence, [N, D, W].
-        activation: "silu" or None.
-
-    Returns:
-        ([B, T, D] output, final state or None)
-    """
-    padded, valid = unpack(x, cu_seqlens)
-    count, length, dim = padded.shape
-    width = weight.shape[-1]
-    history = (initial_state.transpose(1, 2).to(x.dtype) if initial_state is not None
-               else padded.new_zeros(count, width, dim))
-    full = torch.cat([history, padded], dim=1)  # [N, W + L, D]
-    # y[t] = sum_i weight[:, i] * full[t + 1 + i]: the kernel's last tap is the current input.
-    windows = full[:, 1:].unfold(1, width, 1)  # [N, L, D, W]
-    out = (wide(windows) * wide(weight)).sum(-1).to(x.dtype)
-    if activation == "silu":
-        out = F.silu(out)
-    final = None
-    if output_final_state:
-        lengths = (valid.sum(-1) if valid is not None else torch.full((count,), length, device=x.device))
-        # The last W entries of [history, sequence] end at W + length.
-        picks = lengths[:, None] + torch.arange(width, device=x.device)[None, :]  # [N, W]
-        final = torch.gather(full, 1, picks[..., None].expand(-1, -1, dim)).transpose(1, 2).contiguous()
-    return pack(out, valid), final
-
-
 # -- gated delta rule -------------------------------------------------------------------------
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None,
@@ -466,26 +313,6 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
                                          chunk_indices, heads, key_dim, value_heads, value_dim, parents)
     return conv_split_heads_reference(x, weight, initial_state, output_final_state, cu_seqlens, heads, key_dim,
                                       value_heads, value_dim)
-
-
-def conv_split_heads_reference(x, weight, initial_state, output_final_state, cu_seqlens, heads, key_dim, value_heads,
-                               value_dim):
-    out, final = causal_conv1d_reference(x[None], weight, initial_state, output_final_state, cu_seqlens)
-    return (*split_heads_reference(out[0], heads, key_dim, value_heads, value_dim), final)
-
-
-def split_heads_reference(mixed, heads, key_dim, value_heads, value_dim):
-    total = mixed.shape[0]
-    q, k, v = mixed.split([heads * key_dim, heads * key_dim, value_heads * value_dim], -1)
-    q, k = (l2norm(wide(x.reshape(total, heads, key_dim))).to(mixed.dtype) for x in (q, k))
-    return q, k, v.reshape(total, value_heads, value_dim)
-
-
-def decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
-    """Qwen3.5's log decay from the raw gate input: -exp(A_log) * softplus(a + dt_bias), in
-    float32 (exp(A_log) may overflow in bf16). a: [..., HV]; A_log, dt_bias: [HV]."""
-    shifted = wide(a) + wide(dt_bias) if dt_bias is not None else wide(a)
-    return -wide(A_log).exp() * F.softplus(shifted)
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -590,13 +417,6 @@ def _differentiable(*tensors) -> bool:
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
 
 
-def fork_states(states: torch.Tensor, parents: torch.Tensor, orphans: bool) -> torch.Tensor:
-    """Per-prefix states [G, ...] -> each row's [N, ...]: states[parents[n]], or zeros for a
-    row without a prefix (parent -1) when `orphans` (host bool) says some row has none."""
-    if orphans:
-        states = torch.cat([states, states.new_zeros(1, *states.shape[1:])])  # index -1: the zero state
-    return states[parents]
-
 
 # FLA tunes each delta-rule kernel on its first call for a head shape (the autotune key holds the
 # head counts and widths, not the number of tokens or sequences) and keeps that choice, in memory
@@ -640,81 +460,3 @@ def _tune_delta_rule(function, q: torch.Tensor, v: torch.Tensor, gate: dict, nor
                  chunk_indices=plan.to(q.device), use_qk_l2norm_in_kernel=normalise, **extra)
 
 
-def _prepare(q, k, v, g, beta, cu_seqlens, normalise):
-    """Float32, grouped heads expanded, q scaled, everything unpacked to [N, L, ...]."""
-    repeat = v.shape[2] // q.shape[2]
-    q, k = wide(q.repeat_interleave(repeat, dim=2)), wide(k.repeat_interleave(repeat, dim=2))
-    if normalise:
-        q, k = l2norm(q), l2norm(k)
-    q = q * q.shape[-1] ** -0.5
-    (q, valid), (k, _), (v, _) = unpack(q, cu_seqlens), unpack(k, cu_seqlens), unpack(wide(v), cu_seqlens)
-    (g, _), (beta, _) = unpack(wide(g), cu_seqlens), unpack(wide(beta), cu_seqlens)
-    return q, k, v, g, beta, valid
-
-
-def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
-                             normalise=True, chunk_size=64):
-    """The same recurrence, a chunk of tokens at a time (the CPU path: a few large ops instead of
-    a Python step per token).
-
-    Within a chunk with cumulative log decay G and S0 the state before it, the pseudo-values
-    U solve the unit lower-triangular system
-        U_i + beta_i sum_{j<i} exp(G_i - G_j) (k_i . k_j) U_j = beta_i (v_i - exp(G_i) S0^T k_i),
-    then o_i = exp(G_i) S0^T q_i + sum_{j<=i} exp(G_i - G_j) (q_i . k_j) U_j and
-    S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j U_j^T. Padding has k = v = beta = g = 0, which
-    leaves the state unchanged.
-    """
-    dtype = v.dtype
-    q, k, v, g, beta, valid = _prepare(q, k, v, g, beta, cu_seqlens, normalise)
-    if valid is not None:
-        live = valid[..., None].to(k.dtype)
-        k, v, beta, g = k * live[..., None], v * live[..., None], beta * live, g * live
-    count, length, heads, key_dim = k.shape
-    state = (wide(initial_state) if initial_state is not None
-             else k.new_zeros(count, heads, key_dim, v.shape[-1]))
-    # [N, H, L, ...] so each chunk is a batch of matrices per sequence and head.
-    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    g, beta = g.transpose(1, 2), beta.transpose(1, 2)
-    outputs = []
-    for start in range(0, length, chunk_size):
-        end = min(start + chunk_size, length)
-        qc, kc, vc, bc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], beta[:, :, start:end]
-        cumulative = g[:, :, start:end].cumsum(-1)  # [N, H, C]
-        size = end - start
-        lower = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
-        gap = cumulative[..., :, None] - cumulative[..., None, :]
-        # exp only where j <= i: the masked entries would overflow.
-        decay = torch.where(lower, gap, torch.full_like(gap, -torch.inf)).exp()  # [N, H, C, C]
-        strict = decay.masked_fill(torch.eye(size, dtype=torch.bool, device=k.device), 0.0)
-        system = bc[..., None] * strict * (kc @ kc.transpose(-1, -2))
-        eye = torch.eye(size, device=k.device, dtype=k.dtype)
-        grow = cumulative.exp()[..., None]
-        rhs = bc[..., None] * (vc - grow * (kc @ state))
-        pseudo = torch.linalg.solve_triangular(eye + system, rhs, upper=False, unitriangular=True)
-        outputs.append(grow * (qc @ state) + (decay * (qc @ kc.transpose(-1, -2))) @ pseudo)
-        tail = (cumulative[..., -1:] - cumulative).exp()[..., None]  # [N, H, C, 1]
-        state = cumulative[..., -1, None, None].exp() * state + (kc * tail).transpose(-1, -2) @ pseudo
-    out = torch.cat(outputs, dim=2).transpose(1, 2) if outputs else v.transpose(1, 2)
-    return pack(out, valid).to(dtype), (state if output_final_state else None)
-
-
-def gated_delta_rule_reference(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
-                               normalise=True):
-    """The token-by-token recurrence in float32, all sequences side by side: the oracle."""
-    dtype = v.dtype
-    q, k, v, g, beta, valid = _prepare(q, k, v, g, beta, cu_seqlens, normalise)
-    count, length, heads, key_dim = k.shape
-    state = (wide(initial_state) if initial_state is not None
-             else k.new_zeros(count, heads, key_dim, v.shape[-1]))
-    outputs = []
-    for t in range(length):
-        # Padding steps (past a sequence's end) must leave its state unchanged.
-        live = valid[:, t, None, None, None] if valid is not None else None
-        decayed = state * g[:, t, :, None, None].exp()
-        memory = (decayed * k[:, t, :, :, None]).sum(-2)  # [N, HV, V]
-        delta = (v[:, t] - memory) * beta[:, t, :, None]
-        updated = decayed + k[:, t, :, :, None] * delta[:, :, None, :]
-        state = updated if live is None else torch.where(live, updated, state)
-        outputs.append((state * q[:, t, :, :, None]).sum(-2))
-    out = torch.stack(outputs, dim=1) if outputs else v.new_zeros(count, 0, heads, v.shape[-1])
-    return pack(out, valid).to(dtype), (state if output_final_state else None)

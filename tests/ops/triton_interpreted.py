@@ -13,11 +13,16 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
 from dohnuts.ops import kernels
 from dohnuts.ops.conv import fused as conv_fused
+from dohnuts.ops.conv.naive import conv_split_heads_reference
 from dohnuts.ops.delta_rule import backward as delta_backward
 from dohnuts.ops.delta_rule import rows as delta_rows
 from dohnuts.ops.delta_rule import scan as delta_scan
+from dohnuts.ops.delta_rule.naive import decay, gated_delta_rule_reference
 from dohnuts.ops.norm import fused as norm_fused
+from dohnuts.ops.norm.naive import norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
+from dohnuts.ops.plain import l2norm
 from dohnuts.ops.swiglu import fused as swiglu_fused
+from dohnuts.ops.swiglu.naive import swiglu_reference
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -59,8 +64,8 @@ def check_conv_split_heads_blocks():
                 inputs = [x, weight] + ([state] if with_state else [])
                 ours = conv_fused.conv_split_heads(x, weight, state, keep, cu, cu, None, heads, key_dim, value_heads,
                                                    value_dim)
-                reference = kernels.conv_split_heads_reference(x, weight, state, keep, cu.long(), heads, key_dim,
-                                                               value_heads, value_dim)
+                reference = conv_split_heads_reference(x, weight, state, keep, cu.long(), heads, key_dim,
+                                                       value_heads, value_dim)
                 case = f"conv_split_heads tokens={conv_fused.TOKENS} lengths={lengths} state={with_state} final={keep}"
                 for name, a, b in zip(["q", "k", "v", "final"], ours, reference):
                     if b is None:
@@ -78,7 +83,7 @@ def check_conv_split_heads_blocks():
                     with torch.no_grad():
                         ours = conv_fused.conv_split_heads(x, weight, shared, keep, cu, cu, None, heads, key_dim,
                                                            value_heads, value_dim, parents)
-                        reference = kernels.conv_split_heads_reference(
+                        reference = conv_split_heads_reference(
                             x, weight, kernels.fork_states(shared, parents, True), keep, cu.long(), heads, key_dim,
                             value_heads, value_dim)
                     for name, a, b in zip(["q", "k", "v", "final"], ours, reference):
@@ -98,7 +103,7 @@ def check_norms_and_swiglu():
         x = x.clone().requires_grad_() if x.is_contiguous() else x.detach().requires_grad_()
         weight = (torch.randn(x.shape[-1], generator=generator) * 0.2).requires_grad_()
         ours = norm_fused.rms_norm(x, 1.0 + weight, 1e-6)
-        reference = kernels.rms_norm_reference(x, weight, 1e-6)
+        reference = rms_norm_reference(x, weight, 1e-6)
         close(f"rms_norm {tuple(x.shape)}", ours, reference)
         for name, a, b in zip(["x", "weight"], grads([ours], [x, weight], 4), grads([reference], [x, weight], 4)):
             close(f"rms_norm {tuple(x.shape)} grad {name}", a, b)
@@ -107,7 +112,7 @@ def check_norms_and_swiglu():
     weight = torch.randn(40, generator=generator) * 0.2
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t.contiguous().clone(), lambda t: t):
         repacked = norm_fused.rms_norm(x, 1.0 + weight, 1e-6)
-    plain = kernels.rms_norm_reference(x, weight, 1e-6)
+    plain = rms_norm_reference(x, weight, 1e-6)
     close("rms_norm grad through a repacking hook", grads([repacked], [x], 7)[0], grads([plain], [x], 7)[0])
     for shape, block in [((19, 4, 24), False), ((7, 130), False), ((19, 4, 24), True), ((7, 130), True)]:
         # With `block`, the gate is a column block of a wider projection output, read in place.
@@ -118,7 +123,7 @@ def check_norms_and_swiglu():
         leaf = outputs if block else z
         weight = (1.0 + 0.2 * torch.randn(shape[-1], generator=generator)).requires_grad_()
         ours = norm_fused.rms_norm_gated(x, z, weight, 1e-6)
-        reference = kernels.rms_norm_gated_reference(x, z, weight, 1e-6)
+        reference = rms_norm_gated_reference(x, z, weight, 1e-6)
         close(f"rms_norm_gated {shape} block={block}", ours, reference)
         for name, a, b in zip(["x", "gate", "weight"], grads([ours], [x, leaf, weight], 6),
                               grads([reference], [x, leaf, weight], 6)):
@@ -130,7 +135,7 @@ def check_norms_and_swiglu():
                     (torch.randn(33, 70, generator=generator, requires_grad=True),
                      torch.randn(33, 70, generator=generator, requires_grad=True)))
         leaves = [outputs] if block else [gate, up]
-        ours, reference = swiglu_fused.swiglu(gate, up), kernels.swiglu_reference(gate, up)
+        ours, reference = swiglu_fused.swiglu(gate, up), swiglu_reference(gate, up)
         close(f"swiglu block={block}", ours, reference)
         for name, a, b in zip(["gate", "up"], grads([ours], leaves, 5), grads([reference], leaves, 5)):
             close(f"swiglu block={block} grad {name}", a, b)
@@ -147,7 +152,7 @@ def check_add_rms_norm():
         for used in ([0], [1], [0, 1]):
             total, normed = norm_fused.add_rms_norm(x, residual, 1.0 + weight, 1e-6)
             expected_total = x + residual
-            expected = kernels.rms_norm_reference(expected_total, weight, 1e-6)
+            expected = rms_norm_reference(expected_total, weight, 1e-6)
             close(f"add_rms_norm {shape} sum", total, expected_total)
             close(f"add_rms_norm {shape} normed", normed, expected)
             ours = [[total, normed][i] for i in used]
@@ -175,7 +180,7 @@ def check_norm_rotate():
         angles = torch.randn(total, turned // 2, generator=generator)
         cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
         ours = norm_fused.norm_rotate(x, 1.0 + weight, cos, sin, 1e-6)
-        reference = kernels.norm_rotate_reference(x, weight, cos, sin, 1e-6)
+        reference = norm_rotate_reference(x, weight, cos, sin, 1e-6)
         case = f"norm_rotate heads={heads} D={width} R={turned} interleaved={interleaved}"
         close(case, ours, reference)
         for name, a, b in zip(["x", "weight"], grads([ours], [leaf, weight], 12),
@@ -196,7 +201,7 @@ def check_delta_rule_rows():
             for lengths in ([1, 15, 16, 17, 33, 49, 63, 64], [5], [17, 30], [33, 2, 40], [64, 2, 48]):
                 total, states = sum(lengths), torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-                q, k = (kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
+                q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
                 v = torch.randn(total, value_heads, value_dim, generator=generator)
                 # The raw gate input as the kernels get it from a packed projection: a column block.
                 gate = torch.randn(total, value_heads + 3, generator=generator)[:, 1:-2]
@@ -205,8 +210,8 @@ def check_delta_rule_rows():
                 parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
                 ours = delta_rows.delta_rule_rows(q, k, v, gate, beta, states, parents, cu, max(lengths), A_log,
                                                   dt_bias)
-                reference, _ = kernels.gated_delta_rule_reference(
-                    q[None], k[None], v[None], kernels.decay(gate, A_log, dt_bias)[None], beta[None],
+                reference, _ = gated_delta_rule_reference(
+                    q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None], beta[None],
                     kernels.fork_states(states, parents, True), False, cu.long(), normalise=False)
                 close(f"delta_rule_rows lengths={lengths} V={value_dim} block={values}", ours, reference[0])
                 larger = torch.full((total + 5, value_heads, value_dim), 5.0)
@@ -233,15 +238,15 @@ def check_delta_rule_rows():
     total = sum(lengths)
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     base = torch.randn(1, heads, key_dim, generator=generator)
-    k = kernels.l2norm(base + 0.05 * torch.randn(total, heads, key_dim, generator=generator))
-    q = kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator))
+    k = l2norm(base + 0.05 * torch.randn(total, heads, key_dim, generator=generator))
+    q = l2norm(torch.randn(total, heads, key_dim, generator=generator))
     v = torch.randn(total, value_heads, 6, generator=generator)
     gate, beta = torch.full((total, value_heads), -8.0), 0.9 + 0.1 * torch.rand(total, value_heads)
     A_log, dt_bias = torch.zeros(value_heads), torch.zeros(value_heads)
     states, parents = torch.randn(1, value_heads, key_dim, 6, generator=generator), torch.tensor([0, -1])
     ours = delta_rows.delta_rule_rows(q, k, v, gate, beta, states, parents, cu, 64, A_log, dt_bias)
-    reference, _ = kernels.gated_delta_rule_reference(
-        *(x[None].double() for x in (q, k, v, kernels.decay(gate, A_log, dt_bias), beta)),
+    reference, _ = gated_delta_rule_reference(
+        *(x[None].double() for x in (q, k, v, decay(gate, A_log, dt_bias), beta)),
         kernels.fork_states(states, parents, True).double(), False, cu.long(), normalise=False)
     error = (ours.double() - reference[0]).abs().max().item()
     if not error < 1e-3:
@@ -263,16 +268,16 @@ def check_delta_rule_scan():
             for lengths in ([1, 15, 16, 17, 33, 64, 65, 130], [5], [97, 2]):
                 total = sum(lengths)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-                q, k = (kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
+                q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
                 v = torch.randn(total, value_heads, value_dim, generator=generator)
                 # The raw gate input as a column block of a packed projection's output (read in place).
                 gate = torch.randn(total, value_heads + 3, generator=generator)[:, 1:-2]
                 beta = torch.rand(total, value_heads)
                 A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
-                log_decay = kernels.decay(gate, A_log, dt_bias)
+                log_decay = decay(gate, A_log, dt_bias)
                 case = f"delta_rule_scan lengths={lengths} V={value_dim} block={values}"
                 ours, final = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias)
-                reference, reference_final = kernels.gated_delta_rule_reference(
+                reference, reference_final = gated_delta_rule_reference(
                     q[None], k[None], v[None], log_decay[None], beta[None], None, True, cu.long(), normalise=False)
                 close(f"{case} from zero", ours, reference[0])
                 close(f"{case} final states", final, reference_final)
@@ -280,7 +285,7 @@ def check_delta_rule_scan():
                 parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
                 ours, none = delta_scan.delta_rule_scan(q, k, v, gate, beta, states, parents, cu, False, A_log,
                                                         dt_bias)
-                reference, _ = kernels.gated_delta_rule_reference(
+                reference, _ = gated_delta_rule_reference(
                     q[None], k[None], v[None], log_decay[None], beta[None], kernels.fork_states(states, parents, True),
                     False, cu.long(), normalise=False)
                 assert none is None, case
@@ -318,7 +323,7 @@ def check_delta_rule_grad():
             for lengths in ([1, 15, 16, 17, 33, 130], [5], [64, 2]):
                 total = sum(lengths)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-                q, k = (kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator)).requires_grad_()
+                q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)).requires_grad_()
                         for _ in range(2))
                 v = torch.randn(total, value_heads, value_dim, generator=generator).requires_grad_()
                 gate = torch.randn(total, value_heads, generator=generator).requires_grad_()
@@ -327,12 +332,12 @@ def check_delta_rule_grad():
                 states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator).requires_grad_()
                 parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
                 for forked, final_grad in ((False, True), (True, False), (True, True)):
-                    log_decay = kernels.decay(gate, A_log, dt_bias)
+                    log_decay = decay(gate, A_log, dt_bias)
                     case = f"delta_rule grad lengths={lengths} V={value_dim} block={values} forked={forked}"
                     inputs = [q, k, v, gate, beta] + ([states] if forked else [])
                     ours = delta_backward.delta_rule(q, k, v, gate, beta, states if forked else None,
                                                    parents if forked else None, cu, final_grad, A_log, dt_bias)
-                    reference = kernels.gated_delta_rule_reference(
+                    reference = gated_delta_rule_reference(
                         q[None], k[None], v[None], log_decay[None], beta[None],
                         kernels.fork_states(states, parents, True) if forked else None, final_grad, cu.long(),
                         normalise=False)
@@ -345,9 +350,9 @@ def check_delta_rule_grad():
                         close(f"{case}: d{name}", a, b)
             # Frozen states: they still start the rows, but take no gradient.
             frozen = states.detach()
-            log_decay = kernels.decay(gate, A_log, dt_bias)
+            log_decay = decay(gate, A_log, dt_bias)
             ours = delta_backward.delta_rule(q, k, v, gate, beta, frozen, parents, cu, False, A_log, dt_bias)[0]
-            reference = kernels.gated_delta_rule_reference(
+            reference = gated_delta_rule_reference(
                 q[None], k[None], v[None], log_decay[None], beta[None], kernels.fork_states(frozen, parents, True),
                 False, cu.long(), normalise=False)[0][0]
             for name, a, b in zip(["q", "k", "v"], grads([ours], [q, k, v], 6), grads([reference], [q, k, v], 6)):

@@ -1,5 +1,4 @@
-"""The gated delta rule in our Triton kernels: short rows (`rows`), whole sequences (`scan`), the gradient (`backward`).
+"""The gated delta rule: Triton kernels (`rows`, `scan`, `backward`, from `parts`) and plain PyTorch (`naive`).
 
-`parts` holds the building blocks they share. Nothing here is imported on import of the
-package: the kernel modules need Triton.
+Importing the package imports none of them: the kernel modules need Triton, the references do not.
 """

@@ -9,7 +9,7 @@ launch, and the backward one more: a program per sequence, value head and block 
 first walks the sequence forward to keep the state at the start of each 16-token part (in a
 scratch buffer, freed after the call: nothing is kept between the passes but the inputs), then
 walks the parts in reverse, carrying the state's gradient, and differentiates each part's
-chunk form (`kernels.gated_delta_rule_chunked` at chunk size 16) by hand.
+chunk form (`naive.gated_delta_rule_chunked` at chunk size 16) by hand.
 
 Gradients reach q, k, v, the raw gate input, beta and the initial states (so a row's gradient
 flows into the prefix state it continues, through `parents`); A_log and dt_bias are frozen

@@ -1,6 +1,6 @@
 """Triton building blocks of the delta rule walked in 16-token parts, shared by `rows`, `scan` and `backward`.
 
-Each part is the chunk form of the recurrence (`kernels.gated_delta_rule_chunked`) at chunk
+Each part is the chunk form of the recurrence (`naive.gated_delta_rule_chunked`) at chunk
 size 16: a block-triangular solve for the pseudo-values, then the outputs and the state.
 """
 

@@ -34,7 +34,7 @@ from .parts import (
 # kernels pass the row's one chunk through memory between them. `delta_rule_rows` does a whole row
 # (up to 64 tokens) in one program per value head and block of values, reading the state through
 # the row's parent index: the chunk form of the recurrence (see
-# `kernels.gated_delta_rule_chunked`) as a block-triangular solve of four 16-token parts.
+# `naive.gated_delta_rule_chunked`) as a block-triangular solve of four 16-token parts.
 
 ROW_TOKENS = 64  # the longest row `delta_rule_rows` takes (four parts)
 

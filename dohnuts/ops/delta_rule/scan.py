@@ -32,7 +32,7 @@ from .parts import (
 # the first time, which runs eagerly, that was most of its latency (docs/runtime.md).
 # `delta_rule_scan` runs a sequence in one program per value head and block of values, walking
 # it in 16-token parts with the state [K, BV] in registers: each part is the chunk form of
-# `kernels.gated_delta_rule_chunked` at chunk size 16 (the same products as a part of
+# `naive.gated_delta_rule_chunked` at chunk size 16 (the same products as a part of
 # `delta_rule_rows`), then the state moves past it. One launch a layer, whatever the number of
 # sequences; the parts of a sequence run one after another, so a long sequence alone keeps
 # few programs busy, and SCAN_TOKENS bounds the sequences it takes.

@@ -1,1 +1,1 @@
-"""RMSNorm and its fused variants (residual addition, rotary embedding, gate): the Triton kernels (`fused`)."""
+"""RMSNorm and its fused variants (residual add, rotary embedding, gate): Triton (`fused`) and references (`naive`)."""
