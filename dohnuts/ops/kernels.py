@@ -1,199 +1,36 @@
-"""Compute kernels: fused Triton kernels on CUDA, plain PyTorch elsewhere.
+"""Dispatch: each op runs its fused kernel on CUDA and its plain-PyTorch reference elsewhere.
 
-On CUDA: flash-linear-attention's chunked gated delta rule, our own Triton kernels (a module
-a family: `conv.fused`, the delta rule's convolution with its head split; `norm.fused`,
-RMSNorm and its fused variants; `swiglu.fused`; `delta_rule.rows`, `delta_rule.scan` and
-`delta_rule.backward`, the delta rule of short rows continuing forked states, of whole
-sequences, and its gradient), and PyTorch's flash varlen attention. This is the only module
-that imports `fla` or those kernel modules. Each public function chooses the fused kernel for CUDA tensors when it is
-importable and otherwise runs the plain-PyTorch reference of the same math, which is also
-the test oracle for the fused path (FLA keeps a naive.py beside every kernel for the same
-reason). Argument names follow FLA.
+On CUDA: flash-linear-attention's chunked gated delta rule (`delta_rule.chunk`), our own
+Triton kernels (a module a family: `conv.fused`, the delta rule's convolution with its head
+split; `norm.fused`, RMSNorm and its fused variants; `swiglu.fused`; `delta_rule.rows`,
+`delta_rule.scan` and `delta_rule.backward`, the delta rule of short rows continuing forked
+states, of whole sequences, and its gradient), and PyTorch's flash varlen attention
+(`attention`). `backends` loads them. Each public function chooses the fused kernel for CUDA
+tensors when it is importable and otherwise runs the plain-PyTorch reference of the same math
+(each family's `naive`), which is also the test oracle for the fused path (FLA keeps a
+naive.py beside every kernel for the same reason). Argument names follow FLA.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import logging
-import os
-import sys
-import threading
-import types
-
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .attention import _flash_grouped, _varlen, attention_reference
+from .backends import _ours, fused, slow_path, slow_paths, uncached_plans
 from .conv.naive import conv_split_heads_reference
+from .delta_rule.chunk import chunk_gated_delta_rule_fla
 from .delta_rule.naive import decay, gated_delta_rule_chunked
+from .derived_cache import derived, holding_derived
 from .norm.naive import add_rms_norm_reference, norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
-from .plain import fork_states, l2norm
-from .plan import chunk_plan, cumulative
+from .plain import fork_states
 from .swiglu.naive import swiglu_reference
 
-LOG = logging.getLogger(__name__)
-TRITON_TESTED = (3, 6)  # the oldest Triton our kernels are tested on
-# FLA may dispatch the delta rule to other backends (FlashQLA, intra-card context parallelism)
-# that ignore the chunk plan we pass. The project sets these, whatever the environment says: a
-# user's environment must not silently change which kernels run. FLA reads them on every call.
-FLA_SETTINGS = {"FLA_FLASH_QLA": "0", "FLA_INTRACARD_CP": "0"}
-_SLOW: dict[str, str] = {}
-
-
-def slow_path(key: str, reason: str) -> None:
-    """Record a slower path the runtime takes, and why; the first time per key it is logged as
-    a warning. The benchmark's environment record lists them all (`slow_paths`)."""
-    if key not in _SLOW:
-        _SLOW[key] = reason
-        LOG.warning("%s", reason)
-
-
-def slow_paths() -> dict[str, str]:
-    """Every slower path taken in this process so far: key -> why."""
-    return dict(_SLOW)
-
-
-@functools.cache
-def _fla():
-    """The FLA functions, or None when FLA (or a GPU for it) is not there."""
-    for name, value in FLA_SETTINGS.items():
-        if os.environ.get(name, value) != value:
-            slow_path(f"env:{name}", f"{name}={os.environ[name]} in the environment is overridden with {value}: "
-                                     f"that FLA backend ignores the chunk plan dohnuts passes")
-        os.environ[name] = value
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        return None
-    return {"chunk_gated_delta_rule": chunk_gated_delta_rule}
-
-
-@functools.cache
-def _triton_ops():
-    """Our own Triton kernels, a module a family (`conv`, `norm`, `swiglu`, and the delta rule's
-    `rows` and `scan`), or None without Triton."""
-    try:
-        from .conv import fused as conv
-        from .delta_rule import rows, scan
-        from .norm import fused as norm
-        from .swiglu import fused as swiglu
-    except ImportError:
-        return None
-    import triton
-
-    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
-    if version < TRITON_TESTED:
-        slow_path("triton-version", f"Triton {triton.__version__} is older than {'.'.join(map(str, TRITON_TESTED))}, "
-                                    f"the oldest our kernels are tested on")
-    return types.SimpleNamespace(conv=conv, norm=norm, swiglu=swiglu, rows=rows, scan=scan)
-
-
-def _ours(x: torch.Tensor):
-    """Our Triton kernels for a CUDA tensor they serve (they compute in float32, so float64
-    keeps its exact reference), else None."""
-    if not x.is_cuda or x.dtype == torch.float64:
-        return None
-    ops = _triton_ops()
-    if ops is None:
-        slow_path("triton", "Triton is not importable on this CUDA machine: norms, SwiGLU, the delta rule's "
-                            "convolution and its short rows run plain PyTorch (pip install -e '.[cuda]')")
-    return ops
-
-
-_PLANS_LOCK = threading.Lock()
-_plans_depth = 0
-_plans_before = False
-
-
-@contextlib.contextmanager
-def uncached_plans():
-    """FLA without its memo of derived plans (chunk offsets and the like) for the duration.
-
-    FLA memoises such tensors by the identity of the cu_seqlens they came from, in a small
-    cache that later calls evict. A CUDA graph captured while a plan came from that memo would
-    keep a pointer to memory freed at eviction; computed afresh inside the capture, the plan
-    belongs to the graph. FLA reads this switch (its FLA_DISABLE_TENSOR_CACHE setting) on
-    every call. The switch is process-wide: nested or concurrent users share it, and the
-    first to enter and the last to leave set and restore it.
-    """
-    global _plans_depth, _plans_before
-    utils = sys.modules.get("fla.utils") if _fla() is not None else None
-    if utils is None:
-        yield
-        return
-    with _PLANS_LOCK:
-        if _plans_depth == 0:
-            _plans_before = getattr(utils, "FLA_DISABLE_TENSOR_CACHE", False)
-            utils.FLA_DISABLE_TENSOR_CACHE = True
-        _plans_depth += 1
-    try:
-        yield
-    finally:
-        with _PLANS_LOCK:
-            _plans_depth -= 1
-            if _plans_depth == 0:
-                utils.FLA_DISABLE_TENSOR_CACHE = _plans_before
-
-
-_DERIVED = WeakIdKeyDictionary()
-_HELD: list | None = None  # the kept constants `derived` handed out inside `holding_derived`
-
-
-@contextlib.contextmanager
-def holding_derived():
-    """Collect (into the list it yields) every kept constant `derived` hands out inside the
-    block. A CUDA graph captured there reads their memory at each replay, so it holds them for
-    as long as it lives: when an in-place change of a weight has the cache replace one, a replay
-    launched before the change is noticed (`GraphedScores` reads the weights' versions while its
-    exact graphs replay) still reads memory it owns."""
-    global _HELD
-    previous, _HELD = _HELD, []
-    try:
-        yield _HELD
-    finally:
-        _HELD = previous
-
-
-
-def derived(parameter: torch.Tensor, tag: str, make) -> torch.Tensor:
-    """`make(parameter)`, kept while the parameter keeps its storage, dtype and version.
-
-    Constants derived from frozen weights (RMSNorm's `1 + weight` in the input dtype) would
-    otherwise cost two or three small kernels per layer per pass,
-    about a third of the launches of a forward on the GPU. An in-place change of the parameter
-    bumps its version and recomputes. A parameter that takes gradients computes afresh. Inside a
-    CUDA graph capture a kept constant is read (the graph then reads its memory, which stays
-    while the parameter is unchanged; `GraphedScores` drops graphs when a parameter changes),
-    but a missing one is computed without being kept: a capture's kernels only run at replay.
-    `tag` names the derivation, including anything else `make` depends on (such as a dtype).
-    """
-    if parameter.requires_grad and torch.is_grad_enabled():
-        return make(parameter)
-    stamp = (parameter._version, parameter.data_ptr(), parameter.dtype, parameter.device)
-    entries = _DERIVED.setdefault(parameter, {})
-    entry = entries.get(tag)
-    if entry is None or entry[0] != stamp:
-        value = make(parameter)
-        if value is parameter or value._base is parameter:
-            return value  # nothing to save, and keeping it would keep the parameter alive
-        if parameter.is_cuda and torch.cuda.is_current_stream_capturing():
-            return value
-        entry = entries[tag] = (stamp, value)
-    if _HELD is not None:
-        _HELD.append(entry[1])
-    return entry[1]
-
-
-def fused(x: torch.Tensor):
-    """The FLA functions when `x` lives on a CUDA device and FLA is installed, else None."""
-    if not x.is_cuda:
-        return None
-    functions = _fla()
-    if functions is None:
-        slow_path("fla", "flash-linear-attention is not installed on this CUDA machine: the gated delta rule runs "
-                         "its plain-PyTorch chunked reference, many times slower (pip install -e '.[cuda]')")
-    return functions
+# What the rest of dohnuts calls: the ops, and the runtime's switches and records they share.
+__all__ = [
+    "add_rms_norm", "attention", "chunk_gated_delta_rule", "conv_split_heads", "decay", "delta_rule", "derived",
+    "fork_states", "fused", "holding_derived", "norm_rotate", "rms_norm", "rms_norm_gated", "slow_path",
+    "slow_paths", "swiglu", "uncached_plans",
+]
 
 
 # -- normalisation and activation -------------------------------------------------------------
@@ -343,12 +180,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     """
     kernels = fused(q)
     if kernels is not None:
-        gate = {} if A_log is None else {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
-        _tune_delta_rule(kernels["chunk_gated_delta_rule"], q, v, gate, use_qk_l2norm_in_kernel)
-        return kernels["chunk_gated_delta_rule"](
-            q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **gate)
+        return chunk_gated_delta_rule_fla(kernels["chunk_gated_delta_rule"], q, k, v, g, beta, initial_state,
+                                          output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, cu_seqlens_cpu,
+                                          chunk_indices, A_log, dt_bias)
     if A_log is not None:
         g = decay(g, A_log, dt_bias)
     return gated_delta_rule_chunked(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
@@ -381,8 +215,8 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     On CUDA, with A_log and dt_bias frozen and sequences of at most `SCAN_TOKENS`: rows that
     continue states, need no gradient and no final states, and hold at most 64 tokens run
     `delta_rule.rows.delta_rule_rows`; the rest `delta_rule.scan.delta_rule_scan` (reading each
-    state in place), with `delta_rule.backward`'s gradient when autograd needs one. Otherwise FLA's chunked
-    kernels, or the plain-PyTorch chunked reference off CUDA.
+    state in place), with `delta_rule.backward`'s gradient when autograd needs one. Otherwise
+    FLA's chunked kernels, or the plain-PyTorch chunked reference off CUDA.
 
     Returns:
         (o [T, HV, V] in v's dtype, final states or None)
@@ -415,48 +249,3 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 def _differentiable(*tensors) -> bool:
     """Whether autograd would record an operation on these tensors."""
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
-
-
-
-# FLA tunes each delta-rule kernel on its first call for a head shape (the autotune key holds the
-# head counts and widths, not the number of tokens or sequences) and keeps that choice, in memory
-# and in Triton's disk cache, for every later call. Left to chance, the first call may be a
-# 64-token prefix, whose choice then serves a batch of 50 rows poorly: on the H200 the
-# 50-question request (Qwen3.5-0.8B shape) took 13.9 ms after tuning on its prefix and 11.9 ms
-# after tuning on the batch below (docs/runtime-history.md, the sixth session's sweeps). So the
-# first fused call of each head shape in a process first runs one packed batch of TUNING_ROWS
-# rows of TUNING_LENGTH tokens continuing carried states, the shape of evaluation batches and
-# training updates. At inference, rows of up to 64 tokens now run `delta_rule_rows` instead;
-# whether another tuning batch would serve the prefixes better is not measured.
-TUNING_ROWS, TUNING_LENGTH = 48, 40
-_TUNED: set = set()
-
-
-def _tune_delta_rule(function, q: torch.Tensor, v: torch.Tensor, gate: dict, normalise: bool):
-    """Run `function` (FLA's chunked delta rule) once on the tuning batch, the first time it
-    meets q's and v's head shape, dtype and device; not inside a CUDA graph capture."""
-    heads, key_dim = q.shape[-2:]
-    value_heads, value_dim = v.shape[-2:]
-    signature = (heads, key_dim, value_heads, value_dim, q.dtype, v.dtype, q.device)
-    if signature in _TUNED or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return
-    _TUNED.add(signature)
-    total = TUNING_ROWS * TUNING_LENGTH
-    generator = torch.Generator(device=q.device).manual_seed(0)  # the global generator stays untouched
-
-    def rand(*shape, dtype=q.dtype):
-        return torch.randn(*shape, generator=generator, device=q.device, dtype=torch.float32).to(dtype)
-
-    lengths = [TUNING_LENGTH] * TUNING_ROWS
-    bounds, plan = cumulative(lengths), chunk_plan(lengths)
-    with torch.no_grad():
-        query, key = l2norm(rand(1, total, heads, key_dim)), l2norm(rand(1, total, heads, key_dim))
-        extra = {name: torch.zeros_like(value) if torch.is_tensor(value) else value for name, value in gate.items()}
-        function(query, key, rand(1, total, value_heads, value_dim, dtype=v.dtype),
-                 -torch.rand(1, total, value_heads, generator=generator, device=q.device).to(q.dtype),
-                 torch.rand(1, total, value_heads, generator=generator, device=q.device).to(q.dtype),
-                 initial_state=rand(TUNING_ROWS, value_heads, key_dim, value_dim, dtype=torch.float32),
-                 output_final_state=False, cu_seqlens=bounds.to(q.device), cu_seqlens_cpu=bounds,
-                 chunk_indices=plan.to(q.device), use_qk_l2norm_in_kernel=normalise, **extra)
-
-

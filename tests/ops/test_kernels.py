@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dohnuts.ops import kernels
+from dohnuts.ops import backends, derived_cache, kernels
 from dohnuts.ops.attention import attention_reference
 from dohnuts.ops.conv.naive import causal_conv1d_reference, conv_split_heads_reference
+from dohnuts.ops.delta_rule import chunk
 from dohnuts.ops.delta_rule.naive import decay, gated_delta_rule_chunked, gated_delta_rule_reference
 from dohnuts.ops.norm.naive import norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
 from dohnuts.ops.plain import l2norm
@@ -57,19 +58,19 @@ def test_holding_derived_keeps_what_a_capture_read_after_the_cache_replaced_it()
     import weakref
 
     weight = torch.nn.Parameter(torch.randn(5), requires_grad=False)
-    kernels.derived(weight, "1+w", lambda w: 1.0 + w)
-    with kernels.holding_derived() as held:
-        old = kernels.derived(weight, "1+w", lambda w: 1.0 + w)
+    derived_cache.derived(weight, "1+w", lambda w: 1.0 + w)
+    with derived_cache.holding_derived() as held:
+        old = derived_cache.derived(weight, "1+w", lambda w: 1.0 + w)
     assert len(held) == 1 and held[0] is old
     watch = weakref.ref(old)
     del old
     with torch.no_grad():
         weight.add_(1.0)
-    new = kernels.derived(weight, "1+w", lambda w: 1.0 + w)  # replaces the cache's entry
+    new = derived_cache.derived(weight, "1+w", lambda w: 1.0 + w)  # replaces the cache's entry
     gc.collect()
     assert watch() is held[0] and new is not held[0]
     torch.testing.assert_close(new, 1.0 + weight, rtol=0, atol=0)
-    kernels.derived(weight, "1+w", lambda w: 1.0 + w)
+    derived_cache.derived(weight, "1+w", lambda w: 1.0 + w)
     assert len(held) == 1  # collected only inside the block
     held.clear()
     gc.collect()
@@ -84,25 +85,25 @@ def test_derived_constants_are_kept_per_version_and_never_cut_gradients():
         calls.append(1)
         return 1.0 + w.float()
 
-    first = kernels.derived(weight, "1+w", plus_one)
-    assert kernels.derived(weight, "1+w", plus_one) is first and len(calls) == 1
-    assert kernels.derived(weight, "other", plus_one) is not first and len(calls) == 2  # tags are separate
+    first = derived_cache.derived(weight, "1+w", plus_one)
+    assert derived_cache.derived(weight, "1+w", plus_one) is first and len(calls) == 1
+    assert derived_cache.derived(weight, "other", plus_one) is not first and len(calls) == 2  # tags are separate
     with torch.no_grad():
         weight.mul_(3.0)  # in place: a new version
-    torch.testing.assert_close(kernels.derived(weight, "1+w", plus_one), 1.0 + weight, rtol=0, atol=0)
+    torch.testing.assert_close(derived_cache.derived(weight, "1+w", plus_one), 1.0 + weight, rtol=0, atol=0)
     assert len(calls) == 3
     weight.data = torch.randn(5, dtype=torch.float64)  # new storage and dtype
-    torch.testing.assert_close(kernels.derived(weight, "1+w", plus_one), 1.0 + weight.float(), rtol=0, atol=0)
+    torch.testing.assert_close(derived_cache.derived(weight, "1+w", plus_one), 1.0 + weight.float(), rtol=0, atol=0)
     trained = torch.nn.Parameter(torch.randn(5))
-    out = kernels.derived(trained, "1+w", plus_one)
+    out = derived_cache.derived(trained, "1+w", plus_one)
     out.sum().backward()
     torch.testing.assert_close(trained.grad, torch.ones(5))  # computed afresh, in the autograd graph
-    assert kernels.derived(trained, "1+w", plus_one) is not out
+    assert derived_cache.derived(trained, "1+w", plus_one) is not out
     # A derivation that gives the parameter back (float() of a float32 weight) is not kept:
     # the entry would keep its own weak key alive.
     plain = torch.nn.Parameter(torch.randn(3), requires_grad=False)
-    assert kernels.derived(plain, "float", torch.Tensor.float) is plain
-    assert "float" not in kernels._DERIVED.get(plain, {})
+    assert derived_cache.derived(plain, "float", torch.Tensor.float) is plain
+    assert "float" not in derived_cache._DERIVED.get(plain, {})
 
 
 def test_delta_rule_reference_matches_explicit_per_head_recurrence_on_packed_sequences():
@@ -230,7 +231,7 @@ def test_fused_kernels_are_installed_on_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("width", [63, 128, 1024])
 def test_fused_norms_and_swiglu_match_references(width):
-    assert kernels._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    assert backends._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
     x = torch.randn(2, 63, width, device="cuda", dtype=torch.bfloat16)
     gate = torch.randn(2, 63, width, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
@@ -245,7 +246,7 @@ def test_triton_rms_norm_and_swiglu_gradients_match_references():
     """Our Triton RMSNorm on a [T, H, D] view read with strides (as the attention's q norm reads
     it) and on 2-D rows of the hidden width, the gated RMSNorm of the delta rule's output, and
     SwiGLU: outputs and gradients in bf16."""
-    assert kernels._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    assert backends._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
     wide = torch.randn(63, 8, 512, device="cuda", dtype=torch.bfloat16)
     for x in (wide[..., :256].detach(), torch.randn(63, 1024, device="cuda", dtype=torch.bfloat16)):
         x.requires_grad_()
@@ -270,7 +271,7 @@ def test_packed_projection_kernels_match_references_on_cuda():
     their references, outputs and gradients: the head norm fused with the rotary embedding on
     query heads interleaved with their gates (read in place), the residual addition fused with
     the next RMSNorm, SwiGLU and the gated RMSNorm on column blocks of one output."""
-    assert kernels._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    assert backends._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
     total = 63
     projected = torch.randn(total, 8 * 512 + 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     query = projected[:, :4096].view(total, 8, 512)[..., :256]
@@ -517,7 +518,7 @@ def test_triton_conv_split_heads_matches_reference_forward_and_gradients(dtype, 
     """The fused convolution and head split on packed sequences [63, 1, 17, 64, 130] of the
     Qwen3.5-0.8B widths, from carried states and keeping final states (or neither): outputs,
     final states and the gradients of the input, the weight and the carried state."""
-    assert kernels._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    assert backends._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
     heads, key_dim, value_heads, value_dim, width = 16, 128, 16, 128, 4
     channels = 2 * heads * key_dim + value_heads * value_dim
     lengths = LENGTHS + [130]
@@ -564,9 +565,9 @@ def test_uncached_plans_sets_flas_switch_for_nested_users_and_restores_it(monkey
     utils = types.ModuleType("fla.utils")
     utils.FLA_DISABLE_TENSOR_CACHE = False
     monkeypatch.setitem(sys.modules, "fla.utils", utils)
-    monkeypatch.setattr(kernels, "_fla", lambda: {})
-    with kernels.uncached_plans():
-        with kernels.uncached_plans():
+    monkeypatch.setattr(backends, "_fla", lambda: {})
+    with backends.uncached_plans():
+        with backends.uncached_plans():
             assert utils.FLA_DISABLE_TENSOR_CACHE is True
         assert utils.FLA_DISABLE_TENSOR_CACHE is True  # the outer user still needs it
     assert utils.FLA_DISABLE_TENSOR_CACHE is False
@@ -589,7 +590,7 @@ def test_first_fused_delta_rule_call_of_a_head_shape_tunes_on_the_tuning_batch(m
         return torch.zeros_like(v), None
 
     monkeypatch.setattr(kernels, "fused", lambda x: {"chunk_gated_delta_rule": fake})
-    monkeypatch.setattr(kernels, "_TUNED", set())
+    monkeypatch.setattr(chunk, "_TUNED", set())
     A_log, dt_bias = torch.randn(4, requires_grad=True), torch.randn(4)
 
     def call(heads, key_dim, value_heads, value_dim, tokens=70):
@@ -605,7 +606,7 @@ def test_first_fused_delta_rule_call_of_a_head_shape_tunes_on_the_tuning_batch(m
 
     rng = call(2, 8, 4, 6)
     # The tuning call came first, on its own packed batch, with the caller's options.
-    rows, length = kernels.TUNING_ROWS, kernels.TUNING_LENGTH
+    rows, length = chunk.TUNING_ROWS, chunk.TUNING_LENGTH
     assert len(calls) == 2
     tuning, real = calls
     assert tuning["q"] == (1, rows * length, 2, 8) and tuning["v"] == (1, rows * length, 4, 6)
@@ -623,27 +624,27 @@ def test_first_fused_delta_rule_call_of_a_head_shape_tunes_on_the_tuning_batch(m
 
 
 def test_slow_paths_are_recorded_once_with_their_reason(monkeypatch, caplog):
-    monkeypatch.setattr(kernels, "_SLOW", {})
-    monkeypatch.setattr(kernels, "_fla", lambda: None)
-    monkeypatch.setattr(kernels, "_triton_ops", lambda: None)
+    monkeypatch.setattr(backends, "_SLOW", {})
+    monkeypatch.setattr(backends, "_fla", lambda: None)
+    monkeypatch.setattr(backends, "_triton_ops", lambda: None)
     on_cuda = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)  # what the dispatch reads of a tensor
-    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+    with caplog.at_level(logging.WARNING, logger=backends.__name__):
         for _ in range(3):
-            assert kernels.fused(on_cuda) is None and kernels._ours(on_cuda) is None
-    assert kernels.fused(torch.zeros(1)) is None  # the CPU takes the reference: not a slow path
-    paths = kernels.slow_paths()
+            assert backends.fused(on_cuda) is None and backends._ours(on_cuda) is None
+    assert backends.fused(torch.zeros(1)) is None  # the CPU takes the reference: not a slow path
+    paths = backends.slow_paths()
     assert set(paths) == {"fla", "triton"} and "plain-PyTorch chunked reference" in paths["fla"]
     assert [record.message for record in caplog.records] == [paths["fla"], paths["triton"]]
 
 
 def test_fla_backend_settings_are_set_by_the_project_not_the_environment(monkeypatch):
-    monkeypatch.setattr(kernels, "_SLOW", {})
+    monkeypatch.setattr(backends, "_SLOW", {})
     monkeypatch.setenv("FLA_FLASH_QLA", "1")
     monkeypatch.delenv("FLA_INTRACARD_CP", raising=False)
-    kernels._fla.cache_clear()
+    backends._fla.cache_clear()
     try:
-        kernels._fla()
+        backends._fla()
         assert os.environ["FLA_FLASH_QLA"] == "0" and os.environ["FLA_INTRACARD_CP"] == "0"
-        assert "overridden" in kernels.slow_paths()["env:FLA_FLASH_QLA"]
+        assert "overridden" in backends.slow_paths()["env:FLA_FLASH_QLA"]
     finally:
-        kernels._fla.cache_clear()
+        backends._fla.cache_clear()
