@@ -55,7 +55,7 @@ def _fla():
 
 
 @functools.cache
-def _triton_ops():
+def _triton_kernels():
     """Our own Triton kernels, a module a family (`conv`, `norm`, `swiglu`, and the delta rule's
     `rows` and `scan`), or None without Triton."""
     try:
@@ -79,7 +79,7 @@ def _ours(x: torch.Tensor):
     keeps its exact reference), else None."""
     if not x.is_cuda or x.dtype == torch.float64:
         return None
-    ops = _triton_ops()
+    ops = _triton_kernels()
     if ops is None:
         slow_path("triton", "Triton is not importable on this CUDA machine: norms, SwiGLU, the delta rule's "
                             "convolution and its short rows run plain PyTorch (pip install -e '.[cuda]')")

@@ -231,7 +231,7 @@ def test_fused_kernels_are_installed_on_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("width", [63, 128, 1024])
 def test_fused_norms_and_swiglu_match_references(width):
-    assert backends._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    assert backends._triton_kernels() is not None, "no Triton: the test would compare the reference with itself"
     x = torch.randn(2, 63, width, device="cuda", dtype=torch.bfloat16)
     gate = torch.randn(2, 63, width, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
@@ -246,7 +246,7 @@ def test_triton_rms_norm_and_swiglu_gradients_match_references():
     """Our Triton RMSNorm on a [T, H, D] view read with strides (as the attention's q norm reads
     it) and on 2-D rows of the hidden width, the gated RMSNorm of the delta rule's output, and
     SwiGLU: outputs and gradients in bf16."""
-    assert backends._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    assert backends._triton_kernels() is not None, "no Triton: the test would compare the reference with itself"
     wide = torch.randn(63, 8, 512, device="cuda", dtype=torch.bfloat16)
     for x in (wide[..., :256].detach(), torch.randn(63, 1024, device="cuda", dtype=torch.bfloat16)):
         x.requires_grad_()
@@ -271,7 +271,7 @@ def test_packed_projection_kernels_match_references_on_cuda():
     their references, outputs and gradients: the head norm fused with the rotary embedding on
     query heads interleaved with their gates (read in place), the residual addition fused with
     the next RMSNorm, SwiGLU and the gated RMSNorm on column blocks of one output."""
-    assert backends._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    assert backends._triton_kernels() is not None, "no Triton: the test would compare the reference with itself"
     total = 63
     projected = torch.randn(total, 8 * 512 + 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     query = projected[:, :4096].view(total, 8, 512)[..., :256]
@@ -518,7 +518,7 @@ def test_triton_conv_split_heads_matches_reference_forward_and_gradients(dtype, 
     """The fused convolution and head split on packed sequences [63, 1, 17, 64, 130] of the
     Qwen3.5-0.8B widths, from carried states and keeping final states (or neither): outputs,
     final states and the gradients of the input, the weight and the carried state."""
-    assert backends._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    assert backends._triton_kernels() is not None, "no Triton: the test would compare the reference with itself"
     heads, key_dim, value_heads, value_dim, width = 16, 128, 16, 128, 4
     channels = 2 * heads * key_dim + value_heads * value_dim
     lengths = LENGTHS + [130]
@@ -626,7 +626,7 @@ def test_first_fused_delta_rule_call_of_a_head_shape_tunes_on_the_tuning_batch(m
 def test_slow_paths_are_recorded_once_with_their_reason(monkeypatch, caplog):
     monkeypatch.setattr(backends, "_SLOW", {})
     monkeypatch.setattr(backends, "_fla", lambda: None)
-    monkeypatch.setattr(backends, "_triton_ops", lambda: None)
+    monkeypatch.setattr(backends, "_triton_kernels", lambda: None)
     on_cuda = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)  # what the dispatch reads of a tensor
     with caplog.at_level(logging.WARNING, logger=backends.__name__):
         for _ in range(3):

@@ -476,7 +476,7 @@ def check_decoder_with_triton_kernels():
     rows_calls = []
     kernel, ours = delta_rows.delta_rule_rows, kernels._ours
     delta_rows.delta_rule_rows = lambda *args, **options: rows_calls.append(1) or kernel(*args, **options)
-    kernels._ours = lambda x: backends._triton_ops() if x.dtype != torch.float64 else None
+    kernels._ours = lambda x: backends._triton_kernels() if x.dtype != torch.float64 else None
     try:
         inference = run_short(False)
         assert len(rows_calls) == 3, rows_calls  # one call a delta-rule layer
@@ -497,7 +497,7 @@ def check_decoder_with_triton_kernels():
     scan_calls = []
     scan = delta_scan.delta_rule_scan
     delta_scan.delta_rule_scan = lambda *args, **options: scan_calls.append(args[5] is None) or scan(*args, **options)
-    kernels._ours = lambda x: backends._triton_ops() if x.dtype != torch.float64 else None
+    kernels._ours = lambda x: backends._triton_kernels() if x.dtype != torch.float64 else None
     try:
         with torch.no_grad():
             scanned = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(row_lengths))
@@ -529,7 +529,7 @@ def check_decoder_with_triton_kernels():
     grad_calls = []
     delta_rule = delta_backward.delta_rule
     delta_backward.delta_rule = lambda *args: grad_calls.append(args[5] is None) or delta_rule(*args)
-    kernels._ours = lambda x: backends._triton_ops() if x.dtype != torch.float64 else None
+    kernels._ours = lambda x: backends._triton_kernels() if x.dtype != torch.float64 else None
     try:
         out, got = train_step()
     finally:
