@@ -1,7 +1,7 @@
 """Time the delta rule of the 50-question request's rows on the GPU, three ways: FLA's chunked
 kernels (what `kernels.chunk_gated_delta_rule` runs, after forking the prefix's state to the
 rows), FLA's fused recurrent kernel (forward only, one program per sequence, head and 8 values,
-stepping token by token, on the forked states) and our `triton_ops.delta_rule_rows` (forward
+stepping token by token, on the forked states) and our `delta_rule.rows.delta_rule_rows` (forward
 only, one program per row, head and block of values, reading the prefix's state through the
 row's parent index) in a few launch settings. A measurement for choosing the next
 optimisation, not part of the runtime.
@@ -93,7 +93,7 @@ def main() -> None:
     def fork_only():
         return prefix_state[parents]
 
-    ops = kernels._triton_ops()
+    from dohnuts.ops.delta_rule import rows as ops  # our Triton kernel and its launch settings
 
     def rows():
         return ops.delta_rule_rows(q[0], k[0], v[0], g[0], beta[0], prefix_state, parents, bounds, max(lengths),

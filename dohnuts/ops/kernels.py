@@ -1,193 +1,36 @@
-"""Compute kernels: fused Triton kernels on CUDA, plain PyTorch elsewhere.
+"""Dispatch: each op runs its fused kernel on CUDA and its plain-PyTorch reference elsewhere.
 
-On CUDA: flash-linear-attention's chunked gated delta rule, our own Triton kernels
-(`dohnuts.ops.triton_ops`: the delta rule's convolution with its head split, RMSNorm, gated
-RMSNorm, SwiGLU, and the forward-only delta rule of short rows continuing forked states), and
-PyTorch's flash varlen attention. This is the only module that imports `fla` or
-`triton_ops`. Each public function chooses the fused kernel for CUDA tensors when it is
-importable and otherwise runs the plain-PyTorch reference of the same math, which is also
-the test oracle for the fused path (FLA keeps a naive.py beside every kernel for the same
-reason). Argument names follow FLA.
+On CUDA: flash-linear-attention's chunked gated delta rule (`delta_rule.chunk`), our own
+Triton kernels (a module a family: `conv.fused`, the delta rule's convolution with its head
+split; `norm.fused`, RMSNorm and its fused variants; `swiglu.fused`; `delta_rule.rows`,
+`delta_rule.scan` and `delta_rule.backward`, the delta rule of short rows continuing forked
+states, of whole sequences, and its gradient), and PyTorch's flash varlen attention
+(`attention`). `backends` loads them. Each public function chooses the fused kernel for CUDA
+tensors when it is importable and otherwise runs the plain-PyTorch reference of the same math
+(each family's `naive`), which is also the test oracle for the fused path (FLA keeps a
+naive.py beside every kernel for the same reason). Argument names follow FLA.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import logging
-import os
-import sys
-import threading
-
 import torch
-import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .plan import chunk_plan, cumulative
+from .attention import _flash_grouped, _varlen, attention_reference
+from .backends import _ours, fused, slow_path, slow_paths, uncached_plans
+from .conv.naive import conv_split_heads_reference
+from .delta_rule.chunk import chunk_gated_delta_rule_fla
+from .delta_rule.naive import decay, gated_delta_rule_chunked
+from .derived_cache import derived, holding_derived
+from .norm.naive import add_rms_norm_reference, norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
+from .plain import fork_states
+from .swiglu.naive import swiglu_reference
 
-LOG = logging.getLogger(__name__)
-TRITON_TESTED = (3, 6)  # the oldest Triton our kernels are tested on
-# FLA may dispatch the delta rule to other backends (FlashQLA, intra-card context parallelism)
-# that ignore the chunk plan we pass. The project sets these, whatever the environment says: a
-# user's environment must not silently change which kernels run. FLA reads them on every call.
-FLA_SETTINGS = {"FLA_FLASH_QLA": "0", "FLA_INTRACARD_CP": "0"}
-_SLOW: dict[str, str] = {}
-
-
-def slow_path(key: str, reason: str) -> None:
-    """Record a slower path the runtime takes, and why; the first time per key it is logged as
-    a warning. The benchmark's environment record lists them all (`slow_paths`)."""
-    if key not in _SLOW:
-        _SLOW[key] = reason
-        LOG.warning("%s", reason)
-
-
-def slow_paths() -> dict[str, str]:
-    """Every slower path taken in this process so far: key -> why."""
-    return dict(_SLOW)
-
-
-@functools.cache
-def _fla():
-    """The FLA functions, or None when FLA (or a GPU for it) is not there."""
-    for name, value in FLA_SETTINGS.items():
-        if os.environ.get(name, value) != value:
-            slow_path(f"env:{name}", f"{name}={os.environ[name]} in the environment is overridden with {value}: "
-                                     f"that FLA backend ignores the chunk plan dohnuts passes")
-        os.environ[name] = value
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        return None
-    return {"chunk_gated_delta_rule": chunk_gated_delta_rule}
-
-
-@functools.cache
-def _triton_ops():
-    """Our own Triton kernels (`dohnuts.ops.triton_ops`), or None without Triton."""
-    try:
-        from . import triton_ops
-    except ImportError:
-        return None
-    import triton
-
-    version = tuple(int(part) for part in triton.__version__.split(".")[:2] if part.isdigit())
-    if version < TRITON_TESTED:
-        slow_path("triton-version", f"Triton {triton.__version__} is older than {'.'.join(map(str, TRITON_TESTED))}, "
-                                    f"the oldest our kernels are tested on")
-    return triton_ops
-
-
-def _ours(x: torch.Tensor):
-    """Our Triton kernels for a CUDA tensor they serve (they compute in float32, so float64
-    keeps its exact reference), else None."""
-    if not x.is_cuda or x.dtype == torch.float64:
-        return None
-    ops = _triton_ops()
-    if ops is None:
-        slow_path("triton", "Triton is not importable on this CUDA machine: norms, SwiGLU, the delta rule's "
-                            "convolution and its short rows run plain PyTorch (pip install -e '.[cuda]')")
-    return ops
-
-
-_PLANS_LOCK = threading.Lock()
-_plans_depth = 0
-_plans_before = False
-
-
-@contextlib.contextmanager
-def uncached_plans():
-    """FLA without its memo of derived plans (chunk offsets and the like) for the duration.
-
-    FLA memoises such tensors by the identity of the cu_seqlens they came from, in a small
-    cache that later calls evict. A CUDA graph captured while a plan came from that memo would
-    keep a pointer to memory freed at eviction; computed afresh inside the capture, the plan
-    belongs to the graph. FLA reads this switch (its FLA_DISABLE_TENSOR_CACHE setting) on
-    every call. The switch is process-wide: nested or concurrent users share it, and the
-    first to enter and the last to leave set and restore it.
-    """
-    global _plans_depth, _plans_before
-    utils = sys.modules.get("fla.utils") if _fla() is not None else None
-    if utils is None:
-        yield
-        return
-    with _PLANS_LOCK:
-        if _plans_depth == 0:
-            _plans_before = getattr(utils, "FLA_DISABLE_TENSOR_CACHE", False)
-            utils.FLA_DISABLE_TENSOR_CACHE = True
-        _plans_depth += 1
-    try:
-        yield
-    finally:
-        with _PLANS_LOCK:
-            _plans_depth -= 1
-            if _plans_depth == 0:
-                utils.FLA_DISABLE_TENSOR_CACHE = _plans_before
-
-
-_DERIVED = WeakIdKeyDictionary()
-_HELD: list | None = None  # the kept constants `derived` handed out inside `holding_derived`
-
-
-@contextlib.contextmanager
-def holding_derived():
-    """Collect (into the list it yields) every kept constant `derived` hands out inside the
-    block. A CUDA graph captured there reads their memory at each replay, so it holds them for
-    as long as it lives: when an in-place change of a weight has the cache replace one, a replay
-    launched before the change is noticed (`GraphedScores` reads the weights' versions while its
-    exact graphs replay) still reads memory it owns."""
-    global _HELD
-    previous, _HELD = _HELD, []
-    try:
-        yield _HELD
-    finally:
-        _HELD = previous
-
-
-
-def derived(parameter: torch.Tensor, tag: str, make) -> torch.Tensor:
-    """`make(parameter)`, kept while the parameter keeps its storage, dtype and version.
-
-    Constants derived from frozen weights (RMSNorm's `1 + weight` in the input dtype) would
-    otherwise cost two or three small kernels per layer per pass,
-    about a third of the launches of a forward on the GPU. An in-place change of the parameter
-    bumps its version and recomputes. A parameter that takes gradients computes afresh. Inside a
-    CUDA graph capture a kept constant is read (the graph then reads its memory, which stays
-    while the parameter is unchanged; `GraphedScores` drops graphs when a parameter changes),
-    but a missing one is computed without being kept: a capture's kernels only run at replay.
-    `tag` names the derivation, including anything else `make` depends on (such as a dtype).
-    """
-    if parameter.requires_grad and torch.is_grad_enabled():
-        return make(parameter)
-    stamp = (parameter._version, parameter.data_ptr(), parameter.dtype, parameter.device)
-    entries = _DERIVED.setdefault(parameter, {})
-    entry = entries.get(tag)
-    if entry is None or entry[0] != stamp:
-        value = make(parameter)
-        if value is parameter or value._base is parameter:
-            return value  # nothing to save, and keeping it would keep the parameter alive
-        if parameter.is_cuda and torch.cuda.is_current_stream_capturing():
-            return value
-        entry = entries[tag] = (stamp, value)
-    if _HELD is not None:
-        _HELD.append(entry[1])
-    return entry[1]
-
-
-def wide(x: torch.Tensor) -> torch.Tensor:
-    """x in at least float32: half precisions widen, float64 stays (so tests can be exact)."""
-    return x if x.dtype == torch.float64 else x.float()
-
-
-def fused(x: torch.Tensor):
-    """The FLA functions when `x` lives on a CUDA device and FLA is installed, else None."""
-    if not x.is_cuda:
-        return None
-    functions = _fla()
-    if functions is None:
-        slow_path("fla", "flash-linear-attention is not installed on this CUDA machine: the gated delta rule runs "
-                         "its plain-PyTorch chunked reference, many times slower (pip install -e '.[cuda]')")
-    return functions
+# What the rest of dohnuts calls: the ops, and the runtime's switches and records they share.
+__all__ = [
+    "add_rms_norm", "attention", "chunk_gated_delta_rule", "conv_split_heads", "decay", "delta_rule", "derived",
+    "fork_states", "fused", "holding_derived", "norm_rotate", "rms_norm", "rms_norm_gated", "slow_path",
+    "slow_paths", "swiglu", "uncached_plans",
+]
 
 
 # -- normalisation and activation -------------------------------------------------------------
@@ -209,13 +52,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         # Our Triton kernel: FLA's RMSNorm wrapper costs about 0.2 ms of host time a call, which
         # a host-bound training step pays about 160 times. The scale stays in float32, as in
         # Hugging Face's Qwen3.5 RMSNorm.
-        return ops.rms_norm(x, _norm_scale(weight), eps)
+        return ops.norm.rms_norm(x, _norm_scale(weight), eps)
     return rms_norm_reference(x, weight, eps)
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    normed = wide(x) * torch.rsqrt(wide(x).pow(2).mean(-1, keepdim=True) + eps)
-    return (normed * (1.0 + wide(weight))).to(x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -224,9 +62,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     next block's input. On CUDA one Triton kernel reads both once and writes both."""
     ops = _ours(x)
     if ops is not None:
-        return ops.add_rms_norm(x, residual, _norm_scale(weight), eps)
-    total = x + residual
-    return total, rms_norm_reference(total, weight, eps)
+        return ops.norm.add_rms_norm(x, residual, _norm_scale(weight), eps)
+    return add_rms_norm_reference(x, residual, weight, eps)
 
 
 def norm_rotate(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -236,22 +73,8 @@ def norm_rotate(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
     halves). Returns [T, H, D] in x's dtype. On CUDA one Triton kernel (in float32 throughout)."""
     ops = _ours(x)
     if ops is not None:
-        return ops.norm_rotate(x, _norm_scale(weight), cos, sin, eps)
+        return ops.norm.norm_rotate(x, _norm_scale(weight), cos, sin, eps)
     return norm_rotate_reference(x, weight, cos, sin, eps)
-
-
-def norm_rotate_reference(x, weight, cos, sin, eps):
-    return rotate(rms_norm_reference(x, weight, eps), cos, sin)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Partial rotary embedding on the first R channels of x [T, H, D]; cos, sin [T, R]."""
-    width = cos.shape[-1]
-    rotated, rest = x[..., :width], x[..., width:]
-    first, second = rotated.chunk(2, dim=-1)
-    turned = torch.cat([-second, first], dim=-1)
-    rotated = rotated * cos[:, None, :] + turned * sin[:, None, :]
-    return torch.cat([rotated, rest], dim=-1)
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -259,57 +82,16 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     multiply by silu(gate). Args: x, gate [..., V], weight [V]. Returns [..., V] in x's dtype."""
     ops = _ours(x)
     if ops is not None:
-        return ops.rms_norm_gated(x, gate, weight, eps)
+        return ops.norm.rms_norm_gated(x, gate, weight, eps)
     return rms_norm_gated_reference(x, gate, weight, eps)
-
-
-def rms_norm_gated_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    normed = wide(x) * torch.rsqrt(wide(x).pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * normed.to(x.dtype) * F.silu(wide(gate))).to(x.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up."""
     ops = _ours(gate)
     if ops is not None:
-        return ops.swiglu(gate, up)
+        return ops.swiglu.swiglu(gate, up)
     return swiglu_reference(gate, up)
-
-
-def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-# -- packed sequences -------------------------------------------------------------------------
-
-
-def _segments(cu_seqlens: torch.Tensor, total: int, width: int | None = None):
-    """Packed-to-padded index maps: (index [N, L] into the packed axis, valid [N, L]); L is
-    `width` when the caller knows the longest sequence (no device synchronisation)."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    if width is None:
-        width = int(lengths.max()) if len(lengths) else 0
-    offsets = torch.arange(width, device=cu_seqlens.device)
-    valid = offsets[None, :] < lengths[:, None]
-    index = (cu_seqlens[:-1, None] + offsets[None, :]).clamp(max=max(total - 1, 0))
-    return index, valid
-
-
-def unpack(x: torch.Tensor, cu_seqlens: torch.Tensor | None,
-           width: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[1, T, ...] packed (or [B, T, ...] when cu_seqlens is None) -> ([N, L, ...] padded with 0,
-    [N, L] valid mask or None); `width` is the longest sequence when known."""
-    if cu_seqlens is None:
-        return x, None
-    index, valid = _segments(cu_seqlens, x.shape[1], width)
-    padded = x[0][index]
-    mask = valid.view(*valid.shape, *([1] * (padded.dim() - 2)))
-    return padded * mask, valid
-
-
-def pack(y: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """The inverse of `unpack`: [N, L, ...] -> [1, T, ...]."""
-    return y if valid is None else y[valid].unsqueeze(0)
 
 
 # -- attention --------------------------------------------------------------------------------
@@ -343,99 +125,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
     return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k, causal)
 
 
-def _flash_grouped(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
-    """Grouped-query attention through flash's own kernel (`aten._flash_attention_forward`,
-    differentiable), which takes fewer key heads than query heads. On torch < 2.12 varlen_attn
-    wants as many key heads, and repeating keys and values to them cost 12 copies of 23 us in
-    the 50-question replay on the H200 (`h200-kernels-05c99b9.txt`). torch >= 2.12's
-    varlen_attn(enable_gqa=True) calls the same kernel."""
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                   0.0, causal, False, scale=scale)[0]
-
-
-@functools.cache
-def _varlen(causal: bool = True):
-    """torch's varlen_attn and the keyword arguments for (causal or full) grouped-query
-    attention, which changed between torch releases (is_causal, then window_size; enable_gqa
-    from 2.12)."""
-    import inspect
-
-    from torch.nn.attention.varlen import varlen_attn
-
-    parameters = inspect.signature(varlen_attn).parameters
-    if "window_size" in parameters:
-        options = {"window_size": (-1, 0) if causal else (-1, -1)}
-    else:
-        options = {"is_causal": causal}
-    if "enable_gqa" in parameters:
-        options["enable_gqa"] = True
-    return varlen_attn, options
-
-
-def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q=None, max_seqlen_k=None,
-                        causal=True):
-    """Each sequence padded to the longest and masked: work grows with N * Lq * Lk, not T^2."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    query, valid_q = unpack(q[None], cu_seqlens_q, max_seqlen_q)
-    key, valid_k = unpack(k[None], cu_seqlens_k, max_seqlen_k)
-    value, _ = unpack(v[None], cu_seqlens_k, max_seqlen_k)
-    lead = (valid_k.sum(-1) - valid_q.sum(-1))[:, None, None]  # [N, 1, 1] keys before the first query
-    rows = torch.arange(query.shape[1], device=q.device)[:, None]
-    columns = torch.arange(key.shape[1], device=q.device)[None, :]
-    mask = valid_k[:, None, :].expand(-1, query.shape[1], -1)  # [N, Lq, Lk]
-    if causal:
-        mask = mask & (columns <= rows + lead)
-    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                         attn_mask=mask[:, None], scale=scale).transpose(1, 2)
-    # Back to packed order by index, not by boolean mask (which would wait on the device).
-    tokens = torch.arange(q.shape[0], device=q.device)
-    row = torch.searchsorted(cu_seqlens_q[1:].to(tokens.dtype), tokens, right=True)
-    return out[row, tokens - cu_seqlens_q[row].to(tokens.dtype)]
-
-
-# -- causal convolution -----------------------------------------------------------------------
-
-
-def causal_conv1d_reference(x, weight, initial_state=None, output_final_state=False, cu_seqlens=None,
-                            activation="silu"):
-    """Depthwise causal convolution with optional carried state, per packed sequence.
-
-    Args:
-        x: [B, T, D], or [1, T, D] packed with `cu_seqlens` [N + 1].
-        weight: [D, W].
-        initial_state: [N, D, W], the W inputs before each sequence (last one most recent).
-        output_final_state: also return the last W inputs of each sequence, [N, D, W].
-        activation: "silu" or None.
-
-    Returns:
-        ([B, T, D] output, final state or None)
-    """
-    padded, valid = unpack(x, cu_seqlens)
-    count, length, dim = padded.shape
-    width = weight.shape[-1]
-    history = (initial_state.transpose(1, 2).to(x.dtype) if initial_state is not None
-               else padded.new_zeros(count, width, dim))
-    full = torch.cat([history, padded], dim=1)  # [N, W + L, D]
-    # y[t] = sum_i weight[:, i] * full[t + 1 + i]: the kernel's last tap is the current input.
-    windows = full[:, 1:].unfold(1, width, 1)  # [N, L, D, W]
-    out = (wide(windows) * wide(weight)).sum(-1).to(x.dtype)
-    if activation == "silu":
-        out = F.silu(out)
-    final = None
-    if output_final_state:
-        lengths = (valid.sum(-1) if valid is not None else torch.full((count,), length, device=x.device))
-        # The last W entries of [history, sequence] end at W + length.
-        picks = lengths[:, None] + torch.arange(width, device=x.device)[None, :]  # [N, W]
-        final = torch.gather(full, 1, picks[..., None].expand(-1, -1, dim)).transpose(1, 2).contiguous()
-    return pack(out, valid), final
-
-
 # -- gated delta rule -------------------------------------------------------------------------
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
 def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None,
@@ -445,7 +135,7 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
     """The delta rule's causal convolution (SiLU, `causal_conv1d_reference`) of packed sequences
     x [T, 2*H*K + HV*V], split into q, k [T, H, K], L2-normalised per head in float32 (Qwen3.5's
     delta rule), and v [T, HV, V]: returns (q, k, v, final state or None). On CUDA, one Triton
-    kernel (`triton_ops.conv_split_heads`) reads x once and writes q, k and v contiguous, as
+    kernel (`conv.fused.conv_split_heads`) reads x once and writes q, k and v contiguous, as
     the delta-rule kernel reads them.
 
     With `parents` [N], initial_state is [G, C, W] and sequence n continues row parents[n] (a
@@ -456,30 +146,10 @@ def conv_split_heads(x: torch.Tensor, weight: torch.Tensor, initial_state: torch
     if parents is not None and (ops is None or _differentiable(x, weight, initial_state)):
         initial_state, parents = fork_states(initial_state, parents, orphans), None
     if ops is not None:
-        return ops.conv_split_heads(x, weight, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                                    chunk_indices, heads, key_dim, value_heads, value_dim, parents)
+        return ops.conv.conv_split_heads(x, weight, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                                         chunk_indices, heads, key_dim, value_heads, value_dim, parents)
     return conv_split_heads_reference(x, weight, initial_state, output_final_state, cu_seqlens, heads, key_dim,
                                       value_heads, value_dim)
-
-
-def conv_split_heads_reference(x, weight, initial_state, output_final_state, cu_seqlens, heads, key_dim, value_heads,
-                               value_dim):
-    out, final = causal_conv1d_reference(x[None], weight, initial_state, output_final_state, cu_seqlens)
-    return (*split_heads_reference(out[0], heads, key_dim, value_heads, value_dim), final)
-
-
-def split_heads_reference(mixed, heads, key_dim, value_heads, value_dim):
-    total = mixed.shape[0]
-    q, k, v = mixed.split([heads * key_dim, heads * key_dim, value_heads * value_dim], -1)
-    q, k = (l2norm(wide(x.reshape(total, heads, key_dim))).to(mixed.dtype) for x in (q, k))
-    return q, k, v.reshape(total, value_heads, value_dim)
-
-
-def decay(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None) -> torch.Tensor:
-    """Qwen3.5's log decay from the raw gate input: -exp(A_log) * softplus(a + dt_bias), in
-    float32 (exp(A_log) may overflow in bf16). a: [..., HV]; A_log, dt_bias: [HV]."""
-    shifted = wide(a) + wide(dt_bias) if dt_bias is not None else wide(a)
-    return -wide(A_log).exp() * F.softplus(shifted)
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -510,12 +180,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     """
     kernels = fused(q)
     if kernels is not None:
-        gate = {} if A_log is None else {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
-        _tune_delta_rule(kernels["chunk_gated_delta_rule"], q, v, gate, use_qk_l2norm_in_kernel)
-        return kernels["chunk_gated_delta_rule"](
-            q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu, chunk_indices=chunk_indices,
-            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **gate)
+        return chunk_gated_delta_rule_fla(kernels["chunk_gated_delta_rule"], q, k, v, g, beta, initial_state,
+                                          output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, cu_seqlens_cpu,
+                                          chunk_indices, A_log, dt_bias)
     if A_log is not None:
         g = decay(g, A_log, dt_bias)
     return gated_delta_rule_chunked(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens,
@@ -547,9 +214,9 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
     On CUDA, with A_log and dt_bias frozen and sequences of at most `SCAN_TOKENS`: rows that
     continue states, need no gradient and no final states, and hold at most 64 tokens run
-    `triton_ops.delta_rule_rows`; the rest `triton_ops.delta_rule_scan` (reading each state in
-    place), with `triton_delta`'s gradient when autograd needs one. Otherwise FLA's chunked
-    kernels, or the plain-PyTorch chunked reference off CUDA.
+    `delta_rule.rows.delta_rule_rows`; the rest `delta_rule.scan.delta_rule_scan` (reading each
+    state in place), with `delta_rule.backward`'s gradient when autograd needs one. Otherwise
+    FLA's chunked kernels, or the plain-PyTorch chunked reference off CUDA.
 
     Returns:
         (o [T, HV, V] in v's dtype, final states or None)
@@ -557,20 +224,20 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     if out is not None and _differentiable(q, k, v, g, beta, states, A_log, dt_bias):
         raise ValueError("delta_rule: out is for forward passes only; autograd would not see the write")
     ours = _ours(q)
-    walks = ours is not None and not _differentiable(A_log, dt_bias) and longest <= ours.SCAN_TOKENS
+    walks = ours is not None and not _differentiable(A_log, dt_bias) and longest <= ours.scan.SCAN_TOKENS
     if walks and not _differentiable(q, k, v, g, beta, states):
-        if states is not None and not output_final_state and longest <= ours.ROW_TOKENS:
-            return ours.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias,
-                                        out=out, beta_logits=beta_logits), None
-        return ours.delta_rule_scan(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
-                                    dt_bias, out=out, beta_logits=beta_logits)
+        if states is not None and not output_final_state and longest <= ours.rows.ROW_TOKENS:
+            return ours.rows.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias,
+                                             out=out, beta_logits=beta_logits), None
+        return ours.scan.delta_rule_scan(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
+                                         dt_bias, out=out, beta_logits=beta_logits)
     if beta_logits:
         beta = torch.sigmoid(beta)
     if walks:
-        from . import triton_delta  # the same walk with its gradient
+        from .delta_rule import backward  # the same walk with its gradient
 
-        return triton_delta.delta_rule(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
-                                       dt_bias)
+        return backward.delta_rule(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
+                                   dt_bias)
     initial = fork_states(states, parents, orphans) if states is not None else None
     o, final = chunk_gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], initial, output_final_state,
                                       cu_seqlens, False, cu_seqlens_cpu, chunk_indices, A_log, dt_bias)
@@ -582,133 +249,3 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 def _differentiable(*tensors) -> bool:
     """Whether autograd would record an operation on these tensors."""
     return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
-
-
-def fork_states(states: torch.Tensor, parents: torch.Tensor, orphans: bool) -> torch.Tensor:
-    """Per-prefix states [G, ...] -> each row's [N, ...]: states[parents[n]], or zeros for a
-    row without a prefix (parent -1) when `orphans` (host bool) says some row has none."""
-    if orphans:
-        states = torch.cat([states, states.new_zeros(1, *states.shape[1:])])  # index -1: the zero state
-    return states[parents]
-
-
-# FLA tunes each delta-rule kernel on its first call for a head shape (the autotune key holds the
-# head counts and widths, not the number of tokens or sequences) and keeps that choice, in memory
-# and in Triton's disk cache, for every later call. Left to chance, the first call may be a
-# 64-token prefix, whose choice then serves a batch of 50 rows poorly: on the H200 the
-# 50-question request (Qwen3.5-0.8B shape) took 13.9 ms after tuning on its prefix and 11.9 ms
-# after tuning on the batch below (docs/runtime-history.md, the sixth session's sweeps). So the
-# first fused call of each head shape in a process first runs one packed batch of TUNING_ROWS
-# rows of TUNING_LENGTH tokens continuing carried states, the shape of evaluation batches and
-# training updates. At inference, rows of up to 64 tokens now run `delta_rule_rows` instead;
-# whether another tuning batch would serve the prefixes better is not measured.
-TUNING_ROWS, TUNING_LENGTH = 48, 40
-_TUNED: set = set()
-
-
-def _tune_delta_rule(function, q: torch.Tensor, v: torch.Tensor, gate: dict, normalise: bool):
-    """Run `function` (FLA's chunked delta rule) once on the tuning batch, the first time it
-    meets q's and v's head shape, dtype and device; not inside a CUDA graph capture."""
-    heads, key_dim = q.shape[-2:]
-    value_heads, value_dim = v.shape[-2:]
-    signature = (heads, key_dim, value_heads, value_dim, q.dtype, v.dtype, q.device)
-    if signature in _TUNED or (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return
-    _TUNED.add(signature)
-    total = TUNING_ROWS * TUNING_LENGTH
-    generator = torch.Generator(device=q.device).manual_seed(0)  # the global generator stays untouched
-
-    def rand(*shape, dtype=q.dtype):
-        return torch.randn(*shape, generator=generator, device=q.device, dtype=torch.float32).to(dtype)
-
-    lengths = [TUNING_LENGTH] * TUNING_ROWS
-    bounds, plan = cumulative(lengths), chunk_plan(lengths)
-    with torch.no_grad():
-        query, key = l2norm(rand(1, total, heads, key_dim)), l2norm(rand(1, total, heads, key_dim))
-        extra = {name: torch.zeros_like(value) if torch.is_tensor(value) else value for name, value in gate.items()}
-        function(query, key, rand(1, total, value_heads, value_dim, dtype=v.dtype),
-                 -torch.rand(1, total, value_heads, generator=generator, device=q.device).to(q.dtype),
-                 torch.rand(1, total, value_heads, generator=generator, device=q.device).to(q.dtype),
-                 initial_state=rand(TUNING_ROWS, value_heads, key_dim, value_dim, dtype=torch.float32),
-                 output_final_state=False, cu_seqlens=bounds.to(q.device), cu_seqlens_cpu=bounds,
-                 chunk_indices=plan.to(q.device), use_qk_l2norm_in_kernel=normalise, **extra)
-
-
-def _prepare(q, k, v, g, beta, cu_seqlens, normalise):
-    """Float32, grouped heads expanded, q scaled, everything unpacked to [N, L, ...]."""
-    repeat = v.shape[2] // q.shape[2]
-    q, k = wide(q.repeat_interleave(repeat, dim=2)), wide(k.repeat_interleave(repeat, dim=2))
-    if normalise:
-        q, k = l2norm(q), l2norm(k)
-    q = q * q.shape[-1] ** -0.5
-    (q, valid), (k, _), (v, _) = unpack(q, cu_seqlens), unpack(k, cu_seqlens), unpack(wide(v), cu_seqlens)
-    (g, _), (beta, _) = unpack(wide(g), cu_seqlens), unpack(wide(beta), cu_seqlens)
-    return q, k, v, g, beta, valid
-
-
-def gated_delta_rule_chunked(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
-                             normalise=True, chunk_size=64):
-    """The same recurrence, a chunk of tokens at a time (the CPU path: a few large ops instead of
-    a Python step per token).
-
-    Within a chunk with cumulative log decay G and S0 the state before it, the pseudo-values
-    U solve the unit lower-triangular system
-        U_i + beta_i sum_{j<i} exp(G_i - G_j) (k_i . k_j) U_j = beta_i (v_i - exp(G_i) S0^T k_i),
-    then o_i = exp(G_i) S0^T q_i + sum_{j<=i} exp(G_i - G_j) (q_i . k_j) U_j and
-    S = exp(G_C) S0 + sum_j exp(G_C - G_j) k_j U_j^T. Padding has k = v = beta = g = 0, which
-    leaves the state unchanged.
-    """
-    dtype = v.dtype
-    q, k, v, g, beta, valid = _prepare(q, k, v, g, beta, cu_seqlens, normalise)
-    if valid is not None:
-        live = valid[..., None].to(k.dtype)
-        k, v, beta, g = k * live[..., None], v * live[..., None], beta * live, g * live
-    count, length, heads, key_dim = k.shape
-    state = (wide(initial_state) if initial_state is not None
-             else k.new_zeros(count, heads, key_dim, v.shape[-1]))
-    # [N, H, L, ...] so each chunk is a batch of matrices per sequence and head.
-    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    g, beta = g.transpose(1, 2), beta.transpose(1, 2)
-    outputs = []
-    for start in range(0, length, chunk_size):
-        end = min(start + chunk_size, length)
-        qc, kc, vc, bc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], beta[:, :, start:end]
-        cumulative = g[:, :, start:end].cumsum(-1)  # [N, H, C]
-        size = end - start
-        lower = torch.ones(size, size, dtype=torch.bool, device=k.device).tril()
-        gap = cumulative[..., :, None] - cumulative[..., None, :]
-        # exp only where j <= i: the masked entries would overflow.
-        decay = torch.where(lower, gap, torch.full_like(gap, -torch.inf)).exp()  # [N, H, C, C]
-        strict = decay.masked_fill(torch.eye(size, dtype=torch.bool, device=k.device), 0.0)
-        system = bc[..., None] * strict * (kc @ kc.transpose(-1, -2))
-        eye = torch.eye(size, device=k.device, dtype=k.dtype)
-        grow = cumulative.exp()[..., None]
-        rhs = bc[..., None] * (vc - grow * (kc @ state))
-        pseudo = torch.linalg.solve_triangular(eye + system, rhs, upper=False, unitriangular=True)
-        outputs.append(grow * (qc @ state) + (decay * (qc @ kc.transpose(-1, -2))) @ pseudo)
-        tail = (cumulative[..., -1:] - cumulative).exp()[..., None]  # [N, H, C, 1]
-        state = cumulative[..., -1, None, None].exp() * state + (kc * tail).transpose(-1, -2) @ pseudo
-    out = torch.cat(outputs, dim=2).transpose(1, 2) if outputs else v.transpose(1, 2)
-    return pack(out, valid).to(dtype), (state if output_final_state else None)
-
-
-def gated_delta_rule_reference(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
-                               normalise=True):
-    """The token-by-token recurrence in float32, all sequences side by side: the oracle."""
-    dtype = v.dtype
-    q, k, v, g, beta, valid = _prepare(q, k, v, g, beta, cu_seqlens, normalise)
-    count, length, heads, key_dim = k.shape
-    state = (wide(initial_state) if initial_state is not None
-             else k.new_zeros(count, heads, key_dim, v.shape[-1]))
-    outputs = []
-    for t in range(length):
-        # Padding steps (past a sequence's end) must leave its state unchanged.
-        live = valid[:, t, None, None, None] if valid is not None else None
-        decayed = state * g[:, t, :, None, None].exp()
-        memory = (decayed * k[:, t, :, :, None]).sum(-2)  # [N, HV, V]
-        delta = (v[:, t] - memory) * beta[:, t, :, None]
-        updated = decayed + k[:, t, :, :, None] * delta[:, :, None, :]
-        state = updated if live is None else torch.where(live, updated, state)
-        outputs.append((state * q[:, t, :, :, None]).sum(-2))
-    out = torch.stack(outputs, dim=1) if outputs else v.new_zeros(count, 0, heads, v.shape[-1])
-    return pack(out, valid).to(dtype), (state if output_final_state else None)

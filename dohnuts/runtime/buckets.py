@@ -39,10 +39,10 @@ PREFIX_LADDER = (64, 128, 256, 512, 1024)
 ROW_LADDER = (128, 256, 512, 1024, 2048, 4096)
 LONG_ROW_LADDER = (128, 256, 512, 1024)
 CANDIDATES = 16  # candidates a bucket's row may have
-ROW_TOKENS = 64  # the longest short row (`triton_ops.ROW_TOKENS`)
+ROW_TOKENS = 64  # the longest short row (`ops.delta_rule.rows.ROW_TOKENS`)
 
 
-# The longest sequence `kernels` sends to `triton_ops.delta_rule_scan` (its SCAN_TOKENS; a test
+# The longest sequence `kernels` sends to `delta_rule.scan.delta_rule_scan` (its SCAN_TOKENS; a test
 # holds them equal): a bucket's graph must never route a sequence to FLA, whose chunk plans the
 # capture would memoise from its empty batch.
 LONGEST_SEQUENCE = 1024

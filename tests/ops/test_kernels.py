@@ -11,7 +11,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dohnuts.ops import kernels
+from dohnuts.ops import backends, derived_cache, kernels
+from dohnuts.ops.attention import attention_reference
+from dohnuts.ops.conv.naive import causal_conv1d_reference, conv_split_heads_reference
+from dohnuts.ops.delta_rule import chunk
+from dohnuts.ops.delta_rule.naive import decay, gated_delta_rule_chunked, gated_delta_rule_reference
+from dohnuts.ops.norm.naive import norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
+from dohnuts.ops.plain import l2norm
+from dohnuts.ops.swiglu.naive import swiglu_reference
 
 LENGTHS = [63, 1, 17, 64]  # odd sizes, a single token, exactly one 64-token chunk
 
@@ -51,19 +58,19 @@ def test_holding_derived_keeps_what_a_capture_read_after_the_cache_replaced_it()
     import weakref
 
     weight = torch.nn.Parameter(torch.randn(5), requires_grad=False)
-    kernels.derived(weight, "1+w", lambda w: 1.0 + w)
-    with kernels.holding_derived() as held:
-        old = kernels.derived(weight, "1+w", lambda w: 1.0 + w)
+    derived_cache.derived(weight, "1+w", lambda w: 1.0 + w)
+    with derived_cache.holding_derived() as held:
+        old = derived_cache.derived(weight, "1+w", lambda w: 1.0 + w)
     assert len(held) == 1 and held[0] is old
     watch = weakref.ref(old)
     del old
     with torch.no_grad():
         weight.add_(1.0)
-    new = kernels.derived(weight, "1+w", lambda w: 1.0 + w)  # replaces the cache's entry
+    new = derived_cache.derived(weight, "1+w", lambda w: 1.0 + w)  # replaces the cache's entry
     gc.collect()
     assert watch() is held[0] and new is not held[0]
     torch.testing.assert_close(new, 1.0 + weight, rtol=0, atol=0)
-    kernels.derived(weight, "1+w", lambda w: 1.0 + w)
+    derived_cache.derived(weight, "1+w", lambda w: 1.0 + w)
     assert len(held) == 1  # collected only inside the block
     held.clear()
     gc.collect()
@@ -78,32 +85,32 @@ def test_derived_constants_are_kept_per_version_and_never_cut_gradients():
         calls.append(1)
         return 1.0 + w.float()
 
-    first = kernels.derived(weight, "1+w", plus_one)
-    assert kernels.derived(weight, "1+w", plus_one) is first and len(calls) == 1
-    assert kernels.derived(weight, "other", plus_one) is not first and len(calls) == 2  # tags are separate
+    first = derived_cache.derived(weight, "1+w", plus_one)
+    assert derived_cache.derived(weight, "1+w", plus_one) is first and len(calls) == 1
+    assert derived_cache.derived(weight, "other", plus_one) is not first and len(calls) == 2  # tags are separate
     with torch.no_grad():
         weight.mul_(3.0)  # in place: a new version
-    torch.testing.assert_close(kernels.derived(weight, "1+w", plus_one), 1.0 + weight, rtol=0, atol=0)
+    torch.testing.assert_close(derived_cache.derived(weight, "1+w", plus_one), 1.0 + weight, rtol=0, atol=0)
     assert len(calls) == 3
     weight.data = torch.randn(5, dtype=torch.float64)  # new storage and dtype
-    torch.testing.assert_close(kernels.derived(weight, "1+w", plus_one), 1.0 + weight.float(), rtol=0, atol=0)
+    torch.testing.assert_close(derived_cache.derived(weight, "1+w", plus_one), 1.0 + weight.float(), rtol=0, atol=0)
     trained = torch.nn.Parameter(torch.randn(5))
-    out = kernels.derived(trained, "1+w", plus_one)
+    out = derived_cache.derived(trained, "1+w", plus_one)
     out.sum().backward()
     torch.testing.assert_close(trained.grad, torch.ones(5))  # computed afresh, in the autograd graph
-    assert kernels.derived(trained, "1+w", plus_one) is not out
+    assert derived_cache.derived(trained, "1+w", plus_one) is not out
     # A derivation that gives the parameter back (float() of a float32 weight) is not kept:
     # the entry would keep its own weak key alive.
     plain = torch.nn.Parameter(torch.randn(3), requires_grad=False)
-    assert kernels.derived(plain, "float", torch.Tensor.float) is plain
-    assert "float" not in kernels._DERIVED.get(plain, {})
+    assert derived_cache.derived(plain, "float", torch.Tensor.float) is plain
+    assert "float" not in derived_cache._DERIVED.get(plain, {})
 
 
 def test_delta_rule_reference_matches_explicit_per_head_recurrence_on_packed_sequences():
     total = sum(LENGTHS)
     q, k, v, g, beta = _delta_inputs(total)
     start = torch.randn(len(LENGTHS), 4, 8, 6)
-    out, final = kernels.gated_delta_rule_reference(q, k, v, g, beta, start.clone(), True, _cu(LENGTHS))
+    out, final = gated_delta_rule_reference(q, k, v, g, beta, start.clone(), True, _cu(LENGTHS))
     for index, (begin, end) in enumerate(zip(_cu(LENGTHS)[:-1].tolist(), _cu(LENGTHS)[1:].tolist())):
         # Grouped values: key head h serves value heads 2h and 2h + 1.
         span = slice(begin, end)
@@ -119,8 +126,8 @@ def test_chunked_delta_rule_equals_the_recurrence_in_outputs_states_and_gradient
     start = torch.randn(len(LENGTHS), 4, 8, 6, dtype=torch.float64)
     cu = _cu(LENGTHS)
     # float64 inputs are computed in float32 inside; compare at float32 precision.
-    out, final = kernels.gated_delta_rule_chunked(*inputs, start, True, cu, chunk_size=chunk_size)
-    ref, ref_final = kernels.gated_delta_rule_reference(*inputs, start, True, cu)
+    out, final = gated_delta_rule_chunked(*inputs, start, True, cu, chunk_size=chunk_size)
+    ref, ref_final = gated_delta_rule_reference(*inputs, start, True, cu)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(final, ref_final, rtol=1e-5, atol=1e-5)
     weights = torch.randn_like(out)
@@ -149,10 +156,10 @@ def test_delta_rule_writes_into_out_without_autograd_and_refuses_it_with():
 
 def test_delta_rule_state_carries_a_sequence_across_a_split():
     q, k, v, g, beta = _delta_inputs(40)
-    whole, whole_state = kernels.gated_delta_rule_reference(q, k, v, g, beta, None, True)
+    whole, whole_state = gated_delta_rule_reference(q, k, v, g, beta, None, True)
     head, tail = slice(None, 25), slice(25, None)
-    first, state = kernels.gated_delta_rule_reference(*(x[:, head] for x in (q, k, v, g, beta)), None, True)
-    second, final = kernels.gated_delta_rule_reference(*(x[:, tail] for x in (q, k, v, g, beta)), state, True)
+    first, state = gated_delta_rule_reference(*(x[:, head] for x in (q, k, v, g, beta)), None, True)
+    second, final = gated_delta_rule_reference(*(x[:, tail] for x in (q, k, v, g, beta)), state, True)
     torch.testing.assert_close(torch.cat([first, second], 1), whole, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(final, whole_state, rtol=1e-5, atol=1e-6)
 
@@ -181,7 +188,7 @@ def test_causal_conv_reference_matches_conv1d_per_sequence_with_carried_state():
     x = torch.randn(1, sum(LENGTHS), dim)
     weight = torch.randn(dim, width)
     start = torch.randn(len(LENGTHS), dim, width)
-    out, final = kernels.causal_conv1d_reference(x, weight, start, True, _cu(LENGTHS))
+    out, final = causal_conv1d_reference(x, weight, start, True, _cu(LENGTHS))
     for index, (begin, end) in enumerate(zip(_cu(LENGTHS)[:-1].tolist(), _cu(LENGTHS)[1:].tolist())):
         sequence = torch.cat([start[index], x[0, begin:end].T], dim=1)  # [D, W + L]
         expected = F.silu(F.conv1d(sequence[None], weight[:, None, :], groups=dim)[0, :, 1:]).T
@@ -192,8 +199,8 @@ def test_causal_conv_reference_matches_conv1d_per_sequence_with_carried_state():
 def test_norms_follow_the_qwen3_5_conventions():
     x, gate, weight = torch.randn(3, 8), torch.randn(3, 8), torch.randn(8)
     rms = x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
-    torch.testing.assert_close(kernels.rms_norm_reference(x, weight, 1e-6), rms * (1 + weight))
-    torch.testing.assert_close(kernels.rms_norm_gated_reference(x, gate, weight, 1e-6), rms * weight * F.silu(gate))
+    torch.testing.assert_close(rms_norm_reference(x, weight, 1e-6), rms * (1 + weight))
+    torch.testing.assert_close(rms_norm_gated_reference(x, gate, weight, 1e-6), rms * weight * F.silu(gate))
 
 
 # -- fused kernels on the GPU, against the references, in bf16 tolerance ----------------------
@@ -224,14 +231,14 @@ def test_fused_kernels_are_installed_on_cuda():
 @pytest.mark.gpu
 @pytest.mark.parametrize("width", [63, 128, 1024])
 def test_fused_norms_and_swiglu_match_references(width):
-    assert kernels._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    assert backends._triton_kernels() is not None, "no Triton: the test would compare the reference with itself"
     x = torch.randn(2, 63, width, device="cuda", dtype=torch.bfloat16)
     gate = torch.randn(2, 63, width, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(width, device="cuda", dtype=torch.bfloat16) * 0.1
-    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), kernels.rms_norm_reference(x, weight, 1e-6), **BF16)
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6), **BF16)
     torch.testing.assert_close(kernels.rms_norm_gated(x, gate, weight + 1, 1e-6),
-                               kernels.rms_norm_gated_reference(x, gate, weight + 1, 1e-6), **BF16)
-    torch.testing.assert_close(kernels.swiglu(x, gate), kernels.swiglu_reference(x, gate), **BF16)
+                               rms_norm_gated_reference(x, gate, weight + 1, 1e-6), **BF16)
+    torch.testing.assert_close(kernels.swiglu(x, gate), swiglu_reference(x, gate), **BF16)
 
 
 @pytest.mark.gpu
@@ -239,21 +246,21 @@ def test_triton_rms_norm_and_swiglu_gradients_match_references():
     """Our Triton RMSNorm on a [T, H, D] view read with strides (as the attention's q norm reads
     it) and on 2-D rows of the hidden width, the gated RMSNorm of the delta rule's output, and
     SwiGLU: outputs and gradients in bf16."""
-    assert kernels._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    assert backends._triton_kernels() is not None, "no Triton: the test would compare the reference with itself"
     wide = torch.randn(63, 8, 512, device="cuda", dtype=torch.bfloat16)
     for x in (wide[..., :256].detach(), torch.randn(63, 1024, device="cuda", dtype=torch.bfloat16)):
         x.requires_grad_()
         weight = (torch.randn(x.shape[-1], device="cuda") * 0.1).to(torch.bfloat16).requires_grad_()
-        ours, reference = kernels.rms_norm(x, weight, 1e-6), kernels.rms_norm_reference(x, weight, 1e-6)
+        ours, reference = kernels.rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)
         torch.testing.assert_close(ours, reference, **BF16)
         _assert_gradients_close([ours], [reference], {"x": x, "weight": weight}, 2e-2)
     x, z = (torch.randn(63, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     weight = (1.0 + 0.1 * torch.randn(128, device="cuda")).to(torch.bfloat16).requires_grad_()
-    ours, reference = kernels.rms_norm_gated(x, z, weight, 1e-6), kernels.rms_norm_gated_reference(x, z, weight, 1e-6)
+    ours, reference = kernels.rms_norm_gated(x, z, weight, 1e-6), rms_norm_gated_reference(x, z, weight, 1e-6)
     torch.testing.assert_close(ours, reference, **BF16)
     _assert_gradients_close([ours], [reference], {"x": x, "gate": z, "weight": weight}, 2e-2)
     gate, up = (torch.randn(63, 3584, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    ours, reference = kernels.swiglu(gate, up), kernels.swiglu_reference(gate, up)
+    ours, reference = kernels.swiglu(gate, up), swiglu_reference(gate, up)
     torch.testing.assert_close(ours, reference, **BF16)
     _assert_gradients_close([ours], [reference], {"gate": gate, "up": up}, 2e-2)
 
@@ -264,7 +271,7 @@ def test_packed_projection_kernels_match_references_on_cuda():
     their references, outputs and gradients: the head norm fused with the rotary embedding on
     query heads interleaved with their gates (read in place), the residual addition fused with
     the next RMSNorm, SwiGLU and the gated RMSNorm on column blocks of one output."""
-    assert kernels._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    assert backends._triton_kernels() is not None, "no Triton: the test would compare the reference with itself"
     total = 63
     projected = torch.randn(total, 8 * 512 + 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     query = projected[:, :4096].view(total, 8, 512)[..., :256]
@@ -272,26 +279,26 @@ def test_packed_projection_kernels_match_references_on_cuda():
     angles = torch.randn(total, 32, device="cuda")
     cos, sin = (f(torch.cat([angles, angles], -1)).to(torch.bfloat16) for f in (torch.cos, torch.sin))
     ours = kernels.norm_rotate(query, weight, cos, sin, 1e-6)
-    reference = kernels.norm_rotate_reference(query, weight, cos, sin, 1e-6)
+    reference = norm_rotate_reference(query, weight, cos, sin, 1e-6)
     torch.testing.assert_close(ours, reference, **BF16)
     _assert_gradients_close([ours], [reference], {"projected": projected, "weight": weight}, 2e-2)
     x, residual = (torch.randn(total, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     weight = (torch.randn(1024, device="cuda") * 0.1).to(torch.bfloat16).requires_grad_()
     ours = kernels.add_rms_norm(x, residual, weight, 1e-6)
     added = x + residual
-    reference = (added, kernels.rms_norm_reference(added, weight, 1e-6))
+    reference = (added, rms_norm_reference(added, weight, 1e-6))
     torch.testing.assert_close(ours[0], reference[0], rtol=0, atol=0)  # the same bf16 sum
     torch.testing.assert_close(ours[1], reference[1], **BF16)
     _assert_gradients_close(list(ours), list(reference), {"x": x, "residual": residual, "weight": weight}, 2e-2)
     mlp = torch.randn(total, 2 * 3584, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ours, reference = (f(mlp[:, :3584], mlp[:, 3584:]) for f in (kernels.swiglu, kernels.swiglu_reference))
+    ours, reference = (f(mlp[:, :3584], mlp[:, 3584:]) for f in (kernels.swiglu, swiglu_reference))
     torch.testing.assert_close(ours, reference, **BF16)
     _assert_gradients_close([ours], [reference], {"mlp": mlp}, 2e-2)
     mixer = torch.randn(total, 8224, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     out = torch.randn(total, 16, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gate = mixer[:, 6144:8192].view(total, 16, 128)
     norm = (1.0 + 0.1 * torch.randn(128, device="cuda")).to(torch.bfloat16)
-    ours, reference = (f(out, gate, norm, 1e-6) for f in (kernels.rms_norm_gated, kernels.rms_norm_gated_reference))
+    ours, reference = (f(out, gate, norm, 1e-6) for f in (kernels.rms_norm_gated, rms_norm_gated_reference))
     torch.testing.assert_close(ours, reference, **BF16)
     _assert_gradients_close([ours], [reference], {"out": out, "mixer": mixer}, 2e-2)
 
@@ -304,7 +311,7 @@ def test_fused_gated_delta_rule_matches_reference_forward_and_gradients():
     start = torch.randn(len(LENGTHS), 4, 64, 64, device="cuda") * 0.1
     cu = _cu(LENGTHS, "cuda").to(torch.int32)
     out, final = kernels.chunk_gated_delta_rule(*inputs, start, True, cu)
-    ref, ref_final = kernels.gated_delta_rule_reference(*inputs, start, True, cu.long())
+    ref, ref_final = gated_delta_rule_reference(*inputs, start, True, cu.long())
     assert _relative_error(out, ref) < 1e-2 and _relative_error(final, ref_final) < 1e-2
     grads = torch.autograd.grad(out.float().square().sum(), inputs)
     ref_grads = torch.autograd.grad(ref.float().square().sum(), inputs)
@@ -329,8 +336,8 @@ def test_fused_gated_delta_rule_with_the_decay_in_kernel_matches_reference(dtype
     start = torch.randn(len(LENGTHS), 4, 64, 64, device="cuda") * 0.1
     cu = _cu(LENGTHS, "cuda").to(torch.int32)
     out, final = kernels.chunk_gated_delta_rule(q, k, v, gate, beta, start, True, cu, A_log=A_log, dt_bias=dt_bias)
-    ref, ref_final = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta, start,
-                                                        True, cu.long())
+    ref, ref_final = gated_delta_rule_reference(q, k, v, decay(gate, A_log, dt_bias), beta, start,
+                                                True, cu.long())
     assert _relative_error(out, ref) < 1e-2 and _relative_error(final, ref_final) < 1e-2
     grads = torch.autograd.grad(out.float().square().sum(), inputs)
     ref_grads = torch.autograd.grad(ref.float().square().sum(), inputs)
@@ -349,7 +356,7 @@ def test_fla_gradient_flows_into_the_forked_prefix_state():
     total = sum(lengths)
     q, k, v, _, beta = _delta_inputs(total, heads=2, value_heads=4, key_dim=64, value_dim=64, device="cuda",
                                      dtype=torch.bfloat16)
-    q, k = kernels.l2norm(q.float()).bfloat16(), kernels.l2norm(k.float()).bfloat16()
+    q, k = l2norm(q.float()).bfloat16(), l2norm(k.float()).bfloat16()
     generator = torch.Generator(device="cpu").manual_seed(3)
     gate = torch.randn(1, total, 4, generator=generator).to("cuda", torch.bfloat16)
     A_log, dt_bias = (torch.randn(4, generator=generator).to("cuda") * 0.5 for _ in range(2))
@@ -360,9 +367,9 @@ def test_fla_gradient_flows_into_the_forked_prefix_state():
     out, _ = kernels.delta_rule(q[0], k[0], v[0], gate[0], beta[0], cu, cu.cpu(), max(lengths), None, A_log, dt_bias,
                                 states, parents, True)
     out = out[None]
-    reference, _ = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta,
-                                                      kernels.fork_states(states, parents, True), False, cu.long(),
-                                                      normalise=False)
+    reference, _ = gated_delta_rule_reference(q, k, v, decay(gate, A_log, dt_bias), beta,
+                                              kernels.fork_states(states, parents, True), False, cu.long(),
+                                              normalise=False)
     assert _relative_error(out, reference) < 1e-2
     weights = torch.randn(out.shape, generator=generator).to("cuda")
     grads = torch.autograd.grad((out.float() * weights).sum(), inputs)
@@ -380,7 +387,7 @@ def _forked_inputs(lengths, heads, value_heads, width, seed):
     total = sum(lengths)
     q, k, v, _, beta = _delta_inputs(total, heads=heads, value_heads=value_heads, key_dim=width, value_dim=width,
                                      device="cuda", dtype=torch.bfloat16)
-    q, k = kernels.l2norm(q.float()).bfloat16(), kernels.l2norm(k.float()).bfloat16()
+    q, k = l2norm(q.float()).bfloat16(), l2norm(k.float()).bfloat16()
     generator = torch.Generator(device="cpu").manual_seed(seed)
     gate = torch.randn(1, total, value_heads, generator=generator).to("cuda", torch.bfloat16)
     A_log, dt_bias = (torch.randn(value_heads, generator=generator).to("cuda") * 0.5 for _ in range(2))
@@ -397,7 +404,8 @@ def test_delta_rule_rows_matches_reference_and_fla_on_forked_states(heads, value
     also fed beta's logits, whose sigmoid it then takes itself (as the decoder runs it)."""
     lengths = [1, 15, 16, 17, 33, 63, 64, 28, 44]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, heads, value_heads, width, 2)
-    rows = kernels._triton_ops().delta_rule_rows
+    from dohnuts.ops.delta_rule.rows import delta_rule_rows as rows
+
     with torch.no_grad():
         ours = rows(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, max(lengths), A_log, dt_bias)[None]
         from_logits = rows(q[0], k[0], v[0], gate[0], torch.logit(beta[0].float()).to(beta.dtype), states, parents,
@@ -405,8 +413,8 @@ def test_delta_rule_rows_matches_reference_and_fla_on_forked_states(heads, value
         forked = kernels.fork_states(states, parents, True)
         fla, _ = kernels.chunk_gated_delta_rule(q, k, v, gate, beta, forked, False, cu, False, cu.cpu(), None,
                                                 A_log, dt_bias)
-    reference, _ = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta, forked,
-                                                      False, cu.long(), normalise=False)
+    reference, _ = gated_delta_rule_reference(q, k, v, decay(gate, A_log, dt_bias), beta, forked,
+                                              False, cu.long(), normalise=False)
     assert _relative_error(ours, reference) < 1e-2
     assert _relative_error(ours, fla) < 1e-2
     assert _relative_error(from_logits, reference) < 1e-2
@@ -421,8 +429,9 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width):
     sigmoid it then takes itself."""
     lengths = [1, 15, 16, 17, 65, 130, 257, 700, 44]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, heads, value_heads, width, 3)
-    scan = kernels._triton_ops().delta_rule_scan
-    log_decay = kernels.decay(gate, A_log, dt_bias)
+    from dohnuts.ops.delta_rule.scan import delta_rule_scan as scan
+
+    log_decay = decay(gate, A_log, dt_bias)
     forked = kernels.fork_states(states, parents, True)
     with torch.no_grad():
         fresh, final = scan(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias)
@@ -436,10 +445,10 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width):
         fla_continued, _ = kernels.fused(q)["chunk_gated_delta_rule"](
             q, k, v, gate, beta, initial_state=forked, cu_seqlens=cu, use_qk_l2norm_in_kernel=False,
             use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
-    reference, reference_final = kernels.gated_delta_rule_reference(q, k, v, log_decay, beta, None, True, cu.long(),
-                                                                    normalise=False)
-    reference_continued, _ = kernels.gated_delta_rule_reference(q, k, v, log_decay, beta, forked, False, cu.long(),
-                                                                normalise=False)
+    reference, reference_final = gated_delta_rule_reference(q, k, v, log_decay, beta, None, True, cu.long(),
+                                                            normalise=False)
+    reference_continued, _ = gated_delta_rule_reference(q, k, v, log_decay, beta, forked, False, cu.long(),
+                                                        normalise=False)
     assert _relative_error(fresh[None], reference) < 1e-2 and _relative_error(fresh[None], fla_fresh) < 1e-2
     assert _relative_error(final, reference_final) < 1e-2 and _relative_error(final, fla_final) < 1e-2
     assert _relative_error(continued[None], reference_continued) < 1e-2
@@ -451,11 +460,11 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, value_heads, width", [(16, 16, 128), (2, 4, 40)])
 def test_delta_rule_gradient_matches_reference_and_fla(heads, value_heads, width):
-    """triton_delta.delta_rule in bf16 (sequences of 1 to 700 tokens), its gradients against
+    """delta_rule.backward.delta_rule in bf16 (sequences of 1 to 700 tokens), its gradients against
     autograd through the float32 recurrence and through FLA's chunked kernels, to 2% relative
     (norm-wise): from zero states keeping the final states (the prefixes, with a gradient at
     the final states), and from forked states (the rows, with the states' gradient)."""
-    from dohnuts.ops import triton_delta
+    from dohnuts.ops.delta_rule import backward
 
     lengths = [1, 15, 16, 17, 65, 130, 257, 700, 44]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, heads, value_heads, width, 4)
@@ -465,30 +474,30 @@ def test_delta_rule_gradient_matches_reference_and_fla(heads, value_heads, width
     fla = kernels.fused(q)["chunk_gated_delta_rule"]
     gates = {"use_qk_l2norm_in_kernel": False, "use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
     fresh_inputs = {name: leaves[name] for name in ("q", "k", "v", "gate", "beta")}
-    ours = triton_delta.delta_rule(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias)
-    reference = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta, None, True,
-                                                   cu.long(), normalise=False)
+    ours = backward.delta_rule(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias)
+    reference = gated_delta_rule_reference(q, k, v, decay(gate, A_log, dt_bias), beta, None, True,
+                                           cu.long(), normalise=False)
     theirs = fla(q, k, v, gate, beta, output_final_state=True, cu_seqlens=cu, **gates)
     ours = (ours[0][None], ours[1])
     assert _relative_error(ours[0], reference[0]) < 1e-2 and _relative_error(ours[1], reference[1]) < 1e-2
     _assert_gradients_close(ours, reference, fresh_inputs, 2e-2)
-    ours = triton_delta.delta_rule(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias)
+    ours = backward.delta_rule(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias)
     _assert_gradients_close((ours[0][None], ours[1]), theirs, fresh_inputs, 2e-2)
 
-    ours = triton_delta.delta_rule(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log, dt_bias)
+    ours = backward.delta_rule(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log, dt_bias)
     forked = kernels.fork_states(states, parents, True)
-    reference = kernels.gated_delta_rule_reference(q, k, v, kernels.decay(gate, A_log, dt_bias), beta, forked, False,
-                                                   cu.long(), normalise=False)
+    reference = gated_delta_rule_reference(q, k, v, decay(gate, A_log, dt_bias), beta, forked, False,
+                                           cu.long(), normalise=False)
     assert _relative_error(ours[0][None], reference[0]) < 1e-2
     _assert_gradients_close([ours[0][None]], [reference[0]], leaves, 2e-2)
-    ours = triton_delta.delta_rule(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log, dt_bias)
+    ours = backward.delta_rule(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log, dt_bias)
     theirs = fla(q, k, v, gate, beta, initial_state=kernels.fork_states(states, parents, True), cu_seqlens=cu,
                  **gates)
     _assert_gradients_close([ours[0][None]], [theirs[0]], leaves, 2e-2)
 
 
 def test_triton_kernels_match_references_under_triton_interpreter():
-    """dohnuts.triton_ops on the CPU through Triton's interpreter (tests/triton_interpreted.py):
+    """Our Triton kernels on the CPU through Triton's interpreter (tests/ops/triton_interpreted.py):
     conv_split_heads, the norms, the norm fused with the rotary embedding and SwiGLU (also reading
     column blocks of a packed projection's output in place) against their references, outputs and
     every gradient, on
@@ -509,7 +518,7 @@ def test_triton_conv_split_heads_matches_reference_forward_and_gradients(dtype, 
     """The fused convolution and head split on packed sequences [63, 1, 17, 64, 130] of the
     Qwen3.5-0.8B widths, from carried states and keeping final states (or neither): outputs,
     final states and the gradients of the input, the weight and the carried state."""
-    assert kernels._triton_ops() is not None, "no Triton: the test would compare the reference with itself"
+    assert backends._triton_kernels() is not None, "no Triton: the test would compare the reference with itself"
     heads, key_dim, value_heads, value_dim, width = 16, 128, 16, 128, 4
     channels = 2 * heads * key_dim + value_heads * value_dim
     lengths = LENGTHS + [130]
@@ -522,8 +531,8 @@ def test_triton_conv_split_heads_matches_reference_forward_and_gradients(dtype, 
     inputs = (x, weight, state) if carried else (x, weight)
     ours = kernels.conv_split_heads(x, weight, state, carried, cu, cu_cpu, None, heads, key_dim, value_heads,
                                     value_dim)
-    reference = kernels.conv_split_heads_reference(x, weight, state, carried, cu.long(), heads, key_dim, value_heads,
-                                                   value_dim)
+    reference = conv_split_heads_reference(x, weight, state, carried, cu.long(), heads, key_dim, value_heads,
+                                           value_dim)
     assert (ours[3] is None) == (not carried)
     ours, reference = [out for out in ours if out is not None], [out for out in reference if out is not None]
     tolerance = BF16 if dtype == torch.bfloat16 else {"rtol": 1e-4, "atol": 1e-4}
@@ -544,7 +553,7 @@ def test_varlen_attention_matches_reference_with_prefix_keys_and_grouped_heads()
     k = torch.randn(sum(keys), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(sum(keys), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     out = kernels.attention(q, k, v, cu_q, cu_k, max(queries), max(keys), 0.125)
-    ref = kernels.attention_reference(q.float(), k.float(), v.float(), cu_q, cu_k, 0.125)
+    ref = attention_reference(q.float(), k.float(), v.float(), cu_q, cu_k, 0.125)
     assert _relative_error(out, ref) < 1e-2
     grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
     ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
@@ -556,9 +565,9 @@ def test_uncached_plans_sets_flas_switch_for_nested_users_and_restores_it(monkey
     utils = types.ModuleType("fla.utils")
     utils.FLA_DISABLE_TENSOR_CACHE = False
     monkeypatch.setitem(sys.modules, "fla.utils", utils)
-    monkeypatch.setattr(kernels, "_fla", lambda: {})
-    with kernels.uncached_plans():
-        with kernels.uncached_plans():
+    monkeypatch.setattr(backends, "_fla", lambda: {})
+    with backends.uncached_plans():
+        with backends.uncached_plans():
             assert utils.FLA_DISABLE_TENSOR_CACHE is True
         assert utils.FLA_DISABLE_TENSOR_CACHE is True  # the outer user still needs it
     assert utils.FLA_DISABLE_TENSOR_CACHE is False
@@ -581,7 +590,7 @@ def test_first_fused_delta_rule_call_of_a_head_shape_tunes_on_the_tuning_batch(m
         return torch.zeros_like(v), None
 
     monkeypatch.setattr(kernels, "fused", lambda x: {"chunk_gated_delta_rule": fake})
-    monkeypatch.setattr(kernels, "_TUNED", set())
+    monkeypatch.setattr(chunk, "_TUNED", set())
     A_log, dt_bias = torch.randn(4, requires_grad=True), torch.randn(4)
 
     def call(heads, key_dim, value_heads, value_dim, tokens=70):
@@ -597,7 +606,7 @@ def test_first_fused_delta_rule_call_of_a_head_shape_tunes_on_the_tuning_batch(m
 
     rng = call(2, 8, 4, 6)
     # The tuning call came first, on its own packed batch, with the caller's options.
-    rows, length = kernels.TUNING_ROWS, kernels.TUNING_LENGTH
+    rows, length = chunk.TUNING_ROWS, chunk.TUNING_LENGTH
     assert len(calls) == 2
     tuning, real = calls
     assert tuning["q"] == (1, rows * length, 2, 8) and tuning["v"] == (1, rows * length, 4, 6)
@@ -615,27 +624,27 @@ def test_first_fused_delta_rule_call_of_a_head_shape_tunes_on_the_tuning_batch(m
 
 
 def test_slow_paths_are_recorded_once_with_their_reason(monkeypatch, caplog):
-    monkeypatch.setattr(kernels, "_SLOW", {})
-    monkeypatch.setattr(kernels, "_fla", lambda: None)
-    monkeypatch.setattr(kernels, "_triton_ops", lambda: None)
+    monkeypatch.setattr(backends, "_SLOW", {})
+    monkeypatch.setattr(backends, "_fla", lambda: None)
+    monkeypatch.setattr(backends, "_triton_kernels", lambda: None)
     on_cuda = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)  # what the dispatch reads of a tensor
-    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+    with caplog.at_level(logging.WARNING, logger=backends.__name__):
         for _ in range(3):
-            assert kernels.fused(on_cuda) is None and kernels._ours(on_cuda) is None
-    assert kernels.fused(torch.zeros(1)) is None  # the CPU takes the reference: not a slow path
-    paths = kernels.slow_paths()
+            assert backends.fused(on_cuda) is None and backends._ours(on_cuda) is None
+    assert backends.fused(torch.zeros(1)) is None  # the CPU takes the reference: not a slow path
+    paths = backends.slow_paths()
     assert set(paths) == {"fla", "triton"} and "plain-PyTorch chunked reference" in paths["fla"]
     assert [record.message for record in caplog.records] == [paths["fla"], paths["triton"]]
 
 
 def test_fla_backend_settings_are_set_by_the_project_not_the_environment(monkeypatch):
-    monkeypatch.setattr(kernels, "_SLOW", {})
+    monkeypatch.setattr(backends, "_SLOW", {})
     monkeypatch.setenv("FLA_FLASH_QLA", "1")
     monkeypatch.delenv("FLA_INTRACARD_CP", raising=False)
-    kernels._fla.cache_clear()
+    backends._fla.cache_clear()
     try:
-        kernels._fla()
+        backends._fla()
         assert os.environ["FLA_FLASH_QLA"] == "0" and os.environ["FLA_INTRACARD_CP"] == "0"
-        assert "overridden" in kernels.slow_paths()["env:FLA_FLASH_QLA"]
+        assert "overridden" in backends.slow_paths()["env:FLA_FLASH_QLA"]
     finally:
-        kernels._fla.cache_clear()
+        backends._fla.cache_clear()

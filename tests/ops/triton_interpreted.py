@@ -1,6 +1,7 @@
-"""Our Triton kernels (dohnuts.triton_ops) against their references, run on the CPU by Triton's
-interpreter. `test_kernels.py` runs this file in a subprocess with TRITON_INTERPRET=1, which
-Triton reads when the kernels are defined. Exits non-zero on the first mismatch."""
+"""Our Triton kernels (the `fused` module of each family in dohnuts.ops, and the delta rule's
+`rows`, `scan` and `backward`) against their references, run on the CPU by Triton's interpreter.
+`test_kernels.py` runs this file in a subprocess with TRITON_INTERPRET=1, which Triton reads
+when the kernels are defined. Exits non-zero on the first mismatch."""
 
 import copy
 import os
@@ -10,7 +11,18 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-from dohnuts.ops import kernels, triton_delta, triton_ops
+from dohnuts.ops import backends, kernels
+from dohnuts.ops.conv import fused as conv_fused
+from dohnuts.ops.conv.naive import conv_split_heads_reference
+from dohnuts.ops.delta_rule import backward as delta_backward
+from dohnuts.ops.delta_rule import rows as delta_rows
+from dohnuts.ops.delta_rule import scan as delta_scan
+from dohnuts.ops.delta_rule.naive import decay, gated_delta_rule_reference
+from dohnuts.ops.norm import fused as norm_fused
+from dohnuts.ops.norm.naive import norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
+from dohnuts.ops.plain import l2norm
+from dohnuts.ops.swiglu import fused as swiglu_fused
+from dohnuts.ops.swiglu.naive import swiglu_reference
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -30,13 +42,13 @@ def grads(outputs, inputs, seed):
 
 
 def check_conv_split_heads():
-    default = triton_ops.TOKENS
+    default = conv_fused.TOKENS
     try:
         for tokens in sorted({default, 16, 64}):  # whole planned chunks a program, and blocks of them
-            triton_ops.TOKENS = tokens
+            conv_fused.TOKENS = tokens
             check_conv_split_heads_blocks()
     finally:
-        triton_ops.TOKENS = default
+        conv_fused.TOKENS = default
 
 
 def check_conv_split_heads_blocks():
@@ -50,11 +62,11 @@ def check_conv_split_heads_blocks():
                 weight = torch.randn(channels, width, requires_grad=True)
                 state = torch.randn(len(lengths), channels, width, requires_grad=True) if with_state else None
                 inputs = [x, weight] + ([state] if with_state else [])
-                ours = triton_ops.conv_split_heads(x, weight, state, keep, cu, cu, None, heads, key_dim, value_heads,
+                ours = conv_fused.conv_split_heads(x, weight, state, keep, cu, cu, None, heads, key_dim, value_heads,
                                                    value_dim)
-                reference = kernels.conv_split_heads_reference(x, weight, state, keep, cu.long(), heads, key_dim,
-                                                               value_heads, value_dim)
-                case = f"conv_split_heads tokens={triton_ops.TOKENS} lengths={lengths} state={with_state} final={keep}"
+                reference = conv_split_heads_reference(x, weight, state, keep, cu.long(), heads, key_dim,
+                                                       value_heads, value_dim)
+                case = f"conv_split_heads tokens={conv_fused.TOKENS} lengths={lengths} state={with_state} final={keep}"
                 for name, a, b in zip(["q", "k", "v", "final"], ours, reference):
                     if b is None:
                         assert a is None, f"{case}: {name}"
@@ -69,9 +81,9 @@ def check_conv_split_heads_blocks():
                     shared = torch.randn(2, channels, width)
                     parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
                     with torch.no_grad():
-                        ours = triton_ops.conv_split_heads(x, weight, shared, keep, cu, cu, None, heads, key_dim,
+                        ours = conv_fused.conv_split_heads(x, weight, shared, keep, cu, cu, None, heads, key_dim,
                                                            value_heads, value_dim, parents)
-                        reference = kernels.conv_split_heads_reference(
+                        reference = conv_split_heads_reference(
                             x, weight, kernels.fork_states(shared, parents, True), keep, cu.long(), heads, key_dim,
                             value_heads, value_dim)
                     for name, a, b in zip(["q", "k", "v", "final"], ours, reference):
@@ -90,8 +102,8 @@ def check_norms_and_swiglu():
     for x in cases:
         x = x.clone().requires_grad_() if x.is_contiguous() else x.detach().requires_grad_()
         weight = (torch.randn(x.shape[-1], generator=generator) * 0.2).requires_grad_()
-        ours = triton_ops.rms_norm(x, 1.0 + weight, 1e-6)
-        reference = kernels.rms_norm_reference(x, weight, 1e-6)
+        ours = norm_fused.rms_norm(x, 1.0 + weight, 1e-6)
+        reference = rms_norm_reference(x, weight, 1e-6)
         close(f"rms_norm {tuple(x.shape)}", ours, reference)
         for name, a, b in zip(["x", "weight"], grads([ours], [x, weight], 4), grads([reference], [x, weight], 4)):
             close(f"rms_norm {tuple(x.shape)} grad {name}", a, b)
@@ -99,8 +111,8 @@ def check_norms_and_swiglu():
     x = wide.view(21, 3, 2, 40)[:, :, 1].detach().requires_grad_()
     weight = torch.randn(40, generator=generator) * 0.2
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t.contiguous().clone(), lambda t: t):
-        repacked = triton_ops.rms_norm(x, 1.0 + weight, 1e-6)
-    plain = kernels.rms_norm_reference(x, weight, 1e-6)
+        repacked = norm_fused.rms_norm(x, 1.0 + weight, 1e-6)
+    plain = rms_norm_reference(x, weight, 1e-6)
     close("rms_norm grad through a repacking hook", grads([repacked], [x], 7)[0], grads([plain], [x], 7)[0])
     for shape, block in [((19, 4, 24), False), ((7, 130), False), ((19, 4, 24), True), ((7, 130), True)]:
         # With `block`, the gate is a column block of a wider projection output, read in place.
@@ -110,8 +122,8 @@ def check_norms_and_swiglu():
         z = outputs[:, 7:-5].view(shape) if block else torch.randn(*shape, generator=generator, requires_grad=True)
         leaf = outputs if block else z
         weight = (1.0 + 0.2 * torch.randn(shape[-1], generator=generator)).requires_grad_()
-        ours = triton_ops.rms_norm_gated(x, z, weight, 1e-6)
-        reference = kernels.rms_norm_gated_reference(x, z, weight, 1e-6)
+        ours = norm_fused.rms_norm_gated(x, z, weight, 1e-6)
+        reference = rms_norm_gated_reference(x, z, weight, 1e-6)
         close(f"rms_norm_gated {shape} block={block}", ours, reference)
         for name, a, b in zip(["x", "gate", "weight"], grads([ours], [x, leaf, weight], 6),
                               grads([reference], [x, leaf, weight], 6)):
@@ -123,7 +135,7 @@ def check_norms_and_swiglu():
                     (torch.randn(33, 70, generator=generator, requires_grad=True),
                      torch.randn(33, 70, generator=generator, requires_grad=True)))
         leaves = [outputs] if block else [gate, up]
-        ours, reference = triton_ops.swiglu(gate, up), kernels.swiglu_reference(gate, up)
+        ours, reference = swiglu_fused.swiglu(gate, up), swiglu_reference(gate, up)
         close(f"swiglu block={block}", ours, reference)
         for name, a, b in zip(["gate", "up"], grads([ours], leaves, 5), grads([reference], leaves, 5)):
             close(f"swiglu block={block} grad {name}", a, b)
@@ -138,9 +150,9 @@ def check_add_rms_norm():
         residual = torch.randn(*shape, generator=generator, requires_grad=True)
         weight = (torch.randn(shape[-1], generator=generator) * 0.2).requires_grad_()
         for used in ([0], [1], [0, 1]):
-            total, normed = triton_ops.add_rms_norm(x, residual, 1.0 + weight, 1e-6)
+            total, normed = norm_fused.add_rms_norm(x, residual, 1.0 + weight, 1e-6)
             expected_total = x + residual
-            expected = kernels.rms_norm_reference(expected_total, weight, 1e-6)
+            expected = rms_norm_reference(expected_total, weight, 1e-6)
             close(f"add_rms_norm {shape} sum", total, expected_total)
             close(f"add_rms_norm {shape} normed", normed, expected)
             ours = [[total, normed][i] for i in used]
@@ -167,8 +179,8 @@ def check_norm_rotate():
         weight = (torch.randn(width, generator=generator) * 0.2).requires_grad_()
         angles = torch.randn(total, turned // 2, generator=generator)
         cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-        ours = triton_ops.norm_rotate(x, 1.0 + weight, cos, sin, 1e-6)
-        reference = kernels.norm_rotate_reference(x, weight, cos, sin, 1e-6)
+        ours = norm_fused.norm_rotate(x, 1.0 + weight, cos, sin, 1e-6)
+        reference = norm_rotate_reference(x, weight, cos, sin, 1e-6)
         case = f"norm_rotate heads={heads} D={width} R={turned} interleaved={interleaved}"
         close(case, ours, reference)
         for name, a, b in zip(["x", "weight"], grads([ours], [leaf, weight], 12),
@@ -180,30 +192,30 @@ def check_delta_rule_rows():
     """delta_rule_rows against the token-by-token reference on forked states: rows of 1 to 64
     tokens (each part boundary), grouped heads, rows without a parent, value blocks of 16 with a
     partial last one."""
-    default = triton_ops.VALUES
+    default = delta_rows.VALUES
     generator = torch.Generator().manual_seed(8)
     heads, key_dim, value_heads = 2, 8, 4
     try:
         for value_dim, values in ((6, default), (40, 16), (40, default)):
-            triton_ops.VALUES = values
+            delta_rows.VALUES = values
             for lengths in ([1, 15, 16, 17, 33, 49, 63, 64], [5], [17, 30], [33, 2, 40], [64, 2, 48]):
                 total, states = sum(lengths), torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-                q, k = (kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
+                q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
                 v = torch.randn(total, value_heads, value_dim, generator=generator)
                 # The raw gate input as the kernels get it from a packed projection: a column block.
                 gate = torch.randn(total, value_heads + 3, generator=generator)[:, 1:-2]
                 beta = torch.rand(total, value_heads)
                 A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
                 parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
-                ours = triton_ops.delta_rule_rows(q, k, v, gate, beta, states, parents, cu, max(lengths), A_log,
+                ours = delta_rows.delta_rule_rows(q, k, v, gate, beta, states, parents, cu, max(lengths), A_log,
                                                   dt_bias)
-                reference, _ = kernels.gated_delta_rule_reference(
-                    q[None], k[None], v[None], kernels.decay(gate, A_log, dt_bias)[None], beta[None],
+                reference, _ = gated_delta_rule_reference(
+                    q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None], beta[None],
                     kernels.fork_states(states, parents, True), False, cu.long(), normalise=False)
                 close(f"delta_rule_rows lengths={lengths} V={value_dim} block={values}", ours, reference[0])
                 larger = torch.full((total + 5, value_heads, value_dim), 5.0)
-                into = triton_ops.delta_rule_rows(q, k, v, gate, beta, states, parents, cu, max(lengths), A_log,
+                into = delta_rows.delta_rule_rows(q, k, v, gate, beta, states, parents, cu, max(lengths), A_log,
                                                   dt_bias, out=larger[2:2 + total])
                 assert into.data_ptr() == larger[2].data_ptr()
                 close(f"delta_rule_rows into out lengths={lengths}", larger[2:2 + total], reference[0])
@@ -211,13 +223,13 @@ def check_delta_rule_rows():
                 # Beta's input, a column block of a packed projection's output, its sigmoid taken
                 # in the kernel: as beta itself.
                 raw = torch.randn(total, value_heads + 3, generator=generator)[:, 2:-1]
-                from_raw = triton_ops.delta_rule_rows(q, k, v, gate, raw, states, parents, cu, max(lengths), A_log,
+                from_raw = delta_rows.delta_rule_rows(q, k, v, gate, raw, states, parents, cu, max(lengths), A_log,
                                                       dt_bias, beta_logits=True)
                 close(f"delta_rule_rows from beta's input lengths={lengths}", from_raw,
-                      triton_ops.delta_rule_rows(q, k, v, gate, torch.sigmoid(raw), states, parents, cu, max(lengths),
+                      delta_rows.delta_rule_rows(q, k, v, gate, torch.sigmoid(raw), states, parents, cu, max(lengths),
                                                  A_log, dt_bias))
     finally:
-        triton_ops.VALUES = default
+        delta_rows.VALUES = default
     # Badly conditioned blocks: nearly parallel keys, beta near 1 and almost no decay make the
     # higher powers of each block large, so every factor of the kernel's inverse matters. The
     # kernel's float32 products then lose more than forward substitution would: against the
@@ -226,15 +238,15 @@ def check_delta_rule_rows():
     total = sum(lengths)
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     base = torch.randn(1, heads, key_dim, generator=generator)
-    k = kernels.l2norm(base + 0.05 * torch.randn(total, heads, key_dim, generator=generator))
-    q = kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator))
+    k = l2norm(base + 0.05 * torch.randn(total, heads, key_dim, generator=generator))
+    q = l2norm(torch.randn(total, heads, key_dim, generator=generator))
     v = torch.randn(total, value_heads, 6, generator=generator)
     gate, beta = torch.full((total, value_heads), -8.0), 0.9 + 0.1 * torch.rand(total, value_heads)
     A_log, dt_bias = torch.zeros(value_heads), torch.zeros(value_heads)
     states, parents = torch.randn(1, value_heads, key_dim, 6, generator=generator), torch.tensor([0, -1])
-    ours = triton_ops.delta_rule_rows(q, k, v, gate, beta, states, parents, cu, 64, A_log, dt_bias)
-    reference, _ = kernels.gated_delta_rule_reference(
-        *(x[None].double() for x in (q, k, v, kernels.decay(gate, A_log, dt_bias), beta)),
+    ours = delta_rows.delta_rule_rows(q, k, v, gate, beta, states, parents, cu, 64, A_log, dt_bias)
+    reference, _ = gated_delta_rule_reference(
+        *(x[None].double() for x in (q, k, v, decay(gate, A_log, dt_bias), beta)),
         kernels.fork_states(states, parents, True).double(), False, cu.long(), normalise=False)
     error = (ours.double() - reference[0]).abs().max().item()
     if not error < 1e-3:
@@ -247,71 +259,71 @@ def check_delta_rule_scan():
     (every 16-token part boundary, several parts), from zero states keeping the final states
     (prefixes) and from forked states (long rows, some without a parent), grouped heads and
     value blocks of 16 with a partial last one."""
-    default = triton_ops.VALUES
+    default = delta_scan.VALUES
     generator = torch.Generator().manual_seed(9)
     heads, key_dim, value_heads = 2, 8, 4
     try:
         for value_dim, values in ((6, default), (40, 16)):
-            triton_ops.VALUES = values
+            delta_scan.VALUES = values
             for lengths in ([1, 15, 16, 17, 33, 64, 65, 130], [5], [97, 2]):
                 total = sum(lengths)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-                q, k = (kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
+                q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
                 v = torch.randn(total, value_heads, value_dim, generator=generator)
                 # The raw gate input as a column block of a packed projection's output (read in place).
                 gate = torch.randn(total, value_heads + 3, generator=generator)[:, 1:-2]
                 beta = torch.rand(total, value_heads)
                 A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
-                log_decay = kernels.decay(gate, A_log, dt_bias)
+                log_decay = decay(gate, A_log, dt_bias)
                 case = f"delta_rule_scan lengths={lengths} V={value_dim} block={values}"
-                ours, final = triton_ops.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias)
-                reference, reference_final = kernels.gated_delta_rule_reference(
+                ours, final = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias)
+                reference, reference_final = gated_delta_rule_reference(
                     q[None], k[None], v[None], log_decay[None], beta[None], None, True, cu.long(), normalise=False)
                 close(f"{case} from zero", ours, reference[0])
                 close(f"{case} final states", final, reference_final)
                 states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
                 parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
-                ours, none = triton_ops.delta_rule_scan(q, k, v, gate, beta, states, parents, cu, False, A_log,
+                ours, none = delta_scan.delta_rule_scan(q, k, v, gate, beta, states, parents, cu, False, A_log,
                                                         dt_bias)
-                reference, _ = kernels.gated_delta_rule_reference(
+                reference, _ = gated_delta_rule_reference(
                     q[None], k[None], v[None], log_decay[None], beta[None], kernels.fork_states(states, parents, True),
                     False, cu.long(), normalise=False)
                 assert none is None, case
                 close(f"{case} forked", ours, reference[0])
                 # Written into a part of a larger output: there, and nowhere else in it.
                 larger = torch.full((total + 7, value_heads, value_dim), 5.0)
-                into, _ = triton_ops.delta_rule_scan(q, k, v, gate, beta, states, parents, cu, False, A_log, dt_bias,
+                into, _ = delta_scan.delta_rule_scan(q, k, v, gate, beta, states, parents, cu, False, A_log, dt_bias,
                                                      out=larger[3:3 + total])
                 assert into.data_ptr() == larger[3].data_ptr(), case
                 close(f"{case} into out", larger[3:3 + total], reference[0])
                 assert larger[:3].eq(5).all() and larger[3 + total:].eq(5).all(), case
                 raw = torch.randn(total, value_heads + 3, generator=generator)[:, 2:-1]  # beta's input, in place
-                from_raw, raw_final = triton_ops.delta_rule_scan(q, k, v, gate, raw, None, None, cu, True, A_log,
+                from_raw, raw_final = delta_scan.delta_rule_scan(q, k, v, gate, raw, None, None, cu, True, A_log,
                                                                  dt_bias, beta_logits=True)
-                expected, expected_final = triton_ops.delta_rule_scan(q, k, v, gate, torch.sigmoid(raw), None, None,
+                expected, expected_final = delta_scan.delta_rule_scan(q, k, v, gate, torch.sigmoid(raw), None, None,
                                                                       cu, True, A_log, dt_bias)
                 close(f"{case} from beta's input", from_raw, expected)
                 close(f"{case} final states from beta's input", raw_final, expected_final)
     finally:
-        triton_ops.VALUES = default
+        delta_scan.VALUES = default
 
 
 def check_delta_rule_grad():
-    """triton_delta.delta_rule's gradients against autograd through the token-by-token
+    """delta_backward.delta_rule's gradients against autograd through the token-by-token
     reference: q, k, v, the raw gate, beta and the forked prefix states (summed over each
     state's rows; rows without a parent, -1, take none), with and without the final states'
     gradient; sequences of 1 to 130 tokens, grouped heads, value blocks of 16 with a partial
     last one."""
-    default = triton_delta.GRAD_VALUES
+    default = delta_backward.GRAD_VALUES
     generator = torch.Generator().manual_seed(11)
     heads, key_dim, value_heads = 2, 8, 4
     try:
         for value_dim, values in ((6, default), (40, 16), (40, default)):
-            triton_delta.GRAD_VALUES = values
+            delta_backward.GRAD_VALUES = values
             for lengths in ([1, 15, 16, 17, 33, 130], [5], [64, 2]):
                 total = sum(lengths)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-                q, k = (kernels.l2norm(torch.randn(total, heads, key_dim, generator=generator)).requires_grad_()
+                q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)).requires_grad_()
                         for _ in range(2))
                 v = torch.randn(total, value_heads, value_dim, generator=generator).requires_grad_()
                 gate = torch.randn(total, value_heads, generator=generator).requires_grad_()
@@ -320,12 +332,12 @@ def check_delta_rule_grad():
                 states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator).requires_grad_()
                 parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
                 for forked, final_grad in ((False, True), (True, False), (True, True)):
-                    log_decay = kernels.decay(gate, A_log, dt_bias)
+                    log_decay = decay(gate, A_log, dt_bias)
                     case = f"delta_rule grad lengths={lengths} V={value_dim} block={values} forked={forked}"
                     inputs = [q, k, v, gate, beta] + ([states] if forked else [])
-                    ours = triton_delta.delta_rule(q, k, v, gate, beta, states if forked else None,
+                    ours = delta_backward.delta_rule(q, k, v, gate, beta, states if forked else None,
                                                    parents if forked else None, cu, final_grad, A_log, dt_bias)
-                    reference = kernels.gated_delta_rule_reference(
+                    reference = gated_delta_rule_reference(
                         q[None], k[None], v[None], log_decay[None], beta[None],
                         kernels.fork_states(states, parents, True) if forked else None, final_grad, cu.long(),
                         normalise=False)
@@ -338,15 +350,15 @@ def check_delta_rule_grad():
                         close(f"{case}: d{name}", a, b)
             # Frozen states: they still start the rows, but take no gradient.
             frozen = states.detach()
-            log_decay = kernels.decay(gate, A_log, dt_bias)
-            ours = triton_delta.delta_rule(q, k, v, gate, beta, frozen, parents, cu, False, A_log, dt_bias)[0]
-            reference = kernels.gated_delta_rule_reference(
+            log_decay = decay(gate, A_log, dt_bias)
+            ours = delta_backward.delta_rule(q, k, v, gate, beta, frozen, parents, cu, False, A_log, dt_bias)[0]
+            reference = gated_delta_rule_reference(
                 q[None], k[None], v[None], log_decay[None], beta[None], kernels.fork_states(frozen, parents, True),
                 False, cu.long(), normalise=False)[0][0]
             for name, a, b in zip(["q", "k", "v"], grads([ours], [q, k, v], 6), grads([reference], [q, k, v], 6)):
                 close(f"delta_rule grad, frozen states: d{name}", a, b)
     finally:
-        triton_delta.GRAD_VALUES = default
+        delta_backward.GRAD_VALUES = default
 
 
 def check_decoder_with_triton_kernels():
@@ -401,19 +413,19 @@ def check_decoder_with_triton_kernels():
         """kernels.conv_split_heads' CUDA choice: states through parents, forked first under autograd."""
         if parents is not None and kernels._differentiable(x, weight, state):
             state, parents = kernels.fork_states(state, parents, orphans), None
-        return triton_ops.conv_split_heads(x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, heads,
+        return conv_fused.conv_split_heads(x, weight, state, keep, cu_seqlens, cu_seqlens_cpu, chunk_indices, heads,
                                            key_dim, value_heads, value_dim, parents)
 
     # What kernels.py chooses on CUDA, routed to our Triton kernels for these CPU tensors.
     cuda_path = {
         "conv_split_heads": conv_on_cuda,
-        "rms_norm": lambda x, weight, eps: triton_ops.rms_norm(x, 1.0 + weight.float(), eps),
-        "norm_rotate": lambda x, weight, cos, sin, eps: triton_ops.norm_rotate(x, 1.0 + weight.float(), cos, sin,
+        "rms_norm": lambda x, weight, eps: norm_fused.rms_norm(x, 1.0 + weight.float(), eps),
+        "norm_rotate": lambda x, weight, cos, sin, eps: norm_fused.norm_rotate(x, 1.0 + weight.float(), cos, sin,
                                                                               eps),
-        "add_rms_norm": lambda x, residual, weight, eps: triton_ops.add_rms_norm(x, residual, 1.0 + weight.float(),
+        "add_rms_norm": lambda x, residual, weight, eps: norm_fused.add_rms_norm(x, residual, 1.0 + weight.float(),
                                                                                  eps),
-        "swiglu": triton_ops.swiglu,
-        "rms_norm_gated": triton_ops.rms_norm_gated,
+        "swiglu": swiglu_fused.swiglu,
+        "rms_norm_gated": norm_fused.rms_norm_gated,
     }
     cpu_path = {name: getattr(kernels, name) for name in cuda_path}
     calls = dict.fromkeys(cuda_path, 0)
@@ -462,16 +474,16 @@ def check_decoder_with_triton_kernels():
 
     reference, (_, reference_grad) = run_short(False), run_short(True)
     rows_calls = []
-    kernel, ours = triton_ops.delta_rule_rows, kernels._ours
-    triton_ops.delta_rule_rows = lambda *args, **options: rows_calls.append(1) or kernel(*args, **options)
-    kernels._ours = lambda x: triton_ops if x.dtype != torch.float64 else None
+    kernel, ours = delta_rows.delta_rule_rows, kernels._ours
+    delta_rows.delta_rule_rows = lambda *args, **options: rows_calls.append(1) or kernel(*args, **options)
+    kernels._ours = lambda x: backends._triton_kernels() if x.dtype != torch.float64 else None
     try:
         inference = run_short(False)
         assert len(rows_calls) == 3, rows_calls  # one call a delta-rule layer
         training = run_short(True)
         assert len(rows_calls) == 3, rows_calls  # none with gradients
     finally:
-        triton_ops.delta_rule_rows, kernels._ours = kernel, ours
+        delta_rows.delta_rule_rows, kernels._ours = kernel, ours
     close("decoder output with delta_rule_rows", inference[0], reference[0])
     close("decoder output with gradients, short rows", training[0], reference[0])
     close("decoder input gradient, short rows", training[1], reference_grad)
@@ -483,9 +495,9 @@ def check_decoder_with_triton_kernels():
     with torch.no_grad():
         expected = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(row_lengths))
     scan_calls = []
-    scan = triton_ops.delta_rule_scan
-    triton_ops.delta_rule_scan = lambda *args, **options: scan_calls.append(args[5] is None) or scan(*args, **options)
-    kernels._ours = lambda x: triton_ops if x.dtype != torch.float64 else None
+    scan = delta_scan.delta_rule_scan
+    delta_scan.delta_rule_scan = lambda *args, **options: scan_calls.append(args[5] is None) or scan(*args, **options)
+    kernels._ours = lambda x: backends._triton_kernels() if x.dtype != torch.float64 else None
     try:
         with torch.no_grad():
             scanned = packed_forward(model, embeds, positions, cu, False, prefixes, cu, chunk_plan(row_lengths))
@@ -494,14 +506,14 @@ def check_decoder_with_triton_kernels():
             alone = packed_forward(model, own, own_positions, cu, False, None, cu, chunk_plan(row_lengths))
         assert scan_calls[6:] == [True] * 3, scan_calls  # rows without prefixes: one call a layer
     finally:
-        triton_ops.delta_rule_scan, kernels._ours = scan, ours
+        delta_scan.delta_rule_scan, kernels._ours = scan, ours
     close("decoder output with delta_rule_scan", scanned, expected)
     with torch.no_grad():
         plain_alone = packed_forward(model, own, own_positions, cu, False, None, cu, chunk_plan(row_lengths))
     close("decoder output with delta_rule_scan, no prefixes", alone, plain_alone)
 
     # With A_log and dt_bias frozen (as in training: they are base weights), the differentiable
-    # delta rule of prefixes and rows takes triton_delta's gradient, which must equal the CPU
+    # delta rule of prefixes and rows takes delta_rule.backward's gradient, which must equal the CPU
     # path's: the input's and every weight's that trains.
     for name, parameter in model.named_parameters():
         if name.endswith(("A_log", "dt_bias")):
@@ -515,19 +527,19 @@ def check_decoder_with_triton_kernels():
 
     expected_out, expected_grads = train_step()
     grad_calls = []
-    delta_rule = triton_delta.delta_rule
-    triton_delta.delta_rule = lambda *args: grad_calls.append(args[5] is None) or delta_rule(*args)
-    kernels._ours = lambda x: triton_ops if x.dtype != torch.float64 else None
+    delta_rule = delta_backward.delta_rule
+    delta_backward.delta_rule = lambda *args: grad_calls.append(args[5] is None) or delta_rule(*args)
+    kernels._ours = lambda x: backends._triton_kernels() if x.dtype != torch.float64 else None
     try:
         out, got = train_step()
     finally:
-        triton_delta.delta_rule, kernels._ours = delta_rule, ours
+        delta_backward.delta_rule, kernels._ours = delta_rule, ours
     assert grad_calls == [True, False] * 3, grad_calls  # a layer: the prefixes, then the rows
-    close("decoder output through triton_delta", out, expected_out)
+    close("decoder output through delta_rule.backward", out, expected_out)
     assert [a is None for a in got] == [b is None for b in expected_grads]  # the embedding table takes none
     for index, (a, b) in enumerate(zip(got, expected_grads)):
         if b is not None:
-            close(f"decoder gradient {index} through triton_delta", a, b)
+            close(f"decoder gradient {index} through delta_rule.backward", a, b)
 
 
 if __name__ == "__main__":

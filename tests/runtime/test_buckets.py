@@ -82,13 +82,13 @@ def test_the_last_row_of_a_padded_batch_is_always_empty_and_buckets_stay_within_
     """Rows that would use up every row slot of a bucket go to the next one, so the padded chunk
     plan can always name an empty row; a bucket never sends a sequence past the scan kernel's
     bound (it would route to FLA, whose plans a capture would memoise)."""
-    from dohnuts.ops import triton_ops
+    from dohnuts.ops.delta_rule import scan
     from dohnuts.runtime.buckets import LONGEST_SEQUENCE, _row_padding
 
     full = Bucket(64, 128, True)
     assert full.rows == 17 and _row_padding(full, 16, 65 + 15 * 3) is None  # 16 rows + 1 padding = no room
     assert _row_padding(full, 15, 65 + 14 * 3)[-1] == 0
-    assert LONGEST_SEQUENCE == triton_ops.SCAN_TOKENS
+    assert LONGEST_SEQUENCE == scan.SCAN_TOKENS
     for bad in ((2048, 128, False), (64, 2048, True), (100, 128, False), (0, 128, False)):
         with pytest.raises(ValueError, match="a bucket needs"):
             Bucket(*bad)

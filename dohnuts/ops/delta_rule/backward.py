@@ -4,12 +4,12 @@ Triton's interpreter in the tests).
 Training ran the delta rule through FLA's chunked kernels, whose Python wrappers cost about 1
 ms of host time a forward and 2.3 ms a backward on the GPU machine, twice a layer (the shared
 prefixes, then the rows continuing them): 36 forwards and 36 backwards a training update,
-which is host-bound (docs/runtime.md). Here the forward is `triton_ops.delta_rule_scan`, one
+which is host-bound (docs/runtime.md). Here the forward is `scan.delta_rule_scan`, one
 launch, and the backward one more: a program per sequence, value head and block of values
 first walks the sequence forward to keep the state at the start of each 16-token part (in a
 scratch buffer, freed after the call: nothing is kept between the passes but the inputs), then
 walks the parts in reverse, carrying the state's gradient, and differentiates each part's
-chunk form (`kernels.gated_delta_rule_chunked` at chunk size 16) by hand.
+chunk form (`naive.gated_delta_rule_chunked` at chunk size 16) by hand.
 
 Gradients reach q, k, v, the raw gate input, beta and the initial states (so a row's gradient
 flows into the prefix state it continues, through `parents`); A_log and dt_bias are frozen
@@ -25,17 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import (
-    PART,
-    ROW_WARPS,
-    _decayed,
-    _last,
-    _on,
-    _parent_state,
-    _sequence_program,
-    _unit_lower_inverse,
-    delta_rule_scan,
-)
+from ..triton_common import _on
+from .parts import PART, ROW_WARPS, _decayed, _last, _parent_state, _sequence_program, _unit_lower_inverse
+from .scan import delta_rule_scan
 
 GRAD_VALUES = 32  # values a backward program (a block of V): two [K, BV] float32 states in registers
 

@@ -1,0 +1,61 @@
+"""Attention of packed sequences: torch's flash varlen kernel (its options by release) and the padded reference."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from .plain import unpack
+
+
+def _flash_grouped(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+    """Grouped-query attention through flash's own kernel (`aten._flash_attention_forward`,
+    differentiable), which takes fewer key heads than query heads. On torch < 2.12 varlen_attn
+    wants as many key heads, and repeating keys and values to them cost 12 copies of 23 us in
+    the 50-question replay on the H200 (`h200-kernels-05c99b9.txt`). torch >= 2.12's
+    varlen_attn(enable_gqa=True) calls the same kernel."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   0.0, causal, False, scale=scale)[0]
+
+
+@functools.cache
+def _varlen(causal: bool = True):
+    """torch's varlen_attn and the keyword arguments for (causal or full) grouped-query
+    attention, which changed between torch releases (is_causal, then window_size; enable_gqa
+    from 2.12)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    parameters = inspect.signature(varlen_attn).parameters
+    if "window_size" in parameters:
+        options = {"window_size": (-1, 0) if causal else (-1, -1)}
+    else:
+        options = {"is_causal": causal}
+    if "enable_gqa" in parameters:
+        options["enable_gqa"] = True
+    return varlen_attn, options
+
+
+def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q=None, max_seqlen_k=None,
+                        causal=True):
+    """Each sequence padded to the longest and masked: work grows with N * Lq * Lk, not T^2."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    query, valid_q = unpack(q[None], cu_seqlens_q, max_seqlen_q)
+    key, valid_k = unpack(k[None], cu_seqlens_k, max_seqlen_k)
+    value, _ = unpack(v[None], cu_seqlens_k, max_seqlen_k)
+    lead = (valid_k.sum(-1) - valid_q.sum(-1))[:, None, None]  # [N, 1, 1] keys before the first query
+    rows = torch.arange(query.shape[1], device=q.device)[:, None]
+    columns = torch.arange(key.shape[1], device=q.device)[None, :]
+    mask = valid_k[:, None, :].expand(-1, query.shape[1], -1)  # [N, Lq, Lk]
+    if causal:
+        mask = mask & (columns <= rows + lead)
+    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                         attn_mask=mask[:, None], scale=scale).transpose(1, 2)
+    # Back to packed order by index, not by boolean mask (which would wait on the device).
+    tokens = torch.arange(q.shape[0], device=q.device)
+    row = torch.searchsorted(cu_seqlens_q[1:].to(tokens.dtype), tokens, right=True)
+    return out[row, tokens - cu_seqlens_q[row].to(tokens.dtype)]

@@ -1,0 +1,1 @@
+"""SwiGLU, silu(gate) * up: the Triton kernel (`fused`) and its reference (`naive`)."""

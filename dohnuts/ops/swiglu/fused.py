@@ -1,0 +1,71 @@
+"""SwiGLU, silu(gate) * up, as one Triton kernel forward and one backward (CUDA)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..triton_common import _even_rows, _on
+
+# -- SwiGLU ----------------------------------------------------------------------------------------
+#
+# The same math as FLA's fused kernels, launched with one call and no autotuning, so a training
+# step (host-bound: its layers issue thousands of launches) spends microseconds, not a quarter
+# of a millisecond, of host time on each.
+
+BLOCK = 1024  # elements per SwiGLU program
+
+
+@triton.jit
+def _swiglu_fwd(gate, up, y, N, width, sg, su, BN: tl.constexpr):
+    # Element e of the [N / width, width] output is row e // width, column e % width; gate and up
+    # rows are read with their own strides (two column blocks of one projection output, in place).
+    offsets = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    m = offsets < N
+    row, col = offsets // width, offsets % width
+    g = tl.load(gate + row * sg + col, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(up + row * su + col, mask=m, other=0.0).to(tl.float32)
+    tl.store(y + offsets, (g * tl.sigmoid(g) * u).to(y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _swiglu_bwd(gate, up, dy, dgate, dup, N, BN: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
+    m = offsets < N
+    g = tl.load(gate + offsets, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(up + offsets, mask=m, other=0.0).to(tl.float32)
+    d = tl.load(dy + offsets, mask=m, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    tl.store(dup + offsets, (d * g * sig).to(dup.dtype.element_ty), mask=m)
+    tl.store(dgate + offsets, (d * u * sig * (1.0 + g * (1.0 - sig))).to(dgate.dtype.element_ty), mask=m)
+
+
+class SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        (gate, gate_stride), (up, up_stride) = _even_rows(gate), _even_rows(up)
+        y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        count, width = gate.numel(), gate.shape[-1]
+        with _on(gate.device):
+            _swiglu_fwd[(triton.cdiv(count, BLOCK),)](gate, up, y, count, width, gate_stride, up_stride, BLOCK)
+        ctx.save_for_backward(gate, up)
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        gate, up = (x.contiguous() for x in ctx.saved_tensors)  # a copy only for column blocks
+        dy = dy.contiguous()
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        count = gate.numel()
+        with _on(gate.device):
+            _swiglu_bwd[(triton.cdiv(count, BLOCK),)](gate, up, dy, dgate, dup, count, BLOCK)
+        return dgate, dup
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, computed in float32, returned in gate's dtype. gate, up: one shape."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ (no broadcasting)")
+    return SwiGLU.apply(gate, up)
