@@ -120,7 +120,7 @@ def _readers(pynvml) -> dict:
 # The sampling interval. The sampler is a thread of the timed process, so each sample takes the
 # interpreter lock from the calls being timed: at 10 ms, the 50-question request's p50 on the H200
 # (7.1 to 7.4 ms without telemetry) measured 7.3 and 8.3 ms while sampled, and 7.1 at 100 ms
-# (docs/results/h200-telemetry-overhead-2026-12-02.txt).
+# (2026-12-02's telemetry overhead, docs/changelog.md).
 INTERVAL_S = 0.1
 
 

@@ -33,7 +33,7 @@ def loader_workers(device: torch.device) -> int:
 # Batches each worker process must have to build before it starts. On the H200's host a worker
 # costs about 250 ms to start and a 16,384-token evaluation batch 50 to 115 ms to build: on the
 # benchmark's 2-batch evaluation set, 1 or 2 workers took 544 to 565 ms and building in the
-# loop 298 ms (docs/results/h200-evaluation-profile-*.txt).
+# loop 298 ms (a857751 in docs/changelog.md).
 BATCHES_PER_WORKER = 8
 
 

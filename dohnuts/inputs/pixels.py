@@ -3,7 +3,7 @@
 Hugging Face's PIL/NumPy Qwen2-VL processor resizes with PIL, then rescales and normalises in
 float64 and float32 NumPy passes and copies the patches out one layout at a time: about 12 ms
 of host work for a 512 x 512 image on the GPU machine, a third of an image miss
-(docs/runtime.md). Two paths keep the processor's settings:
+(docs/changelog.md). Two paths keep the processor's settings:
 
 - `qwen_pixels`, the processor's own result to float rounding: its PIL resize, then the float
   work in torch (tests compare it with the processor at 1e-6);

@@ -398,7 +398,7 @@ def delta_layer(layer, config, hidden, branch, rows: Segments, prefixes: Prefixe
     the part after the delta rule (gated norm, output projection, MLP) in the backward pass.
     The norm, the projections, the convolution and the delta rule keep their activations:
     recomputing them would rerun their launches, and launches, not arithmetic, bound a
-    training step (docs/runtime.md). A larger batch recomputes the whole layer, keeping memory
+    training step (docs/design.md). A larger batch recomputes the whole layer, keeping memory
     bounded.
     """
     if checkpointed and hidden.shape[0] > MIXER_KEEP_TOKENS:

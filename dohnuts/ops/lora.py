@@ -4,7 +4,7 @@ A LoRA projection computes x W^T + s (x A^T) B^T. Run through autograd op by op,
 about a dozen recorded operations forward and as many nodes backward (casts of the float32
 adapters, transposes, two products and a sum), and the layers of a Qwen3.5 decoder have eight
 of them. On the GPU machine that host work, not the arithmetic, bounds a training update
-(docs/runtime.md). Here the projections that read one input (a delta-rule layer's four input
+(docs/design.md). Here the projections that read one input (a delta-rule layer's four input
 projections, attention's query, key and value, the MLP's gate and up) run as one autograd
 node: one product of x with their stacked A matrices, one product per output for the base and
 one for its update, and in the backward the matching products, written out by hand.

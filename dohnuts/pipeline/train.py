@@ -83,7 +83,7 @@ class TrainingUpdates:
     normalisation; see `microbatch_losses`), so the gradient is the one of running them one
     after another (LoRA dropout aside, whose masks are drawn differently); only the number of
     launches changes (a quarter with four microbatches, which is what bounds a training step on
-    a GPU: docs/runtime.md). Memory grows with the update's tokens instead of a microbatch's.
+    a GPU: docs/design.md). Memory grows with the update's tokens instead of a microbatch's.
 
     Under several processes, rank `rank` of `ranks` builds its own share of the update's
     microbatches, each by its absolute index in the one seeded stream.

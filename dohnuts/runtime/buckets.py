@@ -3,7 +3,7 @@
 A graph replays fixed kernel launches, so it serves exactly one batch layout, and almost every
 request of real traffic brings a layout never seen before (its state's length, its number of
 questions). Run eagerly, such a request costs some 30 to 45 ms of host work on the H200 for a
-few milliseconds of device work (docs/runtime.md). A bucket fixes every shape the graph's work
+few milliseconds of device work (docs/changelog.md). A bucket fixes every shape the graph's work
 depends on, and `pad_to_bucket` brings any batch under it there:
 
 - the prefix part holds `prefix_tokens` (P*) tokens in `prefixes` (G*) sequences: the real

@@ -2,7 +2,7 @@
 
 On the H200 the language forward of a small request is launch-bound: the GPU works for about
 3 ms while the host spends 50 ms or more issuing kernels, most of it in flash-linear-
-attention's Python wrappers (docs/runtime.md). A captured graph replays every kernel of the
+attention's Python wrappers (docs/changelog.md). A captured graph replays every kernel of the
 forward with one launch. Everything that decides on the host (the image-feature cache,
 FLA's chunk planning from the host `cu_seqlens` copies, attention's longest sequences)
 depends only on the batch layout, so one graph per layout serves every request of that
@@ -256,7 +256,7 @@ class GraphedScores:
     pending, its request runs as any other sighting (a bucket's graphs or eagerly), and
     `capture_pending` captures it later, when its owner has nothing else to do (the server's
     batcher when no request waits). Captured on requests, one client's 16 varied requests to
-    the server on the H200 (Qwen3.5-0.8B shape, d99f160's serving records in docs/results/)
+    the server on the H200 (Qwen3.5-0.8B shape, d99f160's serving runs in benchmarks/ledger.jsonl)
     took 15 ms at the median but 102 ms at p95: 7 of them captured a graph.
     """
 
@@ -299,7 +299,7 @@ class GraphedScores:
 
         Smallest first, while the graphs hold at most `memory_fraction` of the device's memory
         (each keeps its layers' outputs between pieces: 9.3 GiB for all 50 buckets of the
-        Qwen3.5-0.8B shape, captured in 14 to 17 s, docs/runtime.md); larger batches then run
+        Qwen3.5-0.8B shape, captured in 14 to 17 s, docs/figures.md); larger batches then run
         eagerly, and the stop is logged once.
         Returns how many are ready (0 on the CPU). A bucket whose capture fails is left out,
         and the failure logged once."""

@@ -19,7 +19,7 @@ def build_optimizer(model: DecisionModel, config: TrainConfig) -> torch.optim.Ad
 
     The fused implementation: one kernel for all the weights of a group, where the default
     launches several per step for the hundreds of small LoRA matrices (host time, which bounds
-    a training update on a GPU: docs/runtime.md)."""
+    a training update on a GPU: docs/design.md)."""
     lora_params = [p for p in model.backbone.parameters() if p.requires_grad]
     return torch.optim.AdamW(
         [{"params": lora_params, "lr": config.lora_lr}, {"params": [model.head.weight], "lr": config.head_lr}],

@@ -33,7 +33,7 @@ the CPU run eagerly.
 
 On the H200 the benchmark's update (3,020 computed tokens) replays in 95 to 101 ms
 (`h200-shape-only-benchmark-3154dbb-run*.jsonl`); a capture costs about 0.9 s, two or three
-eager updates (docs/runtime.md, `h200-shape-only-benchmark-0dc52ba-run*.jsonl`).
+eager updates (0dc52ba's runs in benchmarks/ledger.jsonl).
 """
 
 from __future__ import annotations

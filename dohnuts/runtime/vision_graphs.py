@@ -3,7 +3,7 @@ image of a size met for the first time replays one, and one per exact grid list 
 
 Eager, the tower's forward is some 12 launches a block and host-bound: 13.0 ms eager against
 1.8 ms replayed for one 512 x 512 image of the Qwen3.5-0.8B shape on the H200
-(docs/results/h200-first-sight-device-pixels-vision-graphs-bff99ba.txt). Under a fixed pixel
+(bff99ba in docs/changelog.md). Under a fixed pixel
 policy every image has about the same number of patches (1,024 to 1,144 for 512 x 512 at any
 aspect ratio the varied traffic sends), but each aspect ratio is its own grid, so a graph per
 grid list is met for the first time again and again.

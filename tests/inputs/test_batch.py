@@ -214,7 +214,7 @@ def test_shared_prefixes_match_unshared_rows_end_to_end_on_cuda_in_bf16(tiny):
     Each path's logits are held to the same model in float64 on the CPU, since two bf16 paths
     of this tiny random model differ by about as much as each errs: on the H200 the rows run
     whole erred 1.2% to 3.5% of the largest logit and the shared ones 1.1% to 6.0%, over five
-    draws of LoRA weights (docs/results/h200-gpu-tests-d99f160.txt). Sharing reorders the same
+    draws of LoRA weights (GPU tests at d99f160: docs/changelog.md). Sharing reorders the same
     arithmetic, so its error must stay of the unshared rows' order; a wrong fork of states errs
     by the logits' own size."""
     template = tiny.template()

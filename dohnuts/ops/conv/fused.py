@@ -31,9 +31,9 @@ EPS = 1e-6  # FLA's and Hugging Face's L2-norm epsilon, added to the sum of squa
 # kernel time on the H200 (Qwen3.5-0.8B widths, bf16) for 50 rows of 20 to 44 tokens with
 # carried states, then for one 64-token prefix: 99 and 4.0 us at 64 tokens and 8 warps, 60 and
 # 2.8 us at 32 and 4 (16 and 2: 59 and 3.1; 8 and 1: 58 and 3.1; 32 and 2: 196 us), in
-# docs/results/h200-conv-split-heads-configs-2026-11-30.txt. The carried state has since been
+# (2026-11-30, docs/changelog.md). The carried state has since been
 # read by a sequence's first block only: 17.6 us a call in the 50-question forward
-# (docs/results/h200-profile-distinct-text-50q-319c0ca.txt).
+# (319c0ca in docs/changelog.md).
 TOKENS = 32
 WARPS = 4
 

@@ -4,7 +4,7 @@ Triton's interpreter in the tests).
 Training ran the delta rule through FLA's chunked kernels, whose Python wrappers cost about 1
 ms of host time a forward and 2.3 ms a backward on the GPU machine, twice a layer (the shared
 prefixes, then the rows continuing them): 36 forwards and 36 backwards a training update,
-which is host-bound (docs/runtime.md). Here the forward is `scan.delta_rule_scan`, one
+which is host-bound (docs/design.md). Here the forward is `scan.delta_rule_scan`, one
 launch, and the backward one more: a program per sequence, value head and block of values
 first walks the sequence forward to keep the state at the start of each 16-token part (in a
 scratch buffer, freed after the call: nothing is kept between the passes but the inputs), then

@@ -12,7 +12,7 @@ from ..plan import chunk_plan, cumulative
 # and in Triton's disk cache, for every later call. Left to chance, the first call may be a
 # 64-token prefix, whose choice then serves a batch of 50 rows poorly: on the H200 the
 # 50-question request (Qwen3.5-0.8B shape) took 13.9 ms after tuning on its prefix and 11.9 ms
-# after tuning on the batch below (docs/runtime-history.md, the sixth session's sweeps). So the
+# after tuning on the batch below (FLA's tuning batch, 2026-11-30 in docs/changelog.md). So the
 # first fused call of each head shape in a process first runs one packed batch of TUNING_ROWS
 # rows of TUNING_LENGTH tokens continuing carried states, the shape of evaluation batches and
 # training updates. At inference, rows of up to 64 tokens now run `delta_rule_rows` instead;

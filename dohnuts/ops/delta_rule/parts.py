@@ -12,7 +12,7 @@ import triton.language as tl
 
 PART = 16  # tokens a part
 # Values a program (a block of V) and warps a program. For the 50-question request's rows on
-# the H200 (Qwen3.5-0.8B widths, bf16; docs/results/h200-delta-rule-short-rows-46f6c73.txt): 70.5
+# the H200 (Qwen3.5-0.8B widths, bf16; 46f6c73 in docs/changelog.md): 70.5
 # us a layer at 64 values and 4 warps; 73.0 at 128 and 8, 89.3 at 32 and 2, 113 at 32 and 4 or
 # 64 and 8 (FLA's chunked kernels with the fork: 135.5).
 VALUES = 64

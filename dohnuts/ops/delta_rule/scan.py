@@ -29,7 +29,7 @@ from .parts import (
 #
 # At inference the prefixes (and rows longer than ROW_TOKENS) went through FLA's chunked
 # kernels, whose Python wrappers cost 0.3 to 2.3 ms of host time a call: in a request met for
-# the first time, which runs eagerly, that was most of its latency (docs/runtime.md).
+# the first time, which runs eagerly, that was most of its latency (docs/changelog.md).
 # `delta_rule_scan` runs a sequence in one program per value head and block of values, walking
 # it in 16-token parts with the state [K, BV] in registers: each part is the chunk form of
 # `naive.gated_delta_rule_chunked` at chunk size 16 (the same products as a part of
