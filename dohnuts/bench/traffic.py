@@ -1,5 +1,6 @@
-"""Varied traffic: seeded requests of every shape, as users send them (new states, new images,
-1 to 10 questions), for the benchmark's varied-traffic workload and the serving workload."""
+"""Varied traffic: seeded requests of every shape, as users send them: the benchmark's varied
+requests (1 to 10 questions) and the serving mix (1 to 20 questions, 2 to 40 options, states
+from a line to about 1,500 words)."""
 
 from __future__ import annotations
 
@@ -24,10 +25,7 @@ def varied_requests(count: int, seed: int = 0, image_every: int = 4) -> list[tup
         length = round(math.exp(rng.uniform(math.log(2), math.log(300))))
         state: dict = {"ticket": f"T-{seed}-{index:05d}", "message": " ".join(rng.choice(WORDS) for _ in range(length))}
         if index % image_every == 0:
-            image = Image.new("RGB", (rng.choice(IMAGE_SIDES), rng.choice(IMAGE_SIDES)), "white")
-            colour = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
-            ImageDraw.Draw(image).rectangle([8, 8, 40 + index % 20, 40], fill=colour)
-            state["image"] = image
+            state["image"] = _image(rng, index)
         questions = {}
         for number in range(rng.randint(1, 10)):
             kind = ("noul", "choice", "score")[number % 3]
@@ -39,6 +37,46 @@ def varied_requests(count: int, seed: int = 0, image_every: int = 4) -> list[tup
             else:
                 questions[f"q{number}"] = {"type": "score", "instructions": "How urgent is it?",
                                            "criteria": ["not at all", "somewhat", "very"][: rng.randint(2, 3)]}
+        requests.append((state, questions))
+    return requests
+
+
+def _image(rng: random.Random, index: int, sides=IMAGE_SIDES) -> Image.Image:
+    """A new image: its own size and colours."""
+    image = Image.new("RGB", (rng.choice(sides), rng.choice(sides)), "white")
+    colour = (rng.randrange(256), rng.randrange(256), rng.randrange(256))
+    ImageDraw.Draw(image).rectangle([8, 8, 40 + index % 20, 40], fill=colour)
+    return image
+
+
+def serving_mix(count: int, seed: int = 0, image_every: int = 6) -> list[tuple[dict, dict]]:
+    """`count` distinct (state, questions) pairs as agents and routers send them: states from a
+    line to about 1,500 words (log-uniform, 8 to 1,500), every `image_every`-th with a new image
+    (under "image"), 1 to 20 questions (uniform) of all three types, choices of 2 to 40 options
+    (log-uniform) and scores of 2 to 10 levels. Seeded: the same mix each run.
+    """
+    rng = random.Random(seed)
+    requests = []
+    for index in range(count):
+        length = round(math.exp(rng.uniform(math.log(8), math.log(1500))))
+        state: dict = {"ticket": f"T-{seed}-{index:06d}", "message": " ".join(rng.choice(WORDS) for _ in range(length))}
+        if index % image_every == 0:
+            state["image"] = _image(rng, index)
+        questions = {}
+        for number in range(rng.randint(1, 20)):
+            kind = rng.choice(("noul", "choice", "score"))
+            topic = rng.choice(WORDS)
+            if kind == "noul":
+                questions[f"q{number}"] = {"type": "noul", "instructions": f"Is the message about {topic}?"}
+            elif kind == "choice":
+                options = round(math.exp(rng.uniform(math.log(2), math.log(40))))
+                labels = [f"{rng.choice(WORDS)} {rng.choice(WORDS)} {option}" for option in range(options)]
+                questions[f"q{number}"] = {"type": "choice", "instructions": f"Which {topic} case is it?",
+                                           "criteria": labels}
+            else:
+                levels = rng.randint(2, 10)
+                questions[f"q{number}"] = {"type": "score", "instructions": f"How much is it about {topic}?",
+                                           "criteria": [f"level {level} of {topic}" for level in range(levels)]}
         requests.append((state, questions))
     return requests
 
