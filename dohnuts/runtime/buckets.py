@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -119,21 +120,52 @@ def _row_padding(bucket: Bucket, rows: int, tokens: int) -> list[int] | None:
     return padding + [0] * (room - len(padding))
 
 
+class Shape(NamedTuple):
+    """What a bucket must hold of a batch: its prefix tokens and prefixes, its rows' own tokens
+    and rows, its longest row and its most candidates a row. Shapes of batches packed together
+    add (`join`), so a planner can tell whether requests fit a bucket before packing them."""
+
+    prefix_tokens: int = 0
+    prefixes: int = 0
+    row_tokens: int = 0
+    rows: int = 0
+    longest_row: int = 0
+    candidates: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.prefix_tokens + self.row_tokens
+
+    def join(self, other: Shape) -> Shape:
+        return Shape(self.prefix_tokens + other.prefix_tokens, self.prefixes + other.prefixes,
+                     self.row_tokens + other.row_tokens, self.rows + other.rows,
+                     max(self.longest_row, other.longest_row), max(self.candidates, other.candidates))
+
+
+def batch_shape(batch: Batch) -> Shape:
+    """The shape of a packed host batch."""
+    rows = sequence_lengths(batch.cu_seqlens_cpu)
+    return Shape(batch.prefix_tokens, len(sequence_lengths(batch.prefix_cu_seqlens_cpu)), sum(rows), len(rows),
+                 max(rows), int(batch.markers.shape[1]))
+
+
+def fits(shape: Shape, bucket: Bucket) -> bool:
+    """Whether a batch of `shape` can be padded to `bucket` (`pad_to_bucket`)."""
+    long_rows = shape.longest_row > ROW_TOKENS
+    return (shape.candidates <= CANDIDATES and bucket.long_rows == long_rows
+            and shape.prefix_tokens <= bucket.prefix_tokens and shape.prefixes <= bucket.prefixes - 2
+            and (not long_rows or shape.longest_row <= bucket.row_tokens)
+            and _row_padding(bucket, shape.rows, shape.row_tokens) is not None)
+
+
+def smallest_fit(shape: Shape, buckets) -> Bucket | None:
+    """The smallest of `buckets` a batch of `shape` fits, or None."""
+    return min((bucket for bucket in buckets if fits(shape, bucket)), key=lambda bucket: bucket.tokens, default=None)
+
+
 def bucket_for(batch: Batch, buckets) -> Bucket | None:
     """The smallest of `buckets` the host batch fits, or None."""
-    rows = sequence_lengths(batch.cu_seqlens_cpu)
-    if batch.markers.shape[1] > CANDIDATES:
-        return None
-    long_rows = max(rows) > ROW_TOKENS
-    best = None
-    for bucket in buckets:
-        if (bucket.long_rows != long_rows or bucket.prefix_tokens < batch.prefix_tokens
-                or (long_rows and max(rows) > bucket.row_tokens)
-                or _row_padding(bucket, len(rows), sum(rows)) is None):
-            continue
-        if best is None or bucket.tokens < best.tokens:
-            best = bucket
-    return best
+    return smallest_fit(batch_shape(batch), buckets)
 
 
 def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:

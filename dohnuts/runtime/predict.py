@@ -16,7 +16,7 @@ from ..model.decoder import pack_projections
 from ..schema import Request, answer, parse_request
 from ..scoring.metrics import masked_softmax_rows, normalised_entropy_confidence
 from .checkpoint import load_merged
-from .cuda_graphs import GraphedScores
+from .engine import EncodedRequest, Engine, Piece
 from .vision_graphs import vision_buckets
 
 BATCHED_CONFIDENCE = 8  # rows from which the answers' confidences are computed together
@@ -27,7 +27,9 @@ class Predictor:
 
     Safe to call from several threads: calls are serialised by a lock (the token cache, the
     image-feature cache and the CUDA graphs' buffers are shared state). To run concurrent
-    requests together, batch them into one `predict_many` call (the server does).
+    requests together, batch them into one `predict_many` call, or serve them through an
+    `engine.EngineLoop` over `self.engine` with `self.lock` (the server does). The requests run
+    on `self.engine`, in invocations it plans by computed tokens.
     """
 
     def __init__(self, model, template, model_config, temperatures: dict[str, float]):
@@ -38,7 +40,8 @@ class Predictor:
         self.config = model_config
         self.temperatures = temperatures
         # CUDA graphs: of the shape buckets once `prepare_graphs` ran, and of layouts that recur.
-        self.scores = GraphedScores(model, pad_id=template.pad_id)
+        self.engine = Engine(model, pad_id=template.pad_id, image_pad_id=template.image_pad_id)
+        self.scores = self.engine.scores
         self.deferrers = 0  # callers that run `idle` (`capture_when_idle`)
         self.lock = threading.RLock()
 
@@ -100,44 +103,41 @@ class Predictor:
             TypeError, ValueError: an invalid request (see `dohnuts.schema.parse_request`).
         """
         with self.lock:
-            batch, parsed, tokens, failures = self._encode(requests, collect=False)
-        return batch, parsed, tokens
+            encoded, parsed, tokens, _ = self._encode(requests, collect=False)
+            return self.engine.collate(encoded, [Piece(index, list(range(len(request.rows))))
+                                                 for index, request in enumerate(encoded)]), parsed, tokens
 
     def _encode(self, requests, collect: bool):
-        """(batch or None, validated requests, input tokens, {index: error}) of `requests`; with
-        `collect`, an invalid request is left out and its error kept, else it raises."""
-        template, cache = self.template, self.model.image_cache
-        images: list[EncodedImage] = []
-        seen: dict[str, int] = {}
-        rows, parsed, tokens, failures = [], [], [], {}
+        """(encoded requests, validated requests, input tokens, {index: error}) of `requests`;
+        with `collect`, an invalid request is left out and its error kept, else it raises."""
+        encoded, parsed, tokens, failures = [], [], [], {}
         for index, (state, questions) in enumerate(requests):
             try:
-                request = parse_request(state, questions, template.reserved)
-                image, image_index = None, None
-                if request.image is not None:
-                    key = image_key(request.image)
-                    image_index = seen.get(key, len(images))
-                    if key in seen:
-                        image = images[image_index]
-                    else:
-                        # A cached image needs no preprocessing: its features and grid are known.
-                        grid = cache.grid(key)
-                        image = EncodedImage(None, grid, key) if grid is not None else template.encode_image(
-                            request.image, key)
-                own = template.encode(request, self.config.max_tokens, image_index, image)
+                request = parse_request(state, questions, self.template.reserved)
+                own = self.encode_request(request)
             except (TypeError, ValueError) as error:
                 if not collect:
                     raise
                 failures[index] = error
                 continue
-            if image is not None and image.key not in seen:  # only a valid request's image joins the batch
-                seen[image.key] = len(images)
-                images.append(image)
-            rows += own
+            encoded.append(own)
             parsed.append(request)
-            tokens.append(sum(len(row.input_ids) for row in own))
-        batch = template.collate(rows, images) if rows else None
-        return batch, parsed, tokens, failures
+            tokens.append(sum(len(row.input_ids) for row in own.rows))
+        return encoded, parsed, tokens, failures
+
+    def encode_request(self, request: Request) -> EncodedRequest:
+        """A validated request's rows and image as the engine takes them. An image whose features
+        are cached carries no pixels (nothing to preprocess).
+
+        Raises:
+            OverBudget: a row over `config.max_tokens`.
+        """
+        template, image = self.template, None
+        if request.image is not None:
+            key = image_key(request.image)
+            grid = self.model.image_cache.grid(key)
+            image = EncodedImage(None, grid, key) if grid is not None else template.encode_image(request.image, key)
+        return EncodedRequest(template.encode(request, self.config.max_tokens, 0, image), image)
 
     @torch.no_grad()
     def predict(self, state, questions) -> dict:
@@ -177,17 +177,20 @@ class Predictor:
             TypeError, ValueError: an invalid request, with errors="raise".
         """
         with self.lock:
-            batch, parsed, tokens, failures = self._encode(requests, collect=errors == "return")
-            answered = self._answers(batch, parsed, tokens, raw_logits) if batch is not None else []
+            encoded, parsed, tokens, failures = self._encode(requests, collect=errors == "return")
+            # The logits come to the host at once: the few small operations after them cost less
+            # there than as device launches, and the temperatures need no copy to the device.
+            answered = answers_of(self.engine.run(encoded), candidate_mask(parsed), parsed, tokens, self.temperatures,
+                                  raw_logits) if encoded else []
         results = iter(answered)
         return [failures[index] if index in failures else next(results) for index in range(len(requests))]
 
-    def _answers(self, batch: Batch, parsed: list[Request], tokens: list[int], raw_logits: bool) -> list[dict]:
-        # The logits [B, K] come to the host at once (the call's one synchronisation): the few
-        # small operations after them cost less there than as device launches, each a host
-        # round trip once the forward has finished, and the temperatures need no copy to the device.
-        logits = self.scores(batch).cpu().float().numpy()  # the host batch: a bucket pads it before the copy
-        return answers_of(logits, batch.candidate_mask.numpy(), parsed, tokens, self.temperatures, raw_logits)
+
+def candidate_mask(parsed: list[Request]) -> np.ndarray:
+    """[rows, K] bool: which of K candidate places each question's row fills (K: the most
+    candidates of a row), rows in request and question order."""
+    counts = np.array([len(question.labels) for request in parsed for question in request.questions])
+    return np.arange(int(counts.max()))[None, :] < counts[:, None]
 
 
 def answers_of(logits: np.ndarray, mask: np.ndarray, parsed: list[Request], tokens: list[int],

@@ -1,0 +1,406 @@
+"""The engine: encoded requests in, candidate logits out, in invocations planned by computed
+tokens and run back to back.
+
+An encoded request is what the template made of a request (its rows and its image's RGB bytes
+or cache key); the engine knows nothing of HTTP, JSON, images' files or tokenizers. It plans
+invocations of at most `budget` computed tokens (each shared prefix counted once), several
+requests an invocation; a request over the budget is split by rows, each part with its prefix,
+and its logits reassembled. Invocations run back to back: the next is packed, padded and copied
+while the device runs the one before, whose logits come back to pinned host memory on the same
+stream, read once its event has passed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ..inputs.batch import SHARED_MIN, Batch, EncodedImage, Row, pack_rows
+from .buckets import Shape, smallest_fit
+from .cuda_graphs import GraphedScores
+
+DEFAULT_BUDGET = 16384  # computed tokens an invocation holds where no bucket says otherwise
+STAGES = ("queue", "prepare", "run", "finish")  # where an invocation's requests spend their time
+
+
+class EncodedRequest(NamedTuple):
+    """One request as the engine takes it: its rows in question order and its image (None when
+    it has none). The rows' `question` may be None: the engine reads only tokens and markers."""
+
+    rows: list[Row]
+    image: EncodedImage | None = None
+
+
+def request_shape(request: EncodedRequest, rows: Sequence[int] | None = None) -> Shape:
+    """The shape (`buckets.Shape`) of a request's rows (all, or those at `rows`) in a batch: their
+    shared beginning once when at least two share one of SHARED_MIN tokens (as
+    `batch.prefix_groups` plans it), then each row's own tokens."""
+    chosen = request.rows if rows is None else [request.rows[index] for index in rows]
+    lengths = [len(row.input_ids) for row in chosen]
+    candidates = max(len(row.markers) for row in chosen)
+    split = min(min(row.shared, row.markers[0] if row.markers else 0) for row in chosen)
+    if len(chosen) < 2 or split < SHARED_MIN:
+        return Shape(0, 0, sum(lengths), len(lengths), max(lengths), candidates)
+    own = [length - split for length in lengths]
+    return Shape(split, 1, sum(own), len(own), max(own), candidates)
+
+
+@dataclass
+class Piece:
+    """Rows of one request in an invocation: `rows` of request `request`."""
+
+    request: int
+    rows: list[int]
+
+
+@dataclass
+class Invocation:
+    """One model call: its pieces, the batch made of them, and its logits once back."""
+
+    pieces: list[Piece]
+    batch: Batch | None = None
+    logits: torch.Tensor | None = None  # [B, K] on the host (pinned on CUDA), valid after `done`
+    done: torch.cuda.Event | None = None
+    started: torch.cuda.Event | None = None
+
+
+def parts_of(request: EncodedRequest, fits: Callable[[Shape], bool], budget: int) -> list[list[int]]:
+    """The request's rows in groups of consecutive rows for invocations of their own: the whole
+    request when it fits; else groups that each fit, when there are such; else groups within
+    `budget` computed tokens (a lone row over it alone), which then run eagerly."""
+    every = list(range(len(request.rows)))
+    if fits(request_shape(request)):
+        return [every]
+
+    def grouped(accepts) -> list[list[int]]:
+        groups, current = [], []
+        for index in every:
+            if current and not accepts(request_shape(request, current + [index])):
+                groups.append(current)
+                current = []
+            current.append(index)
+        return groups + [current]
+
+    fitting = grouped(fits)
+    if all(fits(request_shape(request, group)) for group in fitting):
+        return fitting
+    return grouped(lambda shape: shape.tokens <= budget)
+
+
+def plan(requests: Sequence[EncodedRequest], fits: Callable[[Shape], bool], budget: int) -> list[list[Piece]]:
+    """Invocations in order: requests taken whole while the invocation's shape still `fits` (a
+    bucket, or the budget); a request that does not fit alone goes alone, split by rows where
+    that helps (`parts_of`)."""
+    invocations: list[list[Piece]] = []
+    current: list[Piece] = []
+    shape = Shape()
+    for index, request in enumerate(requests):
+        own = request_shape(request)
+        if not fits(own):
+            if current:
+                invocations.append(current)
+                current, shape = [], Shape()
+            invocations += [[Piece(index, rows)] for rows in parts_of(request, fits, budget)]
+            continue
+        if current and not fits(shape.join(own)):
+            invocations.append(current)
+            current, shape = [], Shape()
+        current.append(Piece(index, list(range(len(request.rows)))))
+        shape = shape.join(own)
+    if current:
+        invocations.append(current)
+    return invocations
+
+
+class Engine:
+    """Runs encoded requests on a model through `GraphedScores` (CUDA graphs of captured layouts
+    and shape buckets on CUDA, eagerly elsewhere), in invocations of at most `budget` computed
+    tokens (by default the largest captured bucket's, else DEFAULT_BUDGET), pipelined on CUDA.
+
+    Not thread-safe on its own: one caller at a time (`Predictor` holds a lock, `EngineLoop`
+    has one thread). `stats` counts requests, invocations, rows and requests split;
+    `stage_seconds` and `stage_counts` time each of STAGES (`run`: on CUDA the device time from
+    an invocation's start to its end event, on the CPU the call).
+    """
+
+    def __init__(self, model, pad_id: int, image_pad_id: int, budget: int | None = None):
+        self.model = model
+        self.image_pad_id = image_pad_id
+        self.scores = GraphedScores(model, pad_id=pad_id)
+        self.fixed_budget = budget
+        self.stats = {"invocations": 0, "requests": 0, "rows": 0, "split_requests": 0}
+        self.stage_seconds = dict.fromkeys(STAGES, 0.0)
+        self.stage_counts = dict.fromkeys(STAGES, 0)
+
+    @property
+    def budget(self) -> int:
+        """Computed tokens an invocation may hold: the fixed budget, else the largest captured
+        bucket's, else DEFAULT_BUDGET."""
+        if self.fixed_budget is not None:
+            return self.fixed_budget
+        return max((bucket.tokens for bucket in self.scores.buckets), default=DEFAULT_BUDGET)
+
+    def fits(self, shape: Shape) -> bool:
+        """Whether one invocation may hold a batch of `shape`: a captured bucket holds it, or,
+        with none captured (the CPU), it is within the budget."""
+        if self.scores.buckets:
+            return shape.tokens <= self.budget and smallest_fit(shape, self.scores.buckets) is not None
+        return shape.tokens <= self.budget
+
+    def _cached(self, image: EncodedImage | None) -> EncodedImage | None:
+        """The image as a batch takes it: without pixels when its features are cached."""
+        if image is None or image.pixel_values is None:
+            return image
+        grid = self.model.image_cache.grid(image.key)
+        return EncodedImage(None, grid, image.key) if grid is not None else image
+
+    def collate(self, requests: Sequence[EncodedRequest], pieces: list[Piece]) -> Batch:
+        """The batch of an invocation's pieces: their rows in order, each distinct image once."""
+        rows, images, seen = [], [], {}
+        for piece in pieces:
+            request = requests[piece.request]
+            slot = None
+            if request.image is not None:
+                key = request.image.key
+                if key not in seen:
+                    seen[key] = len(images)
+                    images.append(self._cached(request.image))
+                slot = seen[key]
+            for index in piece.rows:
+                row = request.rows[index]
+                rows.append(row if row.image == slot else row._replace(image=slot))
+        return pack_rows(rows, images, self.image_pad_id)
+
+    def launch(self, requests: Sequence[EncodedRequest], pieces: list[Piece]) -> Invocation:
+        """Pack, pad and start one invocation; on CUDA its logits are on their way to pinned host
+        memory when this returns, and `finish` waits for them."""
+        invocation = Invocation(pieces)
+        begun = time.perf_counter()
+        invocation.batch = self.collate(requests, pieces)
+        collated = time.perf_counter()
+        cuda = self.model.device.type == "cuda"
+        if cuda:
+            invocation.started = torch.cuda.Event(enable_timing=True)
+            invocation.started.record()
+        with torch.no_grad():
+            logits = self.scores(invocation.batch)
+        if cuda:  # back to pinned memory on the same stream: the next invocation queues behind it
+            invocation.logits = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+            invocation.logits.copy_(logits, non_blocking=True)
+            invocation.done = torch.cuda.Event(enable_timing=True)
+            invocation.done.record()
+            self._count("prepare", time.perf_counter() - begun)  # the launches are host work too
+        else:  # the CPU computed as the call ran
+            invocation.logits = logits
+            self._count("prepare", collated - begun)
+            self._count("run", time.perf_counter() - collated)
+        return invocation
+
+    def finish(self, invocation: Invocation) -> np.ndarray:
+        """The invocation's logits [B, K] float32 on the host, its pieces' rows in order, once the
+        device has them."""
+        begun = time.perf_counter()
+        if invocation.done is not None:
+            invocation.done.synchronize()
+            self._count("run", invocation.started.elapsed_time(invocation.done) / 1000.0)
+        logits = invocation.logits.float().numpy()
+        self.stats["invocations"] += 1
+        self.stats["rows"] += logits.shape[0]
+        self._count("finish", time.perf_counter() - begun)
+        return logits
+
+    def _count(self, stage: str, seconds: float, times: int = 1) -> None:
+        self.stage_seconds[stage] += seconds
+        self.stage_counts[stage] += times
+
+    @property
+    def device_seconds(self) -> float:
+        """Device time of the invocations so far (CUDA: from each one's start to its end event)."""
+        return self.stage_seconds["run"] if self.model.device.type == "cuda" else 0.0
+
+    def run(self, requests: Sequence[EncodedRequest]) -> np.ndarray:
+        """The logits of every request's rows, stacked in request order [rows, K] float32 (K: the
+        most candidates of a row), from the invocations `plan` makes, each launched while the
+        one before runs."""
+        invocations = plan(requests, self.fits, self.budget)
+        self.stats["requests"] += len(requests)
+        whole = len(invocations) == 1 and len(invocations[0]) == len(requests)
+        if whole:  # the common case: one invocation of every request whole, in order
+            return self.finish(self.launch(requests, invocations[0]))
+        starts = np.cumsum([0] + [len(request.rows) for request in requests])
+        out = np.zeros((int(starts[-1]), max(len(row.markers) for request in requests for row in request.rows)),
+                       dtype=np.float32)
+        running = None
+        for pieces in invocations + [None]:
+            launched = self.launch(requests, pieces) if pieces is not None else None
+            if running is not None:
+                logits, row = self.finish(running), 0
+                for piece in running.pieces:
+                    for index in piece.rows:
+                        out[starts[piece.request] + index, : logits.shape[1]] = logits[row]
+                        row += 1
+            running = launched
+        self.stats["split_requests"] += len({pieces[0].request for pieces in invocations if len(pieces) == 1
+                                             and len(pieces[0].rows) < len(requests[pieces[0].request].rows)})
+        return out
+
+
+def per_request(logits: np.ndarray, requests: Sequence[EncodedRequest]) -> list[np.ndarray]:
+    """Stacked logits [rows, K] cut into each request's rows [rows_i, its most candidates] (views)."""
+    out, start = [], 0
+    for request in requests:
+        rows = len(request.rows)
+        out.append(logits[start:start + rows, : max(len(row.markers) for row in request.rows)])
+        start += rows
+    return out
+
+
+@dataclass
+class _Waiting:
+    request: EncodedRequest
+    reply: Callable[[np.ndarray | BaseException], None]
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class EngineLoop:
+    """An engine serving a stream of requests on one thread: the next invocation takes every
+    request waiting while the invocation's shape still fits (`Engine.fits`), and is launched
+    while the last one runs, so under load the device runs back to back and each invocation is
+    as full as the queue allows; a lone request runs at once. Requests that need several
+    invocations (over a bucket or the budget alone) run in them together. When no request has
+    come for `idle_after` seconds, it does the deferred captures
+    (`GraphedScores.capture_pending`), one at a time: no request waits for a capture.
+
+    `submit(request, reply)` queues a request; `reply(logits or error)` is called on the loop's
+    thread, after `on_invocation(requests, rows)`. At most `max_queue` requests wait: beyond,
+    `submit` raises `Overloaded`. `lock` is held while the engine works (a `Predictor` over the
+    same engine passes its own).
+    """
+
+    def __init__(self, engine: Engine, lock: threading.RLock | None = None, max_queue: int = 4096,
+                 idle_after: float = 0.05, on_invocation=None):
+        self.engine = engine
+        self.lock = lock or threading.RLock()
+        self.max_queue, self.idle_after = max_queue, idle_after
+        self.on_invocation = on_invocation
+        self.waiting: list[_Waiting] = []
+        self.condition = threading.Condition()
+        self.closed = False
+        self.engine.scores.deferred = True
+        self.thread = threading.Thread(target=self._run, name="dohnuts-engine", daemon=True)
+        self.thread.start()
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting for an invocation."""
+        return len(self.waiting)
+
+    def submit(self, request: EncodedRequest, reply: Callable[[np.ndarray | BaseException], None]) -> None:
+        """Queue one request.
+
+        Raises:
+            Overloaded: `max_queue` requests already wait.
+            Closed: the loop is closed.
+        """
+        with self.condition:
+            if self.closed:
+                raise Closed("the engine is closed: it takes no more requests")
+            if len(self.waiting) >= self.max_queue:
+                raise Overloaded(f"{self.max_queue} requests are waiting")
+            self.waiting.append(_Waiting(request, reply))
+            self.condition.notify()
+
+    def close(self) -> None:
+        """Stop once the requests already queued are answered; later ones are refused."""
+        with self.condition:
+            self.closed = True
+            self.condition.notify()
+        self.thread.join()
+        with self.lock:
+            self.engine.scores.deferred = False
+
+    def _take(self, block: bool) -> list[_Waiting] | None:
+        """The requests of the next invocation (at least one): those waiting while the joined
+        shape fits; [] when none waits and `block` is off; None once closed with none waiting."""
+        with self.condition:
+            while not self.waiting:
+                if self.closed:
+                    return None
+                if not block:
+                    return []
+                if not self.condition.wait(timeout=self.idle_after) and not self.waiting:
+                    self._idle()
+            taken, shape = 0, Shape()
+            for waiting in self.waiting:
+                joined = shape.join(request_shape(waiting.request))
+                if taken and not self.engine.fits(joined):
+                    break
+                taken, shape = taken + 1, joined
+            batch, self.waiting = self.waiting[:taken], self.waiting[taken:]
+            return batch
+
+    def _idle(self) -> None:
+        """One deferred capture, the condition's lock released meanwhile (submit goes on)."""
+        self.condition.release()
+        try:
+            with self.lock:
+                self.engine.scores.capture_pending()
+        finally:
+            self.condition.acquire()
+
+    def _run(self) -> None:
+        running = None  # the last launch: (invocation or None, its requests, its results or error)
+        while True:
+            batch = self._take(block=running is None)
+            if batch is None and running is None:
+                return
+            launched = self._launch(batch) if batch else None
+            if running is not None:
+                self._finish(*running)
+            running = launched
+
+    def _launch(self, batch: list[_Waiting]):
+        """Launch the requests' one invocation, or run their several at once; a failure is the
+        requests' result."""
+        now = time.monotonic()
+        self.engine._count("queue", sum(now - waiting.enqueued for waiting in batch), len(batch))
+        requests = [waiting.request for waiting in batch]
+        try:
+            with self.lock:
+                invocations = plan(requests, self.engine.fits, self.engine.budget)
+                if len(invocations) > 1:
+                    return None, batch, self.engine.run(requests)
+                self.engine.stats["requests"] += len(requests)
+                return self.engine.launch(requests, invocations[0]), batch, None
+        except Exception as error:  # noqa: BLE001 - an invocation that fails fails its requests, never the loop
+            return None, batch, error
+
+    def _finish(self, invocation: Invocation | None, batch: list[_Waiting], results) -> None:
+        if invocation is not None:
+            try:
+                with self.lock:
+                    results = self.engine.finish(invocation)
+            except Exception as error:  # noqa: BLE001 - as in `_launch`
+                results = error
+        if self.on_invocation is not None:
+            self.on_invocation(len(batch), sum(len(waiting.request.rows) for waiting in batch))
+        answers = results if isinstance(results, BaseException) else per_request(
+            results, [waiting.request for waiting in batch])
+        for index, waiting in enumerate(batch):
+            with contextlib.suppress(Exception):  # a caller gone away cannot stop the loop
+                waiting.reply(answers if isinstance(answers, BaseException) else answers[index])
+
+
+class Overloaded(RuntimeError):
+    """More requests wait than the engine queues: the caller should retry later."""
+
+
+class Closed(RuntimeError):
+    """The engine was closed: it takes no more requests."""

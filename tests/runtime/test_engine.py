@@ -1,0 +1,135 @@
+"""The engine: invocations planned by shape, split requests reassembled, the serving loop's
+batches answering each request as it is answered alone (float32 on the CPU, 1e-5)."""
+
+import threading
+
+import numpy as np
+import pytest
+from helpers import square_image, state_of_tokens
+
+from dohnuts import Predictor
+from dohnuts.runtime.buckets import Shape, batch_shape
+from dohnuts.runtime.engine import Closed, EngineLoop, Overloaded, Piece, parts_of, per_request, plan, request_shape
+
+QUESTIONS = {
+    "colour": {"type": "choice", "instructions": "What colour is it?", "criteria": ["red", "green", "blue", "cyan"]},
+    "warm": {"type": "noul", "instructions": "Is the colour warm?"},
+    "size": {"type": "score", "instructions": "How big?", "criteria": ["small", "medium", "large"]},
+}
+
+
+@pytest.fixture(scope="module")
+def predictor(deployable):
+    root, _ = deployable
+    return Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+
+
+def requests_of(predictor, count: int, tokens: int = 80) -> list:
+    """`count` distinct requests, every third with an image, their states of about `tokens` tokens."""
+    made = []
+    for index in range(count):
+        state = {"note": f"{index}: " + state_of_tokens(predictor.template, tokens)}
+        if index % 3 == 0:
+            state["image"] = square_image((20 * index % 256, 40, 200))
+        made.append((state, dict(list(QUESTIONS.items())[: 1 + index % 3])))
+    return made
+
+
+def alone(predictor, requests) -> list[np.ndarray]:
+    """Each request's logits from an invocation of its own."""
+    return [predictor.engine.run(predictor._encode([request], collect=False)[0]) for request in requests]
+
+
+def test_the_planned_shape_is_the_shape_of_the_packed_batch(predictor):
+    encoded = predictor._encode(requests_of(predictor, 5), collect=False)[0]
+    for request in encoded:
+        batch = predictor.engine.collate([request], [Piece(0, list(range(len(request.rows))))])
+        assert request_shape(request) == batch_shape(batch)
+    joined = Shape()
+    for request in encoded:
+        joined = joined.join(request_shape(request))
+    everything = predictor.engine.collate(encoded, [Piece(i, list(range(len(r.rows)))) for i, r in enumerate(encoded)])
+    assert joined == batch_shape(everything)  # distinct states: no prefix shared across requests
+
+
+def test_requests_are_taken_whole_while_they_fit_and_one_over_the_budget_is_split_by_rows(predictor):
+    encoded = predictor._encode(requests_of(predictor, 6), collect=False)[0]
+    sizes = [request_shape(request).tokens for request in encoded]
+    budget = sizes[0] + sizes[1]  # the first two fit together, not three
+    planned = plan(encoded, lambda shape: shape.tokens <= budget, budget)
+    assert [piece.request for piece in planned[0]] == [0, 1]
+    assert sorted(piece.request for pieces in planned for piece in pieces) == list(range(6))
+    big = max(range(6), key=lambda index: len(encoded[index].rows))
+    small = request_shape(encoded[big], [0]).tokens + 1  # room for one row of it and its prefix
+    parts = parts_of(encoded[big], lambda shape: shape.tokens <= small, small)
+    assert [row for part in parts for row in part] == list(range(len(encoded[big].rows))) and len(parts) > 1
+
+
+def test_a_request_split_over_invocations_gets_the_logits_it_gets_whole(predictor):
+    requests = requests_of(predictor, 4, tokens=120)
+    expected = alone(predictor, requests)
+    encoded = predictor._encode(requests, collect=False)[0]
+    engine = predictor.engine
+    before = dict(engine.stats)
+    engine.fixed_budget = max(request_shape(r, [0]).tokens for r in encoded) + 4  # one row and its prefix
+    try:
+        stacked = engine.run(encoded)
+    finally:
+        engine.fixed_budget = None
+    several = sum(len(request.rows) > 1 for request in encoded)
+    assert several == 2 and engine.stats["split_requests"] - before["split_requests"] == several
+    assert engine.stats["invocations"] - before["invocations"] == sum(len(r.rows) for r in encoded)
+    for got, want in zip(per_request(stacked, encoded), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_loop_batches_concurrent_requests_and_answers_each_as_alone(predictor):
+    requests = requests_of(predictor, 12)
+    expected = alone(predictor, requests)
+    encoded = predictor._encode(requests, collect=False)[0]
+    invocations, answers, done = [], {}, threading.Event()
+
+    def counted(requests, rows):
+        invocations.append(requests)
+
+    loop = EngineLoop(predictor.engine, predictor.lock, on_invocation=counted)
+    try:
+        with predictor.lock:  # the loop cannot launch while this thread holds the engine: the rest queue
+            for index, request in enumerate(encoded):
+                loop.submit(request, lambda result, index=index: (answers.__setitem__(index, result),
+                                                                 len(answers) == len(encoded) and done.set()))
+        assert done.wait(60)
+    finally:
+        loop.close()
+    assert sum(invocations) == 12 and len(invocations) < 12  # several requests an invocation
+    for index, want in enumerate(expected):
+        np.testing.assert_allclose(answers[index], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_invocation_fails_its_requests_and_the_loop_goes_on(predictor):
+    encoded = predictor._encode(requests_of(predictor, 3), collect=False)[0]
+    text = encoded[1]  # no image
+    broken = text._replace(rows=[text.rows[0]._replace(input_ids=(10**9,) * len(text.rows[0].input_ids))])
+    loop = EngineLoop(predictor.engine, predictor.lock)
+    try:
+        results = []
+        for request in (broken, text):  # one after the other, each its own invocation
+            answered = threading.Event()
+            loop.submit(request, lambda result, answered=answered: (results.append(result), answered.set()))
+            assert answered.wait(60)
+    finally:
+        loop.close()
+    assert isinstance(results[0], IndexError)  # the embedding lookup of an id past the vocabulary
+    np.testing.assert_allclose(results[1], alone(predictor, [requests_of(predictor, 3)[1]])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_closed_or_full_loop_refuses_new_requests(predictor):
+    encoded = predictor._encode(requests_of(predictor, 3), collect=False)[0]
+    loop = EngineLoop(predictor.engine, predictor.lock, max_queue=1)
+    with predictor.lock:  # nothing is taken from the queue meanwhile
+        loop.submit(encoded[0], lambda result: None)
+        with pytest.raises(Overloaded):
+            loop.submit(encoded[1], lambda result: None)
+    loop.close()
+    with pytest.raises(Closed):
+        loop.submit(encoded[2], lambda result: None)
