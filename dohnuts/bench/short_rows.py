@@ -1,0 +1,123 @@
+"""The delta rule of the 50-question request's short rows on the GPU, three ways, each replayed
+from a CUDA graph: a measurement for choosing the next optimisation, not part of the runtime."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..ops import kernels
+from ..ops.plan import chunk_plan, cumulative
+from .host import require_cuda, warmed_predictor
+
+
+def row_lengths() -> list[int]:
+    """The rows' own lengths (after the shared prefix) of the distinct_text_50q request, as the
+    benchmark's predictor packs them."""
+    predictor, state, questions = warmed_predictor("distinct_text_50q")
+    batch, _ = predictor.encode(state, questions)
+    return (batch.cu_seqlens_cpu[1:] - batch.cu_seqlens_cpu[:-1]).tolist()
+
+
+def graphed(call, replays: int = 200) -> tuple[float, torch.Tensor]:
+    """(mean ms per replay of `call` captured in a CUDA graph, its output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), kernels.uncached_plans():
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays, out.clone()
+
+
+@torch.no_grad()
+def delta_rule_short_rows(*, fused_recurrent) -> None:
+    """Time the delta rule of the 50-question request's rows on the GPU, three ways: FLA's chunked
+    kernels (what `kernels.chunk_gated_delta_rule` runs, after forking the prefix's state to the
+    rows), FLA's fused recurrent kernel (forward only, one program per sequence, head and 8 values,
+    stepping token by token, on the forked states) and our `triton_ops.delta_rule_rows` (forward
+    only, one program per row, head and block of values, reading the prefix's state through the
+    row's parent index) in a few launch settings.
+
+        python benchmarks/run.py delta_rule_short_rows > delta-rule-short-rows.txt
+
+    `fused_recurrent` is FLA's `fused_recurrent_gated_delta_rule`, handed in by the caller (only
+    `dohnuts.ops` imports FLA). Shape: the Qwen3.5-0.8B delta-rule layer (16 key and 16 value
+    heads of width 128), bf16, and the rows' own lengths of the distinct_text_50q request, packed.
+    Each variant, including any fork of the prefix's final state to the rows, is captured in a
+    CUDA graph and replayed 200 times; it prints the mean per replay and the largest difference
+    of each output from the chunked one, relative to the largest chunked output.
+    """
+    require_cuda()
+    lengths = row_lengths()
+    heads, width, total = 16, 128, sum(lengths)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, device="cuda")
+
+    q = F.normalize(rand(1, total, heads, width), dim=-1).bfloat16()
+    k = F.normalize(rand(1, total, heads, width), dim=-1).bfloat16()
+    v = rand(1, total, heads, width).bfloat16()
+    g = rand(1, total, heads).bfloat16()  # raw gate input: the kernels apply A_log and dt_bias
+    beta = torch.sigmoid(rand(1, total, heads)).bfloat16()
+    A_log, dt_bias = rand(heads).float() * 0.5, rand(heads).float() * 0.5
+    prefix_state = rand(1, heads, width, width) * 0.1  # one prefix's final state, float32
+    parents = torch.zeros(len(lengths), dtype=torch.long, device="cuda")
+    bounds_cpu = cumulative(lengths)
+    bounds, plan = bounds_cpu.cuda(), chunk_plan(lengths).cuda()  # int32, as the decoder passes them
+    gate = {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias}
+
+    def chunked():
+        out, _ = kernels.chunk_gated_delta_rule(q, k, v, g, beta, prefix_state[parents], False, bounds, False,
+                                                bounds_cpu, plan, A_log, dt_bias)
+        return out
+
+    def recurrent():
+        out, _ = fused_recurrent(q, k, v, g, beta=beta, initial_state=prefix_state[parents],
+                                 output_final_state=False, cu_seqlens=bounds, **gate)
+        return out
+
+    def fork_only():
+        return prefix_state[parents]
+
+    ops = kernels._triton_ops()
+
+    def rows():
+        return ops.delta_rule_rows(q[0], k[0], v[0], g[0], beta[0], prefix_state, parents, bounds, max(lengths),
+                                   A_log, dt_bias)[None]
+
+    variants = [("fork of the prefix state only", fork_only), ("chunked (FLA chunk_gated_delta_rule)", chunked),
+                ("fused recurrent (FLA, forward only)", recurrent)]
+    for values, warps in ((64, 4), (32, 4), (64, 8), (128, 8), (32, 2)):
+        def setting(call=rows, values=values, warps=warps):
+            ops.VALUES, ops.ROW_WARPS = values, warps
+            return call()
+        variants.append((f"rows kernel ({values} values, {warps} warps)", setting))
+
+    print(f"# {len(lengths)} rows, {total} tokens (own lengths {min(lengths)} to {max(lengths)}), "
+          f"{heads} heads of width {width}, bf16; CUDA graph replays")
+    results, defaults = {}, (ops.VALUES, ops.ROW_WARPS)
+    try:
+        for name, call in variants:
+            ms, out = graphed(call)
+            results[name] = out
+            print(f"{name:40s} {ms * 1e3:8.1f} us per replay")
+    finally:
+        ops.VALUES, ops.ROW_WARPS = defaults  # the settings the runtime launches with
+    chunked_out = results["chunked (FLA chunk_gated_delta_rule)"].float()
+    for name, out in results.items():
+        if out.shape == chunked_out.shape:
+            print(f"max |chunked - {name}| / max |chunked| = "
+                  f"{((chunked_out - out.float()).abs().max() / chunked_out.abs().max()).item():.2e}")
