@@ -1,34 +1,20 @@
-"""Time the delta rule of the 50-question request's rows on the GPU, three ways: FLA's chunked
-kernels (what `kernels.chunk_gated_delta_rule` runs, after forking the prefix's state to the
-rows), FLA's fused recurrent kernel (forward only, one program per sequence, head and 8 values,
-stepping token by token, on the forked states) and our `delta_rule.rows.delta_rule_rows` (forward
-only, one program per row, head and block of values, reading the prefix's state through the
-row's parent index) in a few launch settings. A measurement for choosing the next
-optimisation, not part of the runtime.
+"""The delta rule of the 50-question request's short rows on the GPU, three ways, each replayed
+from a CUDA graph: a measurement for choosing the next optimisation, not part of the runtime."""
 
-    python3 benchmarks/delta_rule_short_rows.py > delta-rule-short-rows.txt
-
-Shape: the Qwen3.5-0.8B delta-rule layer (16 key and 16 value heads of width 128), bf16, and the
-rows' own lengths of the distinct_text_50q request, packed. Each variant, including any fork of
-the prefix's final state to the rows, is captured in a CUDA graph and replayed 200 times; the
-script prints the mean per replay and the largest difference of each output from the chunked
-one, relative to the largest chunked output.
-"""
-
-import sys
+from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from profile_predict import warmed_predictor  # this folder is on the path when run as a script
 
-from dohnuts.ops import kernels
-from dohnuts.ops.plan import chunk_plan, cumulative
+from ..ops import kernels
+from ..ops.plan import chunk_plan, cumulative
+from .host import require_cuda, warmed_predictor
 
 
 def row_lengths() -> list[int]:
     """The rows' own lengths (after the shared prefix) of the distinct_text_50q request, as the
     benchmark's predictor packs them."""
-    predictor, state, questions = warmed_predictor("distinct_text_50q", "delta_rule_short_rows")
+    predictor, state, questions = warmed_predictor("distinct_text_50q")
     batch, _ = predictor.encode(state, questions)
     return (batch.cu_seqlens_cpu[1:] - batch.cu_seqlens_cpu[:-1]).tolist()
 
@@ -56,11 +42,24 @@ def graphed(call, replays: int = 200) -> tuple[float, torch.Tensor]:
 
 
 @torch.no_grad()
-def main() -> None:
-    if not torch.cuda.is_available():
-        sys.exit("delta_rule_short_rows: needs a CUDA device")
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+def delta_rule_short_rows(*, fused_recurrent) -> None:
+    """Time the delta rule of the 50-question request's rows on the GPU, three ways: FLA's chunked
+    kernels (what `kernels.chunk_gated_delta_rule` runs, after forking the prefix's state to the
+    rows), FLA's fused recurrent kernel (forward only, one program per sequence, head and 8 values,
+    stepping token by token, on the forked states) and our `delta_rule.rows.delta_rule_rows` (forward
+    only, one program per row, head and block of values, reading the prefix's state through the
+    row's parent index) in a few launch settings.
 
+        python benchmarks/run.py delta_rule_short_rows > delta-rule-short-rows.txt
+
+    `fused_recurrent` is FLA's `fused_recurrent_gated_delta_rule`, handed in by the caller (only
+    `dohnuts.ops` imports FLA). Shape: the Qwen3.5-0.8B delta-rule layer (16 key and 16 value
+    heads of width 128), bf16, and the rows' own lengths of the distinct_text_50q request, packed.
+    Each variant, including any fork of the prefix's final state to the rows, is captured in a
+    CUDA graph and replayed 200 times; it prints the mean per replay and the largest difference
+    of each output from the chunked one, relative to the largest chunked output.
+    """
+    require_cuda()
     lengths = row_lengths()
     heads, width, total = 16, 128, sum(lengths)
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -86,14 +85,14 @@ def main() -> None:
         return out
 
     def recurrent():
-        out, _ = fused_recurrent_gated_delta_rule(q, k, v, g, beta=beta, initial_state=prefix_state[parents],
-                                                  output_final_state=False, cu_seqlens=bounds, **gate)
+        out, _ = fused_recurrent(q, k, v, g, beta=beta, initial_state=prefix_state[parents],
+                                 output_final_state=False, cu_seqlens=bounds, **gate)
         return out
 
     def fork_only():
         return prefix_state[parents]
 
-    from dohnuts.ops.delta_rule import rows as ops  # our Triton kernel and its launch settings
+    from ..ops.delta_rule import rows as ops  # our Triton kernel and its launch settings
 
     def rows():
         return ops.delta_rule_rows(q[0], k[0], v[0], g[0], beta[0], prefix_state, parents, bounds, max(lengths),
@@ -109,17 +108,16 @@ def main() -> None:
 
     print(f"# {len(lengths)} rows, {total} tokens (own lengths {min(lengths)} to {max(lengths)}), "
           f"{heads} heads of width {width}, bf16; CUDA graph replays")
-    results = {}
-    for name, call in variants:
-        ms, out = graphed(call)
-        results[name] = out
-        print(f"{name:40s} {ms * 1e3:8.1f} us per replay")
+    results, defaults = {}, (ops.VALUES, ops.ROW_WARPS)
+    try:
+        for name, call in variants:
+            ms, out = graphed(call)
+            results[name] = out
+            print(f"{name:40s} {ms * 1e3:8.1f} us per replay")
+    finally:
+        ops.VALUES, ops.ROW_WARPS = defaults  # the settings the runtime launches with
     chunked_out = results["chunked (FLA chunk_gated_delta_rule)"].float()
     for name, out in results.items():
         if out.shape == chunked_out.shape:
             print(f"max |chunked - {name}| / max |chunked| = "
                   f"{((chunked_out - out.float()).abs().max() / chunked_out.abs().max()).item():.2e}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,147 @@
+"""One table of named measurements: name -> the `dohnuts.bench` function that runs it, a summary,
+what it needs ("cuda" or "any") and its arguments. `run.py` lists and runs them.
+
+The measurements live in `dohnuts.bench`, which may not import its peer `dohnuts.serve`; this
+folder may import any wing, so the entries that drive the server get serve's parts here, as
+`stages/benchmark.py` hands the stage its app factory. So does the one that times FLA's own
+kernel (only `dohnuts.ops` imports FLA).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dohnuts.bench import batching, device, first_sight, host, loops, short_rows
+
+WORKLOADS = "benchmark workloads (dohnuts.bench.protocol.workloads)"
+
+
+@dataclass(frozen=True)
+class Argument:
+    """One argument of a measurement, given on the command line as `--name VALUE` (several values
+    when `many`; its default then a tuple); `required` when it has no default."""
+
+    name: str
+    type: type
+    default: object = None
+    help: str = ""
+    many: bool = False
+    required: bool = False
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A named measurement: `run(**arguments)` prints its report."""
+
+    run: Callable[..., None]
+    summary: str
+    needs: str  # "cuda" or "any"
+    arguments: tuple[Argument, ...] = ()
+
+    @property
+    def function(self) -> Callable[..., None]:
+        """The `dohnuts.bench` function behind `run` (whose docstring says what it measures)."""
+        return self.run.func if isinstance(self.run, functools.partial) else self.run
+
+
+def served_app(predictor, model_name: str, on_batch=None):
+    """The server over `predictor` (`dohnuts.serve.app.create_app`); FastAPI, the serve extra, is
+    imported only when a measurement builds it."""
+    from dohnuts.serve.app import create_app
+
+    return create_app(predictor, model_name, on_batch=on_batch)
+
+
+def serve_batcher(predictor):
+    """The server's batcher over `predictor` (`dohnuts.serve.batcher.Batcher`)."""
+    from dohnuts.serve.batcher import Batcher
+
+    return Batcher(predictor)
+
+
+def parse_body(body):
+    """A wire request body -> (state, questions, model) (`dohnuts.serve.wire.parse_system_one`)."""
+    from dohnuts.serve.wire import parse_system_one
+
+    return parse_system_one(body)
+
+
+def fla_fused_recurrent(*args, **kwargs):
+    """FLA's `fused_recurrent_gated_delta_rule`, imported at the first call."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    return fused_recurrent_gated_delta_rule(*args, **kwargs)
+
+
+def workload(default: str) -> Argument:
+    return Argument("workload", str, default, f"one of the {WORKLOADS}")
+
+
+def workloads(*default: str) -> Argument:
+    return Argument("workloads", str, default, f"{WORKLOADS}, profiled in order", many=True)
+
+
+MEASUREMENTS: dict[str, Measurement] = {
+    # Where a repeated request's host time goes.
+    "encode_host": Measurement(
+        host.encode_host, "host steps of one request with no device: parse, template, pack, answers", "any",
+        (workload("distinct_text_50q"), Argument("blocks", int, 5, "blocks of calls per step"),
+         Argument("calls", int, 300, "timed calls a block"))),
+    "host_steps": Measurement(
+        host.host_steps, "host time of each step of a graph-replayed predict", "cuda",
+        (workloads("distinct_text_1q", "vision_protocol_image_1q"),)),
+    "host_profile": Measurement(
+        host.host_profile, "predict alone vs under Telemetry, then cProfile of 100 calls", "cuda",
+        (workloads("distinct_text_1q", "vision_protocol_image_1q", "distinct_text_50q"),
+         Argument("rounds", int, 4, "alternations of 30 calls alone and under Telemetry"))),
+    "telemetry_overhead": Measurement(
+        host.telemetry_overhead, "predict p50/p95 without telemetry and with NVML sampled at 10 and 100 ms", "cuda",
+        (workload("distinct_text_50q"), Argument("calls", int, 200, "timed calls a window"))),
+    # Device-side profiles.
+    "profile_predict": Measurement(
+        device.profile_predict, "predict p50, then torch.profiler's table by device time", "cuda",
+        (workload("distinct_text_50q"), Argument("calls", int, 20, "timed calls"),
+         Argument("profiled", int, 3, "calls under the profiler"), Argument("rows", int, 45, "rows of the table"))),
+    "predict_breakdown": Measurement(
+        device.predict_breakdown, "p50 of each part of predict: encode, copy, embeddings, replay...", "cuda",
+        (workload("distinct_text_50q"),)),
+    "kernel_profile": Measurement(
+        device.kernel_profile, "the kernels a workload's graph replays, by device time", "cuda",
+        (workloads("distinct_text_50q", "distinct_text_1q", "vision_protocol_image_1q"),)),
+    "copy_trace": Measurement(
+        device.copy_trace, "every tensor copy of one eager forward, and the line that asked for it", "cuda",
+        (workload("distinct_text_1q"),)),
+    # Studies of runtime choices.
+    "first_sight": Measurement(
+        first_sight.first_sight, "first-seen requests: eager forward by delta-rule route, an image miss", "cuda",
+        (Argument("count", int, 80, "varied requests whose text ones run eagerly (0 skips that part)"),)),
+    "delta_rule_short_rows": Measurement(
+        functools.partial(short_rows.delta_rule_short_rows, fused_recurrent=fla_fused_recurrent),
+        "the 50q request's short rows' delta rule: FLA chunked, recurrent, ours", "cuda"),
+    "evaluation_profile": Measurement(
+        loops.evaluation_profile, "evaluation: plan, each batch's build, copy, forward; whole passes", "cuda"),
+    "training_graphs": Measurement(
+        loops.training_graphs, "the training update eager and through training graphs", "cuda",
+        (Argument("varied", int, 16, "more updates of distinct layouts"),
+         Argument("modes", str, ("eager", "graphs"), "eager, graphs or both", many=True))),
+    "stage_records": Measurement(
+        loops.stage_records, "the benchmark stage's records and summary without the serving workload", "cuda",
+        (Argument("out", str, help="folder for records.jsonl and summary.json", required=True),
+         Argument("warmup", int, 3, "warm-up calls a workload"), Argument("timed", int, 20, "timed calls a workload"),
+         Argument("varied_requests", int, 60, "requests of the varied-traffic workload"))),
+    # The server's batching (serve's parts handed in here).
+    "batcher_policy": Measurement(
+        functools.partial(batching.batcher_policy, app_factory=served_app, batcher_factory=serve_batcher),
+        "the batcher's policy on the host, no model: server overhead, closed-loop clients", "any"),
+    "batched_vs_alone": Measurement(
+        functools.partial(batching.batched_vs_alone, parse_body=parse_body),
+        "largest probability difference of requests batched together vs each alone", "cuda",
+        (Argument("count", int, 32, "varied requests in the batch"),)),
+    "serving_workload": Measurement(
+        functools.partial(batching.serving_workload, app_factory=served_app),
+        "the server on loopback at each client count: the serving record as JSON", "cuda",
+        (Argument("requests", int, 256, "varied requests at each client count"),
+         Argument("clients", int, (1, 8, 64), "concurrent client counts", many=True))),
+}

@@ -1,0 +1,201 @@
+"""Device-side profiles of one benchmark workload's `predict`: the profiler's table, a breakdown
+of its parts, the kernels its graph replays, and the tensor copies of one eager forward."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import traceback
+from collections import Counter, defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..runtime.cuda_graphs import layout_key
+from .host import SHAPE, chosen_workloads, timed_samples, warm_up, warmed_predictor
+from .shapes import shape_only_predictor
+from .telemetry import Telemetry
+
+
+def profile_predict(workload: str = "distinct_text_50q", calls: int = 20, profiled: int = 3, rows: int = 45) -> None:
+    """Profile one benchmark workload's `predict` on the GPU.
+
+        python benchmarks/run.py profile_predict --workload distinct_text_50q > profile.txt
+
+    It builds the shape-only Qwen3.5-0.8B predictor the benchmark stage times (random weights,
+    bf16), warms it up (so CUDA graphs are captured), prints the p50 of `calls` calls, then the
+    torch.profiler key averages of `profiled` calls sorted by device time (`rows` rows).
+    """
+    predictor, state, questions = warmed_predictor(workload)
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        predictor.predict(state, questions)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    print(f"# {workload}: p50 of {calls} calls {statistics.median(times):.2f} ms; profile of {profiled} calls")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(profiled):
+            predictor.predict(state, questions)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70))
+
+
+def _timed(label: str, call, calls: int = 50) -> None:
+    samples = timed_samples(call, calls)
+    print(f"{label:34s} p50 {statistics.median(samples):7.3f} ms  min {min(samples):7.3f}", flush=True)
+
+
+@torch.no_grad()
+def predict_breakdown(workload: str = "distinct_text_50q") -> None:
+    """Where the time of one benchmark workload's `predict` goes on the GPU.
+
+        python benchmarks/run.py predict_breakdown --workload distinct_text_50q > breakdown.txt
+
+    It builds the shape-only Qwen3.5-0.8B predictor the benchmark stage times (random weights,
+    bf16), warms it up (so the request's CUDA graph is captured), then prints the p50 and minimum
+    of 50 calls of: the whole `predict`, its host encoding, the batch's copy to the device, the
+    input embeddings, the graph's replay alone (the device time of the forward with its launch
+    gaps), the replay with its input copies, the layout key, and `predict` again with the
+    benchmark's NVML sampler running.
+    """
+    predictor, state, questions = warmed_predictor(workload)
+    _timed("predict", lambda: predictor.predict(state, questions))
+    _timed("encode", lambda: predictor.encode(state, questions))
+    batch, _ = predictor.encode(state, questions)
+    device = predictor.model.device
+    _timed("batch.to", lambda: batch.to(device))
+    moved = batch.to(device)
+    _timed("embeddings", lambda: predictor.model.embeddings(moved))
+    graph = predictor.scores.graphs[layout_key(moved)]
+    _timed("graph.replay only", graph.graph.replay)
+    embeds = predictor.model.embeddings(moved)
+    _timed("replay with input copies", lambda: graph.replay(embeds, moved))
+    _timed("layout_key", lambda: layout_key(moved))
+    with Telemetry(device):
+        _timed("predict under Telemetry", lambda: predictor.predict(state, questions))
+    _timed("predict again", lambda: predictor.predict(state, questions))
+
+
+PROFILED = 5  # graph replays under the profiler, per workload
+
+
+def _kernels(prof) -> list[tuple[str, float, float]]:
+    """(name, start us, end us) of every device kernel the profile saw."""
+    found = []
+    for event in prof.profiler.kineto_results.events():
+        if event.device_type() == torch.autograd.DeviceType.CUDA and "memcpy" not in event.name().lower():
+            start = event.start_ns() / 1e3
+            found.append((event.name(), start, start + event.duration_ns() / 1e3))
+    return found
+
+
+def _busy(intervals) -> float:
+    """Microseconds covered by the union of (start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted((s, e) for _, s, e in intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+@torch.no_grad()
+def _kernel_report(predictor, name: str, state, questions) -> None:
+    warm_up(predictor, state, questions)
+    batch, _ = predictor.encode(state, questions)
+    moved = batch.to(predictor.model.device)
+    graph = predictor.scores.graphs[layout_key(moved)]
+    whole = statistics.median(timed_samples(lambda: predictor.predict(state, questions), 50))
+    replay = statistics.median(timed_samples(graph.graph.replay, 50))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED):
+            graph.graph.replay()
+        torch.cuda.synchronize()
+    kernels = _kernels(prof)
+    by_name = defaultdict(lambda: [0, 0.0])
+    for kernel, start, end in kernels:
+        by_name[kernel][0] += 1
+        by_name[kernel][1] += end - start
+    summed = sum(end - start for _, start, end in kernels)
+    print(f"## {name}: predict p50 {whole:.3f} ms, graph replay alone p50 {replay:.3f} ms", flush=True)
+    print(f"kernels a call {len(kernels) / PROFILED:.0f}; device time a call: summed "
+          f"{summed / PROFILED / 1e3:.3f} ms, busy (union) {_busy(kernels) / PROFILED / 1e3:.3f} ms")
+    print(f"{'us a call':>10} {'calls':>6} {'us each':>8}  kernel")
+    for kernel, (count, total) in sorted(by_name.items(), key=lambda item: -item[1][1]):
+        print(f"{total / PROFILED:10.1f} {count / PROFILED:6.0f} {total / count:8.2f}  {kernel[:110]}")
+    print(flush=True)
+
+
+def kernel_profile(workloads: tuple[str, ...] = ("distinct_text_50q", "distinct_text_1q",
+                                                 "vision_protocol_image_1q")) -> None:
+    """Which kernels one benchmark workload's forward runs, and for how long, on the GPU.
+
+        python benchmarks/run.py kernel_profile --workloads distinct_text_50q distinct_text_1q
+
+    For each workload it builds (once) the benchmark's shape-only Qwen3.5-0.8B predictor (random
+    weights, bf16), warms the workload up until its CUDA graph is captured, and prints:
+    - the p50 of 50 `predict` calls and of 50 replays of the graph alone;
+    - from a profile of 5 replays: kernels a call, the device time a call summed over kernels and
+      as their union (busy), and the table of kernels by device time a call, grouped by name.
+    """
+    table = chosen_workloads(workloads)
+    predictor, _, _ = warmed_predictor(workloads[0])
+    for name, (state, questions) in table.items():
+        _kernel_report(predictor, name, state, questions)
+
+
+COPIES = ("copy_", "clone", "cat", "index.Tensor", "_to_copy")  # the ATen operations that copy
+# Where a copy is asked for: the innermost frame in the package, not counting this module's own.
+THIS = os.path.abspath(__file__)
+PACKAGE = os.path.dirname(os.path.dirname(THIS)) + os.sep
+
+
+def _asked_from() -> str:
+    """'module.py:line function' of the innermost frame of the package that is not this module."""
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if path.startswith(PACKAGE) and path != THIS:
+            return f"{path[len(PACKAGE):]}:{frame.lineno} {frame.name}"
+    return "?"
+
+
+class Copies(TorchDispatchMode):
+    """Counts each copying ATen operation by (name, shapes and strides, innermost dohnuts line)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket.__name__) + "." + func._overloadname
+        if any(copy in name for copy in COPIES):
+            shapes = [(tuple(a.shape), a.stride()) for a in args if isinstance(a, torch.Tensor)]
+            self.seen[(name, str(shapes)[:150], _asked_from())] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def copy_trace(workload: str = "distinct_text_1q") -> None:
+    """Which tensor copies one eager forward of a benchmark workload makes, and where from.
+
+        python benchmarks/run.py copy_trace --workload distinct_text_1q
+
+    It builds the benchmark's shape-only Qwen3.5-0.8B predictor (random weights, bf16), encodes the
+    workload, runs `model.scores` eagerly once under a dispatch mode, and prints every copying ATen
+    operation (copy_, clone, contiguous copies, cat, index) with its shapes, strides and the
+    innermost `dohnuts` line that asked for it, counted.
+    """
+    state, questions = chosen_workloads([workload])[workload]
+    predictor = shape_only_predictor(SHAPE, graphs=False)
+    batch, _ = predictor.encode(state, questions)
+    moved = batch.to(predictor.model.device)
+    embeds = predictor.model.embeddings(moved)
+    predictor.model.scores(embeds, moved)  # compiles and tunes outside the trace
+    with Copies() as mode:
+        predictor.model.scores(embeds, moved)
+    for (op, shapes, where), count in mode.seen.most_common():
+        print(f"{count:4d}  {op:28s} {where:60s} {shapes}")

