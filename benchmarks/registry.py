@@ -46,19 +46,12 @@ class Measurement:
         return self.run.func if isinstance(self.run, functools.partial) else self.run
 
 
-def served_app(predictor, model_name: str, on_batch=None):
+def served_app(predictor, model_name: str, on_invocation=None):
     """The server over `predictor` (`dohnuts.serve.app.create_app`); FastAPI, the serve extra, is
     imported only when a measurement builds it."""
     from dohnuts.serve.app import create_app
 
-    return create_app(predictor, model_name, on_batch=on_batch)
-
-
-def serve_batcher(predictor):
-    """The server's batcher over `predictor` (`dohnuts.serve.batcher.Batcher`)."""
-    from dohnuts.serve.batcher import Batcher
-
-    return Batcher(predictor)
+    return create_app(predictor, model_name, on_invocation=on_invocation)
 
 
 def parse_body(body):
@@ -132,9 +125,6 @@ MEASUREMENTS: dict[str, Measurement] = {
          Argument("warmup", int, 3, "warm-up calls a workload"), Argument("timed", int, 20, "timed calls a workload"),
          Argument("varied_requests", int, 60, "requests of the varied-traffic workload"))),
     # The server's batching (serve's parts handed in here).
-    "batcher_policy": Measurement(
-        functools.partial(batching.batcher_policy, app_factory=served_app, batcher_factory=serve_batcher),
-        "the batcher's policy on the host, no model: server overhead, closed-loop clients", "any"),
     "batched_vs_alone": Measurement(
         functools.partial(batching.batched_vs_alone, parse_body=parse_body),
         "largest probability difference of requests batched together vs each alone", "cuda",

@@ -127,12 +127,15 @@ def write_manifest(folder: Path, extra: dict | None = None) -> dict:
     return manifest
 
 
-def verify_manifest(folder: Path, required: tuple[str, ...] = (), complete: bool = False) -> dict:
+def verify_manifest(folder: Path, required: tuple[str, ...] = (), complete: bool = False,
+                    unread: tuple[str, ...] = ()) -> dict:
     """Check every file listed in `folder`'s manifest; return the manifest.
 
     Args:
         complete: also refuse a file the manifest does not list (a README.md and dotfiles
             aside), so nothing unverified sits beside what is loaded.
+        unread: name suffixes of files the caller will not read (a server's front end and the
+            weights): they must exist, but are not hashed.
 
     Raises:
         IntegrityError: the manifest or a required file is missing, a hash differs, or (with
@@ -149,6 +152,8 @@ def verify_manifest(folder: Path, required: tuple[str, ...] = (), complete: bool
         path = folder / name
         if not path.is_file():
             raise IntegrityError(f"{path} is listed in the manifest but missing")
+        if unread and name.endswith(unread):
+            continue
         actual = sha256_file(path)
         if actual != entry["sha256"]:
             raise IntegrityError(f"{path} has SHA-256 {actual}, manifest says {entry['sha256']}")

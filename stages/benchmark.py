@@ -10,12 +10,12 @@ from dohnuts.io import write_json
 from stages import user_errors
 
 
-def served_app(predictor, model_name: str, on_batch):
+def served_app(predictor, model_name: str, on_invocation):
     """The server the serving workload drives (`dohnuts.serve.app.create_app`); bench and serve are
     peers, so the stage wires them. FastAPI (the serve extra) is imported only when serving is measured."""
     from dohnuts.serve.app import create_app
 
-    return create_app(predictor, model_name, on_batch=on_batch)
+    return create_app(predictor, model_name, on_invocation=on_invocation)
 
 
 @click.command()

@@ -114,14 +114,14 @@ def drive(port: int, bodies: list[dict], clients: int, deadline_seconds: float =
 def serving_record(predictor, requests: int, clients: tuple[int, ...], app_factory, seed: int = 0) -> dict:
     """The serving workload: `requests` varied requests (`mixed_requests`) sent to the server
     on loopback at each count of concurrent `clients`; one client sending one request at a time
-    is the baseline. `app_factory(predictor, model_name, on_batch=...)` builds the served app
+    is the baseline. `app_factory(predictor, model_name, on_invocation=...)` builds the served app
     (`dohnuts.serve.app.create_app`: bench does not import its peer serve, the caller hands it
     in). Each level also records the mean batch size the server ran (requests per model
     invocation), from the batcher's own count, and how many invocations replayed a CUDA graph
     or a bucket's graphs, captured one or ran eagerly; `idle_captures` counts the captures the
     server made between requests (all of them: no request waits for one)."""
     batches = []
-    app = app_factory(predictor, "dohnuts-benchmark", on_batch=lambda count, rows, seconds: batches.append(count))
+    app = app_factory(predictor, "dohnuts-benchmark", on_invocation=lambda count, rows, waits: batches.append(count))
     server = LoopbackServer(app)
     bodies = mixed_requests(requests, seed)
     try:

@@ -171,7 +171,10 @@ def load_processors(folder: Path, config: ModelConfig):
     """The tokenizer and the image processor under the fixed preprocessing policy."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    # The folder's normalisation and patching, with the pixel count fixed by the policy.
-    processor = processor_class().from_pretrained(folder, **fixed_pixels(config.image_pixels))
-    return tokenizer, processor
+    return AutoTokenizer.from_pretrained(folder), load_image_processor(folder, config)
+
+
+def load_image_processor(folder: Path, config: ModelConfig):
+    """The folder's image processor: its normalisation and patching, with the pixel count
+    fixed by the policy."""
+    return processor_class().from_pretrained(folder, **fixed_pixels(config.image_pixels))

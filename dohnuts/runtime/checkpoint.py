@@ -13,10 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import LoraConfig, ModelConfig, build, json_ready, to_dict
+from ..inputs.pixels import PixelSettings
 from ..inputs.template import Template
 from ..io import MANIFEST, IntegrityError, read_json, verify_manifest, write_json, write_manifest
 from ..model.adapters import adapter_state, load_adapter_state, with_lora
-from ..model.base import load_backbone, load_processors
+from ..model.base import load_backbone, load_image_processor, load_processors
 from ..model.decision import DTYPES, HEAD_KEY, DecisionModel, new_head
 from ..schema import QUESTION_TYPES
 from .training_graphs import TrainingGraphs
@@ -179,22 +180,31 @@ def load_merged(folder: Path, device: torch.device, need_temperatures: bool = Fa
     Returns:
         (DecisionModel in eval mode on `device`, Template, ModelConfig, temperatures or None)
     """
+    model_config, temperatures = read_merged(folder, need_temperatures)
+    tokenizer, processor = load_processors(folder, model_config)
+    return load_network(folder, model_config, device), Template(tokenizer, processor, model_config.marker_token), \
+        model_config, temperatures
+
+
+def read_merged(folder: Path, need_temperatures: bool, unread: tuple[str, ...] = ()):
+    """A merged folder's settings after checking its SHA-256 manifest (the files ending in one of
+    `unread` only for being there: a caller that will not read them).
+
+    Returns:
+        (ModelConfig, temperatures or None)
+
+    Raises:
+        ValueError: a merged model without temperatures where they are needed, or bad ones.
+        IntegrityError: a missing or changed file.
+    """
     folder = Path(folder)
     if need_temperatures and (folder / SETTINGS).is_file() and not (folder / TEMPERATURES).is_file():
         raise ValueError(f"{folder} is a merged model without temperatures: run the calibrate stage and "
                          f"load its output (runs/calibrate/checkpoint)")
     required = (HEAD, SETTINGS) + ((TEMPERATURES,) if need_temperatures else ())
-    verify_manifest(folder, required=required)
+    verify_manifest(folder, required=required, unread=unread)
     settings = read_json(folder / SETTINGS)
     model_config = build(ModelConfig, settings["model"], f"{folder}/{SETTINGS} model")
-    backbone = load_backbone(folder, DTYPES[model_config.dtype])
-    head = torch.nn.Linear(backbone.config.text_config.hidden_size, 1, bias=False, dtype=torch.float32)
-    with torch.no_grad():
-        head.weight.copy_(load_file(str(folder / HEAD))[HEAD_KEY])
-    model = assemble(backbone, head).to(device).eval()
-    model.requires_grad_(False)
-    tokenizer, processor = load_processors(folder, model_config)
-    template = Template(tokenizer, processor, model_config.marker_token)
     temperatures = None
     if (folder / TEMPERATURES).is_file():
         temperatures = {kind: float(value) for kind, value in read_json(folder / TEMPERATURES).items()}
@@ -202,7 +212,44 @@ def load_merged(folder: Path, device: torch.device, need_temperatures: bool = Fa
         if set(temperatures) != set(QUESTION_TYPES) or bad:
             raise ValueError(f"{folder}/{TEMPERATURES} must give a positive temperature for each of "
                              f"{QUESTION_TYPES}, got {json.dumps(temperatures)}")
-    return model, template, model_config, temperatures
+    return model_config, temperatures
+
+
+def load_network(folder: Path, model_config: ModelConfig, device: torch.device) -> DecisionModel:
+    """A merged folder's model in eval mode on `device`, its graph holders handed in (verify the
+    folder first: `read_merged`)."""
+    backbone = load_backbone(folder, DTYPES[model_config.dtype])
+    head = torch.nn.Linear(backbone.config.text_config.hidden_size, 1, bias=False, dtype=torch.float32)
+    with torch.no_grad():
+        head.weight.copy_(load_file(str(folder / HEAD))[HEAD_KEY])
+    model = assemble(backbone, head).to(device).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_front(folder: Path) -> tuple[Template, ModelConfig, dict[str, float]]:
+    """What a server's front end reads of a deployable folder: its template (tokenizer and image
+    processor), settings and temperatures, every file's SHA-256 checked but the weights' (the
+    engine, which reads them, checks those).
+
+    Raises:
+        as `read_merged`.
+    """
+    model_config, temperatures = read_merged(folder, need_temperatures=True, unread=(".safetensors",))
+    tokenizer, processor = load_processors(folder, model_config)
+    return Template(tokenizer, processor, model_config.marker_token), model_config, temperatures
+
+
+def load_engine(folder: Path, device: torch.device):
+    """What a server's engine reads of a deployable folder (every SHA-256 checked): the model and
+    the pixel settings its images' bytes become patches under; no tokenizer.
+
+    Returns:
+        (DecisionModel in eval mode on `device`, ModelConfig, PixelSettings or None)
+    """
+    model_config, _ = read_merged(folder, need_temperatures=True)
+    return (load_network(folder, model_config, device), model_config,
+            PixelSettings.of(load_image_processor(folder, model_config)))
 
 
 # -- the resumable training state --------------------------------------------------------------

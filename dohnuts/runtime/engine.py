@@ -23,8 +23,10 @@ import numpy as np
 import torch
 
 from ..inputs.batch import SHARED_MIN, Batch, EncodedImage, Row, pack_rows
+from ..inputs.pixels import PixelSettings
 from .buckets import Shape, smallest_fit
 from .cuda_graphs import GraphedScores
+from .vision_graphs import vision_buckets
 
 DEFAULT_BUDGET = 16384  # computed tokens an invocation holds where no bucket says otherwise
 STAGES = ("queue", "prepare", "run", "finish")  # where an invocation's requests spend their time
@@ -136,8 +138,28 @@ class Engine:
         self.scores = GraphedScores(model, pad_id=pad_id)
         self.fixed_budget = budget
         self.stats = {"invocations": 0, "requests": 0, "rows": 0, "split_requests": 0}
+        self.deferrers = 0  # serving loops that make the captures in their idle time (`defer_captures`)
         self.stage_seconds = dict.fromkeys(STAGES, 0.0)
         self.stage_counts = dict.fromkeys(STAGES, 0)
+
+    def defer_captures(self, on: bool) -> None:
+        """With `on`, a layout that recurs gets its CUDA graph not on the request that brings it
+        back but in a serving loop's idle time (`GraphedScores.deferred`): no request waits for a
+        capture. Each loop that asked turns it off again when it stops; once all have, the third
+        sighting captures on the request again and nothing stays pending."""
+        self.deferrers = max(0, self.deferrers + (1 if on else -1))
+        self.scores.deferred = self.deferrers > 0  # off, it drops what was pending
+
+    def prepare(self, pixels: PixelSettings | None, buckets=None) -> int:
+        """Capture the CUDA graphs of the shape buckets (`buckets.all_buckets` by default) and of
+        the vision tower's patch buckets for the pixel policy `pixels` (`vision_graphs`), so that
+        requests and image sizes met for the first time replay one: a few seconds, once, on a
+        CUDA device; nothing on the CPU. Returns how many language buckets are ready."""
+        ready = self.scores.prepare(buckets)
+        if pixels is not None:
+            self.model.vision_graphs.prepare(self.model.backbone.visual,
+                                             vision_buckets(pixels.max_pixels, pixels.patch, pixels.merge))
+        return ready
 
     @property
     def budget(self) -> int:
@@ -267,6 +289,7 @@ class _Waiting:
     request: EncodedRequest
     reply: Callable[[np.ndarray | BaseException], None]
     enqueued: float = field(default_factory=time.monotonic)
+    waited: float = 0.0  # seconds in the queue, once taken
 
 
 class EngineLoop:
@@ -279,9 +302,9 @@ class EngineLoop:
     (`GraphedScores.capture_pending`), one at a time: no request waits for a capture.
 
     `submit(request, reply)` queues a request; `reply(logits or error)` is called on the loop's
-    thread, after `on_invocation(requests, rows)`. At most `max_queue` requests wait: beyond,
-    `submit` raises `Overloaded`. `lock` is held while the engine works (a `Predictor` over the
-    same engine passes its own).
+    thread, after `on_invocation(requests, rows, each request's seconds in the queue)`. At most
+    `max_queue` requests wait: beyond, `submit` raises `Overloaded`. `lock` is held while the
+    engine works (a `Predictor` over the same engine passes its own).
     """
 
     def __init__(self, engine: Engine, lock: threading.RLock | None = None, max_queue: int = 4096,
@@ -293,7 +316,8 @@ class EngineLoop:
         self.waiting: list[_Waiting] = []
         self.condition = threading.Condition()
         self.closed = False
-        self.engine.scores.deferred = True
+        with self.lock:
+            self.engine.defer_captures(True)
         self.thread = threading.Thread(target=self._run, name="dohnuts-engine", daemon=True)
         self.thread.start()
 
@@ -324,7 +348,7 @@ class EngineLoop:
             self.condition.notify()
         self.thread.join()
         with self.lock:
-            self.engine.scores.deferred = False
+            self.engine.defer_captures(False)
 
     def _take(self, block: bool) -> list[_Waiting] | None:
         """The requests of the next invocation (at least one): those waiting while the joined
@@ -370,7 +394,9 @@ class EngineLoop:
         """Launch the requests' one invocation, or run their several at once; a failure is the
         requests' result."""
         now = time.monotonic()
-        self.engine._count("queue", sum(now - waiting.enqueued for waiting in batch), len(batch))
+        for waiting in batch:
+            waiting.waited = now - waiting.enqueued
+        self.engine._count("queue", sum(waiting.waited for waiting in batch), len(batch))
         requests = [waiting.request for waiting in batch]
         try:
             with self.lock:
@@ -390,7 +416,8 @@ class EngineLoop:
             except Exception as error:  # noqa: BLE001 - as in `_launch`
                 results = error
         if self.on_invocation is not None:
-            self.on_invocation(len(batch), sum(len(waiting.request.rows) for waiting in batch))
+            self.on_invocation(len(batch), sum(len(waiting.request.rows) for waiting in batch),
+                               [waiting.waited for waiting in batch])
         answers = results if isinstance(results, BaseException) else per_request(
             results, [waiting.request for waiting in batch])
         for index, waiting in enumerate(batch):

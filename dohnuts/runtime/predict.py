@@ -17,7 +17,6 @@ from ..schema import Request, answer, parse_request
 from ..scoring.metrics import masked_softmax_rows, normalised_entropy_confidence
 from .checkpoint import load_merged
 from .engine import EncodedRequest, Engine, Piece
-from .vision_graphs import vision_buckets
 
 BATCHED_CONFIDENCE = 8  # rows from which the answers' confidences are computed together
 
@@ -42,7 +41,6 @@ class Predictor:
         # CUDA graphs: of the shape buckets once `prepare_graphs` ran, and of layouts that recur.
         self.engine = Engine(model, pad_id=template.pad_id, image_pad_id=template.image_pad_id)
         self.scores = self.engine.scores
-        self.deferrers = 0  # callers that run `idle` (`capture_when_idle`)
         self.lock = threading.RLock()
 
     @classmethod
@@ -64,28 +62,7 @@ class Predictor:
         replay one: a few seconds, once, on a CUDA device; nothing on the CPU. Returns how many
         of the language model's buckets are ready."""
         with self.lock:
-            ready = self.scores.prepare(buckets)
-            settings = self.template.pixels
-            if settings is not None:
-                self.model.vision_graphs.prepare(self.model.backbone.visual,
-                                                 vision_buckets(settings.max_pixels, settings.patch, settings.merge))
-            return ready
-
-    def capture_when_idle(self, on: bool = True) -> None:
-        """With `on`, a layout that recurs gets its CUDA graph not on the request that brings it
-        back but from `idle`, which the caller runs when no request waits (the server's batcher
-        does): no request waits for a capture (`GraphedScores.deferred`). Each caller that
-        asked turns it off again when it stops calling `idle` (a closing batcher); once all
-        have, the third sighting captures on the request again and nothing stays pending."""
-        with self.lock:
-            self.deferrers = max(0, self.deferrers + (1 if on else -1))
-            self.scores.deferred = self.deferrers > 0  # off, it drops what was pending
-
-    def idle(self) -> bool:
-        """Do one piece of deferred work, a pending CUDA graph capture; False when there was
-        none. About as long as three forward passes of that layout."""
-        with self.lock:
-            return self.scores.capture_pending()
+            return self.engine.prepare(self.template.pixels, buckets)
 
     def encode(self, state, questions):
         """Validate and encode a request into a batch. Returns (batch, request)."""
@@ -126,18 +103,9 @@ class Predictor:
         return encoded, parsed, tokens, failures
 
     def encode_request(self, request: Request) -> EncodedRequest:
-        """A validated request's rows and image as the engine takes them. An image whose features
-        are cached carries no pixels (nothing to preprocess).
-
-        Raises:
-            OverBudget: a row over `config.max_tokens`.
-        """
-        template, image = self.template, None
-        if request.image is not None:
-            key = image_key(request.image)
-            grid = self.model.image_cache.grid(key)
-            image = EncodedImage(None, grid, key) if grid is not None else template.encode_image(request.image, key)
-        return EncodedRequest(template.encode(request, self.config.max_tokens, 0, image), image)
+        """A validated request as the engine takes it (`encode_request`); an image whose features
+        are cached carries no pixels (nothing to preprocess)."""
+        return encode_request(self.template, self.config.max_tokens, request, self.model.image_cache.grid)
 
     @torch.no_grad()
     def predict(self, state, questions) -> dict:
@@ -184,6 +152,22 @@ class Predictor:
                                   raw_logits) if encoded else []
         results = iter(answered)
         return [failures[index] if index in failures else next(results) for index in range(len(requests))]
+
+
+def encode_request(template, max_tokens: int, request: Request, cached_grid=None) -> EncodedRequest:
+    """A validated request's rows and image as the engine takes them; with `cached_grid(key)`
+    (the grid of an image whose features are cached, else None), a cached image carries no
+    pixels. A server's front end, which sees no cache, sends every image's bytes.
+
+    Raises:
+        OverBudget: a row over `max_tokens`.
+    """
+    image = None
+    if request.image is not None:
+        key = image_key(request.image)
+        grid = cached_grid(key) if cached_grid is not None else None
+        image = EncodedImage(None, grid, key) if grid is not None else template.encode_image(request.image, key)
+    return EncodedRequest(template.encode(request, max_tokens, 0, image), image)
 
 
 def candidate_mask(parsed: list[Request]) -> np.ndarray:

@@ -1,15 +1,21 @@
-"""The HTTP server: TypeSafe Jev's `/v1/systemone` over a Predictor, batching concurrent requests.
+"""The HTTP server: TypeSafe Jev's `/v1/systemone` in front of one or several engines.
+
+A front end does HTTP, the key, admission, decompression, JSON, the wire format, image decoding,
+validation and the template, sends the engine the encoded request (`engines`), and renders the
+answers from the logits that come back. `dohnuts serve` runs several front ends and an engine
+process per GPU (`serve.supervisor`); `create_app(predictor, ...)` serves a `Predictor` in one
+process.
 
 Endpoints: `POST /v1/systemone` (JSON or multipart with image parts, gzip or zstd bodies),
-`GET /v1/models`, `GET /health` (ready once the model is loaded and warmed) and `GET /metrics`
-(Prometheus text). A bad request gets a 4xx and never a 5xx: 422 for validation (FastAPI's
+`GET /v1/models`, `GET /health` (ready once an engine answers) and `GET /metrics` (Prometheus
+text, every process's). A bad request gets a 4xx and never a 5xx: 422 for validation (FastAPI's
 `{"detail": [...]}` with the message `predict` would raise), 413 for over-budget input or an
-oversized body, 401 for a wrong key, 429 with Retry-After when the queue is full.
+oversized body, 401 for a wrong key, 429 with Retry-After when the engine's queue is full; 503
+with Retry-After while no engine can answer (loading, restarting) or the server is stopping.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import hmac
 import io
@@ -18,40 +24,53 @@ import time
 import uuid
 import zlib
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request as StarletteRequest
 
-from ..inputs.template import OverBudget
-from .batcher import Batcher, Closed, Overloaded
+from ..inputs.template import OverBudget, Template
+from ..runtime.metrics import exposition, metrics
+from ..runtime.predict import answers_of, candidate_mask, encode_request
+from ..schema import parse_request
+from .engines import Closed, LocalEngine, Overloaded, Unavailable
 from .wire import WireError, parse_system_one, render_response
 
 ALIAS = "jev-latest"  # the official client's default model name
 REQUEST_ID = "x-typesafe-request-id"
 MAX_BODY_BYTES = 32 * 2**20  # after decompression
-LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+RETRY = {"Retry-After": "1", "retry-after-ms": "200"}
 
 
-class Metrics:
-    """The server's Prometheus metrics, in a registry of its own."""
+@dataclass
+class Front:
+    """What a front end answers with: the template, the token budget, the temperatures, and the
+    engines (`engines.LocalEngine` or `engines.RemoteEngines`)."""
 
-    def __init__(self):
-        self.registry = CollectorRegistry()
-        self.requests = Counter("dohnuts_requests", "Decision requests by HTTP status", ["status"],
-                                registry=self.registry)
-        self.rows = Counter("dohnuts_rows", "Questions answered", registry=self.registry)
-        self.batches = Histogram("dohnuts_batch_requests", "Requests per model invocation",
-                                 buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=self.registry)
-        self.latency = Histogram("dohnuts_request_seconds", "Decision request latency", buckets=LATENCY_BUCKETS,
-                                 registry=self.registry)
-        self.queue = Gauge("dohnuts_queue_depth", "Requests waiting for the model", registry=self.registry)
+    template: Template
+    max_tokens: int
+    temperatures: dict[str, float]
+    engines: object
 
-    def batch(self, requests: int, rows: int, seconds: float) -> None:
-        self.batches.observe(requests)
-        self.rows.inc(rows)
+    async def answer(self, state, questions) -> dict:
+        """The `predict` result of one request.
+
+        Raises:
+            TypeError, ValueError (OverBudget among them): an invalid request; Overloaded,
+            Unavailable, Closed: from the engines.
+        """
+        stages = metrics().stages
+        begun = time.perf_counter()
+        request = parse_request(state, questions, self.template.reserved)
+        encoded = encode_request(self.template, self.max_tokens, request)
+        stages.labels("encode").observe(time.perf_counter() - begun)
+        logits = await self.engines.submit(encoded)
+        begun = time.perf_counter()
+        tokens = sum(len(row.input_ids) for row in encoded.rows)
+        result = answers_of(logits, candidate_mask([request]), [request], [tokens], self.temperatures)[0]
+        stages.labels("answer").observe(time.perf_counter() - begun)
+        return result
 
 
 def _error(status: int, error_type: str, message: str, headers: dict | None = None) -> JSONResponse:
@@ -119,30 +138,38 @@ async def _body_and_parts(request: Request, limit: int) -> tuple[object, dict[st
 
 
 def create_app(predictor, model_name: str, api_key: str | None = None, release_date: str | None = None,
-               max_wait: float = 0.003, max_rows: int = 512, max_queue: int = 1024,
-               max_body_bytes: int = MAX_BODY_BYTES, on_batch=None) -> FastAPI:
-    """The server over `predictor`: requests named `model_name` or `jev-latest`, checked against
-    `api_key` when one is given (a Bearer token is accepted and ignored when not). The batcher's
-    `max_wait`, `max_rows` and `max_queue` bound how requests are gathered; `on_batch(requests,
-    rows, seconds)` also hears of every model invocation (the benchmark counts batch sizes)."""
-    metrics = Metrics()
-    state = {"ready": False, "batcher": None}
+               max_queue: int = 4096, max_body_bytes: int = MAX_BODY_BYTES, on_invocation=None) -> FastAPI:
+    """The server over `predictor` in this process: an `EngineLoop` on its engine (`max_queue`
+    requests may wait; `on_invocation(requests, rows, waits)` hears of each model invocation),
+    the rest as `front_app`."""
+    front = Front(predictor.template, predictor.config.max_tokens, predictor.temperatures, None)
+
+    def start():
+        # The first call loads kernels and tunes them: before /health says ready.
+        predictor.predict("warm-up", {"ok": {"type": "noul", "instructions": "Ready?"}})
+        front.engines = LocalEngine(predictor, max_queue=max_queue, on_invocation=on_invocation)
+        return front.engines
+
+    return front_app(front, model_name, api_key, release_date, max_body_bytes, start)
+
+
+def front_app(front: Front, model_name: str, api_key: str | None = None, release_date: str | None = None,
+              max_body_bytes: int = MAX_BODY_BYTES, start=None) -> FastAPI:
+    """A front end: requests named `model_name` or `jev-latest`, checked against `api_key` when
+    one is given (a Bearer token is accepted and ignored when not). `start()`, when given, makes
+    the engines at startup (returning them); they are closed at shutdown."""
+    state = {"stopping": False}
     released = release_date or datetime.date.today().isoformat()
+    counted = metrics()
 
     @asynccontextmanager
     async def lifespan(app):
-        def batched(requests: int, rows: int, seconds: float) -> None:
-            metrics.batch(requests, rows, seconds)
-            if on_batch is not None:
-                on_batch(requests, rows, seconds)
-
-        batcher = Batcher(predictor, max_wait, max_rows, max_queue, on_batch=batched)
-        # Warm up: the first call loads kernels and tunes them, before /health says ready.
-        await asyncio.wrap_future(batcher.submit("warm-up", {"ok": {"type": "noul", "instructions": "Ready?"}}))
-        state.update(ready=True, batcher=batcher)
+        if start is not None:
+            start()
         yield
-        state["ready"] = False
-        await asyncio.to_thread(batcher.close)
+        state["stopping"] = True
+        if front.engines is not None:
+            front.engines.close()
 
     app = FastAPI(title="Dohnuts /v1/systemone", lifespan=lifespan)
 
@@ -163,16 +190,17 @@ def create_app(predictor, model_name: str, api_key: str | None = None, release_d
     async def system_one(request: Request):
         started = time.monotonic()
         response = await _answer(request)
-        metrics.requests.labels(str(response.status_code)).inc()
-        metrics.latency.observe(time.monotonic() - started)
+        counted.requests.labels(str(response.status_code)).inc()
+        counted.latency.observe(time.monotonic() - started)
         return response
 
     async def _answer(request: Request) -> Response:
         if not authorised(request):
             return _error(401, "authentication_error", "a valid API key is required: Authorization: Bearer <key>")
-        batcher = state["batcher"]
-        if batcher is None:
-            return _error(503, "overloaded_error", "the model is still loading", {"Retry-After": "1"})
+        engines = front.engines
+        if state["stopping"] or engines is None:
+            return _error(503, "overloaded_error", "the server is stopping" if state["stopping"] else
+                          "the model is still loading", RETRY)
         try:
             body, parts = await _body_and_parts(request, max_body_bytes)
             state_value, questions, model = parse_system_one(body, parts)
@@ -184,19 +212,15 @@ def create_app(predictor, model_name: str, api_key: str | None = None, release_d
             return _error(404, "not_found_error", f"model {model!r} is not served here; this server serves "
                                                   f"{model_name!r} (or {ALIAS!r})")
         try:
-            future = batcher.submit(state_value, questions)
-        except Overloaded as error:
-            return _error(429, "rate_limit_error", f"the server is busy ({error}); retry shortly",
-                          {"Retry-After": "1", "retry-after-ms": "200"})
-        except Closed:
-            return _error(503, "overloaded_error", "the server is shutting down", {"Retry-After": "1"})
-        metrics.queue.set(batcher.depth)
-        try:
-            result = await asyncio.wrap_future(future)
+            result = await front.answer(state_value, questions)
         except OverBudget as error:
             return _error(413, "request_too_large", str(error))
         except (TypeError, ValueError) as error:  # the schema's own message, as `predict` raises it
             return _invalid(str(error), ("body",))
+        except Overloaded as error:
+            return _error(429, "rate_limit_error", f"the server is busy ({error}); retry shortly", RETRY)
+        except (Unavailable, Closed) as error:
+            return _error(503, "overloaded_error", f"the model cannot answer now ({error}); retry shortly", RETRY)
         return JSONResponse(render_response(result, questions, model_name))
 
     @app.get("/v1/models")
@@ -206,14 +230,15 @@ def create_app(predictor, model_name: str, api_key: str | None = None, release_d
 
     @app.get("/health")
     async def health():
-        if not state["ready"]:
-            return JSONResponse({"status": "loading"}, status_code=503)
+        if state["stopping"] or front.engines is None or not front.engines.ready:
+            return JSONResponse({"status": "loading"}, status_code=503, headers=RETRY)
         return {"status": "ready", "model": model_name}
 
     @app.get("/metrics")
     async def prometheus():
-        if state["batcher"] is not None:
-            metrics.queue.set(state["batcher"].depth)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        if front.engines is not None:
+            counted.queue.set(front.engines.depth)
+        text, kind = exposition()
+        return Response(text, media_type=kind)
 
     return app

@@ -35,7 +35,7 @@ def run_script(*arguments: str, cuda: bool = True) -> subprocess.CompletedProces
 
 def test_every_measurement_accepts_its_declared_arguments_with_the_functions_defaults(runner):
     registry = sys.modules["registry"]
-    assert len(registry.MEASUREMENTS) == 16
+    assert len(registry.MEASUREMENTS) == 15
     for name, measurement in registry.MEASUREMENTS.items():
         assert callable(measurement.run) and measurement.needs in ("cuda", "any"), name
         assert measurement.summary and inspect.getdoc(measurement.function), name
@@ -106,17 +106,3 @@ def test_encode_host_times_each_host_step_of_a_workload_on_the_cpu(runner, capsy
         timed[step] = (float(median), float(smallest))
     assert list(timed) == ["parse", "template", "pack", "encode (all three)", "answers"]
     assert all(0 < smallest <= median for median, smallest in timed.values())
-
-
-def test_batcher_policy_drives_the_real_server_and_batcher_on_the_cpu(runner, capsys):
-    pytest.importorskip("fastapi")
-    pytest.importorskip("uvicorn")
-    assert runner.main(["batcher_policy"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    served = [line for line in lines if line.startswith("server, 1 client, instant predictor")]
-    assert len(served) == 3 and all(line.endswith("failed 0") for line in served)
-    loops = {int(match[1]): float(match[2]) for line in lines
-             if (match := re.match(r"closed loop, (\d+) clients, .* mean batch\s+([\d.]+)$", line))}
-    assert set(loops) == {1, 2, 8}
-    assert loops[1] == 1.0  # one client waits for each answer: every batch holds its one request
-    assert loops[8] >= 1.0

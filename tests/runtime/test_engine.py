@@ -89,7 +89,7 @@ def test_the_loop_batches_concurrent_requests_and_answers_each_as_alone(predicto
     encoded = predictor._encode(requests, collect=False)[0]
     invocations, answers, done = [], {}, threading.Event()
 
-    def counted(requests, rows):
+    def counted(requests, rows, waits):
         invocations.append(requests)
 
     loop = EngineLoop(predictor.engine, predictor.lock, on_invocation=counted)

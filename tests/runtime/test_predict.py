@@ -110,19 +110,3 @@ def test_predict_many_answers_each_request_as_alone_and_returns_each_invalid_one
             assert list(answer["probabilities"].values()) == pytest.approx(expected, abs=1e-5)
     with pytest.raises(ValueError, match="questions is empty"):
         predictor.predict_many(broken)
-
-
-def test_captures_stay_deferred_while_any_caller_runs_the_idle_work(deployable):
-    """Two servers over one predictor: closing the first leaves the second's captures deferred;
-    closing both restores capturing on the request and drops what was pending."""
-    root, _ = deployable
-    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
-    assert not predictor.scores.deferred
-    predictor.capture_when_idle()
-    predictor.capture_when_idle()
-    predictor.scores.pending[("a layout",)] = None  # as a CUDA predictor would keep a host batch
-    predictor.capture_when_idle(False)
-    assert predictor.scores.deferred and predictor.scores.pending
-    predictor.capture_when_idle(False)
-    assert not predictor.scores.deferred and not predictor.scores.pending
-    assert predictor.idle() is False  # nothing to do on the CPU

@@ -74,7 +74,7 @@ def predictor(deployable):
 
 @pytest.fixture(scope="module")
 def served(predictor):
-    server = Served(create_app(predictor, "dohnuts-tiny", max_wait=0.05, max_body_bytes=2**20))
+    server = Served(create_app(predictor, "dohnuts-tiny", max_body_bytes=2**20))
     yield server
     server.close()
 
@@ -210,8 +210,7 @@ def test_health_models_and_metrics(served):
 
 
 def test_the_server_leaves_graph_captures_to_its_idle_time(served, predictor):
-    """The batcher asked the predictor to capture recurring layouts' graphs when idle
-    (`Predictor.capture_when_idle`); on the CPU there is never one to capture."""
+    """The engine loop defers recurring layouts' captures to its idle time (on the CPU there is
+    never one to capture)."""
     assert httpx2.get(f"{served.url}/health").json()["status"] == "ready"
-    assert predictor.scores.deferred
-    assert predictor.idle() is False
+    assert predictor.scores.deferred and predictor.engine.deferrers == 1

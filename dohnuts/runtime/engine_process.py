@@ -1,0 +1,138 @@
+"""A server's engine process: one device's model behind a ZMQ socket.
+
+It loads the deployable folder's network (no tokenizer), captures its CUDA graphs, warms up,
+says it is ready, then answers encoded requests from any front end (`messages`) through an
+`EngineLoop`: requests from every front end join the same invocations, and an image sent by
+several front ends is encoded once (the feature cache is here). It parses no HTTP or JSON and
+decodes and tokenises nothing; transformers' model classes import Pillow and tokenizers of
+their own accord, never called here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..inputs.batch import Row
+from .checkpoint import load_engine
+from .engine import Closed, EncodedRequest, Engine, EngineLoop, Overloaded
+from .messages import pack_error, pack_logits, unpack_request
+from .metrics import Counting, metrics
+
+LOG = logging.getLogger(__name__)
+STARTING, READY, DOWN = 0, 1, 2  # an engine's state, as the supervisor and the front ends read it
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Where an engine reads its model and listens: the deployable `checkpoint`, the `device`
+    ("cuda:0", "cpu"), its ZMQ `address` ("ipc:///tmp/...") and its slot in the shared states."""
+
+    checkpoint: str
+    device: str
+    address: str
+    index: int = 0
+    max_queue: int = 4096
+
+
+def warm_up(engine: Engine) -> None:
+    """One small request through the engine, so kernels load and tune before the first user's."""
+    row = Row(tuple(range(1, 17)), (15,), None)
+    engine.run([EncodedRequest([row])])
+
+
+def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | None = None) -> None:
+    """Load, warm up and serve until `stop` is set (or SIGTERM). `states` (a shared array of
+    two slots an engine: state, generation) gets READY once this engine answers."""
+    import zmq
+
+    device = torch.device(settings.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model, model_config, pixels = load_engine(Path(settings.checkpoint), device)
+    text = model.backbone.config.text_config
+    pad_id = text.pad_token_id if text.pad_token_id is not None else text.eos_token_id
+    engine = Engine(model, pad_id=pad_id, image_pad_id=model.backbone.config.image_token_id)
+    engine.prepare(pixels)
+    warm_up(engine)
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+    context = zmq.Context.instance()
+    wake_address = f"inproc://replies-{os.getpid()}"
+    wake_in = context.socket(zmq.PULL)
+    wake_in.bind(wake_address)
+    local = threading.local()
+
+    def answer(identity: bytes, request_id: int):
+        def reply(result) -> None:
+            if isinstance(result, BaseException):
+                message = pack_error(request_id, "failed", f"{type(result).__name__}: {result}")
+            else:
+                message = pack_logits(request_id, np.asarray(result))
+            replies.put((identity, message))
+            if not hasattr(local, "wake"):  # the loop's thread: its own socket
+                local.wake = context.socket(zmq.PUSH)
+                local.wake.connect(wake_address)
+            local.wake.send(b"")
+        return reply
+
+    loop = EngineLoop(engine, max_queue=settings.max_queue, on_invocation=Counting(engine))
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(settings.address)
+    stop = stop or threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    if states is not None:
+        states[2 * settings.index] = READY
+    LOG.info("engine %d ready on %s (%s)", settings.index, settings.address, device)
+    poller = zmq.Poller()
+    poller.register(router, zmq.POLLIN)
+    poller.register(wake_in, zmq.POLLIN)
+    try:
+        while not stop.is_set():
+            ready = dict(poller.poll(100))
+            if router in ready:
+                while True:
+                    try:
+                        identity, message = router.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    try:
+                        request_id, request = unpack_request(message, pixels)
+                    except Exception as error:  # noqa: BLE001 - dropped (its sender times out), never fatal
+                        LOG.warning("an unreadable request message: %s: %s", type(error).__name__, error)
+                        continue
+                    try:
+                        loop.submit(request, answer(identity, request_id))
+                    except Overloaded as error:
+                        router.send_multipart([identity, pack_error(request_id, "overloaded", str(error))])
+                    except Closed as error:
+                        router.send_multipart([identity, pack_error(request_id, "closed", str(error))])
+                metrics().queue.set(loop.depth)
+            if wake_in in ready:
+                while True:
+                    try:
+                        wake_in.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+            while True:
+                try:
+                    identity, message = replies.get_nowait()
+                except queue.Empty:
+                    break
+                router.send_multipart([identity, message])
+    finally:
+        loop.close()
+        while not replies.empty():
+            router.send_multipart(list(replies.get_nowait()))
+        router.close()
+        wake_in.close()
+        if states is not None:
+            states[2 * settings.index] = DOWN

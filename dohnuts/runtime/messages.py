@@ -1,0 +1,73 @@
+"""What a server's front ends and engines say to each other, as msgpack: encoded requests one
+way (token ids, marker positions, an image's key, grid and RGB bytes), logits or an error back.
+
+    request: [id, [[ids int32 bytes, markers int32 bytes, shared], ...], image]
+             image: None, or [key, [t, h, w], height, width, RGB bytes]
+    reply:   [id, "logits", rows, columns, float32 bytes]  or  [id, "error", kind, message]
+
+Error kinds: "overloaded" (the engine's queue is full), "closed" (it is stopping), "failed"
+(the invocation failed).
+"""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import torch
+
+from ..inputs.batch import EncodedImage, Row
+from ..inputs.pixels import PixelSettings
+from ..inputs.tokens import SPATIAL_MERGE
+from .engine import EncodedRequest
+
+LOGITS, ERROR = "logits", "error"
+
+
+def pack_request(request_id: int, request: EncodedRequest) -> bytes:
+    """The message of one encoded request (its image with its RGB bytes)."""
+    rows = [[np.asarray(row.input_ids, dtype=np.int32).tobytes(), np.asarray(row.markers, dtype=np.int32).tobytes(),
+             row.shared] for row in request.rows]
+    image = request.image
+    if image is not None:
+        if image.pixel_values is None or image.settings is None:
+            raise ValueError("an image crosses to the engine as its RGB bytes: encode it with pixel settings")
+        height, width = image.pixel_values.shape[:2]
+        image = [image.key, image.grid_thw[0].tolist(), height, width, image.pixel_values.numpy().tobytes()]
+    return msgpack.packb([request_id, rows, image], use_bin_type=True)
+
+
+def unpack_request(message: bytes, settings: PixelSettings | None) -> tuple[int, EncodedRequest]:
+    """(id, encoded request) of a request message; `settings` turn its image's bytes into patches."""
+    request_id, rows, image = msgpack.unpackb(message, raw=False)
+    encoded_image, grid = None, None
+    if image is not None:
+        key, thw, height, width, pixels = image
+        rgb = torch.frombuffer(bytearray(pixels), dtype=torch.uint8).view(height, width, 3)
+        encoded_image = EncodedImage(rgb, torch.tensor([thw], dtype=torch.long), key, settings)
+        grid = (thw[1] // SPATIAL_MERGE, thw[2] // SPATIAL_MERGE)
+    made = [Row(_ints(ids), _ints(markers), None, shared, 0 if image is not None else None, grid)
+            for ids, markers, shared in rows]
+    return request_id, EncodedRequest(made, encoded_image)
+
+
+def _ints(data: bytes) -> tuple[int, ...]:
+    return tuple(np.frombuffer(data, dtype=np.int32).tolist())
+
+
+def pack_logits(request_id: int, logits: np.ndarray) -> bytes:
+    rows, columns = logits.shape
+    return msgpack.packb([request_id, LOGITS, rows, columns, np.ascontiguousarray(logits, dtype=np.float32).tobytes()],
+                         use_bin_type=True)
+
+
+def pack_error(request_id: int, kind: str, message: str) -> bytes:
+    return msgpack.packb([request_id, ERROR, kind, message], use_bin_type=True)
+
+
+def unpack_reply(message: bytes) -> tuple[int, np.ndarray | tuple[str, str]]:
+    """(id, logits [rows, columns] float32) or (id, (error kind, message))."""
+    request_id, kind, *rest = msgpack.unpackb(message, raw=False)
+    if kind == LOGITS:
+        rows, columns, data = rest
+        return request_id, np.frombuffer(data, dtype=np.float32).reshape(rows, columns)
+    return request_id, (rest[0], rest[1])

@@ -1,0 +1,183 @@
+"""A front end's way to the engines: `submit(encoded request)` awaits its logits.
+
+`LocalEngine` runs an `EngineLoop` in the server's own process (one process, or the tests);
+`RemoteEngines` speaks to engine processes over ZMQ (`runtime.messages`), one DEALER socket an
+engine, choosing an engine by the request's image (so its cached features are found) or by the
+fewest requests in flight. An engine that is not ready (starting, or dead and being restarted)
+is not sent to; a request whose engine goes down, or that waits past its deadline, fails with
+`Unavailable`, never hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import zlib
+
+import numpy as np
+
+from ..runtime.engine import Closed, EncodedRequest, EngineLoop, Overloaded
+from ..runtime.engine_process import READY
+from ..runtime.metrics import Counting
+
+__all__ = ["Closed", "LocalEngine", "Overloaded", "RemoteEngines", "Unavailable"]
+
+
+class Unavailable(RuntimeError):
+    """No engine can answer now (starting, restarting after a crash, or too slow): retry later."""
+
+
+class LocalEngine:
+    """An `EngineLoop` over a `Predictor`'s engine in this process."""
+
+    def __init__(self, predictor, max_queue: int = 4096, on_invocation=None):
+        self.loop = EngineLoop(predictor.engine, predictor.lock, max_queue=max_queue,
+                               on_invocation=Counting(predictor.engine, on_invocation))
+
+    @property
+    def ready(self) -> bool:
+        return not self.loop.closed
+
+    @property
+    def depth(self) -> int:
+        return self.loop.depth
+
+    async def submit(self, request: EncodedRequest) -> np.ndarray:
+        """The request's logits [rows, candidates].
+
+        Raises:
+            Overloaded, Closed: from the loop; the invocation's own error when it failed.
+        """
+        running = asyncio.get_running_loop()
+        future = running.create_future()
+
+        def reply(result) -> None:  # on the engine's thread
+            running.call_soon_threadsafe(_settle, future, result)
+
+        self.loop.submit(request, reply)
+        return await future
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+def _settle(future: asyncio.Future, result) -> None:
+    if future.done():  # its caller went away
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+class RemoteEngines:
+    """Engine processes at `addresses`, their states in the supervisor's shared array `states`
+    (two slots an engine: state, generation)."""
+
+    def __init__(self, addresses: list[str], states, deadline: float = 120.0):
+        import zmq
+        import zmq.asyncio
+
+        self.context = zmq.asyncio.Context()
+        self.sockets = []
+        for address in addresses:
+            socket = self.context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only to an engine that is connected
+            socket.connect(address)
+            self.sockets.append(socket)
+        self.states, self.deadline = states, deadline
+        self.ids = itertools.count()
+        self.waiting: list[dict[int, asyncio.Future]] = [{} for _ in addresses]
+        self.generations = [None] * len(addresses)
+        self.readers: list[asyncio.Task] = []
+
+    def _state(self, index: int) -> tuple[int, int]:
+        return self.states[2 * index], self.states[2 * index + 1]
+
+    @property
+    def ready(self) -> bool:
+        return any(self._state(index)[0] == READY for index in range(len(self.sockets)))
+
+    @property
+    def depth(self) -> int:
+        return sum(len(waiting) for waiting in self.waiting)
+
+    def _start(self) -> None:
+        if not self.readers:
+            self.readers = [asyncio.get_running_loop().create_task(self._read(index))
+                            for index in range(len(self.sockets))]
+            self.readers.append(asyncio.get_running_loop().create_task(self._watch()))
+
+    async def _read(self, index: int) -> None:
+        from ..runtime.messages import unpack_reply
+
+        socket, waiting = self.sockets[index], self.waiting[index]
+        while True:
+            request_id, result = unpack_reply(await socket.recv())
+            future = waiting.pop(request_id, None)
+            if future is None or future.done():
+                continue  # answered after its caller gave up, or by an engine since restarted
+            if isinstance(result, tuple):
+                kind, message = result
+                error = {"overloaded": Overloaded, "closed": Unavailable}.get(kind, RuntimeError)
+                future.set_exception(error(message))
+            else:
+                future.set_result(result)
+
+    async def _watch(self) -> None:
+        while True:
+            for index in range(len(self.sockets)):
+                self._sync(index)
+            await asyncio.sleep(0.05)
+
+    def _sync(self, index: int) -> None:
+        """Fail the requests sent to engine `index` if it went down or restarted since."""
+        state, generation = self._state(index)
+        current = generation if state == READY else None
+        if current == self.generations[index]:
+            return
+        self.generations[index] = current
+        lost = list(self.waiting[index].values())
+        self.waiting[index].clear()
+        for future in lost:
+            if not future.done():
+                future.set_exception(Unavailable("the engine restarted: retry"))
+
+    def _choose(self, request: EncodedRequest) -> int:
+        ready = [index for index in range(len(self.sockets)) if self._state(index)[0] == READY]
+        if not ready:
+            raise Unavailable("no engine is ready yet")
+        if request.image is not None:  # the same image, the same engine: its features are cached there
+            return ready[zlib.crc32(request.image.key.encode()) % len(ready)]
+        return min(ready, key=lambda index: len(self.waiting[index]))
+
+    async def submit(self, request: EncodedRequest) -> np.ndarray:
+        """The request's logits [rows, candidates].
+
+        Raises:
+            Unavailable: no engine ready, or its engine went down or passed the deadline.
+            Overloaded: the engine's queue is full.
+        """
+        from ..runtime.messages import pack_request
+
+        self._start()
+        index = self._choose(request)
+        self._sync(index)
+        request_id = next(self.ids)
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[index][request_id] = future
+        await self.sockets[index].send(pack_request(request_id, request))
+        try:
+            return await asyncio.wait_for(future, self.deadline)
+        except TimeoutError as error:
+            raise Unavailable(f"no answer from the engine in {self.deadline:.0f} s") from error
+        finally:
+            self.waiting[index].pop(request_id, None)
+
+    def close(self) -> None:
+        for task in self.readers:
+            task.cancel()
+        for socket in self.sockets:
+            socket.close()
+        self.context.term()
