@@ -49,31 +49,60 @@ def doctor(path, params_path, base, report):
 @main.command()
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=8000, show_default=True, type=int, help="Port to listen on.")
+@click.option("--port", default=8000, show_default=True, type=int, help="Port to listen on (0: any free one).")
+@click.option("--workers", default=None, type=click.IntRange(min=1),
+              help="Front-end processes (HTTP, validation, images, tokenising); default: half the CPUs, 1 to 8.")
+@click.option("--gpus", default=None, metavar="LIST",
+              help="GPUs to run an engine process on each, e.g. 0,1 (default: every GPU; without CUDA, one engine "
+                   "on the CPU).")
 @click.option("--api-key-env", default=None, metavar="VAR",
               help="Name of an environment variable holding the API key clients must send (Authorization: Bearer); "
                    "without it, any or no key is accepted.")
 @click.option("--model-name", default=None, help="The served model's name (default: the checkpoint folder's name); "
                                                  "requests may also ask for jev-latest.")
-@click.option("--device", default=None, help="torch device (default: CUDA when present, else the CPU).")
-def serve(checkpoint, host, port, api_key_env, model_name, device):
-    """Serve a calibrated CHECKPOINT (runs/calibrate/checkpoint) over TypeSafe Jev's /v1/systemone."""
+def serve(checkpoint, host, port, workers, gpus, api_key_env, model_name):
+    """Serve a calibrated CHECKPOINT (runs/calibrate/checkpoint) over TypeSafe Jev's /v1/systemone:
+    front-end processes and one engine process a device, restarted if they die."""
+    import logging
     import os
 
-    import uvicorn
-
-    from .serve.app import create_app
+    from .runtime.checkpoint import read_merged
+    from .serve.supervisor import ServeSettings, Supervisor
 
     api_key = None
     if api_key_env is not None:
         api_key = os.environ.get(api_key_env)
         if not api_key:
             raise click.ClickException(f"--api-key-env {api_key_env}: that environment variable is empty or unset")
-    folder = Path(checkpoint)
-    predictor = _load(folder, device)
-    app = create_app(predictor, model_name or folder.resolve().name, api_key,
-                     release_date=_release_date(folder))
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    folder = Path(checkpoint).resolve()
+    try:  # a bad folder is refused here, before any process starts (the weights are hashed by the engines)
+        read_merged(folder, need_temperatures=True, unread=(".safetensors",))
+    except (ValueError, FileNotFoundError) as error:
+        raise click.ClickException(str(error)) from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = ServeSettings(str(folder), model_name or folder.name, host, port,
+                             workers or max(1, min(8, (os.cpu_count() or 2) // 2)), _devices(gpus), api_key,
+                             _release_date(folder))
+    Supervisor(settings).run()
+
+
+def _devices(gpus: str | None) -> tuple[str, ...]:
+    """The engines' devices: the listed GPUs, every GPU, or the CPU."""
+    import torch
+
+    if gpus is not None:
+        try:
+            indices = [int(part) for part in gpus.split(",") if part.strip()]
+        except ValueError:
+            raise click.ClickException(f"--gpus {gpus!r}: a comma-separated list of GPU indices, e.g. 0,1") from None
+        count = torch.cuda.device_count()
+        wrong = [index for index in indices if not 0 <= index < count]
+        if not indices or wrong:
+            raise click.ClickException(f"--gpus {gpus!r}: this machine has {count} GPUs (0 to {count - 1})")
+        return tuple(f"cuda:{index}" for index in indices)
+    if torch.cuda.is_available():
+        return tuple(f"cuda:{index}" for index in range(torch.cuda.device_count()))
+    return ("cpu",)
 
 
 @main.command()

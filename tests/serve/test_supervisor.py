@@ -1,0 +1,164 @@
+"""`dohnuts serve` as users run it: two front-end processes and one engine process on the CPU,
+answering as `Predictor.predict` does (float32, 1e-5), restarting a killed process while
+clients get 503 with Retry-After, never a hang, and stopping on SIGTERM."""
+
+import concurrent.futures
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx2
+import pytest
+from PIL import Image
+from typesafe_sdk import Choice, Noul, Score, TypeSafeClient
+from typesafe_sdk import Image as SdkImage
+
+from dohnuts import Predictor
+from dohnuts.serve.wire import IMAGE_MARKER
+
+QUESTIONS = {
+    "refund": Noul(instructions="Does the customer ask for a refund?"),
+    "team": Choice(instructions="Which team?", criteria={"billing": "payments", "tech": None}),
+    "urgency": Score(instructions="How urgent?", criteria=["not urgent", "this week", "today"]),
+}
+OURS = {  # the same questions as Predictor.predict takes them
+    "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+    "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments", "tech": ""}},
+    "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["not urgent", "this week", "today"]},
+}
+BODY = {"model": "jev-latest", "state": "I was billed twice",
+        "questions": {"refund": {"type": "noul", "instructions": "Refund asked?"}}}
+STARTED = re.compile(r"started dohnuts-(engine|front)-(\d+) \(pid (\d+)\)")
+
+
+class Server:
+    """`python -m dohnuts.cli serve` in a subprocess; its log lines are collected as they come."""
+
+    def __init__(self, checkpoint, workers: int = 2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dohnuts.cli", "serve", str(checkpoint), "--port", str(self.port), "--workers",
+             str(workers), "--model-name", "dohnuts-tiny"], stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    def pids(self) -> dict[str, int]:
+        """The latest pid of each child by name ("engine-0", "front-1")."""
+        found = {}
+        for line in list(self.lines):
+            if match := STARTED.search(line):
+                found[f"{match[1]}-{match[2]}"] = int(match[3])
+        return found
+
+    def wait_ready(self, seconds: float = 120.0) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, "".join(self.lines[-30:])
+            try:
+                if httpx2.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx2.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("the server did not become ready:\n" + "".join(self.lines[-30:]))
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def predictor(deployable):
+    root, _ = deployable
+    return Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(deployable):
+    root, _ = deployable
+    running = Server(root / "checkpoint")
+    running.wait_ready()
+    yield running
+    if running.process.poll() is None:
+        running.stop()
+
+
+def test_two_front_ends_and_an_engine_answer_as_predict_alone(server, predictor, tmp_path):
+    states = [{"message": f"ticket {index}: I was billed twice", "plan": "pro"} for index in range(12)]
+    image = Image.new("RGB", (64, 48), "white")
+    image.paste((220, 20, 20), (8, 8, 40, 40))
+    image.save(tmp_path / "photo.png")
+
+    def ask(state):
+        with TypeSafeClient(api_key="local", base_url=server.url) as client:
+            return client.system_one(state=state, questions=QUESTIONS)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:  # concurrent: they share invocations
+        responses = list(pool.map(ask, states))
+    with TypeSafeClient(api_key="local", base_url=server.url) as client:
+        pictured = client.system_one(state={"photo": SdkImage(tmp_path / "photo.png"), "note": "parcel arrived"},
+                                     questions=QUESTIONS)
+    expected = [predictor.predict(state, OURS)["answers"] for state in states]
+    expected.append(predictor.predict({"photo": IMAGE_MARKER, "note": "parcel arrived", "image": image},
+                                      OURS)["answers"])
+    for response, alone in zip(responses + [pictured], expected):
+        assert response.model == "dohnuts-tiny"
+        assert response.nouls["refund"].noul == pytest.approx(alone["refund"]["noul"], abs=1e-5)
+        assert dict(response.choices["team"].probabilities) == pytest.approx(alone["team"]["probabilities"], abs=1e-5)
+        assert response.scores["urgency"].score == pytest.approx(alone["urgency"]["score"], abs=1e-5)
+    metrics = httpx2.get(f"{server.url}/metrics").text  # every process's, added up
+    counts = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("dohnuts_")}
+    assert counts['dohnuts_requests_total{status="200"}'] >= 13
+    assert counts["dohnuts_batch_requests_sum"] >= 13  # the engine's count of the requests it ran
+    assert counts['dohnuts_stage_seconds_count{stage="encode"}'] >= 13
+
+
+def test_a_killed_engine_is_restarted_and_meanwhile_clients_get_503(server):
+    engine = server.pids()["engine-0"]
+    os.kill(engine, signal.SIGKILL)
+    statuses, deadline = [], time.monotonic() + 120
+    while time.monotonic() < deadline:
+        response = httpx2.post(f"{server.url}/v1/systemone", json=BODY, timeout=30)  # a hang fails here
+        statuses.append(response.status_code)
+        if response.status_code == 503:
+            assert response.headers["retry-after"] == "1"
+        if response.status_code == 200 and 503 in statuses:
+            break
+        time.sleep(0.1)
+    assert set(statuses) <= {200, 503} and 503 in statuses and statuses[-1] == 200
+    assert server.pids()["engine-0"] != engine
+
+
+def test_a_killed_front_end_is_restarted_while_the_other_answers(server):
+    front = server.pids()["front-0"]
+    os.kill(front, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while server.pids()["front-0"] == front:
+        assert time.monotonic() < deadline, "the front end was not restarted"
+        time.sleep(0.1)
+    answered = [httpx2.post(f"{server.url}/v1/systemone", json=BODY, timeout=30).status_code for _ in range(6)]
+    assert answered == [200] * 6
+
+
+def test_sigterm_stops_every_process(deployable):
+    root, _ = deployable
+    running = Server(root / "checkpoint", workers=1)
+    running.wait_ready()
+    children = running.pids().values()
+    assert running.stop() == 0
+    for pid in children:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
