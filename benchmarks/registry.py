@@ -46,21 +46,6 @@ class Measurement:
         return self.run.func if isinstance(self.run, functools.partial) else self.run
 
 
-def served_app(predictor, model_name: str, on_invocation=None):
-    """The server over `predictor` (`dohnuts.serve.app.create_app`); FastAPI, the serve extra, is
-    imported only when a measurement builds it."""
-    from dohnuts.serve.app import create_app
-
-    return create_app(predictor, model_name, on_invocation=on_invocation)
-
-
-def parse_body(body):
-    """A wire request body -> (state, questions, model) (`dohnuts.serve.wire.parse_system_one`)."""
-    from dohnuts.serve.wire import parse_system_one
-
-    return parse_system_one(body)
-
-
 def fla_fused_recurrent(*args, **kwargs):
     """FLA's `fused_recurrent_gated_delta_rule`, imported at the first call."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
@@ -126,12 +111,18 @@ MEASUREMENTS: dict[str, Measurement] = {
          Argument("varied_requests", int, 60, "requests of the varied-traffic workload"))),
     # The server's batching (serve's parts handed in here).
     "batched_vs_alone": Measurement(
-        functools.partial(batching.batched_vs_alone, parse_body=parse_body),
+        batching.batched_vs_alone,
         "largest probability difference of requests batched together vs each alone", "cuda",
-        (Argument("count", int, 32, "varied requests in the batch"),)),
+        (Argument("count", int, 32, "requests of the serving mix in the batch"),)),
     "serving_workload": Measurement(
-        functools.partial(batching.serving_workload, app_factory=served_app),
-        "the server on loopback at each client count: the serving record as JSON", "cuda",
-        (Argument("requests", int, 256, "varied requests at each client count"),
-         Argument("clients", int, (1, 8, 64), "concurrent client counts", many=True))),
+        batching.serving_workload,
+        "dohnuts serve in its own processes under the load harness: the serving record as JSON", "cuda",
+        (Argument("requests", int, 512, "distinct requests of the serving mix"),
+         Argument("rates", float, (), "open-loop offered requests/s", many=True),
+         Argument("clients", int, (1, 8, 64), "closed-loop client counts", many=True),
+         Argument("seconds", float, 30.0, "seconds a level"),
+         Argument("warmup_seconds", float, 5.0, "warm-up seconds before each level"),
+         Argument("workers", int, 4, "front-end processes"),
+         Argument("processes", int, 4, "client processes"),
+         Argument("client_cpus", int, 4, "CPUs kept for the clients"))),
 }

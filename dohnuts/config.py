@@ -241,24 +241,41 @@ SHAPE_NAMES = ("qwen3_5-0.8b",)  # the shapes dohnuts.measure.shapes can build
 class BenchmarkConfig:
     """The latency protocol: cold call, warm-up calls, timed calls; `shape` names a model shape
     to benchmark with random weights instead of the checkpoint (records say shape-only); the
-    varied-traffic workload times `varied_requests` requests of distinct layouts; the
-    serving workload sends `serving_requests` varied requests to the server over loopback at each
-    count of concurrent clients in `serving_clients`."""
+    varied-traffic workload times `varied_requests` requests of distinct layouts. The serving
+    workload runs `dohnuts serve` (`serving_workers` front ends) in processes of its own and
+    drives it from `serving_client_processes` client processes with `serving_requests` distinct
+    requests of the serving mix: open loop at each offered rate of `serving_rates` (requests/s),
+    then closed loop at each count of `serving_clients`, each level `serving_seconds` long after
+    `serving_warmup_seconds` of the same load; the clients run on the last `serving_client_cpus`
+    CPUs and the server on the others (0: no pinning). `serving_requests: 0` leaves it out."""
 
     warmup: int = 3
     timed: int = 20
     shape: str | None = None
     varied_requests: int = 60
-    serving_requests: int = 128
+    serving_requests: int = 512
+    serving_rates: tuple[float, ...] = ()
     serving_clients: tuple[int, ...] = (1, 8, 64)
+    serving_seconds: float = 30.0
+    serving_warmup_seconds: float = 5.0
+    serving_workers: int = 2
+    serving_client_processes: int = 2
+    serving_client_cpus: int = 0
 
     def __post_init__(self):
         _check(self.timed >= 2 and self.warmup >= 0,
                f"benchmark.timed must be >= 2 and warmup >= 0, got {self.timed}, {self.warmup}")
         _check(self.varied_requests >= 1, f"benchmark.varied_requests must be >= 1, got {self.varied_requests}")
-        _check(self.serving_requests >= 1 and bool(self.serving_clients) and min(self.serving_clients) >= 1,
-               f"benchmark.serving_requests must be >= 1 and serving_clients positive counts, got "
-               f"{self.serving_requests}, {self.serving_clients}")
+        _check(self.serving_requests >= 0 and all(count >= 1 for count in self.serving_clients)
+               and all(rate > 0 for rate in self.serving_rates),
+               f"benchmark.serving_requests must be >= 0, serving_clients and serving_rates positive, got "
+               f"{self.serving_requests}, {self.serving_clients}, {self.serving_rates}")
+        _check(self.serving_seconds > 0 and self.serving_warmup_seconds >= 0 and self.serving_workers >= 1
+               and self.serving_client_processes >= 1 and self.serving_client_cpus >= 0,
+               f"benchmark.serving_seconds must be > 0, serving_warmup_seconds >= 0, serving_workers and "
+               f"serving_client_processes >= 1 and serving_client_cpus >= 0, got {self.serving_seconds}, "
+               f"{self.serving_warmup_seconds}, {self.serving_workers}, {self.serving_client_processes}, "
+               f"{self.serving_client_cpus}")
         _check(self.shape is None or self.shape in SHAPE_NAMES,
                f"benchmark.shape must be null or one of {SHAPE_NAMES}, got {self.shape!r}")
 
@@ -303,11 +320,12 @@ def _typed(hint, value, path: str):
         return build(hint, value, path)
     if typing.get_origin(hint) is tuple:
         item_type = typing.get_args(hint)[0]
-        name = {str: "strings", int: "integers"}[item_type]
-        _check(isinstance(value, (list, tuple)) and all(isinstance(item, item_type) and not isinstance(item, bool)
+        name = {str: "strings", int: "integers", float: "numbers"}[item_type]
+        accepted = (int, float) if item_type is float else item_type  # a number may be written 20, not 20.0
+        _check(isinstance(value, (list, tuple)) and all(isinstance(item, accepted) and not isinstance(item, bool)
                                                         for item in value),
                f"{path} must be a list of {name}, got {value!r}")
-        return tuple(value)
+        return tuple(item_type(item) for item in value) if item_type is float else tuple(value)
     allowed = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     if value is None:
         _check(type(None) in allowed, f"{path} must not be empty")

@@ -1,4 +1,4 @@
-"""Stage benchmark: latency of complete predict() calls over the upstream-matched workloads."""
+"""Stage benchmark: latency of complete predict() calls, varied traffic, training, evaluation, serving."""
 
 from pathlib import Path
 
@@ -8,14 +8,6 @@ from dohnuts.bench.stage import run
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json
 from stages import user_errors
-
-
-def served_app(predictor, model_name: str, on_invocation):
-    """The server the serving workload drives (`dohnuts.serve.app.create_app`); bench and serve are
-    peers, so the stage wires them. FastAPI (the serve extra) is imported only when serving is measured."""
-    from dohnuts.serve.app import create_app
-
-    return create_app(predictor, model_name, on_invocation=on_invocation)
 
 
 @click.command()
@@ -33,8 +25,7 @@ def served_app(predictor, model_name: str, on_invocation):
 def main(params_path, checkpoint, records, summary, plots):
     """Cold call, warm-up calls, then timed calls per workload; p50/p95/mean and decisions/s."""
     config = section(read_params(params_path), "benchmark")
-    result, rows = run(config, Path(checkpoint), Path(records), echo=lambda line: click.echo(line, err=True),
-                       app_factory=served_app)
+    result, rows = run(config, Path(checkpoint), Path(records), echo=lambda line: click.echo(line, err=True))
     write_json(Path(summary), result)
     write_json(Path(plots), rows)
 

@@ -1,31 +1,30 @@
 """How the server's batching behaves: answers batched against alone, and the serving workload
-alone. Bench and serve are peers, so the caller hands in serve's parts (the app factory, the
-wire parser), as the benchmark stage does."""
+alone (`dohnuts serve` in its own processes, over a shape-only deployable folder)."""
 
 from __future__ import annotations
 
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 from .host import SHAPE, require_cuda
-from .records import environment
-from .serving import mixed_requests, serving_record
-from .shapes import shape_only_predictor
-from .stage import describe
+from .load import describe_level
+from .serving import ServingPlan, serving_record
+from .shapes import shape_only_predictor, write_shape_checkpoint
+from .traffic import serving_mix
 
 
-def batched_vs_alone(count: int = 32, *, parse_body) -> None:
+def batched_vs_alone(count: int = 32) -> None:
     """How far a request's answers move when it is batched with others, on the shape-only
-    Qwen3.5-0.8B predictor in bf16 (the server's batching): `predict_many` over the serving
-    workload's varied requests against `predict` on each alone.
+    Qwen3.5-0.8B predictor in bf16 (the server's batching): `predict_many` over the serving mix
+    against `predict` on each alone.
 
         python benchmarks/run.py batched_vs_alone --count 32 > batched-vs-alone.txt
-
-    `parse_body` reads a wire body into (state, questions, ...) (`dohnuts.serve.wire.parse_system_one`).
     """
     require_cuda()
     predictor = shape_only_predictor(SHAPE)
-    requests = [parse_body(body)[:2] for body in mixed_requests(count, seed=1)]
+    requests = serving_mix(count, seed=1)
     batched = predictor.predict_many(requests)
     worst = 0.0
     for request, together in zip(requests, batched):
@@ -39,17 +38,21 @@ def batched_vs_alone(count: int = 32, *, parse_body) -> None:
           f"largest probability difference {worst:.3e}")
 
 
-def serving_workload(requests: int = 256, clients: tuple[int, ...] = (1, 8, 64), *, app_factory) -> None:
-    """The benchmark's serving workload alone, on the shape-only Qwen3.5-0.8B predictor the
-    benchmark stage times: the server on loopback, `requests` varied requests at each client count.
+def serving_workload(requests: int = 512, rates: tuple[float, ...] = (), clients: tuple[int, ...] = (1, 8, 64),
+                     seconds: float = 30.0, warmup_seconds: float = 5.0, workers: int = 4, processes: int = 4,
+                     client_cpus: int = 4) -> None:
+    """The benchmark's serving workload alone (`serving.serving_record`), on a deployable folder
+    of the shape-only Qwen3.5-0.8B model written for it: open loop at each of `rates`, then
+    closed loop at each count of `clients`.
 
-        python benchmarks/run.py serving_workload --requests 256 --clients 1 8 64 > serving.json
+        python benchmarks/run.py serving_workload --rates 100 200 400 --clients 1 8 64 > serving.json
 
-    Prints the record (JSON) on stdout and one line per client count on stderr. `app_factory`
-    builds the served app as `serving.serving_record` takes it.
+    Prints the record (JSON) on stdout and one line per level on stderr.
     """
     require_cuda()
-    predictor = shape_only_predictor(SHAPE)
-    record = {**serving_record(predictor, requests, clients, app_factory), "environment": environment(predictor)}
-    print(describe(record), file=sys.stderr)
-    print(json.dumps(record))
+    plan = ServingPlan(requests, tuple(rates), tuple(clients), seconds, warmup_seconds, workers, processes, client_cpus)
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = write_shape_checkpoint(SHAPE, Path(scratch) / "checkpoint")
+        record = serving_record(folder, plan, progress=lambda level: print(describe_level(level), file=sys.stderr,
+                                                                               flush=True))
+    print(json.dumps({**record, "shape_only": SHAPE}))

@@ -291,3 +291,14 @@ def held(levels: list[dict]) -> dict:
             key: best[key] for key in ("offered_requests_per_second", "achieved_requests_per_second",
                                        "decisions_per_second", "p50_ms", "p99_ms")}
     return found
+
+
+def describe_level(level: dict) -> str:
+    """One line for a level: its load, what was achieved, the tail, the statuses."""
+    load = (f"open {level['offered_requests_per_second']:g}/s" if level["mode"] == "open"
+            else f"closed {level['clients']} clients")
+    tail = "no answer" if level["p50_ms"] is None else f"p50 {level['p50_ms']:.1f} p99 {level['p99_ms']:.1f} ms"
+    server = level.get("server", {})
+    batch = f" batch {server['mean_batch_requests']:.1f}" if "mean_batch_requests" in server else ""
+    return (f"{load}: {level['achieved_requests_per_second']:.1f} requests/s {level['decisions_per_second']:.0f} "
+            f"decisions/s {tail}{batch} {level['statuses']}")

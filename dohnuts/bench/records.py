@@ -91,3 +91,18 @@ def environment(predictor) -> dict:
         "dtype": predictor.config.dtype, "base": predictor.config.base,
         "shape_only": predictor.config.base.startswith("shape-only:"), "slow_paths": kernels.slow_paths(),
     }
+
+
+def mix_ceiling(predictor, requests: list[tuple[object, dict]], ceilings: dict) -> dict:
+    """The roofline ceiling of a mix of requests on this device: each request's lower bound
+    `t_lower` (its useful work under the measured `ceilings`, each request alone, its images
+    encoded), summed; the most requests and decisions a second the device could answer if it
+    did only that work, back to back."""
+    seconds, decisions, counted = 0.0, 0, 0
+    for state, questions in requests:
+        batch, _ = predictor.encode(state, questions)
+        seconds += roofline_record(predictor.model, batch, 1.0, ceilings)["bounds"]["measured"]["t_lower_seconds"]
+        decisions += len(questions)
+        counted += 1
+    return {"requests": counted, "decisions": decisions, "t_lower_seconds": seconds,
+            "requests_per_second": counted / seconds, "decisions_per_second": decisions / seconds}

@@ -1,148 +1,113 @@
-"""The serving workload: the server on loopback, driven by concurrent clients over varied requests."""
+"""The serving workload: `dohnuts serve` in processes of its own (front ends and an engine a
+device), driven by the load harness's client processes (`load`) over the serving mix
+(`traffic.serving_mix`): open loop at each offered rate, then closed loop at each client count.
+The server and the clients run on separate CPUs when the machine has enough of them."""
 
 from __future__ import annotations
 
-import base64
-import http.client
-import io
-import json
-import socket
-import statistics
+import os
+import subprocess
+import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
 
-from .traffic import percentile, varied_requests
-
-
-def mixed_requests(count: int, seed: int = 0) -> list[dict]:
-    """`count` distinct wire request bodies: `measure.traffic.varied_requests`, each image sent
-    as a base64 PNG asset placed under "photo", choice candidates as the client's mapping."""
-    bodies = []
-    for index, (state, questions) in enumerate(varied_requests(count, seed)):
-        state = dict(state)
-        assets = {}
-        if "image" in state:
-            buffer = io.BytesIO()
-            state.pop("image").save(buffer, format="PNG")
-            key = f"<image:{index:032x}>"
-            state["photo"] = key
-            encoded = base64.b64encode(buffer.getvalue()).decode()
-            assets[key] = {"type": "image", "format": "png", "data_base64": encoded}
-        questions = {qid: {**question, "criteria": dict.fromkeys(question["criteria"])}
-                     if question["type"] == "choice" else question for qid, question in questions.items()}
-        bodies.append({"model": "jev-latest", "state": state, "questions": questions,
-                       **({"assets": assets} if assets else {})})
-    return bodies
+from .load import sweep
+from .traffic import serving_mix
 
 
-class LoopbackServer:
-    """The app on a free loopback port, in a background thread (uvicorn)."""
+@dataclass(frozen=True)
+class ServingPlan:
+    """What the serving workload runs: `requests` distinct requests of the mix, open loop at each
+    of `rates` (requests/s), closed loop at each count of `clients`, each level `seconds` long
+    after `warmup_seconds` of the same load; `workers` front ends; `processes` client processes
+    on the last `client_cpus` CPUs (0: no pinning), the server on the others."""
 
-    def __init__(self, app):
-        import uvicorn
+    requests: int = 512
+    rates: tuple[float, ...] = ()
+    clients: tuple[int, ...] = (1, 8)
+    seconds: float = 30.0
+    warmup_seconds: float = 5.0
+    workers: int = 2
+    processes: int = 2
+    client_cpus: int = 0
+
+
+def cpu_split(client_cpus: int) -> tuple[set[int] | None, set[int] | None]:
+    """(the server's CPUs, the clients' CPUs): the last `client_cpus` of this process's CPUs for
+    the clients, the rest for the server; (None, None) when that leaves the server fewer than two."""
+    mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if client_cpus < 1 or len(mine) - client_cpus < 2:
+        return None, None
+    return set(mine[:-client_cpus]), set(mine[-client_cpus:])
+
+
+class ServerProcess:
+    """`python -m dohnuts.cli serve CHECKPOINT` on a free port, pinned to `cpus` when given; its
+    log lines are kept (the last ones explain a failure)."""
+
+    def __init__(self, checkpoint: Path, workers: int, cpus: set[int] | None = None):
+        import socket
 
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 300
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the loopback server did not start")
-            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dohnuts.cli", "serve", str(checkpoint), "--port", str(self.port), "--workers",
+             str(workers), "--model-name", "dohnuts-benchmark"], stderr=subprocess.PIPE, text=True,
+            preexec_fn=pin)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
 
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
+    def _read(self) -> None:
+        for line in self.process.stderr:
+            self.lines = self.lines[-200:] + [line]
 
+    def wait_ready(self, seconds: float = 600.0) -> float:
+        """Seconds until /health answered 200 (the engines loaded, captured and warmed up).
 
-def drive(port: int, bodies: list[dict], clients: int, deadline_seconds: float = 600.0) -> dict:
-    """Send every body once with `clients` concurrent clients (each its own keep-alive
-    connection, taking the next body when its last is answered). Returns the level's figures:
-    requests/s and decisions/s over the wall time, latency p50/p95/p99, and the requests that
-    failed (a status other than 200) or were never sent before the deadline (lost)."""
-    payloads = [json.dumps(body).encode() for body in bodies]
-    decisions = [len(body["questions"]) for body in bodies]
-    next_index, lock = [0], threading.Lock()
-    latencies, failed, answered = [], [], []
-    stop_at = time.monotonic() + deadline_seconds
-
-    def client():
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        while time.monotonic() < stop_at:
-            with lock:
-                index = next_index[0]
-                next_index[0] += 1
-            if index >= len(payloads):
+        Raises:
+            RuntimeError: the server exited or was not ready in time; its last log lines say why.
+        """
+        started = time.monotonic()
+        while time.monotonic() - started < seconds:
+            if self.process.poll() is not None:
                 break
-            started = time.perf_counter()
             try:
-                connection.request("POST", "/v1/systemone", payloads[index], {"content-type": "application/json"})
-                response = connection.getresponse()
-                response.read()
-                status = response.status
-            except (OSError, http.client.HTTPException) as error:
-                status = f"{type(error).__name__}"
-                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-            elapsed = time.perf_counter() - started
-            with lock:
-                if status == 200:
-                    latencies.append(elapsed)
-                    answered.append(index)
-                else:
-                    failed.append({"request": index, "status": status})
-        connection.close()
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return time.monotonic() - started
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        raise RuntimeError("the server did not become ready:\n" + "".join(self.lines[-30:]))
 
-    started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=clients) as pool:
-        for _ in range(clients):
-            pool.submit(client)
-    wall = time.perf_counter() - started
-    done = sum(decisions[index] for index in answered)
-    return {"clients": clients, "requests": len(bodies), "answered": len(answered), "failed": len(failed),
-            "lost": len(bodies) - len(answered) - len(failed), "failures": failed[:10], "seconds": wall,
-            "requests_per_second": len(answered) / wall, "decisions_per_second": done / wall,
-            "p50_ms": 1000 * percentile(latencies, 0.5) if latencies else None,
-            "p95_ms": 1000 * percentile(latencies, 0.95) if latencies else None,
-            "p99_ms": 1000 * percentile(latencies, 0.99) if latencies else None,
-            "mean_ms": 1000 * statistics.fmean(latencies) if latencies else None}
+    def stop(self) -> int:
+        self.process.terminate()
+        try:
+            return self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
 
 
-def serving_record(predictor, requests: int, clients: tuple[int, ...], app_factory, seed: int = 0) -> dict:
-    """The serving workload: `requests` varied requests (`mixed_requests`) sent to the server
-    on loopback at each count of concurrent `clients`; one client sending one request at a time
-    is the baseline. `app_factory(predictor, model_name, on_invocation=...)` builds the served app
-    (`dohnuts.serve.app.create_app`: bench does not import its peer serve, the caller hands it
-    in). Each level also records the mean batch size the server ran (requests per model
-    invocation), from the batcher's own count, and how many invocations replayed a CUDA graph
-    or a bucket's graphs, captured one or ran eagerly; `idle_captures` counts the captures the
-    server made between requests (all of them: no request waits for one)."""
-    batches = []
-    app = app_factory(predictor, "dohnuts-benchmark", on_invocation=lambda count, rows, waits: batches.append(count))
-    server = LoopbackServer(app)
-    bodies = mixed_requests(requests, seed)
+def serving_record(checkpoint: Path, plan: ServingPlan, seed: int = 0, progress=None) -> dict:
+    """The serving workload on the deployable `checkpoint` (see the module's docstring).
+    `progress(level)` hears of each level as it ends."""
+    server_cpus, client_cpus = cpu_split(plan.client_cpus)
+    server = ServerProcess(checkpoint, plan.workers, server_cpus)
     try:
-        drive(server.port, bodies[: min(8, len(bodies))], 1)  # warm the path (not timed)
-        levels = []
-        for count in clients:
-            batches.clear()
-            before = dict(predictor.scores.stats)
-            level = drive(server.port, bodies, count)
-            level["mean_batch_requests"] = statistics.fmean(batches) if batches else None
-            level["invocations"] = len(batches)
-            level["timed_calls"] = {name: predictor.scores.stats[name] - before[name]
-                                    for name in ("replays", "bucket_replays", "captures", "idle_captures", "eager")}
-            levels.append(level)
+        ready = server.wait_ready()
+        record = sweep(server.url, serving_mix(plan.requests, seed), list(plan.rates), list(plan.clients),
+                       plan.seconds, plan.warmup_seconds, plan.processes,
+                       [client_cpus] if client_cpus else None, progress)
     finally:
-        server.close()
-    baseline = next((level for level in levels if level["clients"] == 1), None)
-    for level in levels:
-        if baseline is not None and baseline["decisions_per_second"]:
-            level["decisions_per_second_vs_one_client"] = level["decisions_per_second"] / baseline[
-                "decisions_per_second"]
-    return {"workload": "serving", "requests": requests, "levels": levels,
-            "questions_per_request": statistics.fmean(len(body["questions"]) for body in bodies),
-            "images": sum("assets" in body for body in bodies)}
+        server.stop()
+    return {**record, "workload": "serving", "ready_seconds": ready, "workers": plan.workers,
+            "server_cpus": sorted(server_cpus) if server_cpus else None,
+            "client_cpus": sorted(client_cpus) if client_cpus else None}

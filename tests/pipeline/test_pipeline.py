@@ -23,7 +23,9 @@ def _smoke_params() -> dict:
     params["model"]["image_pixels"] = 64 * 64
     params["train"].update(steps=4, eval_every=2)
     params["select"]["dev_rows_per_group"] = 16
-    params["benchmark"].update(warmup=1, timed=2, varied_requests=6, serving_requests=8, serving_clients=[1, 4])
+    params["benchmark"].update(warmup=1, timed=2, varied_requests=6, serving_requests=8, serving_rates=[4],
+                               serving_clients=[1, 2], serving_seconds=2, serving_warmup_seconds=0.5,
+                               serving_workers=1, serving_client_processes=1)
     return params
 
 
@@ -89,13 +91,16 @@ def test_repro_produces_every_stage_output_and_then_is_up_to_date(project):
     hit, miss = (next(r for r in records if r["workload"] == name)
                  for name in ("vision_protocol_image_1q", "vision_protocol_image_1q_cache_miss"))
     assert miss["roofline"]["work"]["flops"]["vision"] > 0 == hit["roofline"]["work"]["flops"]["vision"]
-    serving = next(record for record in records if record["workload"] == "serving")
-    assert [level["clients"] for level in serving["levels"]] == [1, 4]
-    for level in serving["levels"]:  # every request answered, none lost or failed
-        assert level["answered"] == 8 and level["failed"] == level["lost"] == 0 and level["decisions_per_second"] > 0
-    assert serving["levels"][0]["mean_batch_requests"] == 1.0  # one client: one request an invocation
-    assert serving["levels"][0]["timed_calls"]["eager"] == serving["levels"][0]["invocations"]  # the CPU: no graphs
-    assert summary["serving"]["clients_4"]["failed"] == 0
+    serving = next(record for record in records if record["workload"] == "serving")  # dohnuts serve, its own processes
+    assert [(level["mode"], level["offered_requests_per_second"], level["clients"]) for level in serving["levels"]] == [
+        ("open", 4.0, None), ("closed", None, 1), ("closed", None, 2)]
+    for level in serving["levels"]:  # every request answered, none refused or lost
+        assert level["sent"] > 0 and level["answered"] == level["sent"] == level["statuses"]["200"]
+        assert level["no_answer"] == 0 and level["decisions_per_second"] > 0
+        assert level["server"]["eager_share"] == 1.0  # the CPU: no graphs
+    assert serving["levels"][1]["server"]["mean_batch_requests"] == 1.0  # one client: one request an invocation
+    assert summary["serving"]["levels"]["closed_2_clients"]["no_answer"] == 0
+    assert summary["serving"]["ceiling"]["decisions_per_second"] > 0
     varied = next(record for record in records if record["workload"] == "varied_traffic")
     assert varied["requests"] == 6 and summary["varied_traffic"]["first_sight"]["timed_calls"]["eager"] == 6
     throughput = next(record for record in records if record["workload"] == "evaluation_throughput")
