@@ -107,7 +107,8 @@ _CALLS = ("graph_replays", "graph_captures", "bucket_replays", "eager")
 _PASS = ("p50_ms", "p95_ms", "p99_ms", "mean_ms", "max_ms", "text_p50_ms", "image_p50_ms", "decisions_per_second")
 _PASS_CALLS = ("bucket_replays", "graph_replays", "graph_captures", "eager", "padding_tokens", "vision_bucket_replays",
                "vision_eager")
-_LEVEL = ("p50_ms", "p95_ms", "p99_ms", "decisions_per_second", "requests_per_second", "mean_batch_requests")
+_LEVEL = ("p50_ms", "p95_ms", "p99_ms", "decisions_per_second", "requests_per_second", "mean_batch_requests",
+          "achieved_requests_per_second")
 _TRAINING = ("p50_ms", "p95_ms", "mean_ms", "cold_ms", "tokens_per_second", "input_tokens", "computed_tokens",
              "processes", "scaling_efficiency", "updates", "buckets")
 
@@ -167,16 +168,22 @@ def _evaluation(record: dict) -> tuple[dict, dict]:
 
 
 def _serving(record: dict) -> tuple[dict, dict]:
+    """A serving record's figures: each level's under its load (`open_R_` for an offered rate,
+    `clients_C_` for closed-loop clients), and the requests that failed or got no answer."""
     figures = _pick(record, ("requests", "images", "questions_per_request"))
     samples = {}
-    for level in record.get("levels", []):
-        prefix = f"clients_{level['clients']}_"
+    levels = record.get("levels", [])
+    for level in levels:
+        if level.get("mode") == "open":
+            prefix = f"open_{level['offered_requests_per_second']:g}_"
+        else:
+            prefix = f"clients_{level['clients']}_"
         figures |= _pick(level, _LEVEL, prefix) | _pick(level.get("timed_calls"), (
             "bucket_replays", "replays", "captures", "idle_captures", "eager"), prefix)
+        figures |= _pick(level.get("server"), ("mean_batch_requests", "eager_share", "device_busy_share"), prefix)
         samples |= _series(level, **{f"{prefix}ms": "samples_ms"})
-    levels = record.get("levels", [])
     figures |= {"failed": sum(level.get("failed", 0) for level in levels),
-                "lost": sum(level.get("lost", 0) for level in levels)}
+                "lost": sum(level.get("lost", level.get("no_answer", 0)) for level in levels)}
     return figures, samples
 
 

@@ -230,6 +230,9 @@ def summarise(results: list[tuple], decisions: list[int], load: Load, before: di
     """A level's figures from its requests' (due, latency, status, body index)."""
     answered = [(latency, index) for _, latency, status, index in results if status == 200]
     latencies = [latency for latency, _ in answered]
+    # Rates over the level or, when answers came after it, until the last: a server that falls
+    # behind shows a lower rate, not the offered one delayed.
+    span = max([load.seconds] + [due + latency for due, latency, status, _ in results if status == 200])
     statuses: dict[str, int] = {}
     for _, _, status, _ in results:
         statuses[str(status)] = statuses.get(str(status), 0) + 1
@@ -239,8 +242,8 @@ def summarise(results: list[tuple], decisions: list[int], load: Load, before: di
         "offered_requests_per_second": load.rate, "clients": load.clients, "sent": len(results),
         "answered": len(answered), "statuses": statuses,
         "no_answer": sum(count for status, count in statuses.items() if status.startswith(NO_ANSWER)),
-        "achieved_requests_per_second": len(answered) / load.seconds,
-        "decisions_per_second": sum(decisions[index] for _, index in answered) / load.seconds,
+        "span_seconds": span, "achieved_requests_per_second": len(answered) / span,
+        "decisions_per_second": sum(decisions[index] for _, index in answered) / span,
     }
     for name, q in (("p50_ms", 0.5), ("p95_ms", 0.95), ("p99_ms", 0.99)):
         level[name] = 1000 * percentile(latencies, q) if latencies else None

@@ -3,8 +3,9 @@ tokens and run back to back.
 
 An encoded request is what the template made of a request (its rows and its image's RGB bytes
 or cache key); the engine knows nothing of HTTP, JSON, images' files or tokenizers. It plans
-invocations of at most `budget` computed tokens (each shared prefix counted once), several
-requests an invocation; a request over the budget is split by rows, each part with its prefix,
+invocations of several requests: while they fit a captured bucket when the first does (the
+invocation replays CUDA graphs), else up to `budget` computed tokens (each shared prefix counted
+once; it runs eagerly); a request over the budget is split by rows, each part with its prefix,
 and its logits reassembled. Invocations run back to back: the next is packed, padded and copied
 while the device runs the one before, whose logits come back to pinned host memory on the same
 stream, read once its event has passed.
@@ -73,47 +74,40 @@ class Invocation:
     started: torch.cuda.Event | None = None
 
 
-def parts_of(request: EncodedRequest, fits: Callable[[Shape], bool], budget: int) -> list[list[int]]:
-    """The request's rows in groups of consecutive rows for invocations of their own: the whole
-    request when it fits; else groups that each fit, when there are such; else groups within
-    `budget` computed tokens (a lone row over it alone), which then run eagerly."""
-    every = list(range(len(request.rows)))
-    if fits(request_shape(request)):
-        return [every]
-
-    def grouped(accepts) -> list[list[int]]:
-        groups, current = [], []
-        for index in every:
-            if current and not accepts(request_shape(request, current + [index])):
+def parts_of(request: EncodedRequest, admits: Callable[[Shape, Shape], bool]) -> list[list[int]]:
+    """The request's rows in groups of consecutive rows, each admitted alone by `admits(shape,
+    shape)` (a lone row that is not, alone): the whole request when it is."""
+    groups, current = [], []
+    for index in range(len(request.rows)):
+        if current:
+            joined = request_shape(request, current + [index])
+            if not admits(joined, joined):
                 groups.append(current)
                 current = []
-            current.append(index)
-        return groups + [current]
-
-    fitting = grouped(fits)
-    if all(fits(request_shape(request, group)) for group in fitting):
-        return fitting
-    return grouped(lambda shape: shape.tokens <= budget)
+        current.append(index)
+    return groups + [current]
 
 
-def plan(requests: Sequence[EncodedRequest], fits: Callable[[Shape], bool], budget: int) -> list[list[Piece]]:
-    """Invocations in order: requests taken whole while the invocation's shape still `fits` (a
-    bucket, or the budget); a request that does not fit alone goes alone, split by rows where
-    that helps (`parts_of`)."""
+def plan(requests: Sequence[EncodedRequest], admits: Callable[[Shape, Shape], bool]) -> list[list[Piece]]:
+    """Invocations in order: requests taken whole while `admits(the invocation's first request's
+    shape, the joined shape)` (`Engine.admits`); a request not admitted even alone goes alone,
+    split by rows (`parts_of`)."""
     invocations: list[list[Piece]] = []
     current: list[Piece] = []
-    shape = Shape()
+    shape = first = Shape()
     for index, request in enumerate(requests):
         own = request_shape(request)
-        if not fits(own):
+        if not admits(own, own):
             if current:
                 invocations.append(current)
                 current, shape = [], Shape()
-            invocations += [[Piece(index, rows)] for rows in parts_of(request, fits, budget)]
+            invocations += [[Piece(index, rows)] for rows in parts_of(request, admits)]
             continue
-        if current and not fits(shape.join(own)):
+        if current and not admits(first, shape.join(own)):
             invocations.append(current)
             current, shape = [], Shape()
+        if not current:
+            first = own
         current.append(Piece(index, list(range(len(request.rows)))))
         shape = shape.join(own)
     if current:
@@ -163,18 +157,20 @@ class Engine:
 
     @property
     def budget(self) -> int:
-        """Computed tokens an invocation may hold: the fixed budget, else the largest captured
-        bucket's, else DEFAULT_BUDGET."""
-        if self.fixed_budget is not None:
-            return self.fixed_budget
-        return max((bucket.tokens for bucket in self.scores.buckets), default=DEFAULT_BUDGET)
+        """Computed tokens an eager invocation may hold: the fixed budget, else DEFAULT_BUDGET."""
+        return self.fixed_budget if self.fixed_budget is not None else DEFAULT_BUDGET
 
-    def fits(self, shape: Shape) -> bool:
-        """Whether one invocation may hold a batch of `shape`: a captured bucket holds it, or,
-        with none captured (the CPU), it is within the budget."""
-        if self.scores.buckets:
-            return shape.tokens <= self.budget and smallest_fit(shape, self.scores.buckets) is not None
-        return shape.tokens <= self.budget
+    def graphed(self, shape: Shape) -> bool:
+        """Whether a batch of `shape` fits a captured bucket (and so replays its graphs)."""
+        return bool(self.scores.buckets) and smallest_fit(shape, self.scores.buckets) is not None
+
+    def admits(self, first: Shape, joined: Shape) -> bool:
+        """Whether an invocation whose first request has shape `first` may grow to `joined`: while
+        it fits a captured bucket when `first` does (it replays graphs), else while it is within
+        the budget (it runs eagerly: the more requests an invocation, the fewer launches each)."""
+        if self.graphed(first):
+            return self.graphed(joined)
+        return joined.tokens <= self.budget
 
     def _cached(self, image: EncodedImage | None) -> EncodedImage | None:
         """The image as a batch takes it: without pixels when its features are cached."""
@@ -251,7 +247,7 @@ class Engine:
         """The logits of every request's rows, stacked in request order [rows, K] float32 (K: the
         most candidates of a row), from the invocations `plan` makes, each launched while the
         one before runs."""
-        invocations = plan(requests, self.fits, self.budget)
+        invocations = plan(requests, self.admits)
         self.stats["requests"] += len(requests)
         whole = len(invocations) == 1 and len(invocations[0]) == len(requests)
         if whole:  # the common case: one invocation of every request whole, in order
@@ -294,7 +290,7 @@ class _Waiting:
 
 class EngineLoop:
     """An engine serving a stream of requests on one thread: the next invocation takes every
-    request waiting while the invocation's shape still fits (`Engine.fits`), and is launched
+    request waiting while the engine admits the joined shape (`Engine.admits`), and is launched
     while the last one runs, so under load the device runs back to back and each invocation is
     as full as the queue allows; a lone request runs at once. Requests that need several
     invocations (over a bucket or the budget alone) run in them together. When no request has
@@ -352,7 +348,7 @@ class EngineLoop:
 
     def _take(self, block: bool) -> list[_Waiting] | None:
         """The requests of the next invocation (at least one): those waiting while the joined
-        shape fits; [] when none waits and `block` is off; None once closed with none waiting."""
+        shape is admitted; [] when none waits and `block` is off; None once closed with none waiting."""
         with self.condition:
             while not self.waiting:
                 if self.closed:
@@ -361,11 +357,14 @@ class EngineLoop:
                     return []
                 if not self.condition.wait(timeout=self.idle_after) and not self.waiting:
                     self._idle()
-            taken, shape = 0, Shape()
+            taken, shape, first = 0, Shape(), Shape()
             for waiting in self.waiting:
-                joined = shape.join(request_shape(waiting.request))
-                if taken and not self.engine.fits(joined):
+                own = request_shape(waiting.request)
+                joined = shape.join(own)
+                if taken and not self.engine.admits(first, joined):
                     break
+                if not taken:
+                    first = own
                 taken, shape = taken + 1, joined
             batch, self.waiting = self.waiting[:taken], self.waiting[taken:]
             return batch
@@ -400,7 +399,7 @@ class EngineLoop:
         requests = [waiting.request for waiting in batch]
         try:
             with self.lock:
-                invocations = plan(requests, self.engine.fits, self.engine.budget)
+                invocations = plan(requests, self.engine.admits)
                 if len(invocations) > 1:
                     return None, batch, self.engine.run(requests)
                 self.engine.stats["requests"] += len(requests)

@@ -8,7 +8,7 @@ import pytest
 from helpers import square_image, state_of_tokens
 
 from dohnuts import Predictor
-from dohnuts.runtime.buckets import Shape, batch_shape
+from dohnuts.runtime.buckets import Bucket, Shape, batch_shape, fits
 from dohnuts.runtime.engine import Closed, EngineLoop, Overloaded, Piece, parts_of, per_request, plan, request_shape
 
 QUESTIONS = {
@@ -56,13 +56,32 @@ def test_requests_are_taken_whole_while_they_fit_and_one_over_the_budget_is_spli
     encoded = predictor._encode(requests_of(predictor, 6), collect=False)[0]
     sizes = [request_shape(request).tokens for request in encoded]
     budget = sizes[0] + sizes[1]  # the first two fit together, not three
-    planned = plan(encoded, lambda shape: shape.tokens <= budget, budget)
+    planned = plan(encoded, lambda first, joined: joined.tokens <= budget)
     assert [piece.request for piece in planned[0]] == [0, 1]
     assert sorted(piece.request for pieces in planned for piece in pieces) == list(range(6))
     big = max(range(6), key=lambda index: len(encoded[index].rows))
     small = request_shape(encoded[big], [0]).tokens + 1  # room for one row of it and its prefix
-    parts = parts_of(encoded[big], lambda shape: shape.tokens <= small, small)
+    parts = parts_of(encoded[big], lambda first, joined: joined.tokens <= small)
     assert [row for part in parts for row in part] == list(range(len(encoded[big].rows))) and len(parts) > 1
+
+
+def test_an_invocation_grows_within_a_bucket_when_its_first_request_fits_one_else_to_the_budget(predictor):
+    engine = predictor.engine
+    state = {"note": state_of_tokens(predictor.template, 70)}
+    one, three = predictor._encode([(state, dict(list(QUESTIONS.items())[:1])), (state, QUESTIONS)],
+                                   collect=False)[0]
+    small, large = request_shape(one), request_shape(three)
+    bucket = Bucket(64, 128, True)  # one short request's row, not two
+    assert fits(small, bucket) and not fits(small.join(small), bucket) and not fits(large, bucket)
+    real = engine.scores.buckets
+    engine.scores.buckets = {bucket: None}  # as if captured: only the planning reads it here
+    try:
+        assert engine.graphed(small) and not engine.graphed(large)
+        assert not engine.admits(small, small.join(small))  # a graphed invocation stays in its bucket
+        assert engine.admits(large, large.join(small).join(small))  # an eager one grows to the budget
+        assert [len(pieces) for pieces in plan([one, one, three, one, one], engine.admits)] == [1, 1, 3]
+    finally:
+        engine.scores.buckets = real
 
 
 def test_a_request_split_over_invocations_gets_the_logits_it_gets_whole(predictor):
