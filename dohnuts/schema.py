@@ -140,8 +140,9 @@ def _choice(qid, criteria):
     if _is_mapping(criteria):
         labels, candidates = [], []
         for key, description in criteria.items():
-            if not isinstance(key, str) or not isinstance(description, str):
-                raise TypeError(f"choice question {qid!r}: criteria mapping must be str -> str, "
+            # A null description is the wire format's "the name alone describes it", as "" is.
+            if not isinstance(key, str) or not isinstance(description, (str, type(None))):
+                raise TypeError(f"choice question {qid!r}: criteria mapping must be str -> str or null, "
                                 f"got {key!r}: {description!r}")
             labels.append(key)
             candidates.append(f"{key}: {description}" if description else key)
@@ -168,8 +169,10 @@ def _noul(qid, criteria):
         if unknown:
             raise ValueError(f"noul question {qid!r}: criteria keys must be 'false'/'true', got {sorted(unknown)}")
         for key, description in criteria.items():
+            if description is None:  # null: the side keeps its default description
+                continue
             if not isinstance(description, str):
-                raise TypeError(f"noul question {qid!r}: criteria[{key!r}] must be a string")
+                raise TypeError(f"noul question {qid!r}: criteria[{key!r}] must be a string or null")
             descriptions[key] = description
     labels = ["false", "true"]
     return labels, [f"{label}: {descriptions[label]}" for label in labels]

@@ -21,6 +21,20 @@ def test_choice_list_and_mapping_render_labels_and_candidates():
     assert second.labels == ("x", "y") and second.candidates == ("x: the x one", "y")
 
 
+def test_a_null_description_reads_as_none_as_the_wire_format_writes_it():
+    written = parse_request("s", {
+        "c": {"type": "choice", "instructions": "Pick", "criteria": {"x": "the x one", "y": None}},
+        "n": {"type": "noul", "instructions": "Holds?", "criteria": {"true": "it does", "false": None}},
+    }, RESERVED)
+    empty = parse_request("s", {
+        "c": {"type": "choice", "instructions": "Pick", "criteria": {"x": "the x one", "y": ""}},
+        "n": {"type": "noul", "instructions": "Holds?", "criteria": {"true": "it does"}},
+    }, RESERVED)
+    assert written == empty  # the same candidates, so the same rows and answers
+    with pytest.raises(TypeError, match="str -> str or null, got 'y': 3"):
+        parse_request("s", {"c": {"type": "choice", "instructions": "Pick", "criteria": {"x": "", "y": 3}}}, RESERVED)
+
+
 def test_noul_defaults_and_overrides():
     request = parse_request("s", {
         "d": {"type": "noul", "instructions": "Holds?"},

@@ -60,6 +60,14 @@ def test_every_label_form_becomes_the_target_in_candidate_order(tmp_path):
     assert state.state_id == "plain.jsonl:1" and state.group == "plain"
 
 
+def test_a_null_option_description_as_the_official_client_sends_it_is_read(tmp_path):
+    questions = {**QUESTIONS, "team": {**QUESTIONS["team"], "criteria": {"billing": None, "tech": None}}}
+    _write(tmp_path / "tickets.jsonl", [{**_record(0), "questions": questions}, _record(1)])
+    states, problems = read_records(tmp_path)
+    assert problems == [] and len(states) == 2
+    assert states[0].targets["team"] == pytest.approx([1.0, 0.0])
+
+
 def test_each_kind_of_mistake_is_one_clear_line_and_prepare_writes_nothing(tmp_path):
     (tmp_path / "images").mkdir()
     (tmp_path / "images" / "broken.png").write_bytes(b"not a png")
