@@ -198,20 +198,23 @@ def validate_record(record, where: str, group: str, reserved: tuple[str, ...] = 
         if key in record and not (key == "photo" and record[key] is None) and not (
                 isinstance(record[key], str) and record[key]):
             problems.append((None, f"{key} must be a non-empty string, got {record[key]!r}"))
-    if problems:
+    if "state" not in record or "questions" not in record:
         return problems
+    # Every problem of the record is listed, not only the first: its image, its state, each
+    # question, each label of the questions that are valid.
     state, image_problem = decoded_state(folder, record["state"])
     if image_problem:
-        return [(None, image_problem)]
-    try:
-        request = parse_request(pil_state(state), record["questions"], reserved)
-    except (TypeError, ValueError) as error:
-        return [(None, str(error))]
+        problems.append((None, image_problem))
+        state = {key: value for key, value in state.items() if key != "image"}
+    questions, found = _questions(pil_state(state), record["questions"], reserved)
+    problems += found
+    if "labels" not in record:
+        return problems
     labels = record["labels"]
     if not isinstance(labels, Mapping):
-        return [(None, f"labels must be a mapping qid -> label, got {type(labels).__name__}")]
+        return problems + [(None, f"labels must be a mapping qid -> label, got {type(labels).__name__}")]
     targets = {}
-    for question in request.questions:
+    for question in questions:
         if question.qid not in labels:
             problems.append((question.qid, "no label"))
             continue
@@ -220,7 +223,7 @@ def validate_record(record, where: str, group: str, reserved: tuple[str, ...] = 
             problems.append((question.qid, target))
         else:
             targets[question.qid] = target
-    asked = {question.qid for question in request.questions}
+    asked = set(record["questions"]) if isinstance(record["questions"], Mapping) else set()
     problems.extend((qid, "a label for a question that is not asked") for qid in labels if qid not in asked)
     if problems:
         return problems
@@ -229,6 +232,28 @@ def validate_record(record, where: str, group: str, reserved: tuple[str, ...] = 
                        questions=dict(record["questions"]), targets=targets, split=split,
                        source=f"id:{identifier}", where=where,
                        links=(f"photo:{record['photo']}",) if record.get("photo") else ())
+
+
+def _questions(state, questions, reserved: tuple[str, ...]) -> tuple[list, list[tuple[str | None, str]]]:
+    """(the valid questions, the problems of the state and of each invalid question): the state
+    and each question checked as `parse_request` checks them, so every mistake is named."""
+    try:
+        return list(parse_request(state, questions, reserved).questions), []
+    except (TypeError, ValueError) as error:
+        if not isinstance(questions, Mapping) or not questions:
+            return [], [(None, str(error))]
+    problems = []
+    try:
+        parse_request(state, {"state": {"type": "noul"}}, reserved)
+    except (TypeError, ValueError) as error:
+        problems.append((None, str(error)))
+    valid = []
+    for qid, question in questions.items():
+        try:
+            valid += parse_request("", {qid: question}, reserved).questions
+        except (TypeError, ValueError) as error:
+            problems.append((None, str(error)))  # the schema's message names the question
+    return valid, problems
 
 
 def decoded_state(folder: Path | None, state) -> tuple[object, str | None]:

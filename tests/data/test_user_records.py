@@ -112,6 +112,22 @@ def test_each_kind_of_mistake_is_one_clear_line_and_prepare_writes_nothing(tmp_p
     assert [state.state_id for state in states] == ["r-16"] and len(problems) == len(expected)
 
 
+def test_every_mistake_of_one_record_is_listed_not_only_the_first(tmp_path):
+    questions = {**QUESTIONS, "team": {**QUESTIONS["team"], "criteria": ["only"]},
+                 "mood": {"type": "sentiment", "instructions": "How?"}}
+    record = {**_record(0, {"team": "only", "refund": 2.0, "urgency": 2, "stray": 1}), "questions": questions,
+              "split": "validation", "state": {"message": "x", "image": "images/missing.png"}}
+    _write(tmp_path / "tickets.jsonl", [record])
+    _, problems = read_records(tmp_path)
+    reasons = sorted(str(problem).split(": ", 1)[1] for problem in problems)
+    expected = ["question 'mood' has unknown type", "question 'team' has 1 candidates", "question refund: a noul label",
+                "question stray: a label for a question that is not asked", "split must be one of",
+                "state.image: no such file images/missing.png"]
+    assert len(reasons) == len(expected)
+    for reason, start in zip(reasons, sorted(expected)):
+        assert reason.startswith(start), (reason, start)
+
+
 def test_skip_invalid_drops_bad_records_and_the_doctor_counts_them(tmp_path):
     _write(tmp_path / "records" / "tickets.jsonl", [_record(i) for i in range(30)] + ["{broken"])
     out = tmp_path / "runs"
