@@ -66,7 +66,7 @@ def serve(checkpoint, host, port, workers, gpus, api_key_env, model_name):
     import logging
     import os
 
-    from .runtime.checkpoint import read_merged
+    from .runtime.checkpoint import load_front
     from .serve.supervisor import ServeSettings, Supervisor
 
     api_key = None
@@ -76,9 +76,12 @@ def serve(checkpoint, host, port, workers, gpus, api_key_env, model_name):
             raise click.ClickException(f"--api-key-env {api_key_env}: that environment variable is empty or unset")
     folder = Path(checkpoint).resolve()
     try:  # a bad folder is refused here, before any process starts (the weights are hashed by the engines)
-        read_merged(folder, need_temperatures=True, unread=(".safetensors",))
+        template, _, _ = load_front(folder)
     except (ValueError, FileNotFoundError) as error:
         raise click.ClickException(str(error)) from None
+    if template.pixels is None:
+        raise click.ClickException(f"{folder}: its image processor is not a Qwen2-VL one the engines preprocess "
+                                   f"on their device; it cannot be served split into front ends and engines")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = ServeSettings(str(folder), model_name or folder.name, host, port,
                              workers or max(1, min(8, (os.cpu_count() or 2) // 2)), _devices(gpus), api_key,

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import click
 
+import dohnuts.cli  # noqa: F401 - the serving workload runs `python -m dohnuts.cli serve`: a dependency of this stage
 from dohnuts.bench.stage import run
 from dohnuts.config import read_params, section
 from dohnuts.io import write_json

@@ -36,8 +36,8 @@ KINDS = {  # kind: (heading, meaning)
                "captured CUDA graph"),
     "varied": ("Varied traffic and evaluation", "distinct requests or layouts, each timed as met (varied traffic, "
                "evaluation over many rows)"),
-    "serving": ("Serving", "the server or its batcher under closed-loop clients, each sending its next request "
-                "when answered"),
+    "serving": ("Serving", "the server under clients in their own processes: open loop at an offered rate, or "
+                "closed loop, each client sending its next request when answered"),
     "profile": ("Profiles", "one call's time, step by step"),
     "pipeline": ("Pipeline", "the whole `dvc repro`"),
     "tests": ("Test runs", "test outcomes, as pytest counted them"),

@@ -82,8 +82,11 @@ async def _send(session, url: str, body: bytes, due: float, timeout: float) -> t
     return due, time.perf_counter() - due, status
 
 
-async def _drive(url: str, bodies: list[bytes], load: Load, seed: int, timeout: float) -> list[tuple]:
-    """Run one process's share of a level; returns (due, latency, status, body index) per request."""
+async def _drive(url: str, bodies: list[bytes], load: Load, seed: int, timeout: float,
+                 begin: float) -> list[tuple]:
+    """Run one process's share of a level from the wall-clock time `begin` (every process's
+    schedule starts there, a late one catching up); returns (due, latency, status, body index)
+    per request, due in seconds after `begin`."""
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -95,7 +98,7 @@ async def _drive(url: str, bodies: list[bytes], load: Load, seed: int, timeout: 
         return index
 
     async with aiohttp.ClientSession(connector=connector) as session:
-        start = time.perf_counter()
+        start = time.perf_counter() - (time.time() - begin)  # `begin` on this process's clock
         end = start + load.seconds
         if load.rate is not None:  # open loop: Poisson arrivals, each request its own task
             rng, due, tasks = random.Random(seed), start, []
@@ -103,9 +106,7 @@ async def _drive(url: str, bodies: list[bytes], load: Load, seed: int, timeout: 
                 due += rng.expovariate(load.rate)
                 if due >= end:
                     break
-                delay = due - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))  # behind: still lets answers in
                 index = next_body()
                 tasks.append((index, asyncio.ensure_future(_send(session, url, bodies[index], due, timeout))))
             for index, task in tasks:
@@ -133,10 +134,8 @@ def _process(url, bodies, offset, load, seed, timeout, cpus, begin, out) -> None
         uvloop.install()
     except ImportError:
         pass
-    delay = begin - time.time()
-    if delay > 0:
-        time.sleep(delay)
-    results = asyncio.run(_drive(url, bodies, load, seed, timeout))
+    time.sleep(max(0.0, begin - time.time()))
+    results = asyncio.run(_drive(url, bodies, load, seed, timeout, begin))
     out.put([(due, latency, status, (index + offset) % len(bodies)) for due, latency, status, index in results])
 
 
@@ -190,10 +189,12 @@ def server_figures(before: dict, after: dict, seconds: float) -> dict:
 
 
 def run_level(url: str, bodies: list[bytes], decisions: list[int], load: Load, processes: int = 2,
-              cpus: list[set[int]] | None = None, seed: int = 0, timeout: float = 60.0) -> dict:
+              cpus: list[set[int]] | None = None, seed: int = 0, timeout: float = 60.0,
+              start_after: float = 5.0) -> dict:
     """One level of load from `processes` client processes (each pinned to its set of `cpus`
-    when given): offered and achieved rate, decisions/s, latency percentiles of the answered
-    requests, status counts, and the server's own figures for the window.
+    when given), whose schedules all start `start_after` seconds from now: offered, sent and
+    achieved rate, decisions/s, latency percentiles of the answered requests, status counts,
+    and the server's own figures for the window.
 
     Args:
         url: the server, e.g. "http://127.0.0.1:8000".
@@ -202,7 +203,7 @@ def run_level(url: str, bodies: list[bytes], decisions: list[int], load: Load, p
     """
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
-    begin = time.time() + 2.0  # every process starts together, once spawned
+    begin = time.time() + start_after  # every process's schedule starts here, once spawned and imported
     workers = []
     for process in range(processes):
         share = _share(load, process, processes)
@@ -242,6 +243,7 @@ def summarise(results: list[tuple], decisions: list[int], load: Load, before: di
         "offered_requests_per_second": load.rate, "clients": load.clients, "sent": len(results),
         "answered": len(answered), "statuses": statuses,
         "no_answer": sum(count for status, count in statuses.items() if status.startswith(NO_ANSWER)),
+        "sent_requests_per_second": len(results) / load.seconds,
         "span_seconds": span, "achieved_requests_per_second": len(answered) / span,
         "decisions_per_second": sum(decisions[index] for _, index in answered) / span,
     }
@@ -251,7 +253,7 @@ def summarise(results: list[tuple], decisions: list[int], load: Load, before: di
     level["max_ms"] = 1000 * max(latencies) if latencies else None
     level["refused_p99_ms"] = 1000 * percentile(refused, 0.99) if refused else None
     if before is not None and after:
-        level["server"] = server_figures(before, after, load.seconds)
+        level["server"] = server_figures(before, after, span)
     return level
 
 

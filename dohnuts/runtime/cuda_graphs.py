@@ -254,8 +254,8 @@ class GraphedScores:
 
     With `deferred` set, no request pays for a capture: a layout due its graph is kept as
     pending, its request runs as any other sighting (a bucket's graphs or eagerly), and
-    `capture_pending` captures it later, when its owner has nothing else to do (the server's
-    batcher when no request waits). Captured on requests, one client's 16 varied requests to
+    `capture_pending` captures it later, when its owner has nothing else to do (the engine's
+    serving loop when no request waits, `engine.EngineLoop`). Captured on requests, one client's 16 varied requests to
     the server on the H200 (Qwen3.5-0.8B shape, d99f160's serving runs in benchmarks/ledger.jsonl)
     took 15 ms at the median but 102 ms at p95: 7 of them captured a graph.
     """

@@ -14,6 +14,7 @@ stream, read once its event has passed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from .buckets import Shape, smallest_fit
 from .cuda_graphs import GraphedScores
 from .vision_graphs import vision_buckets
 
+LOG = logging.getLogger(__name__)
 DEFAULT_BUDGET = 16384  # computed tokens an invocation holds where no bucket says otherwise
 STAGES = ("queue", "prepare", "run", "finish")  # where an invocation's requests spend their time
 
@@ -117,13 +119,14 @@ def plan(requests: Sequence[EncodedRequest], admits: Callable[[Shape, Shape], bo
 
 class Engine:
     """Runs encoded requests on a model through `GraphedScores` (CUDA graphs of captured layouts
-    and shape buckets on CUDA, eagerly elsewhere), in invocations of at most `budget` computed
-    tokens (by default the largest captured bucket's, else DEFAULT_BUDGET), pipelined on CUDA.
+    and shape buckets on CUDA, eagerly elsewhere), in invocations `plan` makes with `admits`
+    (a captured bucket, or `budget` computed tokens: DEFAULT_BUDGET unless given), pipelined on
+    CUDA. Its CUDA work goes to the model's device, whichever device the calling thread is on.
 
     Not thread-safe on its own: one caller at a time (`Predictor` holds a lock, `EngineLoop`
     has one thread). `stats` counts requests, invocations, rows and requests split;
-    `stage_seconds` and `stage_counts` time each of STAGES (`run`: on CUDA the device time from
-    an invocation's start to its end event, on the CPU the call).
+    `stage_seconds` sums each of STAGES (`run`: on CUDA the device time from an invocation's
+    start to its end event, on the CPU the call).
     """
 
     def __init__(self, model, pad_id: int, image_pad_id: int, budget: int | None = None):
@@ -134,7 +137,6 @@ class Engine:
         self.stats = {"invocations": 0, "requests": 0, "rows": 0, "split_requests": 0}
         self.deferrers = 0  # serving loops that make the captures in their idle time (`defer_captures`)
         self.stage_seconds = dict.fromkeys(STAGES, 0.0)
-        self.stage_counts = dict.fromkeys(STAGES, 0)
 
     def defer_captures(self, on: bool) -> None:
         """With `on`, a layout that recurs gets its CUDA graph not on the request that brings it
@@ -149,10 +151,12 @@ class Engine:
         the vision tower's patch buckets for the pixel policy `pixels` (`vision_graphs`), so that
         requests and image sizes met for the first time replay one: a few seconds, once, on a
         CUDA device; nothing on the CPU. Returns how many language buckets are ready."""
-        ready = self.scores.prepare(buckets)
-        if pixels is not None:
-            self.model.vision_graphs.prepare(self.model.backbone.visual,
-                                             vision_buckets(pixels.max_pixels, pixels.patch, pixels.merge))
+        device = self.model.device
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            ready = self.scores.prepare(buckets)
+            if pixels is not None:
+                self.model.vision_graphs.prepare(self.model.backbone.visual,
+                                                 vision_buckets(pixels.max_pixels, pixels.patch, pixels.merge))
         return ready
 
     @property
@@ -203,22 +207,24 @@ class Engine:
         begun = time.perf_counter()
         invocation.batch = self.collate(requests, pieces)
         collated = time.perf_counter()
-        cuda = self.model.device.type == "cuda"
-        if cuda:
+        device = self.model.device
+        if device.type != "cuda":  # the CPU computes as the call runs
+            with torch.no_grad():
+                invocation.logits = self.scores(invocation.batch)
+            self._count("prepare", collated - begun)
+            self._count("run", time.perf_counter() - collated)
+            return invocation
+        with torch.cuda.device(device), torch.no_grad():
+            stream = torch.cuda.current_stream(device)
             invocation.started = torch.cuda.Event(enable_timing=True)
-            invocation.started.record()
-        with torch.no_grad():
+            invocation.started.record(stream)
             logits = self.scores(invocation.batch)
-        if cuda:  # back to pinned memory on the same stream: the next invocation queues behind it
+            # Back to pinned memory on the same stream: the next invocation queues behind it.
             invocation.logits = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
             invocation.logits.copy_(logits, non_blocking=True)
             invocation.done = torch.cuda.Event(enable_timing=True)
-            invocation.done.record()
-            self._count("prepare", time.perf_counter() - begun)  # the launches are host work too
-        else:  # the CPU computed as the call ran
-            invocation.logits = logits
-            self._count("prepare", collated - begun)
-            self._count("run", time.perf_counter() - collated)
+            invocation.done.record(stream)
+        self._count("prepare", time.perf_counter() - begun)  # on CUDA the launches are host work too
         return invocation
 
     def finish(self, invocation: Invocation) -> np.ndarray:
@@ -234,14 +240,8 @@ class Engine:
         self._count("finish", time.perf_counter() - begun)
         return logits
 
-    def _count(self, stage: str, seconds: float, times: int = 1) -> None:
+    def _count(self, stage: str, seconds: float) -> None:
         self.stage_seconds[stage] += seconds
-        self.stage_counts[stage] += times
-
-    @property
-    def device_seconds(self) -> float:
-        """Device time of the invocations so far (CUDA: from each one's start to its end event)."""
-        return self.stage_seconds["run"] if self.model.device.type == "cuda" else 0.0
 
     def run(self, requests: Sequence[EncodedRequest]) -> np.ndarray:
         """The logits of every request's rows, stacked in request order [rows, K] float32 (K: the
@@ -312,6 +312,7 @@ class EngineLoop:
         self.waiting: list[_Waiting] = []
         self.condition = threading.Condition()
         self.closed = False
+        self.fatal: BaseException | None = None  # what stopped the loop, if anything did
         with self.lock:
             self.engine.defer_captures(True)
         self.thread = threading.Thread(target=self._run, name="dohnuts-engine", daemon=True)
@@ -348,7 +349,8 @@ class EngineLoop:
 
     def _take(self, block: bool) -> list[_Waiting] | None:
         """The requests of the next invocation (at least one): those waiting while the joined
-        shape is admitted; [] when none waits and `block` is off; None once closed with none waiting."""
+        shape is admitted; [] when none waits and `block` is off; None once closed with none
+        waiting."""
         with self.condition:
             while not self.waiting:
                 if self.closed:
@@ -370,58 +372,106 @@ class EngineLoop:
             return batch
 
     def _idle(self) -> None:
-        """One deferred capture, the condition's lock released meanwhile (submit goes on)."""
+        """One deferred capture, the condition's lock released meanwhile (submit goes on). A
+        capture that fails is logged and dropped: it is an optimisation, never fatal."""
         self.condition.release()
         try:
             with self.lock:
                 self.engine.scores.capture_pending()
+        except Exception:  # noqa: BLE001 - see the docstring
+            LOG.exception("an idle capture failed; its layout runs as it did")
         finally:
             self.condition.acquire()
 
     def _run(self) -> None:
-        running = None  # the last launch: (invocation or None, its requests, its results or error)
-        while True:
+        if self.engine.model.device.type == "cuda":
+            torch.cuda.set_device(self.engine.model.device)  # this thread's events and streams
+        try:
+            self._serve()
+        except BaseException as error:  # noqa: BLE001 - the loop's own failure: every waiting request hears it
+            LOG.exception("the engine loop stopped")
+            self.fatal = error
+            with self.condition:
+                self.closed = True
+                lost, self.waiting = self.waiting, []
+            self._reply(lost, Closed(f"the engine stopped: {type(error).__name__}: {error}"))
+
+    def _serve(self) -> None:
+        running = None  # (invocation or its error, its requests) launched and not yet answered
+        while self.fatal is None:
             batch = self._take(block=running is None)
             if batch is None and running is None:
                 return
-            launched = self._launch(batch) if batch else None
+            launched = None
+            if batch:
+                now = time.monotonic()
+                for waiting in batch:
+                    waiting.waited = now - waiting.enqueued
+                requests = [waiting.request for waiting in batch]
+                invocations = self._guarded(plan, requests, self.engine.admits)
+                if isinstance(invocations, BaseException) or len(invocations) > 1:
+                    if running is not None:  # the one running is answered first
+                        self._finish(*running)
+                        running = None
+                    results = invocations if isinstance(invocations, BaseException) else self._guarded(
+                        self.engine.run, requests)
+                    self._answer(batch, results)
+                    continue
+                launched = self._guarded(self.engine.launch, requests, invocations[0]), batch
             if running is not None:
                 self._finish(*running)
             running = launched
+        if running is not None:
+            self._finish(*running)
+        raise self.fatal
 
-    def _launch(self, batch: list[_Waiting]):
-        """Launch the requests' one invocation, or run their several at once; a failure is the
-        requests' result."""
-        now = time.monotonic()
-        for waiting in batch:
-            waiting.waited = now - waiting.enqueued
-        self.engine._count("queue", sum(waiting.waited for waiting in batch), len(batch))
-        requests = [waiting.request for waiting in batch]
+    def _guarded(self, work, *arguments):
+        """`work(*arguments)` under the engine's lock, or its error: an invocation that fails
+        fails its requests, never the loop; one that leaves the device unusable stops the loop."""
         try:
             with self.lock:
-                invocations = plan(requests, self.engine.admits)
-                if len(invocations) > 1:
-                    return None, batch, self.engine.run(requests)
-                self.engine.stats["requests"] += len(requests)
-                return self.engine.launch(requests, invocations[0]), batch, None
-        except Exception as error:  # noqa: BLE001 - an invocation that fails fails its requests, never the loop
-            return None, batch, error
+                return work(*arguments)
+        except Exception as error:  # noqa: BLE001 - see the docstring
+            if device_lost(error):
+                self.fatal = error
+            return error
 
-    def _finish(self, invocation: Invocation | None, batch: list[_Waiting], results) -> None:
-        if invocation is not None:
-            try:
-                with self.lock:
-                    results = self.engine.finish(invocation)
-            except Exception as error:  # noqa: BLE001 - as in `_launch`
-                results = error
+    def _finish(self, invocation, batch: list[_Waiting]) -> None:
+        if not isinstance(invocation, BaseException):
+            invocation = self._guarded(self.engine.finish, invocation)
+        self._answer(batch, invocation)
+
+    def _answer(self, batch: list[_Waiting], results) -> None:
+        """Count an invocation's requests and reply to each with its logits or the error."""
+        requests = [waiting.request for waiting in batch]
+        self.engine.stats["requests"] += len(requests)
+        self.engine._count("queue", sum(waiting.waited for waiting in batch))
         if self.on_invocation is not None:
-            self.on_invocation(len(batch), sum(len(waiting.request.rows) for waiting in batch),
-                               [waiting.waited for waiting in batch])
-        answers = results if isinstance(results, BaseException) else per_request(
-            results, [waiting.request for waiting in batch])
-        for index, waiting in enumerate(batch):
+            try:
+                self.on_invocation(len(batch), sum(len(request.rows) for request in requests),
+                                   [waiting.waited for waiting in batch])
+            except Exception:  # noqa: BLE001 - counting must not lose answers
+                LOG.exception("on_invocation failed")
+        if isinstance(results, BaseException):
+            self._reply(batch, results)
+            return
+        for waiting, logits in zip(batch, per_request(results, requests)):
+            self._reply([waiting], logits)
+
+    @staticmethod
+    def _reply(batch: list[_Waiting], result) -> None:
+        for waiting in batch:
             with contextlib.suppress(Exception):  # a caller gone away cannot stop the loop
-                waiting.reply(answers if isinstance(answers, BaseException) else answers[index])
+                waiting.reply(result)
+
+
+def device_lost(error: BaseException) -> bool:
+    """Whether an error leaves the CUDA device unusable for this process (an illegal access, an
+    uncorrectable error: CUDA's sticky errors), so only a new process can go on."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and "CUDA" in text and any(
+        marker in text for marker in ("illegal memory access", "unspecified launch failure", "uncorrectable",
+                                      "device-side assert", "misaligned address", "illegal instruction"))
 
 
 class Overloaded(RuntimeError):

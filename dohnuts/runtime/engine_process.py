@@ -10,6 +10,7 @@ their own accord, never called here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -80,23 +81,27 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
             if not hasattr(local, "wake"):  # the loop's thread: its own socket
                 local.wake = context.socket(zmq.PUSH)
                 local.wake.connect(wake_address)
-            local.wake.send(b"")
+            with contextlib.suppress(zmq.Again):  # a full pipe of wakes already wakes the reader
+                local.wake.send(b"", zmq.NOBLOCK)
         return reply
 
     loop = EngineLoop(engine, max_queue=settings.max_queue, on_invocation=Counting(engine))
     router = context.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.LINGER, 2000)  # the last replies still go out on close
     router.bind(settings.address)
     stop = stop or threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if states is not None:
         states[2 * settings.index] = READY
     LOG.info("engine %d ready on %s (%s)", settings.index, settings.address, device)
+    counted = metrics()
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
     poller.register(wake_in, zmq.POLLIN)
     try:
         while not stop.is_set():
+            if loop.fatal is not None or not loop.thread.is_alive():
+                raise SystemExit(f"the engine loop stopped ({loop.fatal!r}): exiting so that it is started again")
             ready = dict(poller.poll(100))
             if router in ready:
                 while True:
@@ -115,7 +120,7 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
                         router.send_multipart([identity, pack_error(request_id, "overloaded", str(error))])
                     except Closed as error:
                         router.send_multipart([identity, pack_error(request_id, "closed", str(error))])
-                metrics().queue.set(loop.depth)
+            counted.queue.set(loop.depth)
             if wake_in in ready:
                 while True:
                     try:

@@ -55,12 +55,14 @@ def _ints(data: bytes) -> tuple[int, ...]:
 
 
 def pack_logits(request_id: int, logits: np.ndarray) -> bytes:
+    """The reply carrying a request's logits [rows, columns] as float32."""
     rows, columns = logits.shape
     return msgpack.packb([request_id, LOGITS, rows, columns, np.ascontiguousarray(logits, dtype=np.float32).tobytes()],
                          use_bin_type=True)
 
 
 def pack_error(request_id: int, kind: str, message: str) -> bytes:
+    """The reply saying why a request was not run (`kind`: see the module's docstring)."""
     return msgpack.packb([request_id, ERROR, kind, message], use_bin_type=True)
 
 

@@ -12,7 +12,9 @@ from functools import cache
 LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 STAGE_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-PATHS = ("replays", "bucket_replays", "captures", "eager")  # how an invocation ran (GraphedScores.stats)
+# How an invocation ran (GraphedScores.stats): an exact graph's replay (one captured on the
+# request replays too), a bucket's graphs, or eagerly. Captures made when idle are no invocation.
+PATHS = ("replays", "bucket_replays", "eager")
 
 
 class Metrics:
@@ -31,7 +33,10 @@ class Metrics:
         self.stages = Histogram("dohnuts_stage_seconds", "Time a request spends in each stage: encode and answer "
                                 "(front end), queue, prepare, run and finish (engine, per invocation but queue)",
                                 ["stage"], buckets=STAGE_BUCKETS)
-        self.queue = Gauge("dohnuts_queue_depth", "Requests waiting for an engine", multiprocess_mode="livesum")
+        self.queue = Gauge("dohnuts_queue_depth", "Requests waiting in the engines' queues",
+                           multiprocess_mode="livesum")
+        self.in_flight = Gauge("dohnuts_front_in_flight", "Requests the front ends have sent and await",
+                               multiprocess_mode="livesum")
 
 
 @cache

@@ -1,1 +1,2 @@
-"""Serving: the /v1/systemone HTTP server, its batcher, the wire format and batch prediction."""
+"""Serving: the /v1/systemone front ends, their engines, the supervisor, the wire format and
+batch prediction."""

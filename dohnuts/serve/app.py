@@ -34,7 +34,7 @@ from ..inputs.template import OverBudget, Template
 from ..runtime.metrics import exposition, metrics
 from ..runtime.predict import answers_of, candidate_mask, encode_request
 from ..schema import parse_request
-from .engines import Closed, LocalEngine, Overloaded, Unavailable
+from .engines import Closed, EngineFailed, LocalEngine, Overloaded, Unavailable
 from .wire import WireError, parse_system_one, render_response
 
 ALIAS = "jev-latest"  # the official client's default model name
@@ -221,6 +221,8 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
             return _error(429, "rate_limit_error", f"the server is busy ({error}); retry shortly", RETRY)
         except (Unavailable, Closed) as error:
             return _error(503, "overloaded_error", f"the model cannot answer now ({error}); retry shortly", RETRY)
+        except EngineFailed as error:
+            return _error(500, "api_error", f"the model failed on this request ({error})")
         return JSONResponse(render_response(result, questions, model_name))
 
     @app.get("/v1/models")
@@ -237,7 +239,7 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
     @app.get("/metrics")
     async def prometheus():
         if front.engines is not None:
-            counted.queue.set(front.engines.depth)
+            counted.in_flight.set(front.engines.depth)
         text, kind = exposition()
         return Response(text, media_type=kind)
 

@@ -20,11 +20,15 @@ from ..runtime.engine import Closed, EncodedRequest, EngineLoop, Overloaded
 from ..runtime.engine_process import READY
 from ..runtime.metrics import Counting
 
-__all__ = ["Closed", "LocalEngine", "Overloaded", "RemoteEngines", "Unavailable"]
+__all__ = ["Closed", "EngineFailed", "LocalEngine", "Overloaded", "RemoteEngines", "Unavailable"]
 
 
 class Unavailable(RuntimeError):
     """No engine can answer now (starting, restarting after a crash, or too slow): retry later."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine's invocation of the request failed: the server's fault, not the client's."""
 
 
 class LocalEngine:
@@ -55,7 +59,12 @@ class LocalEngine:
             running.call_soon_threadsafe(_settle, future, result)
 
         self.loop.submit(request, reply)
-        return await future
+        try:
+            return await future
+        except (Overloaded, Closed):
+            raise
+        except Exception as error:  # noqa: BLE001 - whatever failed in the invocation is the server's
+            raise EngineFailed(f"{type(error).__name__}: {error}") from error
 
     def close(self) -> None:
         self.loop.close()
@@ -120,7 +129,7 @@ class RemoteEngines:
                 continue  # answered after its caller gave up, or by an engine since restarted
             if isinstance(result, tuple):
                 kind, message = result
-                error = {"overloaded": Overloaded, "closed": Unavailable}.get(kind, RuntimeError)
+                error = {"overloaded": Overloaded, "closed": Unavailable}.get(kind, EngineFailed)
                 future.set_exception(error(message))
             else:
                 future.set_result(result)
@@ -159,6 +168,8 @@ class RemoteEngines:
             Unavailable: no engine ready, or its engine went down or passed the deadline.
             Overloaded: the engine's queue is full.
         """
+        import zmq
+
         from ..runtime.messages import pack_request
 
         self._start()
@@ -167,7 +178,12 @@ class RemoteEngines:
         request_id = next(self.ids)
         future = asyncio.get_running_loop().create_future()
         self.waiting[index][request_id] = future
-        await self.sockets[index].send(pack_request(request_id, request))
+        try:
+            # Never waits: with no engine connected (one that just died) the request fails now.
+            await self.sockets[index].send(pack_request(request_id, request), flags=zmq.NOBLOCK)
+        except zmq.Again as error:
+            self.waiting[index].pop(request_id, None)
+            raise Unavailable("the engine is not connected: retry") from error
         try:
             return await asyncio.wait_for(future, self.deadline)
         except TimeoutError as error:

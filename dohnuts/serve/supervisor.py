@@ -6,8 +6,8 @@ their states (starting, ready, down) and generations sit in a shared array the f
 for every request. A process that dies is started again after a pause that doubles with each
 death in a row (0.5 s to 30 s); while an engine is down its requests are answered 503 with
 Retry-After. SIGTERM or SIGINT stops the front ends first (they finish what they hold), then
-the engines. Each process writes its Prometheus metrics in the private folder, and a front
-end's /metrics adds them up.
+the engines; a child whose supervisor is gone (killed) exits by itself. Each process writes its
+Prometheus metrics in the private folder, and a front end's /metrics adds them up.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,9 +47,24 @@ class ServeSettings:
     deadline: float = 120.0  # seconds a front end waits for an engine's answer
 
 
+def _orphan_guard() -> None:
+    """In a child: leave the terminal's process group (Ctrl-C reaches the supervisor alone, which
+    stops the children in order), and exit when the supervisor is gone, killed or not."""
+    os.setpgrp()
+    parent = multiprocessing.parent_process()
+
+    def watch():
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="dohnuts-orphan-guard", daemon=True).start()
+
+
 def front_main(settings: ServeSettings, listening: socket.socket, addresses: list[str], states) -> None:
     """A front-end process: the template, uvicorn on the supervisor's socket, the remote engines."""
     import uvicorn
+
+    _orphan_guard()
 
     from ..runtime.checkpoint import load_front
     from .app import Front, front_app
@@ -70,6 +86,7 @@ def engine_main(settings: EngineSettings, states) -> None:
     """An engine process (`runtime.engine_process.serve_engine`)."""
     from ..runtime.engine_process import serve_engine
 
+    _orphan_guard()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(process)d %(levelname)s %(message)s")
     serve_engine(settings, states)
 
@@ -101,14 +118,14 @@ class Supervisor:
 
     def __init__(self, settings: ServeSettings):
         self.settings = settings
+        self.listening = socket.create_server((settings.host, settings.port), backlog=4096)  # first: it may fail
+        self.port = self.listening.getsockname()[1]
         self.folder = Path(tempfile.mkdtemp(prefix="dohnuts-serve-"))
         metrics = self.folder / "metrics"
         metrics.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)  # every child inherits it
         self.context = multiprocessing.get_context("spawn")
         self.states = self.context.Array("q", 2 * len(settings.devices), lock=False)
-        self.listening = socket.create_server((settings.host, settings.port), backlog=4096)
-        self.port = self.listening.getsockname()[1]
         addresses = [f"ipc://{self.folder}/engine-{index}" for index in range(len(settings.devices))]
         self.engines = [Child(f"dohnuts-engine-{index}", engine_main,
                               (EngineSettings(settings.checkpoint, device, address, index), self.states),
@@ -176,10 +193,10 @@ class Supervisor:
         received = []
         for name in (signal.SIGTERM, signal.SIGINT):
             signal.signal(name, lambda number, frame: received.append(number))
-        self.start()
-        LOG.info("serving %s on http://%s:%d: %d front ends, engines on %s", self.settings.checkpoint,
-                 self.settings.host, self.port, self.settings.workers, ", ".join(self.settings.devices))
         try:
+            self.start()
+            LOG.info("serving %s on http://%s:%d: %d front ends, engines on %s", self.settings.checkpoint,
+                     self.settings.host, self.port, self.settings.workers, ", ".join(self.settings.devices))
             while not received:
                 self.watch()
         finally:

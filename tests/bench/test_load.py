@@ -64,7 +64,7 @@ def bodies():
 
 def test_open_loop_sends_at_the_offered_rate_and_counts_every_answer(stand_in, bodies):
     before = StandIn.count
-    level = run_level(stand_in, *bodies, Load(2.0, rate=100.0), processes=2)
+    level = run_level(stand_in, *bodies, Load(2.0, rate=100.0), processes=2, start_after=2.0)
     sent = StandIn.count - before
     assert level["sent"] == sent and 200 - 4 * 15 <= sent <= 200 + 4 * 15  # Poisson: mean 200, sd about 14
     assert level["statuses"]["200"] == level["answered"] and level["statuses"].get("429", 0) > 0
@@ -76,14 +76,15 @@ def test_open_loop_sends_at_the_offered_rate_and_counts_every_answer(stand_in, b
 
 
 def test_closed_loop_clients_each_wait_for_their_answer(stand_in, bodies):
-    level = run_level(stand_in, *bodies, Load(1.0, clients=3), processes=2)
+    level = run_level(stand_in, *bodies, Load(1.0, clients=3), processes=2, start_after=2.0)
     # Three clients, one request each in flight: at most 1 s / DELAY requests each.
     assert 3 <= level["sent"] <= 3 * (1.0 / DELAY + 1)
     assert level["mode"] == "closed" and level["clients"] == 3 and level["no_answer"] == 0
 
 
 def test_a_level_without_a_server_counts_requests_with_no_answer(bodies):
-    level = run_level("http://127.0.0.1:9", *bodies, Load(0.5, rate=20.0), processes=1, timeout=2.0)
+    level = run_level("http://127.0.0.1:9", *bodies, Load(0.5, rate=20.0), processes=1, timeout=2.0,
+                      start_after=2.0)
     assert level["answered"] == 0 and level["no_answer"] == level["sent"] > 0 and level["p99_ms"] is None
 
 

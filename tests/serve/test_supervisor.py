@@ -162,3 +162,21 @@ def test_sigterm_stops_every_process(deployable):
     for pid in children:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_children_exit_when_their_supervisor_is_killed(deployable):
+    root, _ = deployable
+    running = Server(root / "checkpoint", workers=1)
+    running.wait_ready()
+    children = list(running.pids().values())
+    running.process.kill()  # SIGKILL: no chance to stop them
+    running.process.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    for pid in children:
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, f"child {pid} outlived its supervisor"
+            time.sleep(0.1)
