@@ -64,14 +64,17 @@ class ModelConfig:
     dtype: str = "float32"
     marker_token: str = "<|fim_suffix|>"
     image_pixels: int = 64 * 64
-    max_tokens: int = 4096
+    max_tokens: int = 32768  # a row: the state and one question with its candidates (the wire format's budget)
+    max_request_tokens: int = 65536  # a request: its state once and every question
     seed: int = 0
     embedded: EmbeddedShape = field(default_factory=EmbeddedShape)
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {self.dtype!r}")
         _check(self.image_pixels >= 32 * 32, f"model.image_pixels must be >= 1024, got {self.image_pixels}")
-        _check(self.max_tokens >= 16, f"model.max_tokens must be >= 16, got {self.max_tokens}")
+        _check(self.max_tokens >= 16 and self.max_request_tokens >= self.max_tokens,
+               f"model.max_tokens must be >= 16 and max_request_tokens >= max_tokens, got {self.max_tokens}, "
+               f"{self.max_request_tokens}")
         if self.base != EMBEDDED:
             _check(self.revision is not None,
                    f"model.base {self.base!r} is a Hub id: pin model.revision to a commit hash")

@@ -9,14 +9,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..config import ModelConfig
 from ..inputs.batch import Batch, EncodedImage
 from ..inputs.pixels import image_key
+from ..inputs.template import OverBudget
 from ..model.decision import default_device
 from ..model.decoder import pack_projections
 from ..schema import Request, answer, parse_request
 from ..scoring.metrics import masked_softmax_rows, normalised_entropy_confidence
 from .checkpoint import load_merged
-from .engine import EncodedRequest, Engine, Piece
+from .engine import EncodedRequest, Engine, Piece, request_shape
 
 BATCHED_CONFIDENCE = 8  # rows from which the answers' confidences are computed together
 
@@ -105,7 +107,7 @@ class Predictor:
     def encode_request(self, request: Request) -> EncodedRequest:
         """A validated request as the engine takes it (`encode_request`); an image whose features
         are cached carries no pixels (nothing to preprocess)."""
-        return encode_request(self.template, self.config.max_tokens, request, self.model.image_cache.grid)
+        return encode_request(self.template, self.config, request, self.model.image_cache.grid)
 
     @torch.no_grad()
     def predict(self, state, questions) -> dict:
@@ -154,20 +156,26 @@ class Predictor:
         return [failures[index] if index in failures else next(results) for index in range(len(requests))]
 
 
-def encode_request(template, max_tokens: int, request: Request, cached_grid=None) -> EncodedRequest:
+def encode_request(template, config: ModelConfig, request: Request, cached_grid=None) -> EncodedRequest:
     """A validated request's rows and image as the engine takes them; with `cached_grid(key)`
     (the grid of an image whose features are cached, else None), a cached image carries no
     pixels. A server's front end, which sees no cache, sends every image's bytes.
 
     Raises:
-        OverBudget: a row over `max_tokens`.
+        OverBudget: a row over `config.max_tokens`, or the request's computed tokens (its shared
+            beginning once, then each row's own) over `config.max_request_tokens`.
     """
     image = None
     if request.image is not None:
         key = image_key(request.image)
         grid = cached_grid(key) if cached_grid is not None else None
         image = EncodedImage(None, grid, key) if grid is not None else template.encode_image(request.image, key)
-    return EncodedRequest(template.encode(request, max_tokens, 0, image), image)
+    encoded = EncodedRequest(template.encode(request, config.max_tokens, 0, image), image)
+    tokens = request_shape(encoded).tokens
+    if tokens > config.max_request_tokens:
+        raise OverBudget(f"the request is {tokens} tokens (its state once, then every question), over the "
+                         f"budget of {config.max_request_tokens}; inputs are rejected, never truncated")
+    return encoded
 
 
 def candidate_mask(parsed: list[Request]) -> np.ndarray:

@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request as StarletteRequest
 
+from ..config import ModelConfig
 from ..inputs.template import OverBudget, Template
 from ..runtime.metrics import exposition, metrics
 from ..runtime.predict import answers_of, candidate_mask, encode_request
@@ -45,11 +46,11 @@ RETRY = {"Retry-After": "1", "retry-after-ms": "200"}
 
 @dataclass
 class Front:
-    """What a front end answers with: the template, the token budget, the temperatures, and the
-    engines (`engines.LocalEngine` or `engines.RemoteEngines`)."""
+    """What a front end answers with: the template, the model's settings (its token budgets), the
+    temperatures, and the engines (`engines.LocalEngine` or `engines.RemoteEngines`)."""
 
     template: Template
-    max_tokens: int
+    config: ModelConfig
     temperatures: dict[str, float]
     engines: object
 
@@ -63,7 +64,7 @@ class Front:
         stages = metrics().stages
         begun = time.perf_counter()
         request = parse_request(state, questions, self.template.reserved)
-        encoded = encode_request(self.template, self.max_tokens, request)
+        encoded = encode_request(self.template, self.config, request)
         stages.labels("encode").observe(time.perf_counter() - begun)
         logits = await self.engines.submit(encoded)
         begun = time.perf_counter()
@@ -142,7 +143,7 @@ def create_app(predictor, model_name: str, api_key: str | None = None, release_d
     """The server over `predictor` in this process: an `EngineLoop` on its engine (`max_queue`
     requests may wait; `on_invocation(requests, rows, waits)` hears of each model invocation),
     the rest as `front_app`."""
-    front = Front(predictor.template, predictor.config.max_tokens, predictor.temperatures, None)
+    front = Front(predictor.template, predictor.config, predictor.temperatures, None)
 
     def start():
         # The first call loads kernels and tunes them: before /health says ready.

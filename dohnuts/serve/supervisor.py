@@ -71,7 +71,7 @@ def front_main(settings: ServeSettings, listening: socket.socket, addresses: lis
     from .engines import RemoteEngines
 
     template, model_config, temperatures = load_front(Path(settings.checkpoint))
-    front = Front(template, model_config.max_tokens, temperatures, None)
+    front = Front(template, model_config, temperatures, None)
 
     def start():
         front.engines = RemoteEngines(addresses, states, settings.deadline)

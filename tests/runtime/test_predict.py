@@ -1,6 +1,7 @@
 """The deployable checkpoint: calibrate writes it, Predictor loads it and applies temperatures."""
 
 import concurrent.futures
+import dataclasses
 import math
 
 import pytest
@@ -8,6 +9,10 @@ import torch
 from PIL import Image
 
 from dohnuts import Predictor
+from dohnuts.inputs.template import OverBudget
+from dohnuts.runtime.engine import request_shape
+from dohnuts.runtime.predict import encode_request
+from dohnuts.schema import parse_request
 
 QUESTIONS = {
     "colour": {"type": "choice", "instructions": "What colour is the square?", "criteria": ["red", "green", "blue"]},
@@ -59,8 +64,24 @@ def test_invalid_requests_reach_the_caller_as_value_errors(deployable):
     predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
     with pytest.raises(ValueError, match="questions is empty"):
         predictor.predict("state", {})
-    with pytest.raises(ValueError, match="over the budget of 4096"):
-        predictor.predict("word " * 5000, QUESTIONS)
+    with pytest.raises(ValueError, match="over the budget of 32768"):
+        predictor.predict("word " * 40000, QUESTIONS)
+
+
+def test_a_request_is_held_to_its_own_budget_besides_each_rows(deployable):
+    """A row holds the state and one question (model.max_tokens); the request, its state once
+    and every question (model.max_request_tokens): each refused by name, never truncated."""
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    request = parse_request("word " * 100, QUESTIONS, predictor.template.reserved)
+    shape = request_shape(encode_request(predictor.template, predictor.config, request))
+    longest = max(len(row.input_ids) for row in encode_request(predictor.template, predictor.config, request).rows)
+    exact = dataclasses.replace(predictor.config, max_tokens=longest, max_request_tokens=shape.tokens)
+    assert len(encode_request(predictor.template, exact, request).rows) == 3  # both budgets just met
+    with pytest.raises(OverBudget, match=f"the request is {shape.tokens} tokens .* budget of {shape.tokens - 1}"):
+        encode_request(predictor.template, dataclasses.replace(exact, max_request_tokens=shape.tokens - 1), request)
+    with pytest.raises(OverBudget, match=f"over the budget of {longest - 1}"):
+        encode_request(predictor.template, dataclasses.replace(exact, max_tokens=longest - 1), request)
 
 
 def test_a_cached_image_skips_preprocessing_and_the_vision_tower(deployable):

@@ -156,7 +156,7 @@ def test_every_invalid_request_gets_its_4xx_and_the_server_keeps_serving(served)
         (_post(served, {**good, "questions": {}}), 422),
         (_post(served, {**good, "questions": {"q": {"type": "choice", "criteria": {"only": None}}}}), 422),
         (_post(served, {**good, "questions": {"q": {"type": "box", "instructions": "where?"}}}), 422),
-        (_post(served, {**good, "state": "word " * 5000}), 413),  # over the 4,096-token budget
+        (_post(served, {**good, "state": "word " * 40000}), 413),  # over the 32,768-token budget of a row
         (_post(served, None, content=b"x" * (2**20 + 1), headers={"content-type": "application/json"}), 413),
         (_post(served, {**good, "model": "another-model"}), 404),
         (_post(served, None, content=b"{}", headers={"content-type": "application/json",
@@ -178,6 +178,22 @@ def test_every_invalid_request_gets_its_4xx_and_the_server_keeps_serving(served)
         client.system_one(state="hello", questions={"q": Choice(instructions="Pick", criteria={"only": None})})
     with _client(served, model="not-served") as client, pytest.raises(TypeSafeNotFoundError):
         client.system_one(state="hello", questions={"ok": Noul(instructions="ok?")})
+
+
+def test_a_255_option_choice_with_descriptions_is_answered_as_the_wire_format_requires(served, predictor):
+    """The conformance case: a choice of 255 options, each described, through the official client
+    (far over the old 4,096-token budget, within the wire format's 32,768)."""
+    options = {f"option {index}": f"the description of option number {index}, which is long enough to count"
+               for index in range(255)}
+    with _client(served) as client:
+        response = client.system_one(state="Which option fits the ticket?",
+                                     questions={"pick": Choice(instructions="Pick one.", criteria=options)})
+    probabilities = dict(response.choices["pick"].probabilities)
+    assert list(probabilities) == list(options) and sum(probabilities.values()) == pytest.approx(1.0)
+    alone = predictor.predict("Which option fits the ticket?", {"pick": {"type": "choice", "instructions": "Pick one.",
+                                                                           "criteria": options}})
+    assert probabilities == pytest.approx(alone["answers"]["pick"]["probabilities"], abs=1e-5)
+    assert alone["usage"]["input_tokens"] > 4096
 
 
 def test_concurrent_requests_are_batched_and_get_their_answers_alone(served, predictor):
