@@ -110,7 +110,8 @@ class DataConfig:
     mixture (`dohnuts.data.public`) from the raw files in `cache` (null: the Hugging Face
     cache), its `groups` (empty: all 26), reading at most `public_pool` hashed rows a group.
     `guard` names a file of text fingerprints (`dohnuts.data.guard`) whose rows leave every
-    partition, whatever the source.
+    partition, whatever the source. A group with no test rows fails `prepare` (it would never be
+    scored) unless `allow_untested_groups`.
     """
 
     source: str = "synthetic"
@@ -124,6 +125,7 @@ class DataConfig:
     groups: tuple[str, ...] = ()
     public_pool: int = 12000
     guard: str | None = None
+    allow_untested_groups: bool = False
 
     def __post_init__(self):
         _check(self.source in DATA_SOURCES, f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")

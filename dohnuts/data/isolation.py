@@ -3,7 +3,9 @@
 A held-out metric means something only if no row of it was seen in training. Hashing a state's
 index does not ensure that: two states with the same text (or the same pixels, or the same
 source record) could land on both sides. Here every state is a node. States are joined
-(union-find, across all groups) when they share a normalised state text, the SHA-256 of their
+(union-find, across all groups) by what identifies them: a normalised state text (beside an
+image, only a text of at least IDENTIFYING characters: a shared caption over different images
+joins nothing, a shared document with different photos still joins them), the SHA-256 of their
 decoded pixels, a source id, or a link (an id that a source knows ties records together: the
 photo of a collection, such as a COCO image two sources store with different bytes, or one
 utterance in two languages). Each joined component then goes whole into one partition, chosen
@@ -22,6 +24,9 @@ from dataclasses import dataclass
 
 PARTITIONS = ("train", "dev", "calibration", "test")
 PRIORITY = ("test", "dev", "calibration", "train")  # a joined component keeps the first present
+# The normalised characters from which a text beside an image identifies its state on its own
+# (about 40 words): a caption or a form's label is shorter, a document longer.
+IDENTIFYING = 256
 _SPACE = re.compile(r"\s+")
 
 
@@ -33,6 +38,15 @@ def normalise_text(text: str | None) -> str | None:
         return None
     normal = _SPACE.sub(" ", unicodedata.normalize("NFKC", text).casefold()).strip()
     return None if normal in ("", "{}") else normal
+
+
+def identifying_text(text: str | None, has_image: bool) -> str | None:
+    """The normalised text a state is joined by, or None: any text of a state without an image,
+    a text of at least IDENTIFYING characters beside one."""
+    normal = normalise_text(text)
+    if normal is None or (has_image and len(normal) < IDENTIFYING):
+        return None
+    return normal
 
 
 def stable_fraction(*parts) -> float:
@@ -80,7 +94,7 @@ class Unit:
     def join_keys(self) -> list[tuple[str, str]]:
         """What this state is joined by."""
         found = []
-        text = normalise_text(self.text)
+        text = identifying_text(self.text, self.image is not None)
         if text is not None:
             found.append(("text", text))
         if self.image is not None:
@@ -156,12 +170,13 @@ def assign(units: list[Unit], seed: int, fractions: dict) -> tuple[list[str | No
 
 
 def cross_partition(rows) -> dict:
-    """How many normalised state texts and image pixel digests occur in more than one partition
-    of written rows (columns partition, state, image_key): 0 and 0 when isolation held."""
+    """How many identifying state texts (`identifying_text`) and image pixel digests occur in
+    more than one partition of written rows (columns partition, state, image_key): 0 and 0 when
+    isolation held."""
     texts: dict[str, set] = {}
     images: dict[str, set] = {}
     for partition, state, image in zip(rows.partition, rows.state, rows.image_key):
-        text = normalise_text(state)
+        text = identifying_text(state, isinstance(image, str))
         if text is not None:
             texts.setdefault(text, set()).add(partition)
         if isinstance(image, str):

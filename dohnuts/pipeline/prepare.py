@@ -52,6 +52,10 @@ def exclusion(lengths: dict, train_tokens: int, inference_tokens: int, guard: fr
     return exclude
 
 
+class UntestedGroups(ValueError):
+    """A group has no test rows (and `data.allow_untested_groups` is off)."""
+
+
 def _text(state) -> str:
     if isinstance(state, str):
         return state
@@ -75,6 +79,8 @@ def prepare(model: ModelConfig, data: DataConfig, train_tokens: int, base_out: P
 
     Raises:
         RecordsError: invalid records (nothing is written), unless data.skip_invalid.
+        UntestedGroups: a group with no test rows (no partition is written), unless
+            data.allow_untested_groups.
     """
     guard = read_guard(Path(data.guard)) if data.guard else None
     states, problems, public = source_states(model, data)
@@ -87,6 +93,12 @@ def prepare(model: ModelConfig, data: DataConfig, train_tokens: int, base_out: P
                                                 exclusion(lengths, train_tokens, model.max_tokens, guard), train_cap)
     report = diagnose(states, problems, records, isolation, lengths,
                       {"training": train_tokens, "inference": model.max_tokens})
+    untested = sorted({state.group for state in states} - {row["group"] for row in records["test"]})
+    if untested and not data.allow_untested_groups:
+        raise UntestedGroups(f"groups with no test rows, so never scored: {untested}. Isolation joins states "
+                             f"that share an image, a source id, a link or an identifying text, and each joined "
+                             f"component lands whole in one partition: see runs/prepare's doctor report for each "
+                             f"group's partitions. Add states, or set data.allow_untested_groups: true")
     counts = {name: write_partition(rows, images, Path(data_root) / name, name, isolation)
               for name, rows in records.items()}
     summary = {"partitions": counts, "isolation": isolation, "doctor": report}

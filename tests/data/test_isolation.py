@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 from dohnuts.data import synthetic
-from dohnuts.data.isolation import PARTITIONS, Unit, assign, components, normalise_text
+from dohnuts.data.isolation import PARTITIONS, Unit, assign, components, cross_partition, normalise_text
 from dohnuts.data.records import load_records, write_mixture
 from dohnuts.inputs.pixels import image_key
 
@@ -29,6 +29,21 @@ def test_states_sharing_a_text_an_image_or_a_source_are_joined_across_groups():
     roots = components(units)
     assert roots[0] == roots[1] and roots[2] == roots[3] and roots[4] == roots[5]
     assert len({roots[0], roots[2], roots[4], roots[6], roots[7]}) == 5
+
+
+def test_a_shared_caption_over_different_images_joins_nothing_and_a_shared_document_does():
+    caption = '{"caption": "a scanned form"}'
+    document = "The agreement between the parties covers delivery, payment and returns. " * 4  # over 256 characters
+    units = [Unit("forms", caption, image=f"pixels-{index}") for index in range(3)]
+    units += [Unit("claims", document, image="photo-1"), Unit("claims", document, image="photo-2")]
+    units += [Unit("tickets", "short"), Unit("tickets", "SHORT")]  # no image: any shared text joins
+    roots = components(units)
+    assert len({roots[0], roots[1], roots[2]}) == 3
+    assert roots[3] == roots[4] and roots[5] == roots[6]
+    rows = pd.DataFrame({"partition": ["train", "test", "train", "test", "train", "test"],
+                         "state": [caption, caption, document, document, "short", "short"],
+                         "image_key": ["pixels-0", "pixels-1", "photo-1", "photo-2", None, None]})
+    assert cross_partition(rows) == {"texts": 2, "images": 0}  # the document and the text state, not the caption
 
 
 def test_one_photo_stored_with_different_bytes_by_two_groups_is_joined_by_a_link_to_the_photo():
@@ -58,8 +73,9 @@ def test_training_rows_of_a_source_with_official_splits_are_hashed_only_among_th
 
 
 def test_joins_are_transitive_and_a_component_lands_whole_in_one_partition():
-    units = [Unit("g", f"text {i}", image=f"image {i // 2}") for i in range(6)]  # pairs share an image
-    units += [Unit("g", "text 1", source="s"), Unit("h", "other", source="s")]  # a chain: 1 - 6 - 7
+    document = "a document long enough to identify its state beside an image. " * 5
+    units = [Unit("g", document if i == 1 else f"text {i}", image=f"image {i // 2}") for i in range(6)]  # pairs
+    units += [Unit("g", document, source="s"), Unit("h", "other", source="s")]  # a chain: 1 - 6 - 7
     roots = components(units)
     assert roots[0] == roots[1] == roots[6] == roots[7]
     for seed in range(20):

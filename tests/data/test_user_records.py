@@ -12,7 +12,7 @@ from dohnuts.config import DataConfig, ModelConfig
 from dohnuts.data.isolation import PARTITIONS
 from dohnuts.data.records import partition_rows
 from dohnuts.data.user_records import RecordsError, read_records
-from dohnuts.pipeline.prepare import prepare
+from dohnuts.pipeline.prepare import UntestedGroups, prepare
 
 QUESTIONS = {
     "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments", "tech": ""}},
@@ -126,6 +126,18 @@ def test_every_mistake_of_one_record_is_listed_not_only_the_first(tmp_path):
     assert len(reasons) == len(expected)
     for reason, start in zip(reasons, sorted(expected)):
         assert reason.startswith(start), (reason, start)
+
+
+def test_a_group_with_no_test_rows_stops_prepare_unless_allowed(tmp_path):
+    _write(tmp_path / "tickets.jsonl", [_record(index) for index in range(40)])
+    _write(tmp_path / "tiny.jsonl", [_record(100 + index, split="train") for index in range(3)])
+    out = tmp_path / "runs" / "prepare"
+    with pytest.raises(UntestedGroups, match=r"groups with no test rows, so never scored: \['tiny'\]"):
+        prepare(ModelConfig(), DataConfig(source="records", path=str(tmp_path)), 2048, out / "base", out)
+    assert not (out / "test").exists()  # no partition written
+    summary = prepare(ModelConfig(), DataConfig(source="records", path=str(tmp_path), allow_untested_groups=True),
+                      2048, out / "base", out)
+    assert "tiny" not in summary["partitions"]["test"]["groups"] and summary["partitions"]["train"]["rows"] > 0
 
 
 def test_skip_invalid_drops_bad_records_and_the_doctor_counts_them(tmp_path):
