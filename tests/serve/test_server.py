@@ -14,29 +14,17 @@ from PIL import Image
 from typesafe_sdk import (
     Choice,
     Noul,
-    Score,
     TypeSafeAuthenticationError,
     TypeSafeClient,
     TypeSafeNotFoundError,
     TypeSafeUnprocessableEntityError,
 )
 from typesafe_sdk import Image as SdkImage
+from wire_questions import OURS, QUESTIONS
 
 from dohnuts import Predictor
 from dohnuts.serve.app import create_app
 from dohnuts.serve.wire import IMAGE_MARKER, choice_confidence, score_confidence
-
-QUESTIONS = {
-    "refund": Noul(instructions="Does the customer ask for a refund?"),
-    "team": Choice(instructions="Which team?", criteria={"billing": "payments", "tech": None}),
-    "urgency": Score(instructions="How urgent?", criteria=["not urgent", "this week", "today"]),
-}
-OURS = {  # the same questions as Predictor.predict takes them
-    "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
-    "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments", "tech": ""}},
-    "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["not urgent", "this week", "today"]},
-}
-
 
 PLACEHOLDERS = ["<image:" + digit * 32 + ">" for digit in "01"]
 

@@ -15,22 +15,13 @@ import time
 import httpx2
 import pytest
 from PIL import Image
-from typesafe_sdk import Choice, Noul, Score, TypeSafeClient
 from typesafe_sdk import Image as SdkImage
+from typesafe_sdk import TypeSafeClient
+from wire_questions import OURS, QUESTIONS
 
 from dohnuts import Predictor
 from dohnuts.serve.wire import IMAGE_MARKER
 
-QUESTIONS = {
-    "refund": Noul(instructions="Does the customer ask for a refund?"),
-    "team": Choice(instructions="Which team?", criteria={"billing": "payments", "tech": None}),
-    "urgency": Score(instructions="How urgent?", criteria=["not urgent", "this week", "today"]),
-}
-OURS = {  # the same questions as Predictor.predict takes them
-    "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
-    "team": {"type": "choice", "instructions": "Which team?", "criteria": {"billing": "payments", "tech": ""}},
-    "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["not urgent", "this week", "today"]},
-}
 BODY = {"model": "jev-latest", "state": "I was billed twice",
         "questions": {"refund": {"type": "noul", "instructions": "Refund asked?"}}}
 STARTED = re.compile(r"started dohnuts-(engine|front)-(\d+) \(pid (\d+)\)")
