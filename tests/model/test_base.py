@@ -30,7 +30,7 @@ def test_embedded_base_is_a_hybrid_qwen3_5_in_hugging_face_format(tiny):
 
 
 def test_embedded_base_is_reproducible_from_its_seed(tiny, tmp_path):
-    prepare(tiny.model, DataConfig(states_per_group=8), 2048, tmp_path / "base", tmp_path)
+    prepare(tiny.model, DataConfig(states_per_group=8, allow_untested_groups=True), 2048, tmp_path / "base", tmp_path)
     first = load_backbone(tiny.base, torch.float32).state_dict()
     second = load_backbone(tmp_path / "base", torch.float32).state_dict()
     assert all(torch.equal(first[key], second[key]) for key in first)
@@ -41,7 +41,7 @@ def test_missing_hub_snapshot_fails_clearly_and_writes_nothing(tmp_path, monkeyp
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
     model = ModelConfig(base="Qwen/Qwen3.5-0.8B", revision="2fc06364715b967f1860aea9cf38778875588b17")
     with pytest.raises(RuntimeError, match="Qwen/Qwen3.5-0.8B@2fc06364715b967f1860aea9cf38778875588b17 is not in"):
-        prepare(model, DataConfig(states_per_group=8), 2048, tmp_path / "base", tmp_path)
+        prepare(model, DataConfig(states_per_group=8, allow_untested_groups=True), 2048, tmp_path / "base", tmp_path)
     assert not (tmp_path / "base").exists()
     assert not (tmp_path / "train").exists()
 
