@@ -14,6 +14,7 @@ QUESTION_TYPES = ("choice", "noul", "score")
 QUESTION_KEYS = frozenset({"type", "instructions", "criteria"})
 MIN_CANDIDATES = 2
 MAX_CANDIDATES = 255  # the wire format's bound on choice options (score levels: 10 there)
+MAX_QUESTIONS = 256  # questions a request; beyond, one request would hold an engine for seconds
 NOUL_DEFAULTS = {
     "false": "no, the statement does not hold",
     "true": "yes, the statement holds",
@@ -74,6 +75,8 @@ def parse_request(state, questions, reserved: Sequence[str] = ()) -> Request:
         raise TypeError(f"questions must be a mapping qid -> question, got {type(questions).__name__}")
     if not questions:
         raise ValueError("questions is empty: a request needs at least one question")
+    if len(questions) > MAX_QUESTIONS:
+        raise ValueError(f"the request has {len(questions)} questions, over the limit of {MAX_QUESTIONS} a request")
     parsed = tuple(_parse_question(qid, question) for qid, question in questions.items())
     texts = [state_text] + [text for question in parsed for text in (question.instructions, *question.candidates)]
     # One scan of all texts (no reserved token holds NUL, so none matches across a join);

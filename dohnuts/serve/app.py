@@ -16,16 +16,17 @@ with Retry-After while no engine can answer (loading, restarting) or the server 
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import hmac
 import io
-import json
 import time
 import uuid
 import zlib
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.requests import Request as StarletteRequest
@@ -112,10 +113,18 @@ def decompressed(data: bytes, encoding: str, limit: int) -> bytes:
 
 
 async def _body_and_parts(request: Request, limit: int) -> tuple[object, dict[str, bytes]]:
-    """The request's JSON body and its multipart parts (name -> bytes), decompressed."""
-    raw = await request.body()
-    if len(raw) > limit:
-        raise WireError(f"the request body is over {limit} bytes", status=413)
+    """The request's JSON body and its multipart parts (name -> bytes), decompressed; a body over
+    `limit` bytes (as declared, as read, or decompressed) is refused as soon as that is known."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise WireError(f"the request body is {int(declared)} bytes, over {limit}", status=413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise WireError(f"the request body is over {limit} bytes", status=413)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     data = decompressed(raw, request.headers.get("content-encoding", ""), limit)
     content_type = request.headers.get("content-type", "application/json")
     parts: dict[str, bytes] = {}
@@ -132,9 +141,9 @@ async def _body_and_parts(request: Request, limit: int) -> tuple[object, dict[st
         if "request" not in parts:
             raise WireError("a multipart request needs its JSON in a part named 'request'")
         data = parts.pop("request")
-    try:
-        return json.loads(data), parts
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    try:  # orjson refuses nesting past 1,024 levels: a deep body is a 422, never a RecursionError
+        return orjson.loads(data), parts
+    except orjson.JSONDecodeError as error:
         raise WireError(f"the body is not valid JSON ({error})", error_type="json_invalid") from None
 
 
@@ -204,7 +213,10 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
                           "the model is still loading", RETRY)
         try:
             body, parts = await _body_and_parts(request, max_body_bytes)
-            state_value, questions, model = parse_system_one(body, parts)
+            if parts or (isinstance(body, dict) and body.get("assets")):  # images decode off the event loop
+                state_value, questions, model = await asyncio.to_thread(parse_system_one, body, parts)
+            else:
+                state_value, questions, model = parse_system_one(body, parts)
         except WireError as error:
             if error.status == 422:
                 return _invalid(str(error), error.loc, error.error_type)
@@ -238,7 +250,9 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
         return {"status": "ready", "model": model_name}
 
     @app.get("/metrics")
-    async def prometheus():
+    async def prometheus(request: Request):
+        if not authorised(request):  # the same key as the API's, when one is set
+            return _error(401, "authentication_error", "a valid API key is required: Authorization: Bearer <key>")
         if front.engines is not None:
             counted.in_flight.set(front.engines.depth)
         text, kind = exposition()

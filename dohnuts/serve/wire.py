@@ -17,6 +17,9 @@ REFERENCE_PATTERN = re.compile(r"<image:[0-9a-f]{32}>")
 TOP_LEVEL = "images go at the top level of the state, as the whole state or as one of its values"
 
 
+MAX_IMAGE_PIXELS = 40_000_000  # an image's width x height, read from its header before decoding
+
+
 class WireError(ValueError):
     """A request the wire format or this model cannot take: its HTTP status, error type, and where."""
 
@@ -239,7 +242,14 @@ def _decode(key: str, asset: Mapping, parts: dict[str, bytes] | None) -> Image.I
         raise WireError(f"asset {key!r} is empty", loc=loc)
     try:
         with Image.open(io.BytesIO(data)) as image:
+            # The header's size, before any decoding: a small file may decode to gigabytes.
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise WireError(f"asset {key!r} is {width} x {height} pixels, over this server's limit of "
+                                f"{MAX_IMAGE_PIXELS:,}", status=413, loc=loc)
             return image.convert("RGB")
+    except WireError:
+        raise
     except Exception as error:  # Pillow's decoders raise many types: OSError, SyntaxError, bomb errors...
         raise WireError(f"asset {key!r} is not an image this server can decode: {error}", loc=loc) from None
 

@@ -1,7 +1,9 @@
 """The /v1/systemone server on a loopback port, driven by TypeSafe's official client."""
 
+import base64
 import concurrent.futures
 import gzip
+import io
 import json
 import socket
 import threading
@@ -118,6 +120,16 @@ def test_a_large_zstd_or_gzip_body_is_decoded(served, predictor):
         alone["refund"]["noul"], abs=1e-6)
 
 
+def test_metrics_need_the_api_key_when_one_is_set(predictor):
+    locked = Served(create_app(predictor, "dohnuts-tiny", api_key="s3cret"))
+    try:
+        assert httpx2.get(f"{locked.url}/metrics").status_code == 401
+        answered = httpx2.get(f"{locked.url}/metrics", headers={"authorization": "Bearer s3cret"})
+        assert answered.status_code == 200 and "dohnuts_requests_total" in answered.text
+    finally:
+        locked.close()
+
+
 def test_an_api_key_is_checked_when_configured_and_ignored_when_not(predictor, served):
     locked = Served(create_app(predictor, "dohnuts-tiny", api_key="s3cret"))
     try:
@@ -131,6 +143,16 @@ def test_an_api_key_is_checked_when_configured_and_ignored_when_not(predictor, s
         locked.close()
     with _client(served, key="anything-at-all") as client:  # auth off: any key is accepted
         assert client.system_one(state="hello", questions={"ok": Noul(instructions="Is it ok?")}).nouls["ok"]
+
+
+def _bomb() -> str:
+    """A PNG whose header says 12,000 x 9,000 pixels in about 100 KB: one colour compresses to little."""
+    buffer = io.BytesIO()
+    Image.new("1", (12000, 9000)).save(buffer, format="PNG", optimize=True)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+BOMB = _bomb()
 
 
 def _post(server, body, **options):
@@ -153,6 +175,11 @@ def test_every_invalid_request_gets_its_4xx_and_the_server_keeps_serving(served)
         (_post(served, {**good, "state": {"a": PLACEHOLDERS[0], "b": PLACEHOLDERS[1]},
                         "assets": {key: {"type": "image", "format": "png", "data_base64": "AA=="}
                                    for key in PLACEHOLDERS}}), 422),  # two images
+        (_post(served, None, content=b"[" * 100_000 + b"]" * 100_000,
+               headers={"content-type": "application/json"}), 422),  # nested past the parser's depth limit
+        (_post(served, {**good, "questions": {f"q{i}": {"type": "noul"} for i in range(2000)}}), 422),
+        (_post(served, {**good, "state": {"photo": PLACEHOLDERS[0]},  # 105 KB of PNG, 108 megapixels decoded
+                        "assets": {PLACEHOLDERS[0]: {"type": "image", "format": "png", "data_base64": BOMB}}}), 413),
     ]
     for response, status in cases:
         assert response.status_code == status, response.text
@@ -161,6 +188,9 @@ def test_every_invalid_request_gets_its_4xx_and_the_server_keeps_serving(served)
         assert (isinstance(detail, list) and detail[0]["msg"]) if status == 422 else detail["message"]
     schema = cases[2][0].json()["detail"][0]["msg"]
     assert "question 'q' has 1 candidates" in schema  # the message predict raises
+    assert "depth limit" in cases[-3][0].json()["detail"][0]["msg"]
+    assert "2000 questions, over the limit of 256" in cases[-2][0].json()["detail"][0]["msg"]
+    assert "12000 x 9000 pixels, over this server's limit" in cases[-1][0].json()["detail"]["message"]
     assert _post(served, good).status_code == 200
     with _client(served) as client, pytest.raises(TypeSafeUnprocessableEntityError):
         client.system_one(state="hello", questions={"q": Choice(instructions="Pick", criteria={"only": None})})
