@@ -43,6 +43,7 @@ ALIAS = "jev-latest"  # the official client's default model name
 REQUEST_ID = "x-typesafe-request-id"
 MAX_BODY_BYTES = 32 * 2**20  # after decompression
 RETRY = {"Retry-After": "1", "retry-after-ms": "200"}
+MAX_IN_FLIGHT = 1024  # requests a front end holds at once (each engine queues 4,096)
 
 
 @dataclass
@@ -164,11 +165,12 @@ def create_app(predictor, model_name: str, api_key: str | None = None, release_d
 
 
 def front_app(front: Front, model_name: str, api_key: str | None = None, release_date: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES, start=None) -> FastAPI:
+              max_body_bytes: int = MAX_BODY_BYTES, start=None, max_in_flight: int = MAX_IN_FLIGHT) -> FastAPI:
     """A front end: requests named `model_name` or `jev-latest`, checked against `api_key` when
     one is given (a Bearer token is accepted and ignored when not). `start()`, when given, makes
-    the engines at startup (returning them); they are closed at shutdown."""
-    state = {"stopping": False}
+    the engines at startup (returning them); they are closed at shutdown. Past `max_in_flight`
+    requests at once, a request is refused with 429 and Retry-After before any work."""
+    state = {"stopping": False, "in_flight": 0}
     released = release_date or datetime.date.today().isoformat()
     counted = metrics()
 
@@ -199,7 +201,15 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
     @app.post("/v1/systemone")
     async def system_one(request: Request):
         started = time.monotonic()
-        response = await _answer(request)
+        if state["in_flight"] >= max_in_flight:
+            response = _error(429, "rate_limit_error", f"the server holds {max_in_flight} requests at once on this "
+                                                       f"front end; retry shortly", RETRY)
+        else:
+            state["in_flight"] += 1
+            try:
+                response = await _answer(request)
+            finally:
+                state["in_flight"] -= 1
         counted.requests.labels(str(response.status_code)).inc()
         counted.latency.observe(time.monotonic() - started)
         return response

@@ -1,5 +1,6 @@
 """The /v1/systemone server on a loopback port, driven by TypeSafe's official client."""
 
+import asyncio
 import base64
 import concurrent.futures
 import gzip
@@ -10,6 +11,7 @@ import threading
 import time
 
 import httpx2
+import numpy as np
 import pytest
 import uvicorn
 from PIL import Image
@@ -25,7 +27,7 @@ from typesafe_sdk import Image as SdkImage
 from wire_questions import OURS, QUESTIONS
 
 from dohnuts import Predictor
-from dohnuts.serve.app import create_app
+from dohnuts.serve.app import Front, create_app, front_app
 from dohnuts.serve.wire import IMAGE_MARKER, choice_confidence, score_confidence
 
 PLACEHOLDERS = ["<image:" + digit * 32 + ">" for digit in "01"]
@@ -118,6 +120,47 @@ def test_a_large_zstd_or_gzip_body_is_decoded(served, predictor):
                           headers={"content-type": "application/json", "content-encoding": "gzip"})
     assert gzipped.status_code == 200 and gzipped.json()["answers"]["refund"]["noul"] == pytest.approx(
         alone["refund"]["noul"], abs=1e-6)
+
+
+class HeldEngines:
+    """Engines that answer (zero logits) only once `release` is set: requests stay in flight."""
+
+    ready, depth = True, 0
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.held = 0  # requests submitted so far
+
+    async def submit(self, request):
+        self.held += 1
+        while not self.release.is_set():
+            await asyncio.sleep(0.01)
+        return np.zeros((len(request.rows), max(len(row.markers) for row in request.rows)), dtype=np.float32)
+
+    def close(self):
+        self.release.set()
+
+
+def test_a_front_end_refuses_past_its_requests_in_flight_with_429(predictor):
+    engines = HeldEngines()
+    front = Front(predictor.template, predictor.config, predictor.temperatures, engines)
+    held = Served(front_app(front, "dohnuts-tiny", max_in_flight=2))
+    body = {"model": "jev-latest", "state": "hello", "questions": {"ok": {"type": "noul"}}}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+            waiting = [pool.submit(_post, held, body) for _ in range(2)]
+            deadline = time.monotonic() + 30
+            while engines.held < 2:  # both are held by the engines
+                assert time.monotonic() < deadline, "the two requests never reached the engines"
+                time.sleep(0.01)
+            refused = _post(held, body)
+            engines.release.set()
+            answered = [future.result().status_code for future in waiting]
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert "2 requests at once" in refused.json()["detail"]["message"]
+        assert answered == [200, 200] and _post(held, body).status_code == 200
+    finally:
+        held.close()
 
 
 def test_metrics_need_the_api_key_when_one_is_set(predictor):
