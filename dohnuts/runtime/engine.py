@@ -36,11 +36,14 @@ STAGES = ("queue", "prepare", "run", "finish")  # where an invocation's requests
 
 
 class EncodedRequest(NamedTuple):
-    """One request as the engine takes it: its rows in question order and its image (None when
-    it has none). The rows' `question` may be None: the engine reads only tokens and markers."""
+    """One request as the engine takes it: its rows in question order, its image (None when it
+    has none) and its deadline (`time.monotonic()` seconds, the same clock for every process of
+    a host; None: none). The rows' `question` may be None: the engine reads only tokens and
+    markers."""
 
     rows: list[Row]
     image: EncodedImage | None = None
+    deadline: float | None = None
 
 
 def request_shape(request: EncodedRequest, rows: Sequence[int] | None = None) -> Shape:
@@ -352,7 +355,10 @@ class EngineLoop:
         shape is admitted; [] when none waits and `block` is off; None once closed with none
         waiting."""
         with self.condition:
-            while not self.waiting:
+            while True:
+                self._drop_expired()
+                if self.waiting:
+                    break
                 if self.closed:
                     return None
                 if not block:
@@ -370,6 +376,21 @@ class EngineLoop:
                 taken, shape = taken + 1, joined
             batch, self.waiting = self.waiting[:taken], self.waiting[taken:]
             return batch
+
+    def _drop_expired(self) -> None:
+        """Drop the waiting requests whose deadline has passed (the condition is held)."""
+        self.waiting = self._unexpired(self.waiting)
+
+    def _unexpired(self, batch: list[_Waiting]) -> list[_Waiting]:
+        """`batch` without the requests whose deadline has passed, which are answered `Expired`:
+        their work is dropped before it starts."""
+        now = time.monotonic()
+        expired = [waiting for waiting in batch if waiting.request.deadline is not None
+                   and waiting.request.deadline <= now]
+        if not expired:
+            return batch
+        self._reply(expired, Expired("the request's deadline passed before it ran"))
+        return [waiting for waiting in batch if waiting not in expired]
 
     def _idle(self) -> None:
         """One deferred capture, the condition's lock released meanwhile (submit goes on). A
@@ -404,20 +425,24 @@ class EngineLoop:
                 return
             launched = None
             if batch:
-                now = time.monotonic()
-                for waiting in batch:
-                    waiting.waited = now - waiting.enqueued
-                requests = [waiting.request for waiting in batch]
-                invocations = self._guarded(plan, requests, self.engine.admits)
-                if isinstance(invocations, BaseException) or len(invocations) > 1:
-                    if running is not None:  # the one running is answered first
+                with self.lock:  # held from the last deadline check to the launch
+                    batch = self._unexpired(batch)
+                    now = time.monotonic()
+                    for waiting in batch:
+                        waiting.waited = now - waiting.enqueued
+                    requests = [waiting.request for waiting in batch]
+                    invocations = self._guarded(plan, requests, self.engine.admits) if batch else []
+                    several = isinstance(invocations, BaseException) or len(invocations) > 1
+                    if batch and not several:
+                        launched = self._guarded(self.engine.launch, requests, invocations[0]), batch
+                if several:  # over one invocation: the one running is answered first
+                    if running is not None:
                         self._finish(*running)
                         running = None
                     results = invocations if isinstance(invocations, BaseException) else self._guarded(
                         self.engine.run, requests)
                     self._answer(batch, results)
                     continue
-                launched = self._guarded(self.engine.launch, requests, invocations[0]), batch
             if running is not None:
                 self._finish(*running)
             running = launched
@@ -480,3 +505,7 @@ class Overloaded(RuntimeError):
 
 class Closed(RuntimeError):
     """The engine was closed: it takes no more requests."""
+
+
+class Expired(RuntimeError):
+    """The request's deadline passed before the engine ran it: its work was dropped."""

@@ -24,7 +24,7 @@ import torch
 
 from ..inputs.batch import Row
 from .checkpoint import load_engine
-from .engine import Closed, EncodedRequest, Engine, EngineLoop, Overloaded
+from .engine import Closed, EncodedRequest, Engine, EngineLoop, Expired, Overloaded
 from .messages import pack_error, pack_logits, unpack_request
 from .metrics import Counting, metrics
 
@@ -73,7 +73,9 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
 
     def answer(identity: bytes, request_id: int):
         def reply(result) -> None:
-            if isinstance(result, BaseException):
+            if isinstance(result, Expired):
+                message = pack_error(request_id, "expired", str(result))
+            elif isinstance(result, BaseException):
                 message = pack_error(request_id, "failed", f"{type(result).__name__}: {result}")
             else:
                 message = pack_logits(request_id, np.asarray(result))

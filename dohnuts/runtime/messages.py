@@ -1,12 +1,13 @@
 """What a server's front ends and engines say to each other, as msgpack: encoded requests one
 way (token ids, marker positions, an image's key, grid and RGB bytes), logits or an error back.
 
-    request: [id, [[ids int32 bytes, markers int32 bytes, shared], ...], image]
+    request: [id, [[ids int32 bytes, markers int32 bytes, shared], ...], image, deadline]
              image: None, or [key, [t, h, w], height, width, RGB bytes]
+             deadline: None, or time.monotonic() seconds (one clock for a host's processes)
     reply:   [id, "logits", rows, columns, float32 bytes]  or  [id, "error", kind, message]
 
-Error kinds: "overloaded" (the engine's queue is full), "closed" (it is stopping), "failed"
-(the invocation failed).
+Error kinds: "overloaded" (the engine's queue is full), "closed" (it is stopping), "expired"
+(the deadline passed before it ran), "failed" (the invocation failed).
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ def pack_request(request_id: int, request: EncodedRequest) -> bytes:
             raise ValueError("an image crosses to the engine as its RGB bytes: encode it with pixel settings")
         height, width = image.pixel_values.shape[:2]
         image = [image.key, image.grid_thw[0].tolist(), height, width, image.pixel_values.numpy().tobytes()]
-    return msgpack.packb([request_id, rows, image], use_bin_type=True)
+    return msgpack.packb([request_id, rows, image, request.deadline], use_bin_type=True)
 
 
 def unpack_request(message: bytes, settings: PixelSettings | None) -> tuple[int, EncodedRequest]:
     """(id, encoded request) of a request message; `settings` turn its image's bytes into patches."""
-    request_id, rows, image = msgpack.unpackb(message, raw=False)
+    request_id, rows, image, deadline = msgpack.unpackb(message, raw=False)
     encoded_image, grid = None, None
     if image is not None:
         key, thw, height, width, pixels = image
@@ -47,7 +48,7 @@ def unpack_request(message: bytes, settings: PixelSettings | None) -> tuple[int,
         grid = (thw[1] // SPATIAL_MERGE, thw[2] // SPATIAL_MERGE)
     made = [Row(_ints(ids), _ints(markers), None, shared, 0 if image is not None else None, grid)
             for ids, markers, shared in rows]
-    return request_id, EncodedRequest(made, encoded_image)
+    return request_id, EncodedRequest(made, encoded_image, deadline)
 
 
 def _ints(data: bytes) -> tuple[int, ...]:

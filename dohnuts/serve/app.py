@@ -36,7 +36,7 @@ from ..inputs.template import OverBudget, Template
 from ..runtime.metrics import exposition, metrics
 from ..runtime.predict import answers_of, candidate_mask, encode_request
 from ..schema import parse_request
-from .engines import Closed, EngineFailed, LocalEngine, Overloaded, Unavailable
+from .engines import Closed, EngineFailed, Expired, LocalEngine, Overloaded, Unavailable
 from .wire import WireError, parse_system_one, render_response
 
 ALIAS = "jev-latest"  # the official client's default model name
@@ -44,6 +44,8 @@ REQUEST_ID = "x-typesafe-request-id"
 MAX_BODY_BYTES = 32 * 2**20  # after decompression
 RETRY = {"Retry-After": "1", "retry-after-ms": "200"}
 MAX_IN_FLIGHT = 1024  # requests a front end holds at once (each engine queues 4,096)
+DEADLINE = 60.0  # seconds a request may take unless its header says otherwise
+DEADLINE_HEADER = "x-dohnuts-deadline-ms"  # a request's own time budget, in milliseconds from its arrival
 
 
 @dataclass
@@ -56,17 +58,17 @@ class Front:
     temperatures: dict[str, float]
     engines: object
 
-    async def answer(self, state, questions) -> dict:
-        """The `predict` result of one request.
+    async def answer(self, state, questions, deadline: float | None = None) -> dict:
+        """The `predict` result of one request, due by `deadline` (`time.monotonic()` seconds).
 
         Raises:
             TypeError, ValueError (OverBudget among them): an invalid request; Overloaded,
-            Unavailable, Closed: from the engines.
+            Unavailable, Closed, Expired, EngineFailed: from the engines.
         """
         stages = metrics().stages
         begun = time.perf_counter()
         request = parse_request(state, questions, self.template.reserved)
-        encoded = encode_request(self.template, self.config, request)
+        encoded = encode_request(self.template, self.config, request)._replace(deadline=deadline)
         stages.labels("encode").observe(time.perf_counter() - begun)
         logits = await self.engines.submit(encoded)
         begun = time.perf_counter()
@@ -165,11 +167,14 @@ def create_app(predictor, model_name: str, api_key: str | None = None, release_d
 
 
 def front_app(front: Front, model_name: str, api_key: str | None = None, release_date: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES, start=None, max_in_flight: int = MAX_IN_FLIGHT) -> FastAPI:
+              max_body_bytes: int = MAX_BODY_BYTES, start=None, max_in_flight: int = MAX_IN_FLIGHT,
+              deadline: float = DEADLINE) -> FastAPI:
     """A front end: requests named `model_name` or `jev-latest`, checked against `api_key` when
     one is given (a Bearer token is accepted and ignored when not). `start()`, when given, makes
     the engines at startup (returning them); they are closed at shutdown. Past `max_in_flight`
-    requests at once, a request is refused with 429 and Retry-After before any work."""
+    requests at once, a request is refused with 429 and Retry-After before any work. A request
+    is due `deadline` seconds after it arrives, or as its DEADLINE_HEADER (milliseconds) says:
+    past it, it is answered 504 and its work dropped if it has not started."""
     state = {"stopping": False, "in_flight": 0}
     released = release_date or datetime.date.today().isoformat()
     counted = metrics()
@@ -214,6 +219,24 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
         counted.latency.observe(time.monotonic() - started)
         return response
 
+    def due(request: Request) -> float:
+        """When the request is due (time.monotonic()), from its header or the server's default.
+
+        Raises:
+            WireError: a header that is not a positive number of milliseconds.
+        """
+        header = request.headers.get(DEADLINE_HEADER)
+        if header is None:
+            return time.monotonic() + deadline
+        try:
+            milliseconds = float(header)
+        except ValueError:
+            milliseconds = -1.0
+        if not 0 < milliseconds < float("inf"):
+            raise WireError(f"{DEADLINE_HEADER} must be a positive number of milliseconds, got {header!r}",
+                            loc=("header", DEADLINE_HEADER))
+        return time.monotonic() + milliseconds / 1000
+
     async def _answer(request: Request) -> Response:
         if not authorised(request):
             return _error(401, "authentication_error", "a valid API key is required: Authorization: Bearer <key>")
@@ -222,6 +245,7 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
             return _error(503, "overloaded_error", "the server is stopping" if state["stopping"] else
                           "the model is still loading", RETRY)
         try:
+            due_at = due(request)
             body, parts = await _body_and_parts(request, max_body_bytes)
             if parts or (isinstance(body, dict) and body.get("assets")):  # images decode off the event loop
                 state_value, questions, model = await asyncio.to_thread(parse_system_one, body, parts)
@@ -235,7 +259,7 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
             return _error(404, "not_found_error", f"model {model!r} is not served here; this server serves "
                                                   f"{model_name!r} (or {ALIAS!r})")
         try:
-            result = await front.answer(state_value, questions)
+            result = await front.answer(state_value, questions, due_at)
         except OverBudget as error:
             return _error(413, "request_too_large", str(error))
         except (TypeError, ValueError) as error:  # the schema's own message, as `predict` raises it
@@ -244,6 +268,8 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
             return _error(429, "rate_limit_error", f"the server is busy ({error}); retry shortly", RETRY)
         except (Unavailable, Closed) as error:
             return _error(503, "overloaded_error", f"the model cannot answer now ({error}); retry shortly", RETRY)
+        except Expired as error:
+            return _error(504, "timeout_error", f"{error}: not answered in time")
         except EngineFailed as error:
             return _error(500, "api_error", f"the model failed on this request ({error})")
         return JSONResponse(render_response(result, questions, model_name))

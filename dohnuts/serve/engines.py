@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 import zlib
 
 import numpy as np
 
-from ..runtime.engine import Closed, EncodedRequest, EngineLoop, Overloaded
+from ..runtime.engine import Closed, EncodedRequest, EngineLoop, Expired, Overloaded
 from ..runtime.engine_process import READY
 from ..runtime.metrics import Counting
 
-__all__ = ["Closed", "EngineFailed", "LocalEngine", "Overloaded", "RemoteEngines", "Unavailable"]
+__all__ = ["Closed", "EngineFailed", "Expired", "LocalEngine", "Overloaded", "RemoteEngines", "Unavailable"]
 
 
 class Unavailable(RuntimeError):
@@ -60,14 +61,36 @@ class LocalEngine:
 
         self.loop.submit(request, reply)
         try:
-            return await future
-        except (Overloaded, Closed):
+            return await _within(future, request.deadline)
+        except (Overloaded, Closed, Expired):
             raise
         except Exception as error:  # noqa: BLE001 - whatever failed in the invocation is the server's
             raise EngineFailed(f"{type(error).__name__}: {error}") from error
 
     def close(self) -> None:
         self.loop.close()
+
+
+async def _within(future: asyncio.Future, deadline: float | None, longest: float | None = None):
+    """The future's result, waiting until `deadline` (monotonic seconds) and at most `longest`
+    seconds; past the request's own deadline, `Expired`.
+
+    Raises:
+        Expired: the deadline passed first; TimeoutError: `longest` passed first.
+    """
+    wait = longest
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            future.cancel()
+            raise Expired("the request's deadline passed")
+        wait = left if wait is None else min(wait, left)
+    try:
+        return await asyncio.wait_for(future, wait)
+    except TimeoutError:
+        if deadline is not None and time.monotonic() >= deadline:
+            raise Expired("the request's deadline passed before its answer came") from None
+        raise
 
 
 def _settle(future: asyncio.Future, result) -> None:
@@ -129,7 +152,7 @@ class RemoteEngines:
                 continue  # answered after its caller gave up, or by an engine since restarted
             if isinstance(result, tuple):
                 kind, message = result
-                error = {"overloaded": Overloaded, "closed": Unavailable}.get(kind, EngineFailed)
+                error = {"overloaded": Overloaded, "closed": Unavailable, "expired": Expired}.get(kind, EngineFailed)
                 future.set_exception(error(message))
             else:
                 future.set_result(result)
@@ -185,7 +208,7 @@ class RemoteEngines:
             self.waiting[index].pop(request_id, None)
             raise Unavailable("the engine is not connected: retry") from error
         try:
-            return await asyncio.wait_for(future, self.deadline)
+            return await _within(future, request.deadline, self.deadline)
         except TimeoutError as error:
             raise Unavailable(f"no answer from the engine in {self.deadline:.0f} s") from error
         finally:

@@ -2,6 +2,7 @@
 batches answering each request as it is answered alone (float32 on the CPU, 1e-5)."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -9,7 +10,17 @@ from helpers import square_image, state_of_tokens
 
 from dohnuts import Predictor
 from dohnuts.runtime.buckets import Bucket, Shape, batch_shape, fits
-from dohnuts.runtime.engine import Closed, EngineLoop, Overloaded, Piece, parts_of, per_request, plan, request_shape
+from dohnuts.runtime.engine import (
+    Closed,
+    EngineLoop,
+    Expired,
+    Overloaded,
+    Piece,
+    parts_of,
+    per_request,
+    plan,
+    request_shape,
+)
 
 QUESTIONS = {
     "colour": {"type": "choice", "instructions": "What colour is it?", "criteria": ["red", "green", "blue", "cyan"]},
@@ -152,3 +163,21 @@ def test_a_closed_or_full_loop_refuses_new_requests(predictor):
     loop.close()
     with pytest.raises(Closed):
         loop.submit(encoded[2], lambda result: None)
+
+
+def test_a_request_past_its_deadline_is_dropped_before_it_runs(predictor):
+    encoded = predictor._encode(requests_of(predictor, 2), collect=False)[0]
+    loop = EngineLoop(predictor.engine, predictor.lock)
+    results, done = [], threading.Event()
+    before = predictor.engine.stats["requests"]
+    try:
+        with predictor.lock:  # the engine cannot run while this thread holds it
+            loop.submit(encoded[0]._replace(deadline=time.monotonic() + 0.05), results.append)
+            time.sleep(0.2)  # its deadline passes while it waits
+        loop.submit(encoded[1], lambda result: (results.append(result), done.set()))
+        assert done.wait(60)
+    finally:
+        loop.close()
+    expired = [result for result in results if isinstance(result, Expired)]
+    assert len(expired) == 1 and sum(isinstance(result, np.ndarray) for result in results) == 1
+    assert predictor.engine.stats["requests"] - before <= 2  # the expired one may have been taken, never run

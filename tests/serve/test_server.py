@@ -163,6 +163,15 @@ def test_a_front_end_refuses_past_its_requests_in_flight_with_429(predictor):
         held.close()
 
 
+def test_a_request_past_its_deadline_gets_504_and_a_bad_deadline_422(served):
+    body = {"model": "jev-latest", "state": "hello", "questions": {"ok": {"type": "noul"}}}
+    late = _post(served, body, headers={"x-dohnuts-deadline-ms": "0.001"})  # a microsecond: due before it runs
+    assert late.status_code == 504 and "deadline passed" in late.json()["detail"]["message"]
+    bad = _post(served, body, headers={"x-dohnuts-deadline-ms": "soon"})
+    assert bad.status_code == 422 and "x-dohnuts-deadline-ms" in bad.json()["detail"][0]["msg"]
+    assert _post(served, body, headers={"x-dohnuts-deadline-ms": "30000"}).status_code == 200
+
+
 def test_metrics_need_the_api_key_when_one_is_set(predictor):
     locked = Served(create_app(predictor, "dohnuts-tiny", api_key="s3cret"))
     try:
