@@ -467,7 +467,11 @@ class EngineLoop:
         self._answer(batch, invocation)
 
     def _answer(self, batch: list[_Waiting], results) -> None:
-        """Count an invocation's requests and reply to each with its logits or the error."""
+        """Count an invocation's requests and reply to each with its logits or the error; after
+        a failure of several requests, try them again in halves (`_retry`)."""
+        if isinstance(results, Exception) and len(batch) > 1 and self.fatal is None:
+            self._retry(batch)
+            return
         requests = [waiting.request for waiting in batch]
         self.engine.stats["requests"] += len(requests)
         self.engine._count("queue", sum(waiting.waited for waiting in batch))
@@ -482,6 +486,14 @@ class EngineLoop:
             return
         for waiting, logits in zip(batch, per_request(results, requests)):
             self._reply([waiting], logits)
+
+    def _retry(self, batch: list[_Waiting]) -> None:
+        """Run a failed invocation's requests again, each half on its own, down to single requests:
+        one bad request then fails alone and the others are answered, and a batch too large for
+        the device's memory runs in smaller parts."""
+        half = len(batch) // 2
+        for part in (batch[:half], batch[half:]):
+            self._answer(part, self._guarded(self.engine.run, [waiting.request for waiting in part]))
 
     @staticmethod
     def _reply(batch: list[_Waiting], result) -> None:

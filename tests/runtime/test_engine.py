@@ -153,6 +153,30 @@ def test_a_failed_invocation_fails_its_requests_and_the_loop_goes_on(predictor):
     np.testing.assert_allclose(results[1], alone(predictor, [requests_of(predictor, 3)[1]])[0], rtol=1e-5, atol=1e-5)
 
 
+def test_a_bad_request_in_a_batch_fails_alone_and_the_others_are_answered(predictor):
+    requests = requests_of(predictor, 5)
+    encoded = predictor._encode(requests, collect=False)[0]
+    text = encoded[1]  # no image
+    broken = text._replace(rows=[text.rows[0]._replace(input_ids=(10**9,) * len(text.rows[0].input_ids))])
+    batch = [encoded[0], broken, encoded[2], encoded[3], encoded[4]]
+    expected = alone(predictor, [requests[index] for index in (0, 2, 3, 4)])
+    results, done, sizes = {}, threading.Event(), []
+    loop = EngineLoop(predictor.engine, predictor.lock, on_invocation=lambda requests, rows, waits: sizes.append(
+        requests))
+    try:
+        with loop.condition:  # the loop takes all five at once, as one invocation
+            for index, request in enumerate(batch):
+                loop.submit(request, lambda result, index=index: (results.__setitem__(index, result),
+                                                                 len(results) == 5 and done.set()))
+        assert done.wait(60)
+    finally:
+        loop.close()
+    assert isinstance(results[1], IndexError)
+    for index, want in zip((0, 2, 3, 4), expected):
+        np.testing.assert_allclose(results[index], want, rtol=1e-5, atol=1e-5)
+    assert sum(sizes) == 5 and max(sizes) < 5  # answered in the halves' invocations, not the failed one
+
+
 def test_a_closed_or_full_loop_refuses_new_requests(predictor):
     encoded = predictor._encode(requests_of(predictor, 3), collect=False)[0]
     loop = EngineLoop(predictor.engine, predictor.lock, max_queue=1)
