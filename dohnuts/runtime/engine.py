@@ -390,7 +390,8 @@ class EngineLoop:
         if not expired:
             return batch
         self._reply(expired, Expired("the request's deadline passed before it ran"))
-        return [waiting for waiting in batch if waiting not in expired]
+        gone = set(map(id, expired))
+        return [waiting for waiting in batch if id(waiting) not in gone]
 
     def _idle(self) -> None:
         """One deferred capture, the condition's lock released meanwhile (submit goes on). A
