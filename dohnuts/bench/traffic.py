@@ -22,10 +22,7 @@ def varied_requests(count: int, seed: int = 0, image_every: int = 4) -> list[tup
     rng = random.Random(seed)
     requests = []
     for index in range(count):
-        length = round(math.exp(rng.uniform(math.log(2), math.log(300))))
-        state: dict = {"ticket": f"T-{seed}-{index:05d}", "message": " ".join(rng.choice(WORDS) for _ in range(length))}
-        if index % image_every == 0:
-            state["image"] = _image(rng, index)
+        state = _state(rng, f"T-{seed}-{index:05d}", 2, 300, index, image_every)
         questions = {}
         for number in range(rng.randint(1, 10)):
             kind = ("noul", "choice", "score")[number % 3]
@@ -39,6 +36,16 @@ def varied_requests(count: int, seed: int = 0, image_every: int = 4) -> list[tup
                                            "criteria": ["not at all", "somewhat", "very"][: rng.randint(2, 3)]}
         requests.append((state, questions))
     return requests
+
+
+def _state(rng: random.Random, ticket: str, shortest: int, longest: int, index: int, image_every: int) -> dict:
+    """A state: its ticket, a message of `shortest` to `longest` words (log-uniform), and a new
+    image when `index` is a multiple of `image_every`."""
+    length = round(math.exp(rng.uniform(math.log(shortest), math.log(longest))))
+    state: dict = {"ticket": ticket, "message": " ".join(rng.choice(WORDS) for _ in range(length))}
+    if index % image_every == 0:
+        state["image"] = _image(rng, index)
+    return state
 
 
 def _image(rng: random.Random, index: int, sides=IMAGE_SIDES) -> Image.Image:
@@ -58,10 +65,7 @@ def serving_mix(count: int, seed: int = 0, image_every: int = 6) -> list[tuple[d
     rng = random.Random(seed)
     requests = []
     for index in range(count):
-        length = round(math.exp(rng.uniform(math.log(8), math.log(1500))))
-        state: dict = {"ticket": f"T-{seed}-{index:06d}", "message": " ".join(rng.choice(WORDS) for _ in range(length))}
-        if index % image_every == 0:
-            state["image"] = _image(rng, index)
+        state = _state(rng, f"T-{seed}-{index:06d}", 8, 1500, index, image_every)
         questions = {}
         for number in range(rng.randint(1, 20)):
             kind = rng.choice(("noul", "choice", "score"))
