@@ -7,19 +7,21 @@ few milliseconds of device work (docs/changelog.md). A bucket fixes every shape 
 depends on, and `pad_to_bucket` brings any batch under it there:
 
 - the prefix part holds `prefix_tokens` (P*) tokens in `prefixes` (G*) sequences: the real
-  prefixes (at least 64 tokens each), then one padding prefix of the remaining tokens
-  (possibly none), then empty ones; its chunk plan is padded with entries of an empty prefix
-  to `prefix_chunks` (a prefix's last chunk may be partial, so the count varies);
+  prefixes (at least 64 tokens each), then padding prefixes of the remaining tokens (at most 64
+  tokens each), then empty ones; its chunk plan is padded with entries of an empty prefix to
+  `prefix_chunks` (a prefix's last chunk may be partial, so the count varies);
 - the rows' part holds `row_tokens` (S*) tokens in `rows` (N*) sequences: the real rows, then
-  padding rows of the remaining tokens (at most 64 tokens each unless `long_rows`), then empty
-  ones; its chunk plan is padded with entries of an empty row to `row_chunks`;
+  padding rows of the remaining tokens (at most 64 tokens each), then empty ones; its chunk plan
+  is padded with entries of an empty row to `row_chunks`;
 - markers and the candidate mask are [rows, candidates]; padding rows have no candidate.
 
-Padding tokens are real tokens of padding sequences (so every kernel writes every output) that
-no candidate reads: the rows' logits are those of the batch alone, up to floating-point order.
-Only the device contents of the plan change within a bucket; what the kernels decide on the
-host (grid sizes, the delta rule's route, its longest row) is the bucket's. Attention, whose
-work depends on the keys each row sees, runs eagerly between graphs (`cuda_graphs`).
+Padding sequences are short so that they never outlast the real ones in the delta rule's walk,
+whose sequences run in parallel, each part after part. Padding tokens are real tokens of padding
+sequences (so every kernel writes every output) that no candidate reads: the rows' logits are
+those of the batch alone, up to floating-point order. Only the device contents of the plan
+change within a bucket; what the kernels decide on the host (grid sizes, the delta rule's
+route, its longest row) is the bucket's. Attention, whose work depends on the keys each row
+sees, runs eagerly between graphs (`cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -35,18 +37,23 @@ from ..ops.plan import CHUNK, chunk_plan, cumulative, padded_plan, plan_fork
 
 # The sizes captured at load: prefix tokens, and the rows' tokens for short rows (at most 64
 # own tokens, `delta_rule_rows`) and for long ones (`delta_rule_scan`). Each is twice the one
-# before, so padding adds less than the batch itself.
-PREFIX_LADDER = (64, 128, 256, 512, 1024)
+# before, so padding adds less than the batch itself. The serving mix (`bench.traffic`) has long
+# rows (choices of up to 40 options) and prefixes of up to about 1,500 tokens, and a server fills
+# a bucket with several requests: the long-row ladder reaches 8,192 tokens and the prefixes
+# 4,096; the short-row buckets, met by short questions, stop at prefixes of 2,048.
+PREFIX_LADDER = (64, 128, 256, 512, 1024, 2048, 4096)
 ROW_LADDER = (128, 256, 512, 1024, 2048, 4096)
-LONG_ROW_LADDER = (128, 256, 512, 1024)
-CANDIDATES = 16  # candidates a bucket's row may have
+LONG_ROW_LADDER = (128, 256, 512, 1024, 2048, 4096, 8192)
+SHORT_ROW_TOKENS = 6144  # the most tokens of a short-row bucket
+CANDIDATES = 64  # candidates a bucket's row may have
 ROW_TOKENS = 64  # the longest short row (`ops.delta_rule.rows.ROW_TOKENS`)
 
 
 # The longest sequence `kernels` sends to `delta_rule.scan.delta_rule_scan` (its SCAN_TOKENS; a test
-# holds them equal): a bucket's graph must never route a sequence to FLA, whose chunk plans the
-# capture would memoise from its empty batch.
-LONGEST_SEQUENCE = 1024
+# holds them equal): a bucket's graph is captured on sequences of at most this (its padding
+# ones, and its long rows' bound), so the capture never routes to FLA, whose chunk plans it would
+# memoise from its empty batch. Within the graph the scan then walks real sequences of any length.
+LONGEST_SEQUENCE = 2048
 
 
 @dataclass(frozen=True)
@@ -58,20 +65,19 @@ class Bucket:
     long_rows: bool
 
     def __post_init__(self):
-        if (self.prefix_tokens < CHUNK or self.prefix_tokens % CHUNK or self.row_tokens < 1
-                or self.prefix_tokens > LONGEST_SEQUENCE or (self.long_rows and self.row_tokens > LONGEST_SEQUENCE)):
-            raise ValueError(f"a bucket needs prefix tokens a multiple of {CHUNK} from {CHUNK} to {LONGEST_SEQUENCE} "
-                             f"and, with long rows, at most {LONGEST_SEQUENCE} row tokens: got {self}")
+        if self.prefix_tokens < CHUNK or self.prefix_tokens % CHUNK or self.row_tokens < 1:
+            raise ValueError(f"a bucket needs prefix tokens a positive multiple of {CHUNK} and row tokens: got {self}")
 
     @property
     def prefixes(self) -> int:
-        # A real prefix has at least SHARED_MIN (64) tokens; then the padding one and an empty one.
+        # A real prefix has at least SHARED_MIN (64) tokens, a padding one at most 64 (one of them
+        # partial); then an empty one.
         return self.prefix_tokens // SHARED_MIN + 2
 
     @property
     def prefix_chunks(self) -> int:
-        """Chunks of any prefix layout: each real prefix and the padding one add at most one
-        partial chunk to the prefix tokens' whole ones."""
+        """Chunks of any prefix layout: each real prefix and the partial padding one add at most
+        one partial chunk to the prefix tokens' whole ones."""
         return self.prefix_tokens // CHUNK + self.prefix_tokens // SHARED_MIN + 1
 
     @property
@@ -84,8 +90,9 @@ class Bucket:
 
     @property
     def longest_row(self) -> int:
-        """The bound the graph's delta rule plans for (its host decision)."""
-        return self.row_tokens if self.long_rows else ROW_TOKENS
+        """The bound on a row the graph plans for: the delta rule's route and attention's
+        longest row (its host decisions)."""
+        return min(self.row_tokens, LONGEST_SEQUENCE) if self.long_rows else ROW_TOKENS
 
     @property
     def tokens(self) -> int:
@@ -94,7 +101,7 @@ class Bucket:
 
 def all_buckets() -> list[Bucket]:
     """The buckets captured at load, smallest first."""
-    buckets = [Bucket(p, s, False) for p in PREFIX_LADDER for s in ROW_LADDER]
+    buckets = [Bucket(p, s, False) for p in PREFIX_LADDER for s in ROW_LADDER if p + s <= SHORT_ROW_TOKENS]
     buckets += [Bucket(p, s, True) for p in PREFIX_LADDER for s in LONG_ROW_LADDER]
     return sorted(buckets, key=lambda bucket: bucket.tokens)
 
@@ -111,13 +118,15 @@ def _row_padding(bucket: Bucket, rows: int, tokens: int) -> list[int] | None:
     spare, room = bucket.row_tokens - tokens, bucket.rows - rows
     if spare < 0 or room < 1:
         return None
-    if bucket.long_rows:
-        padding = [spare] if spare else []
-    else:
-        padding = [ROW_TOKENS] * (spare // ROW_TOKENS) + ([spare % ROW_TOKENS] if spare % ROW_TOKENS else [])
+    padding = _pieces(spare)
     if len(padding) >= room:  # the last row stays empty: the padded chunk plan names it
         return None
     return padding + [0] * (room - len(padding))
+
+
+def _pieces(spare: int) -> list[int]:
+    """`spare` padding tokens as sequences of at most ROW_TOKENS (64) tokens, the last one partial."""
+    return [ROW_TOKENS] * (spare // ROW_TOKENS) + ([spare % ROW_TOKENS] if spare % ROW_TOKENS else [])
 
 
 class Shape(NamedTuple):
@@ -154,7 +163,7 @@ def fits(shape: Shape, bucket: Bucket) -> bool:
     long_rows = shape.longest_row > ROW_TOKENS
     return (shape.candidates <= CANDIDATES and bucket.long_rows == long_rows
             and shape.prefix_tokens <= bucket.prefix_tokens and shape.prefixes <= bucket.prefixes - 2
-            and (not long_rows or shape.longest_row <= bucket.row_tokens)
+            and shape.longest_row <= bucket.longest_row
             and _row_padding(bucket, shape.rows, shape.row_tokens) is not None)
 
 
@@ -182,14 +191,20 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
             or batch.markers.shape[1] > CANDIDATES or (max(row_lengths) > ROW_TOKENS) != bucket.long_rows):
         raise ValueError(f"a batch of {batch.prefix_tokens} prefix tokens in {len(prefix_lengths)} prefixes and "
                          f"{len(row_lengths)} rows of {sum(row_lengths)} tokens does not fit {bucket}")
-    prefixes = prefix_lengths + [spare] + [0] * (bucket.prefixes - len(prefix_lengths) - 1)
+    if max(row_lengths) > bucket.longest_row:
+        raise ValueError(f"a row of {max(row_lengths)} tokens does not fit {bucket}")
+    padding = _pieces(spare)
+    if len(prefix_lengths) + len(padding) >= bucket.prefixes:
+        raise ValueError(f"{len(prefix_lengths)} prefixes and {len(padding)} padding ones leave no empty prefix "
+                         f"in {bucket}")
+    prefixes = prefix_lengths + padding + [0] * (bucket.prefixes - len(prefix_lengths) - len(padding))
     rows = row_lengths + row_padding
     parents = (batch.fork.parents.tolist() if batch.fork is not None else [-1] * len(row_lengths))
     parents += [-1] * len(row_padding)
     P, S = batch.prefix_tokens, batch.computed_tokens - batch.prefix_tokens
 
     def spread(values: torch.Tensor, fill: int) -> torch.Tensor:
-        """values [..., P + S] -> [..., P* + S*]: the padding prefix's tokens after the prefixes,
+        """values [..., P + S] -> [..., P* + S*]: the padding prefixes' tokens after the prefixes,
         the padding rows' after the rows."""
         out = values.new_full((*values.shape[:-1], bucket.tokens), fill)
         out[..., :P] = values[..., :P]

@@ -50,7 +50,7 @@ from ..inputs.batch import Batch
 from ..model.decoder import MIXER_KEEP_TOKENS, plain_lora
 from ..ops import kernels
 from ..ops.plan import CHUNK, Fork, cumulative, padded_plan, plan_fork
-from .buckets import LONGEST_SEQUENCE, sequence_lengths
+from .buckets import sequence_lengths
 
 TOKEN_STEP = 512  # prefix and row tokens round up to a multiple of this
 KEY_STEP = 2048  # attention keys round up to a multiple of this
@@ -66,6 +66,10 @@ OWN_GRAPH_AT = 4
 # its static gradients and output (21 MB for the Qwen3.5-0.8B recipe's LoRA) to the largest
 # bucket's activations.
 CAPACITY = 64
+
+# The longest sequence a training bucket holds (and its padding sequences' length): within the
+# scan's bound (`buckets.LONGEST_SEQUENCE`), so neither the forward nor the backward routes to FLA.
+LONGEST_SEQUENCE = 1024
 
 
 def _up(value: int, step: int) -> int:

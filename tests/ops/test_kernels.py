@@ -423,11 +423,11 @@ def test_delta_rule_rows_matches_reference_and_fla_on_forked_states(heads, value
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, value_heads, width", [(16, 16, 128), (2, 4, 40)])
 def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width):
-    """The whole-sequence scan (bf16, sequences of 1 to 700 tokens): from zero states keeping the
+    """The whole-sequence scan (bf16, sequences of 1 to 2,048 tokens, its bound): from zero states keeping the
     final states (as prefixes run), and from forked states (as long rows run), against the float32
     recurrence and FLA's chunked kernels on the same sequences; also fed beta's logits, whose
     sigmoid it then takes itself."""
-    lengths = [1, 15, 16, 17, 65, 130, 257, 700, 44]
+    lengths = [1, 15, 16, 17, 65, 130, 257, 700, 2048, 44]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, heads, value_heads, width, 3)
     from dohnuts.ops.delta_rule.scan import delta_rule_scan as scan
 
@@ -460,13 +460,13 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, value_heads, width", [(16, 16, 128), (2, 4, 40)])
 def test_delta_rule_gradient_matches_reference_and_fla(heads, value_heads, width):
-    """delta_rule.backward.delta_rule in bf16 (sequences of 1 to 700 tokens), its gradients against
+    """delta_rule.backward.delta_rule in bf16 (sequences of 1 to 1,100 tokens), its gradients against
     autograd through the float32 recurrence and through FLA's chunked kernels, to 2% relative
     (norm-wise): from zero states keeping the final states (the prefixes, with a gradient at
     the final states), and from forked states (the rows, with the states' gradient)."""
     from dohnuts.ops.delta_rule import backward
 
-    lengths = [1, 15, 16, 17, 65, 130, 257, 700, 44]
+    lengths = [1, 15, 16, 17, 65, 130, 257, 700, 1100, 44]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, heads, value_heads, width, 4)
     leaves = {name: x.detach().requires_grad_() for name, x in
               {"q": q, "k": k, "v": v, "gate": gate, "beta": beta, "states": states}.items()}

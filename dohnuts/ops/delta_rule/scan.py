@@ -37,7 +37,7 @@ from .parts import (
 # sequences; the parts of a sequence run one after another, so a long sequence alone keeps
 # few programs busy, and SCAN_TOKENS bounds the sequences it takes.
 
-SCAN_TOKENS = 1024  # the longest sequence `kernels` sends to `delta_rule_scan`
+SCAN_TOKENS = 2048  # the longest sequence `kernels` sends to `delta_rule_scan`
 
 
 @triton.jit
