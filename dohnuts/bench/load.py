@@ -305,5 +305,8 @@ def describe_level(level: dict) -> str:
     tail = "no answer" if level["p50_ms"] is None else f"p50 {level['p50_ms']:.1f} p99 {level['p99_ms']:.1f} ms"
     server = level.get("server", {})
     batch = f" batch {server['mean_batch_requests']:.1f}" if "mean_batch_requests" in server else ""
+    batch += f" eager {server['eager_share']:.0%}" if "eager_share" in server else ""
+    batch += f" busy {server['device_busy_share']:.0%}" if "device_busy_share" in server else ""
+    stages = " ".join(f"{name} {ms:.1f}" for name, ms in server.get("stage_mean_ms", {}).items())
     return (f"{load}: {level['achieved_requests_per_second']:.1f} requests/s {level['decisions_per_second']:.0f} "
-            f"decisions/s {tail}{batch} {level['statuses']}")
+            f"decisions/s {tail}{batch} {level['statuses']}" + (f" (ms a request: {stages})" if stages else ""))
