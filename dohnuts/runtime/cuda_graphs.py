@@ -67,7 +67,7 @@ def layout_key(batch: Batch) -> tuple:
 logger = logging.getLogger(__name__)
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place version counter
 CAPTURE_AT = 3  # the sighting of a layout that captures its graph
-BUCKET_MEMORY = 0.25  # the share of the device's memory the bucket graphs may hold
+BUCKET_MEMORY = 0.4  # the share of the device's memory the bucket graphs may hold
 
 
 class _Graph:
@@ -212,7 +212,7 @@ class _BucketGraph:
         for layer in layers[first:last]:  # delta-rule layers only: pieces end at attention layers
             hidden, branch = delta_layer(layer, config, hidden, branch, self.rows, self.prefixes, False)
         if index == len(attention):
-            # A bucket's markers, [rows, 16], outnumber its row tokens about twice, so its last
+            # A bucket's markers, [rows, 64], outnumber its row tokens about eight times, so its last
             # layer runs whole and the states are picked after the final norm (`decoder.picks_early`).
             rows = final_norm(self.model.backbone.language_model, hidden, branch, self.static.prefix_tokens)
             return self.model.logits(rows[self.static.markers.flatten()], self.static.candidate_mask)
@@ -298,9 +298,10 @@ class GraphedScores:
         model, so first-seen layouts replay one: at load or warm-up, never on a request.
 
         Smallest first, while the graphs hold at most `memory_fraction` of the device's memory
-        (each keeps its layers' outputs between pieces: 9.3 GiB for all 50 buckets of the
-        Qwen3.5-0.8B shape, captured in 14 to 17 s, docs/figures.md); larger batches then run
-        eagerly, and the stop is logged once.
+        (each keeps its layers' outputs between pieces: 9.3 GiB for the 50 buckets of the
+        Qwen3.5-0.8B shape the ladders had before 2026-12-03, captured in 14 to 17 s; with the 91
+        of today's the split server was ready 35 and 59 s after its start on two H200s, loading
+        included, docs/figures.md); larger batches then run eagerly, and the stop is logged once.
         Returns how many are ready (0 on the CPU). A bucket whose capture fails is left out,
         and the failure logged once."""
         model = self.model
@@ -382,8 +383,10 @@ class GraphedScores:
             if len(self.seen) > self.remembered:
                 self.seen.popitem(last=False)
             bucket = bucket_for(batch, self.buckets) if on_host and self.buckets else None
-        if bucket is not None:  # padded on the host, then moved: one copy
-            padded = pad_to_bucket(batch, bucket, self.pad_id).to(device)
+        if bucket is not None:  # padded on the host, pinned, then moved
+            # From pageable memory a copy first waits for the stream: for the invocation running
+            # before this one, which the engine means to overlap (`engine.Engine.launch`).
+            padded = pad_to_bucket(batch, bucket, self.pad_id).pin_memory().to(device)
             self.stats["bucket_replays"] += 1
             self.stats["padding_tokens"] += padding_tokens(batch, bucket)
             logits = self.buckets[bucket].replay(model.embeddings(padded), padded)
