@@ -50,10 +50,11 @@ def _next_run(entries: list[dict], date: str, commit: str) -> str:
 @click.option("--date", help="YYYY-MM-DD (default: today)")
 @click.option("--run", "run_id", help="an id unique to the run (default: DATE-COMMIT-runN)")
 @click.option("--tests", is_flag=True, help="SOURCE is a pytest log, not benchmark records")
+@click.option("--note", help="what a reader must know of the run (its settings, what differed)")
 @click.option("--ledger", "ledger_path", type=click.Path(dir_okay=False, path_type=Path), default=LEDGER,
               show_default=True)
 def record(source: Path, machine: str, commit: str | None, date: str | None, run_id: str | None, tests: bool,
-           ledger_path: Path) -> None:
+           note: str | None, ledger_path: Path) -> None:
     """Append SOURCE's run to the ledger: a benchmark stage's records JSONL, or a pytest log."""
     commit = commit or _head()
     date = date or datetime.date.today().isoformat()
@@ -65,6 +66,9 @@ def record(source: Path, machine: str, commit: str | None, date: str | None, run
         entries = ledger.entries_from_records(records, date, commit, machine, run_id, str(source))
     if not entries:
         raise click.ClickException(f"{source} holds nothing to record")
+    if note:
+        for made in entries:
+            made["note"] = note if not made.get("note") else f"{note}; {made['note']}"
     try:
         count = ledger.append(ledger_path, entries)
     except ValueError as error:

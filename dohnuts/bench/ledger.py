@@ -204,8 +204,10 @@ def kind_of(workload: str) -> str:
     return "serving" if workload.startswith("serving") else "replay"
 
 
-def _shape(environment: dict) -> str:
-    base = environment.get("base")
+def _shape(environment: dict, shape_only: str | None = None) -> str:
+    """The model a record measured: its environment's base, else the shape a record without an
+    environment names (the serving workload's `shape_only`)."""
+    base = environment.get("base") or (f"shape-only:{shape_only}" if shape_only else None)
     if not base:
         return "unknown model"
     return base.replace("shape-only:", "shape-only ") if environment.get("shape_only") or base.startswith(
@@ -255,7 +257,7 @@ def entries_from_records(records: list[dict], date: str, commit: str, machine: s
         slow = environment.get("slow_paths") or {}
         entries.append(entry(
             date, record.get("commit") or environment.get("commit") or commit, machine, run, workload,
-            kind_of(workload), _shape(environment), figures, source, samples,
+            kind_of(workload), _shape(environment, record.get("shape_only")), figures, source, samples,
             note=f"slower paths taken: {', '.join(sorted(slow))}" if slow else None))
     return entries
 

@@ -204,3 +204,15 @@ def test_docs_figures_md_is_the_render_of_the_ledger():
     ledger_path, markdown = ROOT / "benchmarks" / "ledger.jsonl", ROOT / "docs" / "figures.md"
     assert markdown.read_text() == figures.render(ledger.read(ledger_path)), (
         f"docs/figures.md differs from the ledger's render: run `{ledger.RENDER_COMMAND}`, never edit it by hand")
+
+
+def test_a_serving_record_of_the_load_harness_names_its_shape_and_open_loop_levels():
+    """`benchmarks/run.py serving_workload` writes no environment, only `shape_only`: the entry
+    still names the model (not "unknown model", which would start a model section of its own)."""
+    record = {"workload": "serving", "requests": 4096, "shape_only": "qwen3_5-0.8b", "levels": [
+        {"mode": "open", "offered_requests_per_second": 80.0, "p50_ms": 25.3, "p99_ms": 3065.5,
+         "achieved_requests_per_second": 80.0, "no_answer": 1, "server": {"eager_share": 0.0}}]}
+    made = ledger.entries_from_records([record], "2026-12-03", "84d6fca", "H200 (machine J)", "r")[0]
+    assert made["shape"] == "shape-only qwen3_5-0.8b"
+    assert made["figures"]["open_80_p99_ms"] == 3065.5 and made["figures"]["open_80_eager_share"] == 0.0
+    assert made["figures"]["lost"] == 1
