@@ -114,6 +114,15 @@ MEASUREMENTS: dict[str, Measurement] = {
         batching.batched_vs_alone,
         "largest probability difference of requests batched together vs each alone", "cuda",
         (Argument("count", int, 32, "requests of the serving mix in the batch"),)),
+    "invocation_profile": Measurement(
+        batching.invocation_profile, "the serving mix's requests alone and together: times, then top kernels", "cuda",
+        (Argument("batch", int, 8, "requests an invocation"), Argument("groups", int, 4, "groups of each"),
+         Argument("top", int, 25, "kernels listed"))),
+    "serving_ceiling": Measurement(
+        batching.serving_ceiling, "the serving mix's roofline ceiling on the H200 (encodes only) as JSON", "any",
+        (Argument("requests", int, 512, "requests of the serving mix"),
+         Argument("matrix_tflops", float, 800.0, "matrix rate, TFLOP/s"),
+         Argument("bandwidth_tbps", float, 4.3, "memory bandwidth, TB/s"))),
     "serving_workload": Measurement(
         batching.serving_workload,
         "dohnuts serve in its own processes under the load harness: the serving record as JSON", "cuda",

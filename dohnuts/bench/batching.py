@@ -8,7 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .host import SHAPE, require_cuda
+from ..runtime.predict import Predictor
+from .host import SHAPE, TEMPERATURES, require_cuda
 from .load import describe_level
 from .serving import ServingPlan, serving_record
 from .shapes import shape_only_predictor, write_shape_checkpoint
@@ -56,3 +57,86 @@ def serving_workload(requests: int = 512, rates: tuple[float, ...] = (), clients
         record = serving_record(folder, plan, progress=lambda level: print(describe_level(level), file=sys.stderr,
                                                                                flush=True))
     print(json.dumps({**record, "shape_only": SHAPE}))
+
+
+def invocation_profile(batch: int = 8, groups: int = 4, top: int = 25) -> None:
+    """Where an invocation's device time goes on the shape-only Qwen3.5-0.8B (bf16): text
+    requests of the serving mix through the engine alone and `batch` at a time (`groups` of
+    each), timed after a first sight, then profiled (the top kernels by device time). Only the
+    buckets they need are captured; a group that fits none is left out and said so.
+
+        python benchmarks/run.py invocation_profile --batch 8 --groups 4 --top 25 > profile.txt
+    """
+    import statistics
+    import time
+
+    import torch
+
+    from ..runtime.buckets import all_buckets, smallest_fit
+    from ..runtime.engine import request_shape
+
+    require_cuda()
+    predictor = shape_only_predictor(SHAPE, graphs=False)
+    mix = [pair for pair in serving_mix(4 * batch * groups, seed=11) if "image" not in pair[0]]
+    sets = {"alone": [mix[index:index + 1] for index in range(groups)],
+            f"{batch} together": [mix[index * batch:(index + 1) * batch] for index in range(groups)]}
+    needed = set()
+    for label, requests in sets.items():
+        for group in list(requests):
+            shapes = [request_shape(predictor.encode_request(predictor.encode(*pair)[1])) for pair in group]
+            joined = shapes[0]
+            for shape in shapes[1:]:
+                joined = joined.join(shape)
+            bucket = smallest_fit(joined, all_buckets())
+            if bucket is None:
+                print(f"{label}: a group of {joined} fits no bucket; left out", flush=True)
+                requests.remove(group)
+            else:
+                needed.add(bucket)
+    started = time.perf_counter()
+    ready = predictor.prepare_graphs(sorted(needed, key=lambda bucket: bucket.tokens))
+    print(f"{ready} buckets captured in {time.perf_counter() - started:.1f} s: {sorted(needed)}", flush=True)
+    for label, requests in sets.items():
+        for group in requests:  # first sight
+            predictor.predict_many(group)
+        times = []
+        for _ in range(3):
+            for group in requests:
+                torch.cuda.synchronize()
+                begun = time.perf_counter()
+                predictor.predict_many(group)
+                torch.cuda.synchronize()
+                times.append(1000 * (time.perf_counter() - begun))
+        print(f"{label}: p50 {statistics.median(times):.1f} ms, min {min(times):.1f} ms over {len(times)} calls; "
+              f"{predictor.engine.scores.stats}", flush=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            for group in requests:
+                predictor.predict_many(group)
+            torch.cuda.synchronize()
+        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70),
+              flush=True)
+
+
+def serving_ceiling(requests: int = 512, matrix_tflops: float = 800.0, bandwidth_tbps: float = 4.3) -> None:
+    """The roofline ceiling of the serving mix (`records.mix_ceiling`): each of its first
+    `requests` requests' useful work on the shape-only Qwen3.5-0.8B in bf16, at `matrix_tflops`
+    and `bandwidth_tbps` (the H200's as measured on the test machine by default; the datasheet's
+    989.5 and 4.8 give the other bound); the most requests and decisions a second the device
+    could answer doing only that work. Encodes only: runs anywhere.
+
+        python benchmarks/run.py serving_ceiling --requests 512 > ceiling.json
+    """
+    import torch
+
+    from .records import mix_ceiling
+    from .shapes import shape_only_parts
+
+    model, template, config = shape_only_parts(SHAPE, torch.device("cpu"))
+    predictor = Predictor(model, template, config, TEMPERATURES)
+    ceilings = {"device": "NVIDIA H200", "matrix_flops_per_s": matrix_tflops * 1e12,
+                "bandwidth_bytes_per_s": bandwidth_tbps * 1e12, "vector_flops_per_s": None}
+    ceiling = mix_ceiling(predictor, serving_mix(requests), ceilings)
+    print(json.dumps({"workload": "serving_mix_ceiling", **ceiling, "matrix_tflops": matrix_tflops,
+                      "bandwidth_tbps": bandwidth_tbps, "shape_only": SHAPE,
+                      "environment": {"base": f"shape-only:{SHAPE}", "dtype": "bfloat16"}}))

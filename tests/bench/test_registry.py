@@ -2,6 +2,7 @@
 
 import importlib
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -35,7 +36,7 @@ def run_script(*arguments: str, cuda: bool = True) -> subprocess.CompletedProces
 
 def test_every_measurement_accepts_its_declared_arguments_with_the_functions_defaults(runner):
     registry = sys.modules["registry"]
-    assert len(registry.MEASUREMENTS) == 15
+    assert len(registry.MEASUREMENTS) == 17
     for name, measurement in registry.MEASUREMENTS.items():
         assert callable(measurement.run) and measurement.needs in ("cuda", "any"), name
         assert measurement.summary and inspect.getdoc(measurement.function), name
@@ -106,3 +107,15 @@ def test_encode_host_times_each_host_step_of_a_workload_on_the_cpu(runner, capsy
         timed[step] = (float(median), float(smallest))
     assert list(timed) == ["parse", "template", "pack", "encode (all three)", "answers"]
     assert all(0 < smallest <= median for median, smallest in timed.values())
+
+
+def test_the_serving_ceiling_runs_anywhere_and_scales_with_the_matrix_rate():
+    """The mix's roofline ceiling encodes only (no device): twice the matrix rate, at most twice
+    the decisions a second (the memory term may bind), and never fewer."""
+    found = []
+    for rate in ("400", "800"):
+        done = run_script("serving_ceiling", "--requests", "3", "--matrix-tflops", rate, cuda=False)
+        assert done.returncode == 0, done.stderr
+        found.append(json.loads(done.stdout))
+    assert found[0]["requests"] == 3 and found[0]["decisions"] >= 3
+    assert found[0]["decisions_per_second"] < found[1]["decisions_per_second"] <= 2 * found[0]["decisions_per_second"]
