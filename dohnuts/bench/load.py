@@ -252,6 +252,14 @@ def summarise(results: list[tuple], decisions: list[int], load: Load, before: di
     level["mean_ms"] = 1000 * statistics.fmean(latencies) if latencies else None
     level["max_ms"] = 1000 * max(latencies) if latencies else None
     level["refused_p99_ms"] = 1000 * percentile(refused, 0.99) if refused else None
+    # Where the tail lies in time: p99 of each tenth of the level by due time (a tail only at
+    # the start is first sight; one throughout, something recurring), and the slowest requests.
+    timed = sorted((due, latency, index) for due, latency, status, index in results if status == 200)
+    tenths = [[latency for due, latency, _ in timed if part * load.seconds / 10 <= due < (part + 1) * load.seconds / 10]
+              for part in range(10)]
+    level["p99_ms_by_tenth"] = [round(1000 * percentile(part, 0.99), 1) if part else None for part in tenths]
+    level["slowest"] = [{"due_s": round(due, 3), "ms": round(1000 * latency, 1), "body": index}
+                        for due, latency, index in sorted(timed, key=lambda found: -found[1])[:10]]
     if before is not None and after:
         level["server"] = server_figures(before, after, span)
     return level
@@ -309,4 +317,5 @@ def describe_level(level: dict) -> str:
     batch += f" busy {server['device_busy_share']:.0%}" if "device_busy_share" in server else ""
     stages = " ".join(f"{name} {ms:.1f}" for name, ms in server.get("stage_mean_ms", {}).items())
     return (f"{load}: {level['achieved_requests_per_second']:.1f} requests/s {level['decisions_per_second']:.0f} "
-            f"decisions/s {tail}{batch} {level['statuses']}" + (f" (ms a request: {stages})" if stages else ""))
+            f"decisions/s {tail}{batch} {level['statuses']}" + (f" (ms a request: {stages})" if stages else "")
+            + (f"; p99 ms by tenth {level['p99_ms_by_tenth']}" if level.get("p99_ms_by_tenth") else ""))

@@ -125,3 +125,13 @@ def test_a_wire_body_carries_its_image_as_a_placed_asset_and_choices_as_a_mappin
     assert all(isinstance(question["criteria"], dict) for question in body["questions"].values()
                if question["type"] == "choice")
     assert "image" in state  # the caller's state is left as it was
+
+
+def test_a_level_says_when_its_slowest_requests_were_due():
+    """p99 of each tenth of the level by due time, and the slowest requests with their bodies:
+    a stall at 7.5 s shows in the eighth tenth and heads the list."""
+    results = [(0.1 * step, 0.010, 200, step % 4) for step in range(100)] + [(7.5, 3.0, 200, 3), (7.6, 2.0, 429, 1)]
+    level = summarise(results, [1, 1, 1, 1], Load(10.0, rate=10.0))
+    assert level["p99_ms_by_tenth"][7] > 2000 and max(level["p99_ms_by_tenth"][:7]) < 20
+    assert level["slowest"][0] == {"due_s": 7.5, "ms": 3000.0, "body": 3} and len(level["slowest"]) == 10
+    assert all(entry["ms"] < 3000 for entry in level["slowest"][1:])  # the 429 is no answer's latency
