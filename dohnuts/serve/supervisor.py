@@ -60,6 +60,13 @@ def _orphan_guard() -> None:
     threading.Thread(target=watch, name="dohnuts-orphan-guard", daemon=True).start()
 
 
+# Seconds a front end keeps an idle connection open: longer than clients and load balancers keep
+# theirs (aiohttp 15 s, common balancers 60 s), so the client closes first. With uvicorn's 5 s,
+# a client reusing a connection the server was closing got no answer (ServerDisconnectedError:
+# 6 requests of an open-loop run on the H200, counted as lost).
+KEEP_ALIVE = 75
+
+
 def front_main(settings: ServeSettings, listening: socket.socket, addresses: list[str], states) -> None:
     """A front-end process: the template, uvicorn on the supervisor's socket, the remote engines."""
     import uvicorn
@@ -78,7 +85,8 @@ def front_main(settings: ServeSettings, listening: socket.socket, addresses: lis
         return front.engines
 
     app = front_app(front, settings.model_name, settings.api_key, settings.release_date, start=start)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10,
+                                           timeout_keep_alive=KEEP_ALIVE))
     server.run(sockets=[listening])
 
 
