@@ -123,6 +123,10 @@ MEASUREMENTS: dict[str, Measurement] = {
         (Argument("requests", int, 512, "requests of the serving mix"),
          Argument("matrix_tflops", float, 800.0, "matrix rate, TFLOP/s"),
          Argument("bandwidth_tbps", float, 4.3, "memory bandwidth, TB/s"))),
+    "bucket_padding": Measurement(
+        batching.bucket_padding, "the padding share of the serving mix's invocations in the bucket ladders", "any",
+        (Argument("requests", int, 512, "requests of the serving mix"),
+         Argument("depths", int, (1, 8, 32), "queue depths the engine takes invocations from", many=True))),
     "serving_workload": Measurement(
         batching.serving_workload,
         "dohnuts serve in its own processes under the load harness: the serving record as JSON", "cuda",

@@ -140,3 +140,51 @@ def serving_ceiling(requests: int = 512, matrix_tflops: float = 800.0, bandwidth
     print(json.dumps({"workload": "serving_mix_ceiling", **ceiling, "matrix_tflops": matrix_tflops,
                       "bandwidth_tbps": bandwidth_tbps, "shape_only": SHAPE,
                       "environment": {"base": f"shape-only:{SHAPE}", "dtype": "bfloat16"}}))
+
+
+def bucket_padding(requests: int = 512, depths: tuple[int, ...] = (1, 8, 32)) -> None:
+    """How much of a bucket's work is padding on the serving mix: its requests in arrival order,
+    taken as the engine's loop takes a queue `depth` deep (while the joined shape fits a bucket,
+    `engine.plan`), each invocation padded to its smallest bucket (`buckets.all_buckets`). Per
+    depth: invocations, mean requests an invocation, computed and useful tokens, the padding
+    share, and the share of invocations that fit no bucket. Encodes only: runs anywhere.
+
+        python benchmarks/run.py bucket_padding --requests 512 --depths 1 8 32 > padding.json
+    """
+    import torch
+
+    from ..runtime.buckets import all_buckets, smallest_fit
+    from ..runtime.engine import plan, request_shape
+    from .shapes import shape_only_parts
+
+    model, template, config = shape_only_parts(SHAPE, torch.device("cpu"))
+    predictor = Predictor(model, template, config, TEMPERATURES)
+    encoded = [predictor.encode_request(predictor.encode(*pair)[1]) for pair in serving_mix(requests)]
+    buckets = all_buckets()
+
+    def admits(first, joined):
+        return smallest_fit(joined, buckets) is not None
+
+    found = {}
+    for depth in depths:
+        invocations, useful, computed, unfit = 0, 0, 0, 0
+        for start in range(0, len(encoded), depth):
+            queue = encoded[start:start + depth]
+            for pieces in plan(queue, admits):
+                shape = request_shape(queue[pieces[0].request], pieces[0].rows)
+                for piece in pieces[1:]:
+                    shape = shape.join(request_shape(queue[piece.request], piece.rows))
+                bucket = smallest_fit(shape, buckets)
+                invocations += 1
+                useful += shape.tokens
+                if bucket is None:
+                    unfit += 1
+                    computed += shape.tokens
+                else:
+                    computed += bucket.tokens
+        found[str(depth)] = {"invocations": invocations, "requests_per_invocation": len(encoded) / invocations,
+                             "useful_tokens": useful, "computed_tokens": computed,
+                             "padding_share": 1 - useful / computed, "unfit_share": unfit / invocations}
+    print(json.dumps({"workload": "serving_bucket_padding", "requests": len(encoded), "buckets": len(buckets),
+                      "depths": found, "shape_only": SHAPE,
+                      "environment": {"base": f"shape-only:{SHAPE}", "dtype": "bfloat16"}}))

@@ -36,7 +36,7 @@ def run_script(*arguments: str, cuda: bool = True) -> subprocess.CompletedProces
 
 def test_every_measurement_accepts_its_declared_arguments_with_the_functions_defaults(runner):
     registry = sys.modules["registry"]
-    assert len(registry.MEASUREMENTS) == 17
+    assert len(registry.MEASUREMENTS) == 18
     for name, measurement in registry.MEASUREMENTS.items():
         assert callable(measurement.run) and measurement.needs in ("cuda", "any"), name
         assert measurement.summary and inspect.getdoc(measurement.function), name
@@ -119,3 +119,15 @@ def test_the_serving_ceiling_runs_anywhere_and_scales_with_the_matrix_rate():
         found.append(json.loads(done.stdout))
     assert found[0]["requests"] == 3 and found[0]["decisions"] >= 3
     assert found[0]["decisions_per_second"] < found[1]["decisions_per_second"] <= 2 * found[0]["decisions_per_second"]
+
+
+def test_bucket_padding_plans_the_mix_as_the_engine_would():
+    """Deeper queues join requests: fewer invocations, and every invocation of the mix fits a
+    bucket whose padding is a share of its tokens."""
+    done = run_script("bucket_padding", "--requests", "6", "--depths", "1", "3", cuda=False)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)["depths"]
+    assert found["1"]["invocations"] == 6 and found["3"]["invocations"] < 6
+    for depth in found.values():
+        assert depth["unfit_share"] == 0 and 0 <= depth["padding_share"] < 1
+        assert depth["computed_tokens"] > depth["useful_tokens"] > 0
