@@ -5,7 +5,8 @@
     python benchmarks/ledger.py render
 
 `record` appends one entry per workload of a benchmark stage run (or, with --tests, one per
-pytest summary line of a log) to benchmarks/ledger.jsonl; the commit defaults to the checkout's
+pytest summary line of a log) to benchmarks/ledger.jsonl, its source the file's name (never where
+it lay on one machine) and, with --command, the command that made it; the commit defaults to the checkout's
 HEAD, the date to today, the run id to DATE-COMMIT-runN. `render` rewrites docs/figures.md and
 the README's block between `<!-- figures:start -->` and `<!-- figures:end -->`, if it has one.
 """
@@ -51,21 +52,25 @@ def _next_run(entries: list[dict], date: str, commit: str) -> str:
 @click.option("--run", "run_id", help="an id unique to the run (default: DATE-COMMIT-runN)")
 @click.option("--tests", is_flag=True, help="SOURCE is a pytest log, not benchmark records")
 @click.option("--note", help="what a reader must know of the run (its settings, what differed)")
+@click.option("--command", help="the command that produced SOURCE")
 @click.option("--ledger", "ledger_path", type=click.Path(dir_okay=False, path_type=Path), default=LEDGER,
               show_default=True)
 def record(source: Path, machine: str, commit: str | None, date: str | None, run_id: str | None, tests: bool,
-           note: str | None, ledger_path: Path) -> None:
+           note: str | None, command: str | None, ledger_path: Path) -> None:
     """Append SOURCE's run to the ledger: a benchmark stage's records JSONL, or a pytest log."""
     commit = commit or _head()
     date = date or datetime.date.today().isoformat()
     run_id = run_id or _next_run(ledger.read(ledger_path), date, commit)
     if tests:
-        entries = ledger.entries_from_pytest(source.read_text(), date, commit, machine, run_id, str(source))
+        entries = ledger.entries_from_pytest(source.read_text(), date, commit, machine, run_id, source.name)
     else:
         records = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
-        entries = ledger.entries_from_records(records, date, commit, machine, run_id, str(source))
+        entries = ledger.entries_from_records(records, date, commit, machine, run_id, source.name)
     if not entries:
         raise click.ClickException(f"{source} holds nothing to record")
+    if command:
+        for made in entries:
+            made["command"] = command
     if note:
         for made in entries:
             made["note"] = note if not made.get("note") else f"{note}; {made['note']}"

@@ -77,6 +77,8 @@ def check(entry: dict) -> dict:
     for name in ("commit", "machine", "run", "workload", "shape", "source"):
         if name in entry and not (isinstance(entry[name], str) and entry[name]):
             problems.append(f"{name} {entry[name]!r} is not a non-empty string")
+    if isinstance(entry.get("source"), str) and entry["source"].startswith(("/", "~")):
+        problems.append(f"source {entry['source']!r} is a path of one machine: name the file, not where it lay")
     figures = entry.get("figures")
     if "figures" in entry and not (isinstance(figures, dict) and figures and all(map(_number, figures.values()))):
         problems.append(f"figures must map names to numbers, at least one: {str(figures)[:200]}")
@@ -194,7 +196,15 @@ def _training(record: dict) -> tuple[dict, dict]:
 
 
 def _other(record: dict) -> tuple[dict, dict]:
-    return _pick(record, record), _series(record, samples_ms="samples_ms")
+    """A record's numbers, those of its mappings too (two levels down, `depths_8_padding_share`)."""
+    figures = _pick(record, record)
+    for name, value in record.items():
+        if isinstance(value, dict) and name != "environment":
+            figures |= _pick(value, value, f"{name}_")
+            for key, inner in value.items():
+                if isinstance(inner, dict):
+                    figures |= _pick(inner, inner, f"{name}_{key}_")
+    return figures, _series(record, samples_ms="samples_ms")
 
 
 def kind_of(workload: str) -> str:

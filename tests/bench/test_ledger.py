@@ -195,7 +195,7 @@ def test_record_command_appends_a_run_and_names_the_next_one_itself(tmp_path):
         assert result.exit_code == 0, result.output
     made = ledger.read(path)
     assert [entry["run"] for entry in made] == ["2026-12-02-1c7de04-run1"] * 6 + ["2026-12-02-1c7de04-run2"] * 6
-    assert made[0]["source"] == str(source) and made[0]["figures"]["p50_ms"] == 6.35
+    assert made[0]["source"] == source.name and made[0]["figures"]["p50_ms"] == 6.35
     result = CliRunner().invoke(command.main, [*arguments, "--run", "2026-12-02-1c7de04-run1"])
     assert result.exit_code != 0 and "already holds" in result.output
 
@@ -216,3 +216,29 @@ def test_a_serving_record_of_the_load_harness_names_its_shape_and_open_loop_leve
     assert made["shape"] == "shape-only qwen3_5-0.8b"
     assert made["figures"]["open_80_p99_ms"] == 3065.5 and made["figures"]["open_80_eager_share"] == 0.0
     assert made["figures"]["lost"] == 1
+
+
+def test_an_entry_names_its_source_file_never_a_machines_path_and_keeps_nested_figures():
+    record = {"workload": "serving_bucket_padding", "requests": 4, "environment": SHAPE_ONLY,
+              "depths": {"8": {"padding_share": 0.2, "invocations": 1}}}
+    made = ledger.entries_from_records([record], "2026-12-03", "9df1c00", "CPU, 2 cores", "r", "padding.json")[0]
+    assert made["figures"] == {"requests": 4, "depths_8_padding_share": 0.2, "depths_8_invocations": 1}
+    with pytest.raises(ValueError, match="a path of one machine"):
+        ledger.check({**made, "source": "/work/scratch/padding.json"})
+    assert all(not entry["source"].startswith("/") for entry in ledger.read(ROOT / "benchmarks" / "ledger.jsonl"))
+
+
+def test_record_keeps_the_files_name_and_the_command(tmp_path):
+    spec = importlib.util.spec_from_file_location("ledger_script", ROOT / "benchmarks" / "ledger.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    source = tmp_path / "deep" / "serving.json"
+    source.parent.mkdir()
+    source.write_text(json.dumps(records()[3]) + "\n")
+    path = tmp_path / "ledger.jsonl"
+    done = CliRunner().invoke(script.main, ["record", str(source), "--machine", "H200", "--commit", "abc1234",
+                                            "--command", "python benchmarks/run.py serving_workload",
+                                            "--ledger", str(path)])
+    assert done.exit_code == 0, done.output
+    made = ledger.read(path)[0]
+    assert made["source"] == "serving.json" and made["command"] == "python benchmarks/run.py serving_workload"
