@@ -102,8 +102,11 @@ def decompressed(data: bytes, encoding: str, limit: int) -> bytes:
         elif encoding == "zstd":
             import zstandard
 
-            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as reader:
-                out = reader.read(limit + 1)
+            try:
+                with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as reader:
+                    out = reader.read(limit + 1)
+            except zstandard.ZstdError as error:  # not a ValueError: a corrupt body was a 500
+                raise ValueError(str(error)) from None
         else:
             raise WireError(f"Content-Encoding {encoding!r} is not supported (gzip, zstd)", status=415)
     except (zlib.error, ValueError, OSError) as error:

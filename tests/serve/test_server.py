@@ -6,15 +6,14 @@ import concurrent.futures
 import gzip
 import io
 import json
-import socket
 import threading
 import time
 
 import httpx2
 import numpy as np
 import pytest
-import uvicorn
 from PIL import Image
+from served import Served
 from typesafe_sdk import (
     Choice,
     Noul,
@@ -31,31 +30,6 @@ from dohnuts.serve.app import Front, create_app, front_app
 from dohnuts.serve.wire import IMAGE_MARKER, choice_confidence, score_confidence
 
 PLACEHOLDERS = ["<image:" + digit * 32 + ">" for digit in "01"]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class Served:
-    """A server in a background thread; `url` is its base URL."""
-
-    def __init__(self, app):
-        self.port = _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +197,8 @@ def test_every_invalid_request_gets_its_4xx_and_the_server_keeps_serving(served)
         (_post(served, {**good, "model": "another-model"}), 404),
         (_post(served, None, content=b"{}", headers={"content-type": "application/json",
                                                      "content-encoding": "br"}), 415),
+        (_post(served, None, content=b"(\xb5/\xfd not zstd", headers={"content-type": "application/json",
+                                                                    "content-encoding": "zstd"}), 400),
         (_post(served, {**good, "state": "a <|fim_suffix|> b"}), 422),
         (_post(served, {**good, "state": {"a": PLACEHOLDERS[0], "b": PLACEHOLDERS[1]},
                         "assets": {key: {"type": "image", "format": "png", "data_base64": "AA=="}
