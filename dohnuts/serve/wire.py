@@ -250,7 +250,10 @@ def _decode(key: str, asset: Mapping, parts: dict[str, bytes] | None) -> Image.I
             return image.convert("RGB")
     except WireError:
         raise
-    except Exception as error:  # Pillow's decoders raise many types: OSError, SyntaxError, bomb errors...
+    except Image.DecompressionBombError as error:  # Pillow's own bound, past twice its default
+        raise WireError(f"asset {key!r}: {error}; this server's limit is {MAX_IMAGE_PIXELS:,} pixels", status=413,
+                        loc=loc) from None
+    except Exception as error:  # Pillow's decoders raise many types: OSError, SyntaxError...
         raise WireError(f"asset {key!r} is not an image this server can decode: {error}", loc=loc) from None
 
 
