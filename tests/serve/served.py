@@ -1,9 +1,16 @@
-"""A server on a loopback port in a background thread, for the tests that drive one."""
+"""Servers for the tests that drive one: an app on a loopback port in a background thread
+(`Served`), and `dohnuts serve` in its own processes (`Server`)."""
 
+import os
+import re
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
+import httpx2
 import uvicorn
 
 
@@ -30,3 +37,50 @@ class Served:
     def close(self):
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+STARTED = re.compile(r"started dohnuts-(engine|front)-(\d+) \(pid (\d+)\)")
+
+
+class Server:
+    """`python -m dohnuts.cli serve` in a subprocess; its log lines are collected as they come."""
+
+    def __init__(self, checkpoint, workers: int = 2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "dohnuts.cli", "serve", str(checkpoint), "--port", str(self.port), "--workers",
+             str(workers), "--model-name", "dohnuts-tiny"], stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    def pids(self) -> dict[str, int]:
+        """The latest pid of each child by name ("engine-0", "front-1")."""
+        found = {}
+        for line in list(self.lines):
+            if match := STARTED.search(line):
+                found[f"{match[1]}-{match[2]}"] = int(match[3])
+        return found
+
+    def wait_ready(self, seconds: float = 120.0) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, "".join(self.lines[-30:])
+            try:
+                if httpx2.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx2.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError("the server did not become ready:\n" + "".join(self.lines[-30:]))
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=60)

@@ -4,17 +4,13 @@ clients get 503 with Retry-After, never a hang, and stopping on SIGTERM."""
 
 import concurrent.futures
 import os
-import re
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 
 import httpx2
 import pytest
 from PIL import Image
+from served import Server
 from typesafe_sdk import Image as SdkImage
 from typesafe_sdk import TypeSafeClient
 from wire_questions import OURS, QUESTIONS
@@ -24,53 +20,6 @@ from dohnuts.serve.wire import IMAGE_MARKER
 
 BODY = {"model": "jev-latest", "state": "I was billed twice",
         "questions": {"refund": {"type": "noul", "instructions": "Refund asked?"}}}
-STARTED = re.compile(r"started dohnuts-(engine|front)-(\d+) \(pid (\d+)\)")
-
-
-class Server:
-    """`python -m dohnuts.cli serve` in a subprocess; its log lines are collected as they come."""
-
-    def __init__(self, checkpoint, workers: int = 2):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "dohnuts.cli", "serve", str(checkpoint), "--port", str(self.port), "--workers",
-             str(workers), "--model-name", "dohnuts-tiny"], stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self):
-        for line in self.process.stderr:
-            self.lines.append(line)
-
-    def pids(self) -> dict[str, int]:
-        """The latest pid of each child by name ("engine-0", "front-1")."""
-        found = {}
-        for line in list(self.lines):
-            if match := STARTED.search(line):
-                found[f"{match[1]}-{match[2]}"] = int(match[3])
-        return found
-
-    def wait_ready(self, seconds: float = 120.0) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, "".join(self.lines[-30:])
-            try:
-                if httpx2.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx2.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise AssertionError("the server did not become ready:\n" + "".join(self.lines[-30:]))
-
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        return self.process.wait(timeout=60)
-
-
 @pytest.fixture(scope="module")
 def predictor(deployable):
     root, _ = deployable

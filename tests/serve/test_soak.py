@@ -1,0 +1,85 @@
+"""`dohnuts serve` (two front ends, one engine, the CPU) under sustained load from the load
+harness's client processes: a soak at 64 clients loses nothing and holds its memory, and
+processes killed under load cost only the requests they held, never a 5xx but 503."""
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx2
+import pytest
+from served import Server
+
+from dohnuts.bench.load import Load, encode_bodies, run_level
+from dohnuts.bench.traffic import varied_requests
+
+SOAK_SECONDS = float(os.environ.get("DOHNUTS_SOAK_SECONDS", "300"))
+BODY = {"model": "jev-latest", "state": "I was billed twice",
+        "questions": {"refund": {"type": "noul", "instructions": "Refund asked?"}}}
+
+
+def _rss_bytes(pids) -> int:
+    """The resident memory of processes, summed (Linux's /proc)."""
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.fixture(scope="module")
+def bodies():
+    return encode_bodies(varied_requests(256, seed=9))
+
+
+@pytest.fixture
+def server(deployable):
+    root, _ = deployable
+    running = Server(root / "checkpoint")
+    running.wait_ready()
+    yield running
+    if running.process.poll() is None:
+        running.stop()
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads resident memory from /proc")
+def test_a_soak_at_64_clients_loses_nothing_and_holds_its_memory(server, bodies):
+    encoded, decisions = bodies
+    run_level(server.url, encoded, decisions, Load(10.0, clients=64), processes=1)  # warm: caches fill
+    processes = [server.process.pid, *server.pids().values()]
+    before = _rss_bytes(processes)
+    level = run_level(server.url, encoded, decisions, Load(SOAK_SECONDS, clients=64), processes=1)
+    after = _rss_bytes(processes)
+    print(f"soak {SOAK_SECONDS:g} s at 64 clients: {level['sent']} requests, {level['statuses']}, "
+          f"p50 {level['p50_ms']:.0f} ms p99 {level['p99_ms']:.0f} ms; server RSS {before / 2**20:.0f} MiB "
+          f"before, {after / 2**20:.0f} MiB after")
+    assert level["sent"] > 64 and level["statuses"] == {"200": level["sent"]} and level["no_answer"] == 0
+    assert after <= before * 1.15 + 64 * 2**20, (before, after)
+    assert server.pids() == dict(zip(server.pids(), processes[1:]))  # nothing restarted
+
+
+def test_processes_killed_under_load_cost_only_the_requests_they_held(server, bodies):
+    encoded, decisions = bodies
+    found = {}
+    load = threading.Thread(target=lambda: found.update(
+        run_level(server.url, encoded, decisions, Load(24.0, clients=16), processes=1, start_after=1.0)))
+    load.start()
+    time.sleep(7.0)
+    engine = server.pids()["engine-0"]
+    os.kill(engine, signal.SIGKILL)
+    time.sleep(8.0)
+    front = server.pids()["front-0"]
+    os.kill(front, signal.SIGKILL)
+    load.join(timeout=300)
+    assert not load.is_alive(), "the clients hung"
+    statuses = found["statuses"]
+    assert set(statuses) - {"200", "503"} <= {status for status in statuses if status.startswith("no answer")}
+    assert statuses.get("503", 0) > 0 and statuses["200"] > 0  # the engine's downtime, and the rest answered
+    assert found["no_answer"] <= 16  # at most one in-flight request a client, on the killed front end
+    pids = server.pids()
+    assert pids["engine-0"] != engine and pids["front-0"] != front
+    server.wait_ready()
+    assert [httpx2.post(f"{server.url}/v1/systemone", json=BODY, timeout=30).status_code for _ in range(4)] == [200] * 4
