@@ -306,9 +306,10 @@ class EngineLoop:
     come for `idle_after` seconds, it does the deferred captures
     (`GraphedScores.capture_pending`), one at a time: no request waits for a capture.
 
-    `submit(request, reply)` queues a request; `reply(logits or error)` is called on the loop's
-    thread, after `on_invocation(requests, rows, each request's seconds in the queue)`. At most
-    `max_queue` requests wait: beyond, `submit` raises `Overloaded`. `lock` is held while the
+    `submit(request, reply)` queues a request (`cancel` drops it while it waits);
+    `reply(logits or error)` is called on the loop's thread, after `on_invocation(requests, rows,
+    each request's seconds in the queue)`. At most `max_queue` requests wait: beyond, `submit`
+    raises `Overloaded`. `lock` is held while the
     engine works (a `Predictor` over the same engine passes its own).
     """
 
@@ -322,6 +323,7 @@ class EngineLoop:
         self.condition = threading.Condition()
         self.closed = False
         self.fatal: BaseException | None = None  # what stopped the loop, if anything did
+        self.cancelled = 0  # requests dropped from the queue because their callers went away
         with self.lock:
             self.engine.defer_captures(True)
         self.thread = threading.Thread(target=self._run, name="dohnuts-engine", daemon=True)
@@ -332,8 +334,8 @@ class EngineLoop:
         """Requests waiting for an invocation."""
         return len(self.waiting)
 
-    def submit(self, request: EncodedRequest, reply: Callable[[np.ndarray | BaseException], None]) -> None:
-        """Queue one request.
+    def submit(self, request: EncodedRequest, reply: Callable[[np.ndarray | BaseException], None]) -> _Waiting:
+        """Queue one request. Returns its place in the queue, for `cancel`.
 
         Raises:
             Overloaded: `max_queue` requests already wait.
@@ -344,8 +346,21 @@ class EngineLoop:
                 raise Closed("the engine is closed: it takes no more requests")
             if len(self.waiting) >= self.max_queue:
                 raise Overloaded(f"{self.max_queue} requests are waiting")
-            self.waiting.append(_Waiting(request, reply))
+            waiting = _Waiting(request, reply)
+            self.waiting.append(waiting)
             self.condition.notify()
+            return waiting
+
+    def cancel(self, waiting: _Waiting) -> bool:
+        """Drop a request `submit` queued whose caller went away, if no invocation has taken it
+        yet: it is never run or answered. Returns whether it was dropped."""
+        with self.condition:
+            for index, queued in enumerate(self.waiting):
+                if queued is waiting:
+                    del self.waiting[index]
+                    self.cancelled += 1
+                    return True
+            return False
 
     def close(self) -> None:
         """Stop once the requests already queued are answered; later ones are refused."""

@@ -25,7 +25,7 @@ import torch
 from ..inputs.batch import Row
 from .checkpoint import load_engine
 from .engine import Closed, EncodedRequest, Engine, EngineLoop, Expired, Overloaded
-from .messages import pack_error, pack_logits, unpack_request
+from .messages import pack_error, pack_logits, unpack_cancel, unpack_request
 from .metrics import Counting, metrics
 
 LOG = logging.getLogger(__name__)
@@ -71,8 +71,17 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
     wake_in.bind(wake_address)
     local = threading.local()
 
+    # (front end, id) -> the request's place in the loop's queue until it is answered, for a cancel;
+    # an answer that comes before its place is kept leaves its key in `early` instead.
+    queued: dict[tuple[bytes, int], object] = {}
+    early: set[tuple[bytes, int]] = set()
+    places = threading.Lock()
+
     def answer(identity: bytes, request_id: int):
         def reply(result) -> None:
+            with places:
+                if queued.pop((identity, request_id), None) is None:
+                    early.add((identity, request_id))
             if isinstance(result, Expired):
                 message = pack_error(request_id, "expired", str(result))
             elif isinstance(result, BaseException):
@@ -108,16 +117,27 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
             if router in ready:
                 while True:
                     try:
-                        identity, message = router.recv_multipart(zmq.NOBLOCK)
+                        identity, *frames = router.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     try:
-                        request_id, request = unpack_request(message, pixels)
+                        cancelled = unpack_cancel(frames)
+                        if cancelled is not None:  # its caller went away: dropped if it still waits
+                            place = queued.pop((identity, cancelled), None)
+                            if place is not None and loop.cancel(place):
+                                counted.cancelled.inc()
+                            continue
+                        request_id, request = unpack_request(frames[0], pixels)
                     except Exception as error:  # noqa: BLE001 - dropped (its sender times out), never fatal
                         LOG.warning("an unreadable request message: %s: %s", type(error).__name__, error)
                         continue
                     try:
-                        loop.submit(request, answer(identity, request_id))
+                        place = loop.submit(request, answer(identity, request_id))
+                        with places:
+                            if (identity, request_id) in early:
+                                early.discard((identity, request_id))
+                            else:
+                                queued[(identity, request_id)] = place
                     except Overloaded as error:
                         router.send_multipart([identity, pack_error(request_id, "overloaded", str(error))])
                     except Closed as error:

@@ -5,6 +5,7 @@ way (token ids, marker positions, an image's key, grid and RGB bytes), logits or
              image: None, or [key, [t, h, w], height, width, RGB bytes]
              deadline: None, or time.monotonic() seconds (one clock for a host's processes)
     reply:   [id, "logits", rows, columns, float32 bytes]  or  [id, "error", kind, message]
+    cancel:  the frames CANCEL, [id]: the request's caller went away; drop it if it still waits
 
 Error kinds: "overloaded" (the engine's queue is full), "closed" (it is stopping), "expired"
 (the deadline passed before it ran), "failed" (the invocation failed).
@@ -22,6 +23,7 @@ from ..inputs.tokens import SPATIAL_MERGE
 from .engine import EncodedRequest
 
 LOGITS, ERROR = "logits", "error"
+CANCEL = b"cancel"  # the first of a cancel's two frames (a request is one frame)
 
 
 def pack_request(request_id: int, request: EncodedRequest) -> bytes:
@@ -49,6 +51,18 @@ def unpack_request(message: bytes, settings: PixelSettings | None) -> tuple[int,
     made = [Row(_ints(ids), _ints(markers), None, shared, 0 if image is not None else None, grid)
             for ids, markers, shared in rows]
     return request_id, EncodedRequest(made, encoded_image, deadline)
+
+
+def pack_cancel(request_id: int) -> list[bytes]:
+    """The frames that cancel request `request_id`."""
+    return [CANCEL, msgpack.packb([request_id])]
+
+
+def unpack_cancel(frames: list[bytes]) -> int | None:
+    """The id a message's frames cancel, or None when they are not a cancel."""
+    if len(frames) == 2 and frames[0] == CANCEL:
+        return int(msgpack.unpackb(frames[1])[0])
+    return None
 
 
 def _ints(data: bytes) -> tuple[int, ...]:

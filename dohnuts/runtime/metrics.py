@@ -29,6 +29,7 @@ class Metrics:
         self.rows = Counter("dohnuts_rows", "Questions answered")
         self.batches = Histogram("dohnuts_batch_requests", "Requests per model invocation", buckets=BATCH_BUCKETS)
         self.invocations = Counter("dohnuts_invocations", "Model invocations by how they ran", ["path"])
+        self.cancelled = Counter("dohnuts_cancelled", "Requests dropped from an engine's queue (callers gone)")
         self.busy = Counter("dohnuts_device_busy_seconds", "Device time of the invocations (CUDA events)")
         self.stages = Histogram("dohnuts_stage_seconds", "Time a request spends in each stage: encode and answer "
                                 "(front end), queue, prepare, run and finish (engine, per invocation but queue)",

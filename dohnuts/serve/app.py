@@ -78,6 +78,60 @@ class Front:
         return result
 
 
+class RequestId:
+    """ASGI middleware: every HTTP response carries a fresh REQUEST_ID header. A plain ASGI
+    wrapper, not Starlette's BaseHTTPMiddleware, which costs a task and a stream a request and
+    stands between the endpoint and the client's disconnect."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (REQUEST_ID.encode(), uuid.uuid4().hex.encode())]}
+            await send(message)
+
+        await self.app(scope, receive, sending)
+
+
+DISCONNECTED = 499  # the status counted for a request whose client went away (no one reads it)
+
+
+class Disconnected(Exception):
+    """The client closed its connection before its answer was ready."""
+
+
+async def unless_disconnected(request: Request, work):
+    """The result of the coroutine `work`, unless the client disconnects first: `work` is then
+    cancelled (an engine drops the request if it still waits) and `Disconnected` raised. Call it
+    once the body has been read: it listens for the client's next message, its disconnect."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        gone.cancel()
+        raise
+    gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task})  # its cancellation runs now: the engine hears of it
+    raise Disconnected("the client went away")
+
+
+async def _disconnect(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 def _error(status: int, error_type: str, message: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"detail": {"error_type": error_type, "message": message}}, status_code=status, headers=headers)
 
@@ -192,12 +246,7 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
             front.engines.close()
 
     app = FastAPI(title="Dohnuts /v1/systemone", lifespan=lifespan)
-
-    @app.middleware("http")
-    async def request_id(request: Request, call_next):
-        response = await call_next(request)
-        response.headers[REQUEST_ID] = uuid.uuid4().hex
-        return response
+    app.add_middleware(RequestId)
 
     def authorised(request: Request) -> bool:
         if api_key is None:
@@ -262,7 +311,9 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
             return _error(404, "not_found_error", f"model {model!r} is not served here; this server serves "
                                                   f"{model_name!r} (or {ALIAS!r})")
         try:
-            result = await front.answer(state_value, questions, due_at)
+            result = await unless_disconnected(request, front.answer(state_value, questions, due_at))
+        except Disconnected:  # no one to answer; its work was dropped if it had not started
+            return Response(status_code=DISCONNECTED)
         except OverBudget as error:
             return _error(413, "request_too_large", str(error))
         except (TypeError, ValueError) as error:  # the schema's own message, as `predict` raises it

@@ -11,6 +11,7 @@ is not sent to; a request whose engine goes down, or that waits past its deadlin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 import zlib
@@ -38,6 +39,7 @@ class LocalEngine:
     def __init__(self, predictor, max_queue: int = 4096, on_invocation=None):
         self.loop = EngineLoop(predictor.engine, predictor.lock, max_queue=max_queue,
                                on_invocation=Counting(predictor.engine, on_invocation))
+        self.cancelled = 0  # requests dropped from the queue because their callers went away
 
     @property
     def ready(self) -> bool:
@@ -59,9 +61,13 @@ class LocalEngine:
         def reply(result) -> None:  # on the engine's thread
             running.call_soon_threadsafe(_settle, future, result)
 
-        self.loop.submit(request, reply)
+        place = self.loop.submit(request, reply)
         try:
             return await _within(future, request.deadline)
+        except asyncio.CancelledError:  # the caller went away: its request is not run if it still waits
+            if self.loop.cancel(place):
+                self.cancelled += 1
+            raise
         except (Overloaded, Closed, Expired):
             raise
         except Exception as error:  # noqa: BLE001 - whatever failed in the invocation is the server's
@@ -193,7 +199,7 @@ class RemoteEngines:
         """
         import zmq
 
-        from ..runtime.messages import pack_request
+        from ..runtime.messages import pack_cancel, pack_request
 
         self._start()
         index = self._choose(request)
@@ -211,6 +217,11 @@ class RemoteEngines:
             return await _within(future, request.deadline, self.deadline)
         except TimeoutError as error:
             raise Unavailable(f"no answer from the engine in {self.deadline:.0f} s") from error
+        except asyncio.CancelledError:  # the caller went away: the engine drops it if it still waits
+            with contextlib.suppress(zmq.ZMQError):
+                sent = self.sockets[index].send_multipart(pack_cancel(request_id), flags=zmq.NOBLOCK)
+                sent.add_done_callback(lambda done: done.cancelled() or done.exception())  # seen, never raised
+            raise
         finally:
             self.waiting[index].pop(request_id, None)
 

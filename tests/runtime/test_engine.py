@@ -205,3 +205,35 @@ def test_a_request_past_its_deadline_is_dropped_before_it_runs(predictor):
     expired = [result for result in results if isinstance(result, Expired)]
     assert len(expired) == 1 and sum(isinstance(result, np.ndarray) for result in results) == 1
     assert predictor.engine.stats["requests"] - before <= 2  # the expired one may have been taken, never run
+
+
+def test_a_cancelled_request_is_dropped_from_the_queue_and_never_answered(predictor):
+    raw = requests_of(predictor, 3)
+    encoded = predictor._encode(raw, collect=False)[0]
+    loop = EngineLoop(predictor.engine, predictor.lock)
+    answered, done = {}, threading.Event()
+
+    def reply(name):
+        def record(result):
+            answered[name] = result
+            if {"first", "third"} <= set(answered):
+                done.set()
+        return record
+
+    try:
+        with predictor.lock:  # the loop takes "first" and waits for the engine: the others queue behind it
+            loop.submit(encoded[0], reply("first"))
+            deadline = time.monotonic() + 30
+            while loop.depth:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            second = loop.submit(encoded[1], reply("second"))
+            loop.submit(encoded[2], reply("third"))
+            assert loop.cancel(second) and loop.depth == 1
+        assert done.wait(60)
+        assert not loop.cancel(second)  # gone already: nothing to drop
+    finally:
+        loop.close()
+    assert set(answered) == {"first", "third"} and loop.cancelled == 1
+    for name, index in (("first", 0), ("third", 2)):
+        np.testing.assert_allclose(answered[name], alone(predictor, [raw[index]])[0], rtol=1e-5, atol=1e-5)

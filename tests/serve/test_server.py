@@ -104,11 +104,16 @@ class HeldEngines:
     def __init__(self):
         self.release = threading.Event()
         self.held = 0  # requests submitted so far
+        self.cancelled = 0  # of them, those whose callers went away
 
     async def submit(self, request):
         self.held += 1
-        while not self.release.is_set():
-            await asyncio.sleep(0.01)
+        try:
+            while not self.release.is_set():
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
         return np.zeros((len(request.rows), max(len(row.markers) for row in request.rows)), dtype=np.float32)
 
     def close(self):
@@ -133,6 +138,28 @@ def test_a_front_end_refuses_past_its_requests_in_flight_with_429(predictor):
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert "2 requests at once" in refused.json()["detail"]["message"]
         assert answered == [200, 200] and _post(held, body).status_code == 200
+    finally:
+        held.close()
+
+
+def test_a_client_that_disconnects_has_its_request_withdrawn_from_the_engines(predictor):
+    """Its wait for the engines is cancelled (an engine then drops it from its queue: the engine
+    tests), and the front end serves on."""
+    engines = HeldEngines()
+    front = Front(predictor.template, predictor.config, predictor.temperatures, engines)
+    held = Served(front_app(front, "dohnuts-tiny"))
+    body = {"model": "jev-latest", "state": "hello", "questions": {"ok": {"type": "noul"}}}
+    try:
+        with pytest.raises(httpx2.TimeoutException):  # the client gives up and closes its connection
+            httpx2.post(f"{held.url}/v1/systemone", json=body, timeout=0.5)
+        deadline = time.monotonic() + 30
+        while engines.cancelled < 1:
+            assert time.monotonic() < deadline, "the request was never withdrawn"
+            time.sleep(0.01)
+        assert engines.held == 1
+        engines.release.set()
+        answered = _post(held, body)
+        assert answered.status_code == 200 and "x-typesafe-request-id" in answered.headers
     finally:
         held.close()
 

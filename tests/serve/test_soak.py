@@ -1,6 +1,7 @@
 """`dohnuts serve` (two front ends, one engine, the CPU) under sustained load from the load
-harness's client processes: a soak at 64 clients loses nothing and holds its memory, and
-processes killed under load cost only the requests they held, never a 5xx but 503."""
+harness's client processes: a soak at 64 clients loses nothing and holds its memory,
+processes killed under load cost only the requests they held, never a 5xx but 503, and clients
+that give up have their queued requests dropped by the engine."""
 
 import os
 import signal
@@ -12,7 +13,7 @@ import httpx2
 import pytest
 from served import Server
 
-from dohnuts.bench.load import Load, encode_bodies, run_level
+from dohnuts.bench.load import Load, encode_bodies, run_level, scrape
 from dohnuts.bench.traffic import varied_requests
 
 SOAK_SECONDS = float(os.environ.get("DOHNUTS_SOAK_SECONDS", "300"))
@@ -82,4 +83,38 @@ def test_processes_killed_under_load_cost_only_the_requests_they_held(server, bo
     pids = server.pids()
     assert pids["engine-0"] != engine and pids["front-0"] != front
     server.wait_ready()
+    assert [httpx2.post(f"{server.url}/v1/systemone", json=BODY, timeout=30).status_code for _ in range(4)] == [200] * 4
+
+
+def test_clients_that_give_up_have_their_queued_requests_dropped(server, bodies):
+    """48 clients that wait 30 ms for an answer and then close their connection: the front ends
+    withdraw their requests, the engine drops those still queued (counted in /metrics), and
+    the server answers as usual afterwards."""
+    encoded, _ = bodies
+
+    def impatient(count: int) -> list:
+        outcomes = []
+        for index in range(count):
+            try:
+                response = httpx2.post(f"{server.url}/v1/systemone", content=encoded[index % len(encoded)],
+                                       headers={"content-type": "application/json"}, timeout=0.03)
+                outcomes.append(response.status_code)
+            except httpx2.TimeoutException:
+                outcomes.append("gave up")
+        return outcomes
+
+    before = scrape(server.url).get("dohnuts_cancelled_total", 0.0)
+    threads, results = [], []
+    for _ in range(48):
+        thread = threading.Thread(target=lambda: results.extend(impatient(8)))
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not any(thread.is_alive() for thread in threads)
+    assert "gave up" in results and all(result in (200, "gave up") for result in results)
+    deadline = time.monotonic() + 30
+    while scrape(server.url).get("dohnuts_cancelled_total", 0.0) <= before:
+        assert time.monotonic() < deadline, "the engine dropped no withdrawn request"
+        time.sleep(0.2)
     assert [httpx2.post(f"{server.url}/v1/systemone", json=BODY, timeout=30).status_code for _ in range(4)] == [200] * 4
