@@ -60,7 +60,10 @@ def doctor(path, params_path, base, report):
                    "without it, any or no key is accepted.")
 @click.option("--model-name", default=None, help="The served model's name (default: the checkpoint folder's name); "
                                                  "requests may also ask for jev-latest.")
-def serve(checkpoint, host, port, workers, gpus, api_key_env, model_name):
+@click.option("--max-queue-seconds", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Refuse new requests (429) while an engine's oldest waiting request has waited this long: "
+                   "past the device's rate the excess is refused at once instead of queueing.")
+def serve(checkpoint, host, port, workers, gpus, api_key_env, model_name, max_queue_seconds):
     """Serve a calibrated CHECKPOINT (runs/calibrate/checkpoint) over TypeSafe Jev's /v1/systemone:
     front-end processes and one engine process a device, restarted if they die."""
     import logging
@@ -85,7 +88,7 @@ def serve(checkpoint, host, port, workers, gpus, api_key_env, model_name):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = ServeSettings(str(folder), model_name or folder.name, host, port,
                              workers or max(1, min(8, (os.cpu_count() or 2) // 2)), _devices(gpus), api_key,
-                             _release_date(folder))
+                             _release_date(folder), max_wait=max_queue_seconds)
     Supervisor(settings).run()
 
 

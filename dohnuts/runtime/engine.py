@@ -39,6 +39,10 @@ STAGES = ("queue", "prepare", "run", "finish")  # where an invocation's requests
 # it did not remove the open-loop tails measured on the H200 (p99 of seconds at 80 requests/s,
 # benchmarks/ledger.jsonl): their cause is not found yet.
 IDLE_AFTER = 1.0
+# Seconds the oldest waiting request may have waited before new ones are refused (`Overloaded`,
+# a 429): past the device's rate the queue then holds about this much work, the device stays busy,
+# and the excess is refused at once instead of waiting for a deadline it cannot meet.
+MAX_WAIT = 1.0
 
 
 class EncodedRequest(NamedTuple):
@@ -308,16 +312,17 @@ class EngineLoop:
 
     `submit(request, reply)` queues a request (`cancel` drops it while it waits);
     `reply(logits or error)` is called on the loop's thread, after `on_invocation(requests, rows,
-    each request's seconds in the queue)`. At most `max_queue` requests wait: beyond, `submit`
-    raises `Overloaded`. `lock` is held while the
+    each request's seconds in the queue)`. At most `max_queue` requests wait, and none is
+    queued while the oldest has waited over `max_wait` seconds: `submit` then raises
+    `Overloaded`. `lock` is held while the
     engine works (a `Predictor` over the same engine passes its own).
     """
 
     def __init__(self, engine: Engine, lock: threading.RLock | None = None, max_queue: int = 4096,
-                 idle_after: float = IDLE_AFTER, on_invocation=None):
+                 idle_after: float = IDLE_AFTER, on_invocation=None, max_wait: float | None = MAX_WAIT):
         self.engine = engine
         self.lock = lock or threading.RLock()
-        self.max_queue, self.idle_after = max_queue, idle_after
+        self.max_queue, self.idle_after, self.max_wait = max_queue, idle_after, max_wait
         self.on_invocation = on_invocation
         self.waiting: list[_Waiting] = []
         self.condition = threading.Condition()
@@ -346,6 +351,9 @@ class EngineLoop:
                 raise Closed("the engine is closed: it takes no more requests")
             if len(self.waiting) >= self.max_queue:
                 raise Overloaded(f"{self.max_queue} requests are waiting")
+            if (self.max_wait is not None and self.waiting
+                    and time.monotonic() - self.waiting[0].enqueued > self.max_wait):
+                raise Overloaded(f"requests have waited over {self.max_wait:g} s for the device")
             waiting = _Waiting(request, reply)
             self.waiting.append(waiting)
             self.condition.notify()

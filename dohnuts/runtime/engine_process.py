@@ -24,7 +24,7 @@ import torch
 
 from ..inputs.batch import Row
 from .checkpoint import load_engine
-from .engine import Closed, EncodedRequest, Engine, EngineLoop, Expired, Overloaded
+from .engine import MAX_WAIT, Closed, EncodedRequest, Engine, EngineLoop, Expired, Overloaded
 from .messages import pack_error, pack_logits, unpack_cancel, unpack_request
 from .metrics import Counting, metrics
 
@@ -42,6 +42,7 @@ class EngineSettings:
     address: str
     index: int = 0
     max_queue: int = 4096
+    max_wait: float | None = MAX_WAIT  # seconds the oldest request may wait before new ones get 429
 
 
 def warm_up(engine: Engine) -> None:
@@ -96,7 +97,8 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
                 local.wake.send(b"", zmq.NOBLOCK)
         return reply
 
-    loop = EngineLoop(engine, max_queue=settings.max_queue, on_invocation=Counting(engine))
+    loop = EngineLoop(engine, max_queue=settings.max_queue, on_invocation=Counting(engine),
+                      max_wait=settings.max_wait)
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 2000)  # the last replies still go out on close
     router.bind(settings.address)

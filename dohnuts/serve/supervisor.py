@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..runtime.engine import MAX_WAIT
 from ..runtime.engine_process import DOWN, STARTING, EngineSettings
 
 LOG = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class ServeSettings:
     api_key: str | None = None
     release_date: str | None = None
     deadline: float = 120.0  # seconds a front end waits for an engine's answer
+    max_wait: float | None = MAX_WAIT  # seconds an engine's oldest request may wait before new ones get 429
 
 
 def _orphan_guard() -> None:
@@ -136,7 +138,8 @@ class Supervisor:
         self.states = self.context.Array("q", 2 * len(settings.devices), lock=False)
         addresses = [f"ipc://{self.folder}/engine-{index}" for index in range(len(settings.devices))]
         self.engines = [Child(f"dohnuts-engine-{index}", engine_main,
-                              (EngineSettings(settings.checkpoint, device, address, index), self.states),
+                              (EngineSettings(settings.checkpoint, device, address, index,
+                                                              max_wait=settings.max_wait), self.states),
                               on_start=lambda index=index: self._starting(index))
                         for index, (device, address) in enumerate(zip(settings.devices, addresses))]
         self.fronts = [Child(f"dohnuts-front-{index}", front_main, (settings, self.listening, addresses, self.states))

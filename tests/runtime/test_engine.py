@@ -237,3 +237,30 @@ def test_a_cancelled_request_is_dropped_from_the_queue_and_never_answered(predic
     assert set(answered) == {"first", "third"} and loop.cancelled == 1
     for name, index in (("first", 0), ("third", 2)):
         np.testing.assert_allclose(answered[name], alone(predictor, [raw[index]])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_new_requests_are_refused_while_the_oldest_has_waited_past_max_wait(predictor):
+    """Queue-delay admission: past the device's rate the excess is refused at once (a 429) rather
+    than queued behind work it cannot overtake; once the queue moves again, requests are taken."""
+    encoded = predictor._encode(requests_of(predictor, 3), collect=False)[0]
+    loop = EngineLoop(predictor.engine, predictor.lock, max_wait=0.1)
+    answered = threading.Event()
+    try:
+        with predictor.lock:  # the device "cannot keep up": the loop takes one and waits for it
+            loop.submit(encoded[0], lambda result: None)
+            deadline = time.monotonic() + 30
+            while loop.depth:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            loop.submit(encoded[1], lambda result: None)  # nothing has waited yet: queued
+            time.sleep(0.3)
+            with pytest.raises(Overloaded, match="waited over 0.1 s"):
+                loop.submit(encoded[2], lambda result: None)
+        deadline = time.monotonic() + 60
+        while loop.depth:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        loop.submit(encoded[2], lambda result: answered.set())
+        assert answered.wait(60)
+    finally:
+        loop.close()

@@ -45,14 +45,14 @@ STARTED = re.compile(r"started dohnuts-(engine|front)-(\d+) \(pid (\d+)\)")
 class Server:
     """`python -m dohnuts.cli serve` in a subprocess; its log lines are collected as they come."""
 
-    def __init__(self, checkpoint, workers: int = 2):
+    def __init__(self, checkpoint, workers: int = 2, options: tuple[str, ...] = ()):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "dohnuts.cli", "serve", str(checkpoint), "--port", str(self.port), "--workers",
-             str(workers), "--model-name", "dohnuts-tiny"], stderr=subprocess.PIPE, text=True,
+             str(workers), "--model-name", "dohnuts-tiny", *options], stderr=subprocess.PIPE, text=True,
             env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

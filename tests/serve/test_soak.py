@@ -38,8 +38,10 @@ def bodies():
 
 @pytest.fixture
 def server(deployable):
+    """The split server. 64 clients keep its CPU engine's queue seconds deep, so its queue-delay
+    admission is set past that here (the last test holds it to its word)."""
     root, _ = deployable
-    running = Server(root / "checkpoint")
+    running = Server(root / "checkpoint", options=("--max-queue-seconds", "60"))
     running.wait_ready()
     yield running
     if running.process.poll() is None:
@@ -118,3 +120,19 @@ def test_clients_that_give_up_have_their_queued_requests_dropped(server, bodies)
         assert time.monotonic() < deadline, "the engine dropped no withdrawn request"
         time.sleep(0.2)
     assert [httpx2.post(f"{server.url}/v1/systemone", json=BODY, timeout=30).status_code for _ in range(4)] == [200] * 4
+
+
+def test_past_its_queue_delay_the_server_refuses_at_once_and_answers_the_rest(deployable, bodies):
+    """With --max-queue-seconds 0.05, 64 clients overload the CPU engine: the excess gets 429 with
+    Retry-After at once (refusals far faster than answers), the rest 200, nothing else."""
+    root, _ = deployable
+    encoded, decisions = bodies
+    running = Server(root / "checkpoint", options=("--max-queue-seconds", "0.05"))
+    try:
+        running.wait_ready()
+        level = run_level(running.url, encoded, decisions, Load(8.0, clients=64), processes=1)
+    finally:
+        running.stop()
+    statuses = level["statuses"]
+    assert set(statuses) == {"200", "429"} and level["no_answer"] == 0
+    assert level["refused_p99_ms"] < level["p50_ms"]
