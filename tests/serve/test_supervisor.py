@@ -120,3 +120,30 @@ def test_children_exit_when_their_supervisor_is_killed(deployable):
                 break
             assert time.monotonic() < deadline, f"child {pid} outlived its supervisor"
             time.sleep(0.1)
+
+
+def test_sigterm_drains_the_requests_in_flight(deployable):
+    """SIGTERM stops the front ends first, which finish what they hold, then the engine: every
+    request that reached the server is answered 200, and the server exits within its grace."""
+    root, _ = deployable
+    running = Server(root / "checkpoint", workers=1)
+    running.wait_ready()
+    heavy = {"model": "jev-latest", "state": "I was billed twice for one parcel. " * 40,
+             "questions": {f"q{index}": {"type": "noul", "instructions": f"Is it about {index}?"}
+                           for index in range(40)}}
+
+    def send():
+        try:
+            return httpx2.post(f"{running.url}/v1/systemone", json=heavy, timeout=60).status_code
+        except httpx2.ConnectError:  # never reached the server: not in flight
+            return "not connected"
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
+        sent = [pool.submit(send) for _ in range(16)]
+        time.sleep(0.5)
+        stopped = time.monotonic()
+        running.process.send_signal(signal.SIGTERM)
+        outcomes = [future.result() for future in sent]
+    code = running.process.wait(timeout=60)
+    assert set(outcomes) <= {200, "not connected"} and outcomes.count(200) >= 8, outcomes
+    assert code == 0 and time.monotonic() - stopped < 30
