@@ -106,7 +106,8 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if states is not None:
         states[2 * settings.index] = READY
-    LOG.info("engine %d ready on %s (%s)", settings.index, settings.address, device)
+    LOG.info("engine %d ready on %s (%s); new requests refused while one has waited over %s s", settings.index,
+             settings.address, device, settings.max_wait)
     counted = metrics()
     poller = zmq.Poller()
     poller.register(router, zmq.POLLIN)
