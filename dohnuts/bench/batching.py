@@ -8,8 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..runtime.predict import Predictor
-from .host import SHAPE, TEMPERATURES, require_cuda
+from .host import SHAPE, require_cuda
 from .load import describe_level
 from .serving import ServingPlan, serving_record
 from .shapes import shape_only_predictor, write_shape_checkpoint
@@ -127,13 +126,9 @@ def serving_ceiling(requests: int = 512, matrix_tflops: float = 800.0, bandwidth
 
         python benchmarks/run.py serving_ceiling --requests 512 > ceiling.json
     """
-    import torch
-
     from .records import mix_ceiling
-    from .shapes import shape_only_parts
 
-    model, template, config = shape_only_parts(SHAPE, torch.device("cpu"))
-    predictor = Predictor(model, template, config, TEMPERATURES)
+    predictor = shape_only_predictor(SHAPE, "cpu", graphs=False)
     ceilings = {"device": "NVIDIA H200", "matrix_flops_per_s": matrix_tflops * 1e12,
                 "bandwidth_bytes_per_s": bandwidth_tbps * 1e12, "vector_flops_per_s": None}
     ceiling = mix_ceiling(predictor, serving_mix(requests), ceilings)
@@ -151,14 +146,10 @@ def bucket_padding(requests: int = 512, depths: tuple[int, ...] = (1, 8, 32)) ->
 
         python benchmarks/run.py bucket_padding --requests 512 --depths 1 8 32 > padding.json
     """
-    import torch
-
     from ..runtime.buckets import all_buckets, smallest_fit
     from ..runtime.engine import plan, request_shape
-    from .shapes import shape_only_parts
 
-    model, template, config = shape_only_parts(SHAPE, torch.device("cpu"))
-    predictor = Predictor(model, template, config, TEMPERATURES)
+    predictor = shape_only_predictor(SHAPE, "cpu", graphs=False)
     encoded = [predictor.encode_request(predictor.encode(*pair)[1]) for pair in serving_mix(requests)]
     buckets = all_buckets()
 
