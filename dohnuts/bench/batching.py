@@ -71,7 +71,7 @@ def invocation_profile(batch: int = 8, groups: int = 4, top: int = 25) -> None:
 
     import torch
 
-    from ..runtime.buckets import all_buckets, smallest_fit
+    from ..runtime.buckets import all_buckets, joined, smallest_fit
     from ..runtime.engine import request_shape
 
     require_cuda()
@@ -82,13 +82,10 @@ def invocation_profile(batch: int = 8, groups: int = 4, top: int = 25) -> None:
     needed = set()
     for label, requests in sets.items():
         for group in list(requests):
-            shapes = [request_shape(predictor.encode_request(predictor.encode(*pair)[1])) for pair in group]
-            joined = shapes[0]
-            for shape in shapes[1:]:
-                joined = joined.join(shape)
-            bucket = smallest_fit(joined, all_buckets())
+            shape = joined(request_shape(predictor.encode_request(predictor.encode(*pair)[1])) for pair in group)
+            bucket = smallest_fit(shape, all_buckets())
             if bucket is None:
-                print(f"{label}: a group of {joined} fits no bucket; left out", flush=True)
+                print(f"{label}: a group of {shape} fits no bucket; left out", flush=True)
                 requests.remove(group)
             else:
                 needed.add(bucket)
@@ -146,15 +143,15 @@ def bucket_padding(requests: int = 512, depths: tuple[int, ...] = (1, 8, 32)) ->
 
         python benchmarks/run.py bucket_padding --requests 512 --depths 1 8 32 > padding.json
     """
-    from ..runtime.buckets import all_buckets, smallest_fit
+    from ..runtime.buckets import all_buckets, joined, smallest_fit
     from ..runtime.engine import plan, request_shape
 
     predictor = shape_only_predictor(SHAPE, "cpu", graphs=False)
     encoded = [predictor.encode_request(predictor.encode(*pair)[1]) for pair in serving_mix(requests)]
     buckets = all_buckets()
 
-    def admits(first, joined):
-        return smallest_fit(joined, buckets) is not None
+    def admits(first, together):
+        return smallest_fit(together, buckets) is not None
 
     found = {}
     for depth in depths:
@@ -162,9 +159,7 @@ def bucket_padding(requests: int = 512, depths: tuple[int, ...] = (1, 8, 32)) ->
         for start in range(0, len(encoded), depth):
             queue = encoded[start:start + depth]
             for pieces in plan(queue, admits):
-                shape = request_shape(queue[pieces[0].request], pieces[0].rows)
-                for piece in pieces[1:]:
-                    shape = shape.join(request_shape(queue[piece.request], piece.rows))
+                shape = joined(request_shape(queue[piece.request], piece.rows) for piece in pieces)
                 bucket = smallest_fit(shape, buckets)
                 invocations += 1
                 useful += shape.tokens

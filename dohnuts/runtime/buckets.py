@@ -27,6 +27,8 @@ sees, runs eagerly between graphs (`cuda_graphs`).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -149,6 +151,11 @@ class Shape(NamedTuple):
         return Shape(self.prefix_tokens + other.prefix_tokens, self.prefixes + other.prefixes,
                      self.row_tokens + other.row_tokens, self.rows + other.rows,
                      max(self.longest_row, other.longest_row), max(self.candidates, other.candidates))
+
+
+def joined(shapes: Iterable[Shape]) -> Shape:
+    """The shape of batches packed together (`Shape.join` of all; the empty shape for none)."""
+    return functools.reduce(Shape.join, shapes, Shape())
 
 
 def batch_shape(batch: Batch) -> Shape:

@@ -9,7 +9,7 @@ import pytest
 from helpers import square_image, state_of_tokens
 
 from dohnuts import Predictor
-from dohnuts.runtime.buckets import Bucket, Shape, batch_shape, fits
+from dohnuts.runtime.buckets import Bucket, batch_shape, fits, joined
 from dohnuts.runtime.engine import (
     Closed,
     EngineLoop,
@@ -56,11 +56,9 @@ def test_the_planned_shape_is_the_shape_of_the_packed_batch(predictor):
     for request in encoded:
         batch = predictor.engine.collate([request], [Piece(0, list(range(len(request.rows))))])
         assert request_shape(request) == batch_shape(batch)
-    joined = Shape()
-    for request in encoded:
-        joined = joined.join(request_shape(request))
+    together = joined(request_shape(request) for request in encoded)
     everything = predictor.engine.collate(encoded, [Piece(i, list(range(len(r.rows)))) for i, r in enumerate(encoded)])
-    assert joined == batch_shape(everything)  # distinct states: no prefix shared across requests
+    assert together == batch_shape(everything)  # distinct states: no prefix shared across requests
 
 
 def test_requests_are_taken_whole_while_they_fit_and_one_over_the_budget_is_split_by_rows(predictor):
