@@ -83,22 +83,34 @@ async def _send(session, url: str, body: bytes, due: float, timeout: float) -> t
 
 
 async def _drive(url: str, bodies: list[bytes], load: Load, seed: int, timeout: float,
-                 begin: float) -> list[tuple]:
+                 begin: float) -> tuple[list[tuple], list[float], float]:
     """Run one process's share of a level from the wall-clock time `begin` (every process's
     schedule starts there, a late one catching up); returns (due, latency, status, body index)
-    per request, due in seconds after `begin`."""
+    per request, due in seconds after `begin`, the seconds each new connection took to open,
+    and how late the schedule started (seconds)."""
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    results, cursor = [], [0]
+    results, cursor, connects = [], [0], []
+    tracing = aiohttp.TraceConfig()
+
+    async def opening(session, context, params):
+        context.opened = time.perf_counter()
+
+    async def opened(session, context, params):
+        connects.append(time.perf_counter() - context.opened)
+
+    tracing.on_connection_create_start.append(opening)
+    tracing.on_connection_create_end.append(opened)
 
     def next_body() -> int:
         index = cursor[0] % len(bodies)
         cursor[0] += 1
         return index
 
-    async with aiohttp.ClientSession(connector=connector) as session:
+    async with aiohttp.ClientSession(connector=connector, trace_configs=[tracing]) as session:
         start = time.perf_counter() - (time.time() - begin)  # `begin` on this process's clock
+        late = time.perf_counter() - start
         end = start + load.seconds
         if load.rate is not None:  # open loop: Poisson arrivals, each request its own task
             rng, due, tasks = random.Random(seed), start, []
@@ -119,7 +131,7 @@ async def _drive(url: str, bodies: list[bytes], load: Load, seed: int, timeout: 
                     results.append((*await _send(session, url, bodies[index], time.perf_counter(), timeout), index))
 
             await asyncio.gather(*(client() for _ in range(load.clients)))
-    return [(due - start, latency, status, index) for due, latency, status, index in results]
+    return [(due - start, latency, status, index) for due, latency, status, index in results], connects, late
 
 
 def _process(url, bodies, offset, load, seed, timeout, cpus, begin, out) -> None:
@@ -135,8 +147,9 @@ def _process(url, bodies, offset, load, seed, timeout, cpus, begin, out) -> None
     except ImportError:
         pass
     time.sleep(max(0.0, begin - time.time()))
-    results = asyncio.run(_drive(url, bodies, load, seed, timeout, begin))
-    out.put([(due, latency, status, (index + offset) % len(bodies)) for due, latency, status, index in results])
+    results, connects, late = asyncio.run(_drive(url, bodies, load, seed, timeout, begin))
+    out.put(([(due, latency, status, (index + offset) % len(bodies)) for due, latency, status, index in results],
+             connects, late))
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -216,14 +229,41 @@ def run_level(url: str, bodies: list[bytes], decisions: list[int], load: Load, p
             begin, out)))
     for worker in workers:
         worker.start()
-    before = scrape(url)
-    results = []
+    before, counted = scrape(url), tcp_counters()
+    results, connects, late = [], [], 0.0
     for _ in workers:
-        results += out.get(timeout=load.seconds + timeout + 120)
-    after = scrape(url)
+        found, opened, behind = out.get(timeout=load.seconds + timeout + 120)
+        results, connects, late = results + found, connects + opened, max(late, behind)
+    after, recounted = scrape(url), tcp_counters()
     for worker in workers:
         worker.join(timeout=30)
-    return summarise(results, decisions, load, before, after)
+    level = summarise(results, decisions, load, before, after)
+    level["connections"] = {"opened": len(connects),
+                        "connect_p99_ms": 1000 * percentile(connects, 0.99) if connects else None,
+                        "connect_max_ms": 1000 * max(connects) if connects else None,
+                        "latest_start_ms": 1000 * late,
+                        **{name: recounted[name] - counted.get(name, 0) for name in recounted}}
+    return level
+
+
+def tcp_counters() -> dict[str, int]:
+    """This host's TCP counters that tell of dropped or retried connections (Linux: listen
+    queue overflows and drops, retransmitted segments); {} elsewhere. Client and server share
+    the host in the harness, so a level's growth in them is its own or the server's."""
+    wanted = {"TcpExt": ("ListenOverflows", "ListenDrops", "TCPTimeouts"), "Tcp": ("RetransSegs",)}
+    found = {}
+    for path in ("/proc/net/netstat", "/proc/net/snmp"):
+        try:
+            with open(path) as file:
+                lines = file.read().splitlines()
+        except OSError:
+            continue
+        for names, values in zip(lines[::2], lines[1::2]):
+            kind, names = names.split(":")
+            if kind in wanted:
+                table = dict(zip(names.split(), values.split(":")[1].split()))
+                found.update({name: int(table[name]) for name in wanted[kind] if name in table})
+    return found
 
 
 def summarise(results: list[tuple], decisions: list[int], load: Load, before: dict | None = None,
@@ -318,4 +358,5 @@ def describe_level(level: dict) -> str:
     stages = " ".join(f"{name} {ms:.1f}" for name, ms in server.get("stage_mean_ms", {}).items())
     return (f"{load}: {level['achieved_requests_per_second']:.1f} requests/s {level['decisions_per_second']:.0f} "
             f"decisions/s {tail}{batch} {level['statuses']}" + (f" (ms a request: {stages})" if stages else "")
-            + (f"; p99 ms by tenth {level['p99_ms_by_tenth']}" if level.get("p99_ms_by_tenth") else ""))
+            + (f"; p99 ms by tenth {level['p99_ms_by_tenth']}" if level.get("p99_ms_by_tenth") else "")
+            + (f"; connections {level['connections']}" if level.get("connections") else ""))

@@ -5,6 +5,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -80,6 +81,12 @@ def test_closed_loop_clients_each_wait_for_their_answer(stand_in, bodies):
     # Three clients, one request each in flight: at most 1 s / DELAY requests each.
     assert 3 <= level["sent"] <= 3 * (1.0 / DELAY + 1)
     assert level["mode"] == "closed" and level["clients"] == 3 and level["no_answer"] == 0
+    # Each client keeps its connection: three opened (two processes share the clients), none retried.
+    connections = level["connections"]
+    assert connections["opened"] == 3 and 0 <= connections["connect_max_ms"] < 1000, connections
+    assert 0 <= connections["latest_start_ms"] < 2000
+    if Path("/proc/net/netstat").exists():
+        assert connections["ListenDrops"] >= 0 and "RetransSegs" in connections
 
 
 def test_a_level_without_a_server_counts_requests_with_no_answer(bodies):
