@@ -134,10 +134,11 @@ async def _drive(url: str, bodies: list[bytes], load: Load, seed: int, timeout: 
     return [(due - start, latency, status, index) for due, latency, status, index in results], connects, late
 
 
-def _process(url, bodies, offset, load, seed, timeout, cpus, begin, out) -> None:
-    """A client process: pinned to `cpus`, it waits for the common start, runs its share over
-    `bodies` (the whole list rotated by `offset`), and puts its results on `out`, each with the
-    body's index in the whole list."""
+def _process(url, bodies, offset, load, seed, timeout, cpus, ready, go, out) -> None:
+    """A client process: pinned to `cpus`, it says it is `ready` (imported, its bodies in
+    hand), takes the common start time from `go`, runs its share over `bodies` (the whole list
+    rotated by `offset`) from then, and puts its results on `out`, each with the body's index
+    in the whole list."""
     if cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cpus)
     try:
@@ -146,6 +147,10 @@ def _process(url, bodies, offset, load, seed, timeout, cpus, begin, out) -> None
         uvloop.install()
     except ImportError:
         pass
+    import aiohttp  # noqa: F401 - imported before the start, not on the schedule
+
+    ready.put(os.getpid())
+    begin = go.get()
     time.sleep(max(0.0, begin - time.time()))
     results, connects, late = asyncio.run(_drive(url, bodies, load, seed, timeout, begin))
     out.put(([(due, latency, status, (index + offset) % len(bodies)) for due, latency, status, index in results],
@@ -203,11 +208,13 @@ def server_figures(before: dict, after: dict, seconds: float) -> dict:
 
 def run_level(url: str, bodies: list[bytes], decisions: list[int], load: Load, processes: int = 2,
               cpus: list[set[int]] | None = None, seed: int = 0, timeout: float = 60.0,
-              start_after: float = 5.0) -> dict:
+              start_after: float = 0.5) -> dict:
     """One level of load from `processes` client processes (each pinned to its set of `cpus`
-    when given), whose schedules all start `start_after` seconds from now: offered, sent and
-    achieved rate, decisions/s, latency percentiles of the answered requests, status counts,
-    and the server's own figures for the window.
+    when given), whose schedules all start `start_after` seconds after the last of them is
+    ready (started, imported, its bodies received: on a busy host that took 14 s, and a
+    schedule that began before would count the wait as latency): offered, sent and achieved
+    rate, decisions/s, latency percentiles of the answered requests, status counts, and the
+    server's own figures for the window.
 
     Args:
         url: the server, e.g. "http://127.0.0.1:8000".
@@ -215,8 +222,7 @@ def run_level(url: str, bodies: list[bytes], decisions: list[int], load: Load, p
             decisions: the questions of each.
     """
     context = multiprocessing.get_context("spawn")
-    out = context.Queue()
-    begin = time.time() + start_after  # every process's schedule starts here, once spawned and imported
+    out, ready, go = context.Queue(), context.Queue(), context.Queue()
     workers = []
     for process in range(processes):
         share = _share(load, process, processes)
@@ -226,9 +232,14 @@ def run_level(url: str, bodies: list[bytes], decisions: list[int], load: Load, p
         pinned = cpus[process % len(cpus)] if cpus else None
         workers.append(context.Process(target=_process, daemon=True, args=(
             url + ENDPOINT, bodies[offset:] + bodies[:offset], offset, share, seed * 1000 + process, timeout, pinned,
-            begin, out)))
+            ready, go, out)))
     for worker in workers:
         worker.start()
+    for _ in workers:
+        ready.get(timeout=300)
+    begin = time.time() + start_after  # every process's schedule starts here
+    for _ in workers:
+        go.put(begin)
     before, counted = scrape(url), tcp_counters()
     results, connects, late = [], [], 0.0
     for _ in workers:

@@ -74,6 +74,8 @@ def test_open_loop_sends_at_the_offered_rate_and_counts_every_answer(stand_in, b
     assert 2.0 <= level["span_seconds"] < 2.5  # the last answers come just after the level
     assert level["achieved_requests_per_second"] == pytest.approx(level["answered"] / level["span_seconds"])
     assert level["server"]["mean_batch_requests"] == pytest.approx(2.0) and level["server"]["eager_share"] == 0
+    # The schedule starts once every client process is ready, so none starts it late.
+    assert 0 <= level["connections"]["latest_start_ms"] < 500
 
 
 def test_closed_loop_clients_each_wait_for_their_answer(stand_in, bodies):
