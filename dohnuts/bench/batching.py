@@ -91,7 +91,8 @@ def invocation_profile(batch: int = 8, groups: int = 4, top: int = 25) -> None:
                 needed.add(bucket)
     started = time.perf_counter()
     ready = predictor.prepare_graphs(sorted(needed, key=lambda bucket: bucket.tokens))
-    print(f"{ready} buckets captured in {time.perf_counter() - started:.1f} s: {sorted(needed)}", flush=True)
+    print(f"{ready} buckets captured in {time.perf_counter() - started:.1f} s: "
+          f"{sorted(needed, key=lambda bucket: bucket.tokens)}", flush=True)
     for label, requests in sets.items():
         for group in requests:  # first sight
             predictor.predict_many(group)

@@ -121,3 +121,53 @@ def delta_rule_short_rows(*, fused_recurrent) -> None:
         if out.shape == chunked_out.shape:
             print(f"max |chunked - {name}| / max |chunked| = "
                   f"{((chunked_out - out.float()).abs().max() / chunked_out.abs().max()).item():.2e}")
+
+
+@torch.no_grad()
+def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: int = 8) -> None:
+    """Time `delta_rule.scan.delta_rule_scan` on prefixes from zero states keeping their final
+    states (a prefix's layer in a bucket), each replayed from a CUDA graph: one sequence of each
+    of `lengths` tokens, then `together` sequences of each, at each walking block of values
+    (`WALK_VALUES`; a module without it times its own setting once). Shape: the Qwen3.5-0.8B
+    delta-rule layer (16 key and 16 value heads of width 128), bf16. Prints microseconds a layer
+    and tokens a microsecond, and each setting's largest output difference from the first's.
+
+        python benchmarks/run.py delta_rule_prefixes --lengths 256 1024 2048 --together 8
+    """
+    require_cuda()
+    from ..ops.delta_rule import scan as ops
+
+    heads, width = 16, 128
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator, device="cuda")
+
+    settings = (16, 32, 64) if hasattr(ops, "WALK_VALUES") else (None,)
+    default = getattr(ops, "WALK_VALUES", None)
+    print(f"# {heads} heads of width {width}, bf16, from zero states, final states kept; CUDA graph replays")
+    try:
+        for count, length in [(1, length) for length in lengths] + [(together, length) for length in lengths]:
+            total = count * length
+            q, k = (F.normalize(rand(total, heads, width), dim=-1).bfloat16() for _ in range(2))
+            v = rand(total, heads, width).bfloat16()
+            g, beta = rand(total, heads).bfloat16(), torch.sigmoid(rand(total, heads)).bfloat16()
+            A_log, dt_bias = rand(heads).float() * 0.5, rand(heads).float() * 0.5
+            bounds = cumulative([length] * count).cuda()
+            first = None
+            for values in settings:
+                if values is not None:
+                    ops.WALK_VALUES = values
+
+                def scan(arguments=(q, k, v, g, beta, None, None, bounds, True, A_log, dt_bias)):
+                    out, final = ops.delta_rule_scan(*arguments)
+                    return torch.cat([out.flatten().float(), final.flatten()])
+
+                ms, out = graphed(scan, replays=50)
+                first = out if first is None else first
+                gap = ((out - first).abs().max() / first.abs().max()).item()
+                print(f"{count} x {length:5d} tokens, walk values {values}: {ms * 1e3:8.1f} us a layer, "
+                      f"{total / (ms * 1e3):7.1f} tokens/us, max difference {gap:.1e}", flush=True)
+    finally:
+        if default is not None:
+            ops.WALK_VALUES = default
