@@ -339,6 +339,17 @@ class EngineLoop:
         """Requests waiting for an invocation."""
         return len(self.waiting)
 
+    @property
+    def refusing(self) -> bool:
+        """Whether `submit` refuses new requests now: its queue is full, or its oldest request has
+        waited over `max_wait` (what front ends read to refuse before doing any work)."""
+        with self.condition:
+            return len(self.waiting) >= self.max_queue or self._behind()
+
+    def _behind(self) -> bool:
+        return (self.max_wait is not None and bool(self.waiting)
+                and time.monotonic() - self.waiting[0].enqueued > self.max_wait)
+
     def submit(self, request: EncodedRequest, reply: Callable[[np.ndarray | BaseException], None]) -> _Waiting:
         """Queue one request. Returns its place in the queue, for `cancel`.
 
@@ -351,8 +362,7 @@ class EngineLoop:
                 raise Closed("the engine is closed: it takes no more requests")
             if len(self.waiting) >= self.max_queue:
                 raise Overloaded(f"{self.max_queue} requests are waiting")
-            if (self.max_wait is not None and self.waiting
-                    and time.monotonic() - self.waiting[0].enqueued > self.max_wait):
+            if self._behind():
                 raise Overloaded(f"requests have waited over {self.max_wait:g} s for the device")
             waiting = _Waiting(request, reply)
             self.waiting.append(waiting)

@@ -30,6 +30,11 @@ from .metrics import Counting, metrics
 
 LOG = logging.getLogger(__name__)
 STARTING, READY, DOWN = 0, 1, 2  # an engine's state, as the supervisor and the front ends read it
+# An engine's slots in the supervisor's shared array (SLOTS an engine): its state, its generation
+# (a restart adds one) and whether it refuses new requests now (`EngineLoop.refusing`), so that
+# front ends refuse them before reading a body.
+STATE, GENERATION, REFUSING = 0, 1, 2
+SLOTS = 3
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,8 @@ def warm_up(engine: Engine) -> None:
 
 def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | None = None) -> None:
     """Load, warm up and serve until `stop` is set (or SIGTERM). `states` (a shared array of
-    two slots an engine: state, generation) gets READY once this engine answers."""
+    SLOTS an engine) gets READY once this engine answers, and its REFUSING slot follows
+    `EngineLoop.refusing` after every message and reply."""
     import zmq
 
     device = torch.device(settings.device)
@@ -104,8 +110,9 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
     router.bind(settings.address)
     stop = stop or threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    slots = SLOTS * settings.index
     if states is not None:
-        states[2 * settings.index] = READY
+        states[slots + STATE] = READY
     LOG.info("engine %d ready on %s (%s); new requests refused while one has waited over %s s", settings.index,
              settings.address, device, settings.max_wait)
     counted = metrics()
@@ -146,6 +153,8 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
                     except Closed as error:
                         router.send_multipart([identity, pack_error(request_id, "closed", str(error))])
             counted.queue.set(loop.depth)
+            if states is not None:
+                states[slots + REFUSING] = int(loop.refusing)
             if wake_in in ready:
                 while True:
                     try:
@@ -165,4 +174,4 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
         router.close()
         wake_in.close()
         if states is not None:
-            states[2 * settings.index] = DOWN
+            states[slots + STATE], states[slots + REFUSING] = DOWN, 0

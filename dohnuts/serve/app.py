@@ -296,6 +296,9 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
         if state["stopping"] or engines is None:
             return _error(503, "overloaded_error", "the server is stopping" if state["stopping"] else
                           "the model is still loading", RETRY)
+        if engines.refusing:  # what the engine would answer, before any work on the body
+            return _error(429, "rate_limit_error", "the server is busy (its requests have waited past its queue-delay "
+                                                   "bound for the device); retry shortly", RETRY)
         try:
             due_at = due(request)
             body, parts = await _body_and_parts(request, max_body_bytes)

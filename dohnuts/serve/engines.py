@@ -19,7 +19,7 @@ import zlib
 import numpy as np
 
 from ..runtime.engine import Closed, EncodedRequest, EngineLoop, Expired, Overloaded
-from ..runtime.engine_process import READY
+from ..runtime.engine_process import GENERATION, READY, REFUSING, SLOTS, STATE
 from ..runtime.metrics import Counting
 
 __all__ = ["Closed", "EngineFailed", "Expired", "LocalEngine", "Overloaded", "RemoteEngines", "Unavailable"]
@@ -48,6 +48,11 @@ class LocalEngine:
     @property
     def depth(self) -> int:
         return self.loop.depth
+
+    @property
+    def refusing(self) -> bool:
+        """Whether the loop refuses new requests now (`EngineLoop.refusing`)."""
+        return self.loop.refusing
 
     async def submit(self, request: EncodedRequest) -> np.ndarray:
         """The request's logits [rows, candidates].
@@ -110,7 +115,7 @@ def _settle(future: asyncio.Future, result) -> None:
 
 class RemoteEngines:
     """Engine processes at `addresses`, their states in the supervisor's shared array `states`
-    (two slots an engine: state, generation)."""
+    (`engine_process.SLOTS` an engine: state, generation, refusing)."""
 
     def __init__(self, addresses: list[str], states, deadline: float = 120.0):
         import zmq
@@ -131,7 +136,16 @@ class RemoteEngines:
         self.readers: list[asyncio.Task] = []
 
     def _state(self, index: int) -> tuple[int, int]:
-        return self.states[2 * index], self.states[2 * index + 1]
+        return self.states[SLOTS * index + STATE], self.states[SLOTS * index + GENERATION]
+
+    def _refusing(self, index: int) -> bool:
+        return bool(self.states[SLOTS * index + REFUSING])
+
+    @property
+    def refusing(self) -> bool:
+        """Whether every ready engine refuses new requests now (its queue-delay admission)."""
+        ready = [index for index in range(len(self.sockets)) if self._state(index)[0] == READY]
+        return bool(ready) and all(self._refusing(index) for index in ready)
 
     @property
     def ready(self) -> bool:
@@ -188,7 +202,7 @@ class RemoteEngines:
             raise Unavailable("no engine is ready yet")
         if request.image is not None:  # the same image, the same engine: its features are cached there
             return ready[zlib.crc32(request.image.key.encode()) % len(ready)]
-        return min(ready, key=lambda index: len(self.waiting[index]))
+        return min(ready, key=lambda index: (self._refusing(index), len(self.waiting[index])))
 
     async def submit(self, request: EncodedRequest) -> np.ndarray:
         """The request's logits [rows, candidates].

@@ -2,12 +2,14 @@
 
 The supervisor listens on the port itself and hands the socket to every front end, so the
 port stays open while a front end restarts. Engines listen on ZMQ sockets in a private folder;
-their states (starting, ready, down) and generations sit in a shared array the front ends read
-for every request. A process that dies is started again after a pause that doubles with each
-death in a row (0.5 s to 30 s); while an engine is down its requests are answered 503 with
-Retry-After. SIGTERM or SIGINT stops the front ends first (they finish what they hold), then
-the engines; a child whose supervisor is gone (killed) exits by itself. Each process writes its
-Prometheus metrics in the private folder, and a front end's /metrics adds them up.
+their states (starting, ready, down), generations and whether they refuse new requests (their
+queue-delay admission) sit in a shared array the front ends read for every request: a request an
+engine would refuse is answered 429 before its body is read. A process that dies is started
+again after a pause that doubles with each death in a row (0.5 s to 30 s); while an engine is
+down its requests are answered 503 with Retry-After. SIGTERM or SIGINT stops the front ends
+first (they finish what they hold), then the engines; a child whose supervisor is gone (killed)
+exits by itself. Each process writes its Prometheus metrics in the private folder, and a front
+end's /metrics adds them up.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..runtime.engine import MAX_WAIT
-from ..runtime.engine_process import DOWN, STARTING, EngineSettings
+from ..runtime.engine_process import DOWN, GENERATION, REFUSING, SLOTS, STARTING, STATE, EngineSettings
 
 LOG = logging.getLogger(__name__)
 RESTART_PAUSES = (0.5, 30.0)  # the first pause after a death, and the longest
@@ -135,7 +137,7 @@ class Supervisor:
         metrics.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics)  # every child inherits it
         self.context = multiprocessing.get_context("spawn")
-        self.states = self.context.Array("q", 2 * len(settings.devices), lock=False)
+        self.states = self.context.Array("q", SLOTS * len(settings.devices), lock=False)
         addresses = [f"ipc://{self.folder}/engine-{index}" for index in range(len(settings.devices))]
         self.engines = [Child(f"dohnuts-engine-{index}", engine_main,
                               (EngineSettings(settings.checkpoint, device, address, index,
@@ -147,8 +149,9 @@ class Supervisor:
         self.stopping = False
 
     def _starting(self, index: int) -> None:
-        self.states[2 * index] = STARTING
-        self.states[2 * index + 1] += 1  # a new generation: requests sent to the last one fail at once
+        self.states[SLOTS * index + STATE] = STARTING
+        self.states[SLOTS * index + GENERATION] += 1  # a new generation: requests sent to the last one fail at once
+        self.states[SLOTS * index + REFUSING] = 0
 
     @property
     def children(self) -> list[Child]:
@@ -167,7 +170,7 @@ class Supervisor:
             process = child.process
             if process is not None and not process.is_alive():
                 if index < len(self.engines):
-                    self.states[2 * index] = DOWN
+                    self.states[SLOTS * index + STATE] = DOWN
                 calm = now - child.started > 60  # a long life resets the count of deaths in a row
                 child.deaths = 1 if calm else child.deaths + 1
                 pause = min(RESTART_PAUSES[1], RESTART_PAUSES[0] * 2 ** (child.deaths - 1))

@@ -179,7 +179,9 @@ def test_a_closed_or_full_loop_refuses_new_requests(predictor):
     encoded = predictor._encode(requests_of(predictor, 3), collect=False)[0]
     loop = EngineLoop(predictor.engine, predictor.lock, max_queue=1)
     with predictor.lock:  # nothing is taken from the queue meanwhile
+        assert not loop.refusing
         loop.submit(encoded[0], lambda result: None)
+        assert loop.refusing  # what a front end reads before it does any work
         with pytest.raises(Overloaded):
             loop.submit(encoded[1], lambda result: None)
     loop.close()
@@ -251,13 +253,16 @@ def test_new_requests_are_refused_while_the_oldest_has_waited_past_max_wait(pred
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             loop.submit(encoded[1], lambda result: None)  # nothing has waited yet: queued
+            assert not loop.refusing
             time.sleep(0.3)
+            assert loop.refusing
             with pytest.raises(Overloaded, match="waited over 0.1 s"):
                 loop.submit(encoded[2], lambda result: None)
         deadline = time.monotonic() + 60
         while loop.depth:
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        assert not loop.refusing
         loop.submit(encoded[2], lambda result: answered.set())
         assert answered.wait(60)
     finally:

@@ -99,7 +99,7 @@ def test_a_large_zstd_or_gzip_body_is_decoded(served, predictor):
 class HeldEngines:
     """Engines that answer (zero logits) only once `release` is set: requests stay in flight."""
 
-    ready, depth = True, 0
+    ready, depth, refusing = True, 0, False
 
     def __init__(self):
         self.release = threading.Event()
@@ -138,6 +138,28 @@ def test_a_front_end_refuses_past_its_requests_in_flight_with_429(predictor):
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
         assert "2 requests at once" in refused.json()["detail"]["message"]
         assert answered == [200, 200] and _post(held, body).status_code == 200
+    finally:
+        held.close()
+
+
+def test_a_front_end_refuses_at_once_while_its_engines_refuse(predictor):
+    """While the engines refuse new requests (their queue-delay admission, read from shared
+    memory), a front end answers 429 with Retry-After before reading the body: nothing reaches
+    the engines, a malformed body included; once they take requests again, it answers."""
+    engines = HeldEngines()
+    engines.release.set()
+    front = Front(predictor.template, predictor.config, predictor.temperatures, engines)
+    held = Served(front_app(front, "dohnuts-tiny"))
+    body = {"model": "jev-latest", "state": "hello", "questions": {"ok": {"type": "noul"}}}
+    try:
+        engines.refusing = True
+        refused = _post(held, body)
+        unread = httpx2.post(f"{held.url}/v1/systemone", content=b"{not json", timeout=30,
+                             headers={"content-type": "application/json"})
+        assert refused.status_code == unread.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert "queue-delay" in refused.json()["detail"]["message"] and engines.held == 0
+        engines.refusing = False
+        assert _post(held, body).status_code == 200 and engines.held == 1
     finally:
         held.close()
 

@@ -147,3 +147,30 @@ def test_sigterm_drains_the_requests_in_flight(deployable):
     code = running.process.wait(timeout=60)
     assert set(outcomes) <= {200, "not connected"} and outcomes.count(200) >= 8, outcomes
     assert code == 0 and time.monotonic() - stopped < 30
+
+
+def test_front_ends_read_which_engines_refuse_from_the_shared_states(tmp_path):
+    """A front end refuses at once only while every ready engine refuses (its queue-delay
+    admission, in its REFUSING slot of the supervisor's shared array), and sends a request to an
+    engine that still takes them."""
+    from types import SimpleNamespace
+
+    from dohnuts.runtime.engine_process import READY, REFUSING, SLOTS, STARTING, STATE
+    from dohnuts.serve.engines import RemoteEngines
+
+    states = [0] * (2 * SLOTS)
+    states[STATE] = states[SLOTS + STATE] = READY
+    engines = RemoteEngines([f"ipc://{tmp_path}/a", f"ipc://{tmp_path}/b"], states)
+    text = SimpleNamespace(image=None)
+    try:
+        assert not engines.refusing
+        states[REFUSING] = 1
+        assert not engines.refusing and engines._choose(text) == 1  # the other still takes requests
+        states[SLOTS + REFUSING] = 1
+        assert engines.refusing
+        states[SLOTS + REFUSING], states[SLOTS + STATE] = 0, STARTING
+        assert engines.refusing  # the one ready engine refuses
+        states[REFUSING] = 0
+        assert not engines.refusing and engines._choose(text) == 0
+    finally:
+        engines.close()
