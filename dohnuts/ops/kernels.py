@@ -230,7 +230,7 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
             return ours.rows.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias,
                                              out=out, beta_logits=beta_logits), None
         return ours.scan.delta_rule_scan(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
-                                         dt_bias, out=out, beta_logits=beta_logits)
+                                         dt_bias, out=out, beta_logits=beta_logits, chunks=chunk_indices)
     if beta_logits:
         beta = torch.sigmoid(beta)
     if walks:

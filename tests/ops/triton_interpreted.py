@@ -21,6 +21,7 @@ from dohnuts.ops.delta_rule.naive import decay, gated_delta_rule_reference
 from dohnuts.ops.norm import fused as norm_fused
 from dohnuts.ops.norm.naive import norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
 from dohnuts.ops.plain import l2norm
+from dohnuts.ops.plan import chunk_plan, padded_plan
 from dohnuts.ops.swiglu import fused as swiglu_fused
 from dohnuts.ops.swiglu.naive import swiglu_reference
 
@@ -256,16 +257,17 @@ def check_delta_rule_rows():
 
 def check_delta_rule_scan():
     """delta_rule_scan against the token-by-token reference: sequences of 1 to 130 tokens
-    (every 16-token part boundary, several parts), from zero states keeping the final states
-    (prefixes) and from forked states (long rows, some without a parent), grouped heads and
-    value blocks of 16 with a partial last one."""
-    default = delta_scan.VALUES
+    (every 16-token part boundary, several parts, empty ones among them, many sequences starting
+    within one part's tokens), from zero states keeping the final states (prefixes) and from
+    forked states (long rows, some without a parent), grouped heads and value blocks of 16 with
+    a partial last one."""
+    default = delta_scan.WALK_VALUES
     generator = torch.Generator().manual_seed(9)
     heads, key_dim, value_heads = 2, 8, 4
     try:
         for value_dim, values in ((6, default), (40, 16)):
-            delta_scan.VALUES = values
-            for lengths in ([1, 15, 16, 17, 33, 64, 65, 130], [5], [97, 2]):
+            delta_scan.WALK_VALUES = values
+            for lengths in ([1, 15, 16, 17, 33, 64, 65, 130], [5], [97, 2], [3, 0, 2, 1, 0, 4, 40, 0]):
                 total = sum(lengths)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
                 q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
@@ -281,6 +283,13 @@ def check_delta_rule_scan():
                     q[None], k[None], v[None], log_decay[None], beta[None], None, True, cu.long(), normalise=False)
                 close(f"{case} from zero", ours, reference[0])
                 close(f"{case} final states", final, reference_final)
+                # A bucket's padded chunk plan (entries naming a last, empty sequence) walks the same.
+                padded_cu = torch.cat([cu, cu[-1:]])
+                planned, planned_final = delta_scan.delta_rule_scan(
+                    q, k, v, gate, beta, None, None, padded_cu, True, A_log, dt_bias,
+                    chunks=padded_plan(lengths + [0], len(chunk_plan(lengths)) + 3))
+                close(f"{case} on a padded plan", planned, ours)
+                close(f"{case} final states on a padded plan", planned_final[:-1], final)
                 states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
                 parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
                 ours, none = delta_scan.delta_rule_scan(q, k, v, gate, beta, states, parents, cu, False, A_log,
@@ -305,7 +314,7 @@ def check_delta_rule_scan():
                 close(f"{case} from beta's input", from_raw, expected)
                 close(f"{case} final states from beta's input", raw_final, expected_final)
     finally:
-        delta_scan.VALUES = default
+        delta_scan.WALK_VALUES = default
 
 
 def check_delta_rule_grad():

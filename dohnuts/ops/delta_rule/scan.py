@@ -1,4 +1,4 @@
-"""The delta rule of whole sequences of any length: one forward-only Triton kernel (CUDA).
+"""The delta rule of whole sequences of any length: two forward-only Triton kernels (CUDA).
 
 `delta_rule_scan` runs packed sequences from zero or forked states, so inference needs no FLA
 call; `backward` adds its gradient for training.
@@ -10,19 +10,18 @@ import torch
 import triton
 import triton.language as tl
 
+from ..plan import CHUNK, chunk_plan
 from ..triton_common import _even_rows, _on
 from .parts import (
     PART,
     ROW_WARPS,
-    VALUES,
-    _last,
+    _decayed,
     _output,
     _parent_state,
-    _part_output,
-    _part_values,
     _row_part,
     _sequence_program,
     _store_part,
+    _unit_lower_inverse,
 )
 
 # -- the delta rule of whole sequences, forward only -----------------------------------------------
@@ -30,38 +29,88 @@ from .parts import (
 # At inference the prefixes (and rows longer than ROW_TOKENS) went through FLA's chunked
 # kernels, whose Python wrappers cost 0.3 to 2.3 ms of host time a call: in a request met for
 # the first time, which runs eagerly, that was most of its latency (docs/changelog.md).
-# `delta_rule_scan` runs a sequence in one program per value head and block of values, walking
-# it in 16-token parts with the state [K, BV] in registers: each part is the chunk form of
+# `delta_rule_scan` runs a sequence in 16-token parts, each the chunk form of
 # `naive.gated_delta_rule_chunked` at chunk size 16 (the same products as a part of
-# `delta_rule_rows`), then the state moves past it. One launch a layer, whatever the number of
-# sequences; the parts of a sequence run one after another, so a long sequence alone keeps
-# few programs busy, and SCAN_TOKENS bounds the sequences it takes.
+# `delta_rule_rows`), in two launches a layer whatever the number of sequences:
+# - `_delta_scan_parts`, one program per 64-token chunk of the chunk plan and value head, all at
+#   once: what of its four parts does not depend on the state entering them. With
+#   A = (I + beta exp(G_i - G_j) k_i . k_j)^-1 over a part (strictly lower), its pseudo-values
+#   are U = U0 - W S for the entering state S, U0 = A beta v and W = A beta exp(G) k; and
+#   P = exp(G_i - G_j) q_i . k_j (lower) gives its outputs o = scale (P U + exp(G) q S).
+# - `_delta_scan_walk`, one program per sequence, value head and block of values, walking the
+#   parts one after another with the state [K, BV] in registers: two products a part stand
+#   between one state and the next (U from S, then S from U), where solving the part in the walk
+#   put a dozen in series (a long sequence alone keeps few programs busy, so the walk's step is
+#   the latency of a long prefix). SCAN_TOKENS bounds the sequences it takes.
 
 SCAN_TOKENS = 2048  # the longest sequence `kernels` sends to `delta_rule_scan`
+WALK_VALUES = 64  # values a walking program (a block of V)
 
 
 @triton.jit
-def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale, sa, sb,
-                    H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                    BV: tl.constexpr, BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr,
-                    SIGMOID: tl.constexpr):
+def _delta_scan_parts(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunks, W, U, P, Gc, sa, sb, H: tl.constexpr,
+                      K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVA: tl.constexpr,
+                      BC: tl.constexpr, SPLIT: tl.constexpr, SIGMOID: tl.constexpr):
+    """The SPLIT parts of the 64-token chunk named by entry program 0 of the chunk plan
+    `chunks` [C, 2] (sequence, chunk), of value head program 1: W [T, HV, K] (q's dtype), U0
+    [T, HV, V], P [T, HV, BC] and the part's cumulative log decay Gc [T, HV] (float32). Parts
+    past the sequence's end (a padded plan's entries name an empty sequence) are skipped."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (HV // H)
+    o_k, o_v, o_c = tl.arange(0, BK), tl.arange(0, BVA), tl.arange(0, BC)
+    n = tl.load(chunks + 2 * i_c).to(tl.int64)
+    chunk = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    log_a = tl.load(A_log + i_h).to(tl.float32)
+    bias = tl.load(dt_bias + i_h).to(tl.float32)
+    for split in tl.static_range(SPLIT):
+        part = chunk * SPLIT + split
+        if bos + part * BC < eos:
+            q_i, k_i, v_i, g_i, b_i = _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v,
+                                                sa, sb, H, K, HV, V, BC, SIGMOID)
+            g_i = tl.cumsum(g_i, 0)  # from the part's start
+            solve = _unit_lower_inverse(b_i[:, None] * _decayed(tl.dot(k_i, tl.trans(k_i)), g_i, g_i, True, True, BC),
+                                        BC)
+            u0 = tl.dot(solve, b_i[:, None] * v_i.to(tl.float32))
+            w = tl.dot(solve, (b_i * tl.exp(g_i))[:, None] * k_i.to(tl.float32))
+            p = _decayed(tl.dot(q_i, tl.trans(k_i)), g_i, g_i, True, False, BC)
+            o_t = bos + part * BC + o_c
+            m_t = o_t < eos
+            row = o_t[:, None] * HV + i_h
+            tl.store(W + row * K + o_k[None, :], w.to(W.dtype.element_ty), mask=m_t[:, None] & (o_k < K)[None, :])
+            tl.store(U + row * V + o_v[None, :], u0, mask=m_t[:, None] & (o_v < V)[None, :])
+            tl.store(P + row * BC + o_c[None, :], p, mask=m_t[:, None])
+            tl.store(Gc + o_t * HV + i_h, g_i, mask=m_t)
+
+
+@triton.jit
+def _delta_scan_walk(q, k, W, U, P, Gc, states, parents, o, final, cu_seqlens, G, scale, H: tl.constexpr,
+                     K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                     BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr):
     n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    o_c = tl.arange(0, BC)
     h = tl.zeros([BK, BV], dtype=tl.float32)
     if INITIAL:
         h = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK)
-    log_a = tl.load(A_log + i_h).to(tl.float32)
-    bias = tl.load(dt_bias + i_h).to(tl.float32)
     for part in range(0, tl.cdiv(eos - bos, BC)):
-        q_i, k_i, v_i, g_i, b_i = _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb,
-                                            H, K, HV, V, BC, SIGMOID)
-        g_i = tl.cumsum(g_i, 0)  # from the part's start; 0 added past the sequence's end
+        o_t = bos + part * BC + o_c
+        m_t = o_t < eos
+        row = o_t[:, None] * HV + i_h
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        q_i = tl.load(q + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
+        k_i = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
+        w_i = tl.load(W + row * K + o_k[None, :], mask=m_tk, other=0.0)
+        u0 = tl.load(U + row * V + o_v[None, :], mask=m_t[:, None] & (o_v < V)[None, :], other=0.0)
+        p_i = tl.load(P + row * BC + o_c[None, :], mask=m_t[:, None], other=0.0)
+        g_i = tl.load(Gc + o_t * HV + i_h, mask=m_t, other=0.0)
+        last = tl.load(Gc + (tl.minimum(bos + part * BC + BC, eos) - 1) * HV + i_h)  # the part's whole decay
         h_in = h.to(q_i.dtype)
-        u_i = _part_values(k_i, v_i, g_i, b_i, h_in, tl.zeros([BC, BV], dtype=tl.float32), BC)
-        o_i = _part_output(q_i, k_i, g_i, g_i, u_i, True, BC) + tl.exp(g_i)[:, None] * tl.dot(q_i, h_in)
+        u_i = u0 - tl.dot(w_i, h_in)  # 0 past the end
+        o_i = tl.dot(p_i, u_i) + tl.exp(g_i)[:, None] * tl.dot(q_i, h_in)
         _store_part(o, o_i * scale, bos, eos, part, i_h, o_v, HV, V, BC)
-        # S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T (u is 0 past the end)
-        last = _last(g_i, BC)
+        # S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T
         h = h * tl.exp(last) + tl.dot(tl.trans(k_i), (u_i * tl.exp(last - g_i)[:, None]).to(k_i.dtype))
     if FINAL:
         tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
@@ -70,8 +119,8 @@ def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu
 def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     states: torch.Tensor | None, parents: torch.Tensor | None, cu_seqlens: torch.Tensor,
                     output_final_state: bool, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                    scale: float | None = None, out: torch.Tensor | None = None, beta_logits: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    scale: float | None = None, out: torch.Tensor | None = None, beta_logits: bool = False,
+                    chunks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule's output for packed sequences of any length, sequence n starting
     from states[parents[n]] (zero where parents[n] < 0, or everywhere without `states`);
     forward only.
@@ -86,6 +135,8 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         A_log, dt_bias: [HV]. scale: of q, K^-0.5 by default.
         out: [T, HV, V] contiguous, v's dtype: where to write o (a part of a larger output), or
             None for a new tensor.
+        chunks: the sequences' 64-token chunk plan on q's device (`plan.chunk_plan`, or a
+            bucket's `plan.padded_plan`), or None to make it here (reading cu_seqlens back).
 
     Returns:
         (o [T, HV, V] in v's dtype, final states or None)
@@ -107,12 +158,24 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     final = q.new_empty(sequences, value_heads, key_dim, value_dim, dtype=torch.float32) if output_final_state else o
     initial = states.contiguous() if states is not None else o
     block_k = max(16, triton.next_power_of_2(key_dim))
-    block_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
-    grid = (sequences, value_heads, triton.cdiv(value_dim, block_v))
+    block_v = max(16, min(WALK_VALUES, triton.next_power_of_2(value_dim)))
+    # What the walk reads of each part (`_delta_scan_parts`); a bucket's graph keeps them in its pool.
+    w = q.new_empty(total, value_heads, key_dim)
+    u = q.new_empty(total, value_heads, value_dim, dtype=torch.float32)
+    p = q.new_empty(total, value_heads, PART, dtype=torch.float32)
+    decays = q.new_empty(total, value_heads, dtype=torch.float32)
+    if chunks is None:
+        bounds = cu_seqlens.tolist()
+        chunks = chunk_plan([end - begin for begin, end in zip(bounds[:-1], bounds[1:])]).to(q.device)
     with _on(q.device):
-        _delta_scan_fwd[grid](q, k, v, g, beta, A_log, dt_bias, initial, parents if parents is not None else cu_seqlens,
-                              o, final, cu_seqlens, 0 if states is None else states.shape[0],
-                              key_dim**-0.5 if scale is None else scale, gate_stride, beta_stride, heads, key_dim,
-                              value_heads, value_dim, block_k, block_v, PART, states is not None, output_final_state,
-                              beta_logits, num_warps=ROW_WARPS)
+        if chunks.shape[0]:
+            _delta_scan_parts[(chunks.shape[0], value_heads)](
+                q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunks, w, u, p, decays, gate_stride, beta_stride,
+                heads, key_dim, value_heads, value_dim, block_k, max(16, triton.next_power_of_2(value_dim)), PART,
+                CHUNK // PART, beta_logits, num_warps=ROW_WARPS)
+        _delta_scan_walk[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
+            q, k, w, u, p, decays, initial, parents if parents is not None else cu_seqlens, o, final, cu_seqlens,
+            0 if states is None else states.shape[0], key_dim**-0.5 if scale is None else scale, heads, key_dim,
+            value_heads, value_dim, block_k, block_v, PART, states is not None, output_final_state,
+            num_warps=ROW_WARPS)
     return o, final if output_final_state else None
