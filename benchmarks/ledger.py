@@ -8,7 +8,8 @@
 pytest summary line of a log) to benchmarks/ledger.jsonl, its source the file's name (never where
 it lay on one machine) and, with --command, the command that made it; the commit defaults to the checkout's
 HEAD, the date to today, the run id to DATE-COMMIT-runN. `render` rewrites docs/figures.md and
-the README's block between `<!-- figures:start -->` and `<!-- figures:end -->`, if it has one.
+the README's block between `<!-- figures:start -->` and `<!-- figures:end -->`, if it has one,
+and draws the latest serving runs' curve in docs/serving-curve.svg.
 """
 
 import datetime
@@ -18,11 +19,12 @@ from pathlib import Path
 
 import click
 
-from dohnuts.bench import figures, ledger
+from dohnuts.bench import curve, figures, ledger
 
 ROOT = Path(__file__).resolve().parents[1]
 LEDGER = ROOT / "benchmarks" / "ledger.jsonl"
 FIGURES = ROOT / "docs" / "figures.md"
+CURVE = ROOT / "docs" / "serving-curve.svg"
 README = ROOT / "README.md"
 
 
@@ -85,9 +87,12 @@ def record(source: Path, machine: str, commit: str | None, date: str | None, run
 @click.option("--ledger", "ledger_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               default=LEDGER, show_default=True)
 def render(ledger_path: Path) -> None:
-    """Rewrite docs/figures.md (and the README's figures block) from the ledger."""
+    """Rewrite docs/figures.md (and the README's figures block) and docs/serving-curve.svg from the ledger."""
     entries = ledger.read(ledger_path)
     ledger.write_atomically(FIGURES, figures.render(entries).encode())
+    drawn = curve.serving_curve_svg(entries)
+    if drawn is not None:
+        ledger.write_atomically(CURVE, drawn.encode())
     readme = "; README.md's figures block too" if figures.update_markdown(README, entries) else ""
     click.echo(f"{FIGURES.relative_to(ROOT)}: {len(entries)} entries{readme}")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dohnuts.bench import figures, ledger
+from dohnuts.bench import curve, figures, ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE_ONLY = {"device": "NVIDIA H200", "base": "shape-only:qwen3_5-0.8b", "shape_only": True, "slow_paths": {}}
@@ -204,6 +204,31 @@ def test_docs_figures_md_is_the_render_of_the_ledger():
     ledger_path, markdown = ROOT / "benchmarks" / "ledger.jsonl", ROOT / "docs" / "figures.md"
     assert markdown.read_text() == figures.render(ledger.read(ledger_path)), (
         f"docs/figures.md differs from the ledger's render: run `{ledger.RENDER_COMMAND}`, never edit it by hand")
+
+
+def test_docs_serving_curve_is_drawn_from_the_ledger():
+    ledger_path, drawn = ROOT / "benchmarks" / "ledger.jsonl", ROOT / "docs" / "serving-curve.svg"
+    assert drawn.read_text() == curve.serving_curve_svg(ledger.read(ledger_path)), (
+        f"docs/serving-curve.svg differs from the ledger's drawing: run `{ledger.RENDER_COMMAND}`")
+
+
+def test_the_serving_curve_marks_each_level_of_the_latest_serving_runs():
+    def run(name, figures):
+        return {"run": name, "machine": "H200", "shape": "shape-only qwen3_5-0.8b", "workload": "serving",
+                "figures": figures}
+
+    first = run("a", {"open_80_p99_ms": 50.0, "open_80_decisions_per_second": 800.0,
+                      "clients_64_p99_ms": 384.0, "clients_64_decisions_per_second": 2110.0, "failed": 0})
+    second = run("b", {"open_150_p99_ms": 90.0, "open_150_decisions_per_second": 1500.0,
+                       "open_300_p99_ms": None, "open_300_decisions_per_second": 0.0})
+    assert curve.levels(first) == [
+        {"mode": "closed", "load": 64.0, "decisions_per_second": 2110.0, "p99_ms": 384.0},
+        {"mode": "open", "load": 80.0, "decisions_per_second": 800.0, "p99_ms": 50.0}]
+    drawn = curve.serving_curve_svg([first, {"workload": "pytest"}, second], runs=2)
+    assert drawn.startswith("<svg") and drawn.count("<circle") == 3  # the unanswered level is left out
+    assert "80/s" in drawn and "64 cl." in drawn and "150/s" in drawn and "p99 500 ms" in drawn
+    assert curve.serving_curve_svg([first, second]).count("<circle") == 1  # the latest run by default
+    assert curve.serving_curve_svg([{"workload": "pytest"}]) is None
 
 
 def test_a_serving_record_of_the_load_harness_names_its_shape_and_open_loop_levels():
