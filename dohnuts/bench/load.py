@@ -244,16 +244,18 @@ def run_level(url: str, bodies: list[bytes], decisions: list[int], load: Load, p
     results, connects, late = [], [], 0.0
     for _ in workers:
         found, opened, behind = out.get(timeout=load.seconds + timeout + 120)
-        results, connects, late = results + found, connects + opened, max(late, behind)
+        results.extend(found)
+        connects.extend(opened)
+        late = max(late, behind)
     after, recounted = scrape(url), tcp_counters()
     for worker in workers:
         worker.join(timeout=30)
     level = summarise(results, decisions, load, before, after)
     level["connections"] = {"opened": len(connects),
-                        "connect_p99_ms": 1000 * percentile(connects, 0.99) if connects else None,
-                        "connect_max_ms": 1000 * max(connects) if connects else None,
-                        "latest_start_ms": 1000 * late,
-                        **{name: recounted[name] - counted.get(name, 0) for name in recounted}}
+                            "connect_p99_ms": 1000 * percentile(connects, 0.99) if connects else None,
+                            "connect_max_ms": 1000 * max(connects) if connects else None,
+                            "latest_start_ms": 1000 * late,
+                            **{name: recounted[name] - counted.get(name, 0) for name in recounted}}
     return level
 
 

@@ -141,15 +141,19 @@ class RemoteEngines:
     def _refusing(self, index: int) -> bool:
         return bool(self.states[SLOTS * index + REFUSING])
 
+    def _ready(self) -> list[int]:
+        """The indices of the engines ready now."""
+        return [index for index in range(len(self.sockets)) if self._state(index)[0] == READY]
+
     @property
     def refusing(self) -> bool:
         """Whether every ready engine refuses new requests now (its queue-delay admission)."""
-        ready = [index for index in range(len(self.sockets)) if self._state(index)[0] == READY]
+        ready = self._ready()
         return bool(ready) and all(self._refusing(index) for index in ready)
 
     @property
     def ready(self) -> bool:
-        return any(self._state(index)[0] == READY for index in range(len(self.sockets)))
+        return bool(self._ready())
 
     @property
     def depth(self) -> int:
@@ -197,7 +201,7 @@ class RemoteEngines:
                 future.set_exception(Unavailable("the engine restarted: retry"))
 
     def _choose(self, request: EncodedRequest) -> int:
-        ready = [index for index in range(len(self.sockets)) if self._state(index)[0] == READY]
+        ready = self._ready()
         if not ready:
             raise Unavailable("no engine is ready yet")
         if request.image is not None:  # the same image, the same engine: its features are cached there
