@@ -12,6 +12,7 @@ LORA_TARGETS = (
     "in_proj_a", "out_proj", "gate_proj", "up_proj", "down_proj",
 )
 EMBEDDED = "embedded"
+CHOICE_ORDERS = ("hashed", "given")
 
 
 class ConfigError(ValueError):
@@ -67,10 +68,19 @@ class ModelConfig:
     max_tokens: int = 32768  # a row: the state and one question with its candidates (the wire format's budget)
     max_request_tokens: int = 65536  # a request: its state once and every question
     seed: int = 0
+    # How a choice's options are laid out: "hashed" renders them by a salted hash of their text,
+    # so the order a client sends cannot change an answer (`inputs.template.rendered_order`);
+    # "given" keeps the client's order (checkpoints made before the setting existed).
+    choice_order: str = "hashed"
+    choice_salt: str = "dohnuts-choice-1"
     embedded: EmbeddedShape = field(default_factory=EmbeddedShape)
 
     def __post_init__(self):
         _check(self.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16, got {self.dtype!r}")
+        _check(self.choice_order in CHOICE_ORDERS,
+               f"model.choice_order must be one of {CHOICE_ORDERS}, got {self.choice_order!r}")
+        _check(1 <= len(self.choice_salt.encode()) <= 64,
+               f"model.choice_salt must be 1 to 64 bytes (a hash key), got {self.choice_salt!r}")
         _check(self.image_pixels >= 32 * 32, f"model.image_pixels must be >= 1024, got {self.image_pixels}")
         _check(self.max_tokens >= 16 and self.max_request_tokens >= self.max_tokens,
                f"model.max_tokens must be >= 16 and max_request_tokens >= max_tokens, got {self.max_tokens}, "
@@ -78,6 +88,11 @@ class ModelConfig:
         if self.base != EMBEDDED:
             _check(self.revision is not None,
                    f"model.base {self.base!r} is a Hub id: pin model.revision to a commit hash")
+
+    @property
+    def order_salt(self) -> str | None:
+        """The salt of a choice's rendered order, or None where options keep the given order."""
+        return self.choice_salt if self.choice_order == "hashed" else None
 
 
 @dataclass(frozen=True)

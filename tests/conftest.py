@@ -34,7 +34,7 @@ class Tiny:
 
     def template(self) -> Template:
         tokenizer, processor = load_processors(self.base, self.model)
-        return Template(tokenizer, processor, self.model.marker_token)
+        return Template.of(tokenizer, processor, self.model)
 
 
 @pytest.fixture(scope="session")

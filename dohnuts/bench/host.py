@@ -106,7 +106,7 @@ def encode_host(workload: str = "distinct_text_50q", blocks: int = 5, calls: int
     """
     state, questions = chosen_workloads([workload])[workload]
     config = ModelConfig(base="shape-only", revision="random-weights", dtype="bfloat16", image_pixels=512 * 512)
-    template = Template(qwen3_5_tokenizer(), new_image_processor(16, 512 * 512), config.marker_token)
+    template = Template.of(qwen3_5_tokenizer(), new_image_processor(16, 512 * 512), config)
     request = parse_request(state, questions, template.reserved)
     rows = template.encode(request, config.max_tokens)
     batch = template.collate(rows, [])

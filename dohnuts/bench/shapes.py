@@ -90,7 +90,7 @@ def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0):
         backbone = Qwen3_5Model(config).to(DTYPES[dtype])
     head = new_head(config.text_config.hidden_size, 0.01, torch.Generator().manual_seed(seed)).to(device)
     processor = new_image_processor(vision["patch_size"], IMAGE_PIXELS)
-    template = Template(tokenizer, processor, model_config.marker_token)
+    template = Template.of(tokenizer, processor, model_config)
     return assemble(backbone, head).eval(), template, model_config
 
 

@@ -184,7 +184,7 @@ def examine(path, model, data, train_tokens: int, base=None) -> dict:
     lengths = None
     if base is not None:
         tokenizer, processor = load_processors(base, model)
-        lengths = token_lengths(Template(tokenizer, processor, model.marker_token), states)
+        lengths = token_lengths(Template.of(tokenizer, processor, model), states)
     exclude = budget_exclusion(lengths, train_tokens, model.max_tokens) if lengths is not None else None
     records, _, isolation = partition_rows(states, data.seed, data.partitions, exclude)
     return diagnose(states, problems, records, isolation, lengths, {"training": train_tokens,

@@ -211,7 +211,7 @@ def prefix_groups(rows: list[Row]) -> list[tuple[int, list[int]]]:
     """
     by_key: dict[tuple, list[int]] = {}
     for index, row in enumerate(rows):
-        split = min(row.shared, row.markers[0] if row.markers else 0)
+        split = min(row.shared, min(row.markers, default=0))
         if split >= SHARED_MIN:
             by_key.setdefault((row.image, row.input_ids[:split]), []).append(index)
     return [(len(key[1]), members) for key, members in by_key.items() if len(members) > 1]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
+from functools import lru_cache
 
-from ..schema import Request
+from ..config import ModelConfig
+from ..schema import Question, Request
 from .batch import Batch, EncodedImage, Row, pack_rows
 from .pixels import PixelSettings, image_key, qwen_pixels, rgb_bytes
 from .tokens import SPATIAL_MERGE, special_tokens
@@ -26,6 +29,26 @@ def pieces_of(request: Request) -> list[str]:
     return texts
 
 
+@lru_cache(maxsize=2**16)
+def _rank(salt: str, text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=8, key=salt.encode()).digest()
+
+
+def rendered_order(question: Question, salt: str | None) -> list[int] | range:
+    """The order a question's candidates are rendered in, as indices into its candidates.
+
+    A choice's options go by a keyed hash of their text (their labels break a tie), a function
+    of the set of options alone: the order a client sends them in cannot change a token of the
+    rows, so it cannot change an answer, and across questions an option's position says nothing
+    about its label. A score's levels and a noul's two sides keep their order (levels are
+    ordinal; a noul's sides are fixed by the schema). `salt` None keeps every given order.
+    """
+    count = len(question.candidates)
+    if salt is None or question.kind != "choice":
+        return range(count)
+    return sorted(range(count), key=lambda index: (_rank(salt, question.candidates[index]), question.labels[index]))
+
+
 class Template:
     """Renders validated requests with the template of recipe.md and enforces the token budget.
 
@@ -33,11 +56,14 @@ class Template:
         {type} question: {instructions}\\nOptions:\\n- {candidate 1}<M>- {candidate 2}<M>...
 
     Every piece is tokenised on its own, so the shared beginning of a request's rows is the
-    same token sequence in each row.
+    same token sequence in each row. A choice's candidates are rendered in `rendered_order`
+    under `order_salt`; a row's markers stay in the question's candidate order, so its logits
+    come out in label order whatever the rendering.
     """
 
-    def __init__(self, tokenizer, image_processor, marker: str):
+    def __init__(self, tokenizer, image_processor, marker: str, order_salt: str | None = None):
         self.tokenizer = tokenizer
+        self.order_salt = order_salt
         self.image_processor = image_processor
         self.reserved = tuple(special_tokens(marker))
         ids = tokenizer.convert_tokens_to_ids(list(self.reserved))
@@ -51,6 +77,11 @@ class Template:
         self.pixels = PixelSettings.of(image_processor)  # None: the processor preprocesses on the host
         self.pieces: OrderedDict[str, list[int]] = OrderedDict()
         self.piece_chars = 0
+
+    @classmethod
+    def of(cls, tokenizer, image_processor, model: ModelConfig) -> Template:
+        """The template of a model configuration: its marker and its choices' layout."""
+        return cls(tokenizer, image_processor, model.marker_token, model.order_salt)
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text on its own, through an LRU of recent pieces (questions and
@@ -120,11 +151,12 @@ class Template:
         rows = []
         for question in request.questions:
             ids = prefix + next(pieces)
-            markers = []
-            for _ in question.candidates:
-                ids.extend(next(pieces))
+            candidates = [next(pieces) for _ in question.candidates]
+            markers = [0] * len(candidates)
+            for index in rendered_order(question, self.order_salt):
+                ids.extend(candidates[index])
                 ids.append(self.marker_id)
-                markers.append(len(ids) - 1)
+                markers[index] = len(ids) - 1
             if len(ids) > max_tokens:
                 raise OverBudget(
                     f"question {question.qid!r}: the input is {len(ids)} tokens, over the budget of "

@@ -44,7 +44,7 @@ def merge(base: Path, adapter: Path, model: ModelConfig, lora: LoraConfig, out: 
     verify_base(base)
     decision, peft_model = load_adapter_model(base, model.dtype, lora, adapter, torch.device("cpu"))
     tokenizer, processor = load_processors(base, model)
-    batch = _probe(Template(tokenizer, processor, model.marker_token), model.max_tokens)
+    batch = _probe(Template.of(tokenizer, processor, model), model.max_tokens)
     with torch.no_grad():
         unmerged = decision(batch)
         merged_model = DecisionModel(peft_model.merge_and_unload(), decision.head).eval()

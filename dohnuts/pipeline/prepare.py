@@ -88,7 +88,7 @@ def prepare(model: ModelConfig, data: DataConfig, train_tokens: int, base_out: P
         prepare_base(model, tmp, synthetic.corpus(data.seed))
         write_manifest(tmp, {"model": to_dict(model)})
     tokenizer, processor = load_processors(base_out, model)
-    lengths = token_lengths(Template(tokenizer, processor, model.marker_token), states)
+    lengths = token_lengths(Template.of(tokenizer, processor, model), states)
     records, images, isolation = partition_rows(states, data.seed, data.partitions,
                                                 exclusion(lengths, train_tokens, model.max_tokens, guard), train_cap)
     report = diagnose(states, problems, records, isolation, lengths,

@@ -34,7 +34,7 @@ def select(checkpoints: Path, base: Path, data: Path, model: ModelConfig, lora: 
     place = world()
     device = place.device
     tokenizer, processor = load_processors(base, model)
-    template = Template(tokenizer, processor, model.marker_token)
+    template = Template.of(tokenizer, processor, model)
     reader = RecordReader(data)
     dev = hash_order(load_records(data), config.dev_rows_per_group)
     table = []

@@ -158,7 +158,7 @@ class Trainer:
         self.model.to(self.device)
         self.model.activation_checkpointing = run.train.activation_checkpointing
         tokenizer, processor = load_processors(run.base, run.model)
-        self.template = Template(tokenizer, processor, run.model.marker_token)
+        self.template = Template.of(tokenizer, processor, run.model)
         self.reader = RecordReader(run.data)
         self.sampler = GroupSampler(load_records(run.data), run.seed,
                                     run.train.rows_per_microbatch, run.train.group_cap)

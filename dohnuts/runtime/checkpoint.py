@@ -182,7 +182,7 @@ def load_merged(folder: Path, device: torch.device, need_temperatures: bool = Fa
     """
     model_config, temperatures = read_merged(folder, need_temperatures)
     tokenizer, processor = load_processors(folder, model_config)
-    return load_network(folder, model_config, device), Template(tokenizer, processor, model_config.marker_token), \
+    return load_network(folder, model_config, device), Template.of(tokenizer, processor, model_config), \
         model_config, temperatures
 
 
@@ -204,7 +204,9 @@ def read_merged(folder: Path, need_temperatures: bool, unread: tuple[str, ...] =
     required = (HEAD, SETTINGS) + ((TEMPERATURES,) if need_temperatures else ())
     verify_manifest(folder, required=required, unread=unread)
     settings = read_json(folder / SETTINGS)
-    model_config = build(ModelConfig, settings["model"], f"{folder}/{SETTINGS} model")
+    # A checkpoint from before `choice_order` existed was trained and served in the given order.
+    model = {"choice_order": "given", **settings["model"]}
+    model_config = build(ModelConfig, model, f"{folder}/{SETTINGS} model")
     temperatures = None
     if (folder / TEMPERATURES).is_file():
         temperatures = {kind: float(value) for kind, value in read_json(folder / TEMPERATURES).items()}
@@ -237,7 +239,7 @@ def load_front(folder: Path) -> tuple[Template, ModelConfig, dict[str, float]]:
     """
     model_config, temperatures = read_merged(folder, need_temperatures=True, unread=(".safetensors",))
     tokenizer, processor = load_processors(folder, model_config)
-    return Template(tokenizer, processor, model_config.marker_token), model_config, temperatures
+    return Template.of(tokenizer, processor, model_config), model_config, temperatures
 
 
 def load_engine(folder: Path, device: torch.device):

@@ -63,7 +63,7 @@ def request_shape(request: EncodedRequest, rows: Sequence[int] | None = None) ->
     chosen = request.rows if rows is None else [request.rows[index] for index in rows]
     lengths = [len(row.input_ids) for row in chosen]
     candidates = max(len(row.markers) for row in chosen)
-    split = min(min(row.shared, row.markers[0] if row.markers else 0) for row in chosen)
+    split = min(min(row.shared, min(row.markers, default=0)) for row in chosen)
     if len(chosen) < 2 or split < SHARED_MIN:
         return Shape(0, 0, sum(lengths), len(lengths), max(lengths), candidates)
     own = [length - split for length in lengths]

@@ -2,11 +2,13 @@
 
 import inspect
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from dohnuts.inputs.batch import mrope_positions
+from dohnuts.inputs.template import Template, rendered_order
 from dohnuts.model.base import load_backbone
 from dohnuts.schema import parse_request
 
@@ -22,8 +24,11 @@ def test_rows_render_the_recipe_template_with_one_marker_per_candidate(tiny):
     first, second = template.encode(request, 4096)
     text = template.tokenizer.decode(list(first.input_ids))
     marker = tiny.model.marker_token
+    # The options go in their hashed order ("g" first under the default salt); the markers stay
+    # in the question's order: r's marker, then g's.
     assert text == (f'State: {{"city": "Oslo"}}\nchoice question: Which colour?\nOptions:\n'
-                    f"- r: red{marker}- g{marker}")
+                    f"- g{marker}- r: red{marker}")
+    assert first.markers[0] == len(first.input_ids) - 1 > first.markers[1]
     assert [first.input_ids[i] for i in first.markers] == [template.marker_id] * 2
     assert first.input_ids.count(template.marker_id) == 2
     assert second.markers[-1] == len(second.input_ids) - 1
@@ -82,3 +87,50 @@ def test_tokenized_pieces_are_cached_and_equal_the_tokenizer(tiny, monkeypatch):
     assert pieces[0] == direct[1]
     # Older pieces are evicted; those of the call stay, even over the bound.
     assert list(template.pieces) == ["- red", "a long new piece of text"]
+
+
+def _candidate_texts(template, row):
+    """Each marker's candidate text, read back from the row's tokens, in the row's marker order."""
+    ends = sorted(row.markers)
+    starts = {end: (ends[index - 1] + 1 if index else None) for index, end in enumerate(ends)}
+    texts = [template.tokenizer.decode(list(row.input_ids[starts[end]:end])) for end in row.markers]
+    return [text.split("Options:\n")[-1] for text in texts]  # the first also holds the header
+
+
+def test_a_choice_renders_the_same_tokens_in_whatever_order_its_options_come(tiny):
+    template = tiny.template()
+    options = {"alpha": "first", "beta": None, "gamma": "third", "delta": "", "eps": "fifth", "zeta": "sixth"}
+    rng = np.random.default_rng(0)
+    rendered = None
+    for _ in range(12):
+        order = rng.permutation(len(options))
+        criteria = {list(options)[i]: list(options.values())[i] for i in order}
+        request = parse_request("s", {"q": {"type": "choice", "instructions": "Which?", "criteria": criteria}},
+                                template.reserved)
+        (row,) = template.encode(request, 4096)
+        by_label = dict(zip(request.questions[0].labels, row.markers))
+        texts = dict(zip(request.questions[0].labels, _candidate_texts(template, row)))
+        assert texts == {label: f"- {label}: {text}" if text else f"- {label}" for label, text in options.items()}
+        if rendered is None:
+            rendered = (row.input_ids, by_label)
+        assert (row.input_ids, by_label) == rendered  # the same tokens, each label at the same marker
+    assert sorted(rendered[1].values()) != [rendered[1][label] for label in options]  # not the given order
+
+
+def test_scores_nouls_and_the_given_layout_keep_their_order(tiny):
+    template = tiny.template()
+    given = Template(template.tokenizer, template.image_processor, tiny.model.marker_token, None)
+    request = parse_request("s", {
+        "c": {"type": "choice", "criteria": ["d", "c", "b", "a", "e", "f"]},
+        "s": {"type": "score", "criteria": ["none", "some", "much", "all"]},
+        "n": {"type": "noul", "instructions": "True?"},
+    }, template.reserved)
+    choice, score, noul = request.questions
+    assert list(rendered_order(score, "salt")) == [0, 1, 2, 3] and list(rendered_order(noul, "salt")) == [0, 1]
+    assert list(rendered_order(choice, None)) == list(range(6))
+    orders = {tuple(rendered_order(choice, salt)) for salt in ("a", "b", "c", "d")}
+    assert len(orders) > 1 and all(sorted(order) == list(range(6)) for order in orders)  # the salt decides
+    for row in given.encode(request, 4096):
+        assert list(row.markers) == sorted(row.markers)
+    for row in template.encode(request, 4096)[1:]:
+        assert list(row.markers) == sorted(row.markers)

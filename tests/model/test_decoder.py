@@ -201,7 +201,7 @@ def _shared_case(tiny, language_model):
     full, prefixes, suffixes, parents = [], [], [], []
     for parent, rows in enumerate(groups):
         split = min(next(i for i, (a, b) in enumerate(zip(rows[0].input_ids, rows[1].input_ids)) if a != b),
-                    min(row.markers[0] for row in rows))
+                    min(min(row.markers) for row in rows))
         prefixes.append(torch.tensor(rows[0].input_ids[:split]))
         for row in rows:
             full.append(torch.tensor(row.input_ids))

@@ -1,11 +1,14 @@
 """The checkpoint module: adapter files round-trip and refuse what does not fit the model."""
 
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dohnuts.config import LoraConfig
-from dohnuts.runtime.checkpoint import build_training_model, load_adapter, save_adapter
+from dohnuts.config import ConfigError, LoraConfig, ModelConfig
+from dohnuts.io import read_json, write_json, write_manifest
+from dohnuts.runtime.checkpoint import SETTINGS, build_training_model, load_adapter, read_merged, save_adapter
 
 
 def test_adapter_round_trip_and_refusal_of_foreign_keys_and_shapes(tiny, tmp_path):
@@ -28,3 +31,24 @@ def test_adapter_round_trip_and_refusal_of_foreign_keys_and_shapes(tiny, tmp_pat
     save_file({**state, "lora.extra.weight": torch.zeros(1)}, str(tmp_path / "extra.safetensors"))
     with pytest.raises(ValueError, match="1 unexpected keys"):
         load_adapter(tmp_path / "extra.safetensors", fresh, fresh_peft)
+
+
+def test_a_checkpoint_from_before_choice_order_keeps_the_given_order(deployable, tmp_path):
+    root, _ = deployable
+    folder = tmp_path / "old"
+    shutil.copytree(root / "checkpoint", folder)
+    settings = read_json(folder / SETTINGS)
+    assert settings["model"]["choice_order"] == "hashed"  # what the pipeline writes now
+    del settings["model"]["choice_order"], settings["model"]["choice_salt"]
+    write_json(folder / SETTINGS, settings)
+    write_manifest(folder)
+    model_config, _ = read_merged(folder, need_temperatures=True)
+    assert model_config.choice_order == "given" and model_config.order_salt is None
+    assert read_merged(root / "checkpoint", need_temperatures=True)[0].order_salt == "dohnuts-choice-1"
+
+
+def test_choice_order_settings_are_checked():
+    with pytest.raises(ConfigError, match="choice_order must be one of"):
+        ModelConfig(choice_order="sorted")
+    with pytest.raises(ConfigError, match="choice_salt must be 1 to 64 bytes"):
+        ModelConfig(choice_salt="")
