@@ -249,9 +249,11 @@ class TestConfig:
     """Evaluation on the test partition."""
 
     batch_tokens: int = EVALUATION_BATCH_TOKENS
+    audit_states: int = 200  # requests the audits ask again (`pipeline.audits`), taken in turn from each group
 
     def __post_init__(self):
         _check(self.batch_tokens >= 1, f"test.batch_tokens must be >= 1, got {self.batch_tokens}")
+        _check(self.audit_states >= 0, f"test.audit_states must be >= 0, got {self.audit_states}")
 
 
 SHAPE_NAMES = ("qwen3_5-0.8b",)  # the shapes dohnuts.measure.shapes can build

@@ -11,10 +11,11 @@ from ..config import TestConfig
 from ..data.records import RecordReader, load_records
 from ..runtime.buckets import all_buckets
 from ..runtime.distributed import World, gathered, shard, world
-from ..runtime.evaluation import plan_batches, request_of, score_table
+from ..runtime.evaluation import plan_batches, request_of, score_table, state_records
 from ..runtime.predict import Predictor
 from ..schema import QUESTION_TYPES
 from ..scoring.metrics import reliability
+from .audits import changes, sample, summarise
 
 
 def predictions(predictor: Predictor, rows: pd.DataFrame, reader: RecordReader, batch_tokens: int,
@@ -64,6 +65,18 @@ def reliability_diagrams(raw: pd.DataFrame, calibrated: pd.DataFrame) -> dict[st
     return diagrams
 
 
+def audits(predictor: Predictor, records: pd.DataFrame, reader: RecordReader, table: pd.DataFrame,
+           count: int) -> dict:
+    """The audits (`pipeline.audits`) of up to `count` of the partition's requests, taken in
+    turn from each group, against `table`'s served probabilities."""
+    batched = {(state_id, qid): dict(zip(labels, served))
+               for state_id, qid, labels, served in zip(table.state_id, table.qid, table.labels, table.served)}
+    chosen = sample(state_records(records), count)
+    found = list(tqdm(changes(predictor, reader, chosen, batched), desc="audits", unit="question",
+                      dynamic_ncols=True))
+    return summarise(found)
+
+
 def test(checkpoint: Path, data: Path, config: TestConfig) -> tuple[pd.DataFrame, dict, dict[str, list[dict]]] | None:
     """Raw and calibrated metrics on the test partition with the deployable checkpoint.
 
@@ -78,10 +91,12 @@ def test(checkpoint: Path, data: Path, config: TestConfig) -> tuple[pd.DataFrame
     # Bucket graphs only when its batches can fit one (the default 16,384 tokens cannot).
     fits = config.batch_tokens <= max(bucket.tokens for bucket in all_buckets())
     predictor = Predictor.from_checkpoint(checkpoint, place.device, graphs=fits)
-    table = predictions(predictor, load_records(data), RecordReader(data), config.batch_tokens, place)
+    records, reader = load_records(data), RecordReader(data)
+    table = predictions(predictor, records, reader, config.batch_tokens, place)
     if table is None:  # another rank's share: rank 0 scores and writes
         return None
     raw_rows, raw = score_table(table)
     scored, calibrated = score_table(table.drop(columns="served"), probabilities=list(table.served))
-    metrics = {"calibrated": calibrated, "raw": raw, "temperatures": predictor.temperatures}
+    metrics = {"calibrated": calibrated, "raw": raw, "temperatures": predictor.temperatures,
+               "audits": audits(predictor, records, reader, table, config.audit_states)}
     return scored, metrics, reliability_diagrams(raw_rows, scored)

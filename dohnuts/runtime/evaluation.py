@@ -43,7 +43,7 @@ class StateRecords:
 COLUMNS = ("state", "image", "state_id", "group", "qid", "question", "target")
 
 
-def _requests(rows: pd.DataFrame) -> list[StateRecords]:
+def state_records(rows: pd.DataFrame) -> list[StateRecords]:
     """The records of each state, in order of first appearance: one request per state."""
     columns = {name: rows[name].tolist() for name in COLUMNS}
     members: dict[str, list[int]] = {}
@@ -78,7 +78,7 @@ def plan_batches(rows: pd.DataFrame, batch_tokens: int, template: Template) -> l
     request over the budget goes alone): batches sized by work, not by a count of rows, so a
     forward's fixed cost is spread over as many tokens as the budget allows."""
     batches, current, count = [], [], 0
-    for records in _requests(rows):
+    for records in state_records(rows):
         tokens = request_tokens(template, records)
         if current and count + tokens > batch_tokens:
             batches.append(current)
