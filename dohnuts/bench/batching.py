@@ -8,6 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..io import write_json
 from .host import SHAPE, require_cuda
 from .load import describe_level
 from .serving import ServingPlan, serving_record
@@ -40,22 +41,34 @@ def batched_vs_alone(count: int = 32) -> None:
 
 def serving_workload(requests: int = 512, rates: tuple[float, ...] = (), clients: tuple[int, ...] = (1, 8, 64),
                      seconds: float = 30.0, warmup_seconds: float = 5.0, workers: int = 4, processes: int = 4,
-                     client_cpus: int = 4) -> None:
+                     client_cpus: int = 4, out: str | None = None) -> None:
     """The benchmark's serving workload alone (`serving.serving_record`), on a deployable folder
     of the shape-only Qwen3.5-0.8B model written for it: open loop at each of `rates`, then
     closed loop at each count of `clients`.
 
         python benchmarks/run.py serving_workload --rates 100 200 400 --clients 1 8 64 > serving.json
 
-    Prints the record (JSON) on stdout and one line per level on stderr.
+    Prints the record (JSON) on stdout and one line per level on stderr; with `out`, also
+    writes the record so far to that file once the server is ready and after each level
+    ("complete": false until the end), so a run cut short keeps its levels.
     """
     require_cuda()
     plan = ServingPlan(requests, tuple(rates), tuple(clients), seconds, warmup_seconds, workers, processes, client_cpus)
+
+    def partial(record):
+        if out is not None:
+            write_json(Path(out), {**record, "shape_only": SHAPE})
+        if not record["levels"]:
+            print(f"server ready in {record['ready_seconds']:.1f} s", file=sys.stderr, flush=True)
+
     with tempfile.TemporaryDirectory() as scratch:
         folder = write_shape_checkpoint(SHAPE, Path(scratch) / "checkpoint")
         record = serving_record(folder, plan, progress=lambda level: print(describe_level(level), file=sys.stderr,
-                                                                               flush=True))
-    print(json.dumps({**record, "shape_only": SHAPE}))
+                                                                               flush=True), partial=partial)
+    record = {**record, "shape_only": SHAPE}
+    if out is not None:
+        write_json(Path(out), record)
+    print(json.dumps(record))
 
 
 def invocation_profile(batch: int = 8, groups: int = 4, top: int = 25) -> None:

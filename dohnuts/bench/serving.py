@@ -15,7 +15,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .load import sweep
+from .load import held, sweep
 from .traffic import serving_mix
 
 
@@ -96,18 +96,32 @@ class ServerProcess:
             return self.process.wait()
 
 
-def serving_record(checkpoint: Path, plan: ServingPlan, seed: int = 0, progress=None) -> dict:
+def serving_record(checkpoint: Path, plan: ServingPlan, seed: int = 0, progress=None, partial=None) -> dict:
     """The serving workload on the deployable `checkpoint` (see the module's docstring).
-    `progress(level)` hears of each level as it ends."""
+    `progress(level)` hears of each level as it ends; `partial(record)` gets the record so far
+    once the server is ready and after each level (marked "complete": false), so a run cut
+    short keeps what it measured."""
     server_cpus, client_cpus = cpu_split(plan.client_cpus)
     server = ServerProcess(checkpoint, plan.workers, server_cpus)
+    setup = {"workload": "serving", "workers": plan.workers,
+             "server_cpus": sorted(server_cpus) if server_cpus else None,
+             "client_cpus": sorted(client_cpus) if client_cpus else None}
+    levels = []
+
+    def heard(level):
+        levels.append(level)
+        if progress is not None:
+            progress(level)
+        if partial is not None:
+            partial({**setup, "levels": levels, "held": held(levels), "complete": False})
+
     try:
-        ready = server.wait_ready()
+        setup["ready_seconds"] = server.wait_ready()
+        if partial is not None:
+            partial({**setup, "levels": [], "complete": False})
         record = sweep(server.url, serving_mix(plan.requests, seed), list(plan.rates), list(plan.clients),
                        plan.seconds, plan.warmup_seconds, plan.processes,
-                       [client_cpus] if client_cpus else None, progress)
+                       [client_cpus] if client_cpus else None, heard)
     finally:
         server.stop()
-    return {**record, "workload": "serving", "ready_seconds": ready, "workers": plan.workers,
-            "server_cpus": sorted(server_cpus) if server_cpus else None,
-            "client_cpus": sorted(client_cpus) if client_cpus else None}
+    return {**record, **setup, "complete": True}

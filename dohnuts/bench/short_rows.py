@@ -3,6 +3,8 @@ from a CUDA graph: a measurement for choosing the next optimisation, not part of
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -154,13 +156,17 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
             g, beta = rand(total, heads).bfloat16(), torch.sigmoid(rand(total, heads)).bfloat16()
             A_log, dt_bias = rand(heads).float() * 0.5, rand(heads).float() * 0.5
             bounds = cumulative([length] * count).cuda()
+            # The chunk plan made ahead, as inference batches carry it: the scan would otherwise
+            # read the bounds back to the host, which a graph capture cannot do.
+            plan = {"chunks": chunk_plan([length] * count).cuda()} if "chunks" in inspect.signature(
+                ops.delta_rule_scan).parameters else {}
             first = None
             for values in settings:
                 if values is not None:
                     ops.WALK_VALUES = values
 
-                def scan(arguments=(q, k, v, g, beta, None, None, bounds, True, A_log, dt_bias)):
-                    out, final = ops.delta_rule_scan(*arguments)
+                def scan(arguments=(q, k, v, g, beta, None, None, bounds, True, A_log, dt_bias), plan=plan):
+                    out, final = ops.delta_rule_scan(*arguments, **plan)
                     return torch.cat([out.flatten().float(), final.flatten()])
 
                 ms, out = graphed(scan, replays=50)

@@ -1,6 +1,7 @@
 """The load harness: client processes drive a server over HTTP in open and closed loop, and the
 level's figures say what the server answered, when, and what its own counters say."""
 
+import copy
 import json
 import threading
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from dohnuts.bench.load import Load, encode_bodies, held, run_level, server_figures, summarise, wire_body
+from dohnuts.bench.serving import ServingPlan, serving_record
 from dohnuts.bench.traffic import serving_mix
 
 DELAY = 0.005  # seconds the stand-in server takes to answer
@@ -144,3 +146,18 @@ def test_a_level_says_when_its_slowest_requests_were_due():
     assert level["p99_ms_by_tenth"][7] > 2000 and max(level["p99_ms_by_tenth"][:7]) < 20
     assert level["slowest"][0] == {"due_s": 7.5, "ms": 3000.0, "body": 3} and len(level["slowest"]) == 10
     assert all(entry["ms"] < 3000 for entry in level["slowest"][1:])  # the 429 is no answer's latency
+
+
+def test_a_serving_run_hands_over_its_record_so_far_after_each_level(deployable):
+    """A run cut short keeps what it measured: the record once the server is ready, then after
+    each level, before the complete one."""
+    root, _ = deployable
+    plan = ServingPlan(requests=8, rates=(4.0,), clients=(1,), seconds=1.0, warmup_seconds=0.0, workers=1,
+                       processes=1, client_cpus=0)
+    heard = []
+    record = serving_record(root / "checkpoint", plan, partial=lambda so_far: heard.append(copy.deepcopy(so_far)))
+    assert [len(so_far["levels"]) for so_far in heard] == [0, 1, 2]
+    assert all(so_far["complete"] is False and so_far["ready_seconds"] > 0 for so_far in heard)
+    assert heard[-1]["levels"] == record["levels"] and record["complete"] is True
+    assert [level["mode"] for level in record["levels"]] == ["open", "closed"]
+    assert record["levels"][0]["answered"] == record["levels"][0]["sent"] > 0
