@@ -141,5 +141,6 @@ MEASUREMENTS: dict[str, Measurement] = {
          Argument("warmup_seconds", float, 5.0, "warm-up seconds before each level"),
          Argument("workers", int, 4, "front-end processes"),
          Argument("processes", int, 4, "client processes"),
-         Argument("client_cpus", int, 4, "CPUs kept for the clients"))),
+         Argument("client_cpus", int, 4, "CPUs kept for the clients"),
+         Argument("out", str, None, "a file for the record, rewritten after each level"))),
 }
