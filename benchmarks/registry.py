@@ -99,9 +99,9 @@ MEASUREMENTS: dict[str, Measurement] = {
         functools.partial(short_rows.delta_rule_short_rows, fused_recurrent=fla_fused_recurrent),
         "the 50q request's short rows' delta rule: FLA chunked, recurrent, ours", "cuda"),
     "delta_rule_prefixes": Measurement(
-        short_rows.delta_rule_prefixes, "the whole-sequence scan on prefixes alone and together, by walk block",
+        short_rows.delta_rule_prefixes, "the whole-sequence scan on prefixes alone and together, by path",
         "cuda", (Argument("lengths", int, (256, 1024, 2048), "prefix lengths", many=True),
-                 Argument("together", int, 8, "prefixes run together"))),
+                 Argument("together", int, (1, 2, 4, 8), "counts of prefixes run together", many=True))),
     "evaluation_profile": Measurement(
         loops.evaluation_profile, "evaluation: plan, each batch's build, copy, forward; whole passes", "cuda"),
     "training_graphs": Measurement(

@@ -3,8 +3,6 @@ from a CUDA graph: a measurement for choosing the next optimisation, not part of
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
 
@@ -126,15 +124,16 @@ def delta_rule_short_rows(*, fused_recurrent) -> None:
 
 
 @torch.no_grad()
-def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: int = 8) -> None:
+def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: tuple[int, ...] = (1, 2, 4, 8)) -> None:
     """Time `delta_rule.scan.delta_rule_scan` on prefixes from zero states keeping their final
-    states (a prefix's layer in a bucket), each replayed from a CUDA graph: one sequence of each
-    of `lengths` tokens, then `together` sequences of each, at each walking block of values
-    (`WALK_VALUES`; a module without it times its own setting once). Shape: the Qwen3.5-0.8B
-    delta-rule layer (16 key and 16 value heads of width 128), bf16. Prints microseconds a layer
-    and tokens a microsecond, and each setting's largest output difference from the first's.
+    states (a prefix's layer in a bucket), each replayed from a CUDA graph: each count of
+    `together` sequences of each of `lengths` tokens, by each of its paths (the parts solved
+    apart, then walked with blocks of 32 or 64 values; the one-kernel walk), whatever the
+    count would choose (`PARTS_BELOW`). Shape: the Qwen3.5-0.8B delta-rule layer (16 key and 16
+    value heads of width 128), bf16. Prints microseconds a layer and tokens a microsecond, marks
+    the path the runtime takes, and gives each path's largest output difference from the first's.
 
-        python benchmarks/run.py delta_rule_prefixes --lengths 256 1024 2048 --together 8
+        python benchmarks/run.py delta_rule_prefixes --lengths 1024 2048 --together 1 2 4 8
     """
     require_cuda()
     from ..ops.delta_rule import scan as ops
@@ -145,11 +144,12 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     def rand(*shape):
         return torch.randn(*shape, generator=generator, device="cuda")
 
-    settings = (16, 32, 64) if hasattr(ops, "WALK_VALUES") else (None,)
-    default = getattr(ops, "WALK_VALUES", None)
-    print(f"# {heads} heads of width {width}, bf16, from zero states, final states kept; CUDA graph replays")
+    paths = (("parts, walk values 32", 32, 2**31), ("parts, walk values 64", 64, 2**31), ("one kernel", 64, 0))
+    defaults = ops.WALK_VALUES, ops.PARTS_BELOW
+    print(f"# {heads} heads of width {width}, bf16, from zero states, final states kept; CUDA graph replays; "
+          f"the runtime takes the one-kernel walk from {ops.PARTS_BELOW} sequences")
     try:
-        for count, length in [(1, length) for length in lengths] + [(together, length) for length in lengths]:
+        for count, length in [(count, length) for count in together for length in lengths]:
             total = count * length
             q, k = (F.normalize(rand(total, heads, width), dim=-1).bfloat16() for _ in range(2))
             v = rand(total, heads, width).bfloat16()
@@ -158,22 +158,22 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
             bounds = cumulative([length] * count).cuda()
             # The chunk plan made ahead, as inference batches carry it: the scan would otherwise
             # read the bounds back to the host, which a graph capture cannot do.
-            plan = {"chunks": chunk_plan([length] * count).cuda()} if "chunks" in inspect.signature(
-                ops.delta_rule_scan).parameters else {}
+            plan = chunk_plan([length] * count).cuda()
             first = None
-            for values in settings:
-                if values is not None:
-                    ops.WALK_VALUES = values
+            for name, values, parts_below in paths:
+                ops.WALK_VALUES, ops.PARTS_BELOW = values, parts_below
 
                 def scan(arguments=(q, k, v, g, beta, None, None, bounds, True, A_log, dt_bias), plan=plan):
-                    out, final = ops.delta_rule_scan(*arguments, **plan)
+                    out, final = ops.delta_rule_scan(*arguments, chunks=plan)
                     return torch.cat([out.flatten().float(), final.flatten()])
 
                 ms, out = graphed(scan, replays=50)
                 first = out if first is None else first
                 gap = ((out - first).abs().max() / first.abs().max()).item()
-                print(f"{count} x {length:5d} tokens, walk values {values}: {ms * 1e3:8.1f} us a layer, "
-                      f"{total / (ms * 1e3):7.1f} tokens/us, max difference {gap:.1e}", flush=True)
+                one_kernel = count >= defaults[1]
+                taken = (parts_below == 0) if one_kernel else (parts_below != 0 and values == defaults[0])
+                print(f"{count} x {length:5d} tokens, {name:22s}: {ms * 1e3:8.1f} us a layer, "
+                      f"{total / (ms * 1e3):7.1f} tokens/us, max difference {gap:.1e}{' (taken)' if taken else ''}",
+                      flush=True)
     finally:
-        if default is not None:
-            ops.WALK_VALUES = default
+        ops.WALK_VALUES, ops.PARTS_BELOW = defaults

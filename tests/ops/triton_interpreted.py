@@ -261,12 +261,14 @@ def check_delta_rule_scan():
     within one part's tokens), from zero states keeping the final states (prefixes) and from
     forked states (long rows, some without a parent), grouped heads and value blocks of 16 with
     a partial last one."""
-    default = delta_scan.WALK_VALUES
+    default = delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW
     generator = torch.Generator().manual_seed(9)
     heads, key_dim, value_heads = 2, 8, 4
     try:
-        for value_dim, values in ((6, default), (40, 16)):
-            delta_scan.WALK_VALUES = values
+        # Each path whatever the count: the parts solved apart and walked (with value blocks of
+        # 16 and the default), and the one-kernel walk.
+        for value_dim, values, parts_below in ((6, default[0], 2**31), (40, 16, 2**31), (40, 16, 0), (6, 64, 0)):
+            delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW = values, parts_below
             for lengths in ([1, 15, 16, 17, 33, 64, 65, 130], [5], [97, 2], [3, 0, 2, 1, 0, 4, 40, 0]):
                 total = sum(lengths)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
@@ -277,7 +279,7 @@ def check_delta_rule_scan():
                 beta = torch.rand(total, value_heads)
                 A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
                 log_decay = decay(gate, A_log, dt_bias)
-                case = f"delta_rule_scan lengths={lengths} V={value_dim} block={values}"
+                case = f"delta_rule_scan lengths={lengths} V={value_dim} block={values} parts below {parts_below}"
                 ours, final = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias)
                 reference, reference_final = gated_delta_rule_reference(
                     q[None], k[None], v[None], log_decay[None], beta[None], None, True, cu.long(), normalise=False)
@@ -314,7 +316,7 @@ def check_delta_rule_scan():
                 close(f"{case} from beta's input", from_raw, expected)
                 close(f"{case} final states from beta's input", raw_final, expected_final)
     finally:
-        delta_scan.WALK_VALUES = default
+        delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW = default
 
 
 def check_delta_rule_grad():

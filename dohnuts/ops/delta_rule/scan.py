@@ -15,9 +15,13 @@ from ..triton_common import _even_rows, _on
 from .parts import (
     PART,
     ROW_WARPS,
+    VALUES,
     _decayed,
+    _last,
     _output,
     _parent_state,
+    _part_output,
+    _part_values,
     _row_part,
     _sequence_program,
     _store_part,
@@ -42,9 +46,14 @@ from .parts import (
 #   between one state and the next (U from S, then S from U), where solving the part in the walk
 #   put a dozen in series (a long sequence alone keeps few programs busy, so the walk's step is
 #   the latency of a long prefix). SCAN_TOKENS bounds the sequences it takes.
+# Solving the parts apart pays for one long prefix alone (1 x 2,048 tokens: 330 -> 183 us a
+# layer on the H200) but not for many together, whose walks already fill the device (8 x 1,024:
+# 289 -> 383 us; `bench.short_rows.delta_rule_prefixes`). From PARTS_BELOW sequences on, one
+# kernel, `_delta_scan_fwd`, walks them solving each part in the walk.
 
 SCAN_TOKENS = 2048  # the longest sequence `kernels` sends to `delta_rule_scan`
 WALK_VALUES = 64  # values a walking program (a block of V)
+PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
 
 
 @triton.jit
@@ -116,6 +125,33 @@ def _delta_scan_walk(q, k, W, U, P, Gc, states, parents, o, final, cu_seqlens, G
         tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
 
 
+@triton.jit
+def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale, sa, sb,
+                    H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                    BV: tl.constexpr, BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr,
+                    SIGMOID: tl.constexpr):
+    n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    h = tl.zeros([BK, BV], dtype=tl.float32)
+    if INITIAL:
+        h = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK)
+    log_a = tl.load(A_log + i_h).to(tl.float32)
+    bias = tl.load(dt_bias + i_h).to(tl.float32)
+    for part in range(0, tl.cdiv(eos - bos, BC)):
+        q_i, k_i, v_i, g_i, b_i = _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb,
+                                            H, K, HV, V, BC, SIGMOID)
+        g_i = tl.cumsum(g_i, 0)  # from the part's start; 0 added past the sequence's end
+        h_in = h.to(q_i.dtype)
+        u_i = _part_values(k_i, v_i, g_i, b_i, h_in, tl.zeros([BC, BV], dtype=tl.float32), BC)
+        o_i = _part_output(q_i, k_i, g_i, g_i, u_i, True, BC) + tl.exp(g_i)[:, None] * tl.dot(q_i, h_in)
+        _store_part(o, o_i * scale, bos, eos, part, i_h, o_v, HV, V, BC)
+        # S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T (u is 0 past the end)
+        last = _last(g_i, BC)
+        h = h * tl.exp(last) + tl.dot(tl.trans(k_i), (u_i * tl.exp(last - g_i)[:, None]).to(k_i.dtype))
+    if FINAL:
+        tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
+
+
 def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     states: torch.Tensor | None, parents: torch.Tensor | None, cu_seqlens: torch.Tensor,
                     output_final_state: bool, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -158,6 +194,15 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     final = q.new_empty(sequences, value_heads, key_dim, value_dim, dtype=torch.float32) if output_final_state else o
     initial = states.contiguous() if states is not None else o
     block_k = max(16, triton.next_power_of_2(key_dim))
+    if sequences >= PARTS_BELOW:  # static in a graph: a bucket's sequence count is its own
+        block_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
+        with _on(q.device):
+            _delta_scan_fwd[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
+                q, k, v, g, beta, A_log, dt_bias, initial, parents if parents is not None else cu_seqlens, o, final,
+                cu_seqlens, 0 if states is None else states.shape[0], key_dim**-0.5 if scale is None else scale,
+                gate_stride, beta_stride, heads, key_dim, value_heads, value_dim, block_k, block_v, PART,
+                states is not None, output_final_state, beta_logits, num_warps=ROW_WARPS)
+        return o, final if output_final_state else None
     block_v = max(16, min(WALK_VALUES, triton.next_power_of_2(value_dim)))
     # What the walk reads of each part (`_delta_scan_parts`); a bucket's graph keeps them in its pool.
     w = q.new_empty(total, value_heads, key_dim)
