@@ -46,10 +46,13 @@ from .parts import (
 #   between one state and the next (U from S, then S from U), where solving the part in the walk
 #   put a dozen in series (a long sequence alone keeps few programs busy, so the walk's step is
 #   the latency of a long prefix). SCAN_TOKENS bounds the sequences it takes.
-# Solving the parts apart pays for one long prefix alone (1 x 2,048 tokens: 330 -> 183 us a
-# layer on the H200) but not for many together, whose walks already fill the device (8 x 1,024:
-# 289 -> 383 us; `bench.short_rows.delta_rule_prefixes`). From PARTS_BELOW sequences on, one
-# kernel, `_delta_scan_fwd`, walks them solving each part in the walk.
+# Solving the parts apart pays for one or two long prefixes (1 x 2,048 tokens: 332 -> 200 us a
+# layer on the H200; 2 x 1,024: 180 -> 143) but not for more, whose walks already fill the
+# device (4 x 1,024: 213 against 205; 8 x 1,024: 385 against 291; `bench.short_rows.
+# delta_rule_prefixes`). From PARTS_BELOW sequences on, one kernel, `_delta_scan_fwd`, walks
+# them solving each part in the walk. A bucket's graph counts its padding sequences (64 tokens
+# at most, `runtime.buckets`), so buckets take the one-kernel walk; the parts path serves the
+# eager calls of one to three sequences.
 
 SCAN_TOKENS = 2048  # the longest sequence `kernels` sends to `delta_rule_scan`
 WALK_VALUES = 64  # values a walking program (a block of V)
