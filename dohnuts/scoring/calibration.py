@@ -1,4 +1,5 @@
-"""Per-question-type temperature scaling fitted on held-out logits."""
+"""Temperature scaling fitted on held-out logits: one temperature a question type (the calibrator's
+`type` family, `scoring.calibrator`)."""
 
 from __future__ import annotations
 
@@ -44,40 +45,6 @@ def fit_temperatures(
         fitted = _fit_one(logits[rows], mask[rows], targets[rows], lr, iterations)
         temperatures[kind] = min(max(fitted, bounds[0]), bounds[1])
     return temperatures
-
-
-def calibrated_temperatures(logits: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor, kinds: list[str],
-                            **fit) -> tuple[dict[str, float], dict[str, dict]]:
-    """`fit_temperatures`, then a guard: a type whose fitted temperature does not lower its
-    row-mean NLL on these rows (a clamp at the bounds, a fit that did not converge) keeps 1.0,
-    so calibration never raises a type's NLL on the data it was fitted on.
-
-    Args:
-        logits, mask, targets, kinds: as `fit_temperatures`; `fit`: its keyword arguments.
-
-    Returns:
-        ({type: temperature}, {type: {"rows", "nll_raw", "nll_calibrated", "temperature",
-        "kept_at_1", and "reason" when kept at 1}}), a report for every type with rows.
-    """
-    temperatures = fit_temperatures(logits, mask, targets, kinds, **fit)
-    report = {}
-    for kind in QUESTION_TYPES:
-        rows = torch.tensor([row_kind == kind for row_kind in kinds], dtype=torch.bool)
-        if not rows.any():
-            continue
-        chosen = (logits[rows].double(), mask[rows], targets[rows].double())
-        raw = float(soft_nll(*chosen))
-        fitted = float(soft_nll(chosen[0].masked_fill(~chosen[1], 0.0) / temperatures[kind], *chosen[1:]))
-        entry = {"rows": int(rows.sum()), "nll_raw": raw, "nll_calibrated": fitted, "kept_at_1": False}
-        if entry["rows"] < fit.get("min_rows", 10):
-            entry.update(kept_at_1=True, reason=f"{entry['rows']} rows, fewer than min_rows")
-        elif not fitted < raw:
-            entry.update(kept_at_1=True, nll_calibrated=raw,
-                         reason=f"the fitted temperature {temperatures[kind]:.4g} gave NLL {fitted:.6g}, "
-                                f"not below the raw {raw:.6g}")
-            temperatures[kind] = 1.0
-        report[kind] = {**entry, "temperature": temperatures[kind]}
-    return temperatures, report
 
 
 def _fit_one(logits, mask, targets, lr: float, iterations: int) -> float:
