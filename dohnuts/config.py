@@ -226,7 +226,9 @@ class SelectConfig:
 
 @dataclass(frozen=True)
 class CalibrateConfig:
-    """Per-type temperature fitting."""
+    """The calibrator's fit (`scoring.calibrator`): cells of at least `min_rows` rows, LBFGS `lr`
+    and `iterations`, temperature bounds, `folds` over states to choose each type's family; and
+    abstention thresholds at each of `risks`, each bound holding with probability 1 - `delta`."""
 
     min_rows: int = 10
     lr: float = 0.1
@@ -234,11 +236,17 @@ class CalibrateConfig:
     min_temperature: float = 0.1
     max_temperature: float = 10.0
     batch_tokens: int = EVALUATION_BATCH_TOKENS
+    folds: int = 5
+    risks: tuple[float, ...] = (0.01, 0.05, 0.1)
+    delta: float = 0.1
 
     def __post_init__(self):
         _check(self.min_rows >= 1 and self.iterations >= 1 and self.lr > 0 and self.batch_tokens >= 1,
                f"calibrate.min_rows, iterations and batch_tokens must be >= 1 and lr > 0, got "
                f"{self.min_rows}, {self.iterations}, {self.batch_tokens}, {self.lr}")
+        _check(self.folds >= 2, f"calibrate.folds must be >= 2, got {self.folds}")
+        _check(all(0 < risk < 1 for risk in self.risks) and 0 < self.delta < 1,
+               f"calibrate.risks and delta must lie in (0, 1), got {list(self.risks)}, {self.delta}")
         _check(0 < self.min_temperature < self.max_temperature,
                f"calibrate temperature bounds must satisfy 0 < min < max, got "
                f"{self.min_temperature}, {self.max_temperature}")

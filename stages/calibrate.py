@@ -1,4 +1,4 @@
-"""Stage calibrate: per-type temperatures on the calibration partition, after the merge."""
+"""Stage calibrate: the calibrator and abstention thresholds on the calibration partition, after the merge."""
 
 
 from pathlib import Path
@@ -23,7 +23,8 @@ from stages import user_errors
 @click.option("--metrics", type=click.Path(dir_okay=False), default="runs/calibrate/metrics.json", show_default=True)
 @user_errors
 def main(params_path, merged, data, out, metrics):
-    """Fit temperatures for choice, noul and score; write the deployable checkpoint."""
+    """Fit the calibrator (a family a question type, no group's ECE raised) and abstention
+    thresholds; write the deployable checkpoint."""
     params = read_params(params_path)
     status = relaunch(section(params, "distributed").processes, "stages.calibrate")  # torchrun, one process per GPU
     if status is not None:
@@ -32,7 +33,9 @@ def main(params_path, merged, data, out, metrics):
     if result is None:  # another process's share; rank 0 writes
         return
     write_json(Path(metrics), result)
-    click.echo("temperatures " + " ".join(f"{k}={v:.3f}" for k, v in result["temperatures"].items()))
+    families = " ".join(f"{kind}={entry['chosen']}" for kind, entry in result["families"].items())
+    click.echo(f"calibrator families {families}; {len(result['fallbacks'])} fallbacks; macro ECE "
+               f"{result['macro_ece_raw']:.4f} raw -> {result['macro_ece_calibrated']:.4f}")
 
 
 if __name__ == "__main__":

@@ -20,13 +20,14 @@ from ..runtime.cuda_graphs import layout_key
 from ..runtime.engine import Piece
 from ..runtime.predict import answers_of, candidate_mask
 from ..schema import parse_request
+from ..scoring.calibrator import Calibrator
 from .protocol import workloads as benchmark_workloads
 from .shapes import shape_only_predictor
 from .telemetry import Telemetry
 from .traffic import percentile
 
 SHAPE = "qwen3_5-0.8b"  # the shape every measurement here times, as the benchmark stage does
-TEMPERATURES = {"choice": 1.0, "noul": 1.0, "score": 1.0}
+UNCALIBRATED = Calibrator()
 
 
 def require_cuda() -> None:
@@ -119,7 +120,7 @@ def encode_host(workload: str = "distinct_text_50q", blocks: int = 5, calls: int
         "pack": lambda: template.collate(rows, []),
         "encode (all three)": lambda: template.collate(
             template.encode(parse_request(state, questions, template.reserved), config.max_tokens), []),
-        "answers": lambda: answers_of(logits, mask, [request], [batch.input_tokens], TEMPERATURES),
+        "answers": lambda: answers_of(logits, mask, [request], [batch.input_tokens], UNCALIBRATED),
     }
     medians = {step: [] for step in steps}
     for _ in range(blocks):
@@ -165,7 +166,7 @@ def predict_steps(predictor, state, questions) -> list[float]:
     marks.append(time.perf_counter())
     logits = logits.cpu().float().numpy()
     marks.append(time.perf_counter())
-    answers_of(logits, candidate_mask(parsed), parsed, tokens, predictor.temperatures)
+    answers_of(logits, candidate_mask(parsed), parsed, tokens, predictor.calibrator)
     marks.append(time.perf_counter())
     return [1e3 * (after - before) for before, after in zip(marks, marks[1:])]
 

@@ -29,7 +29,7 @@ from ..model.base import new_image_processor
 from ..model.decision import DTYPES, default_device, new_head
 from ..runtime.checkpoint import assemble, write_merged
 from ..runtime.predict import Predictor
-from ..schema import QUESTION_TYPES
+from ..scoring.calibrator import Calibrator
 
 # The config.json of Qwen/Qwen3.5-0.8B (text and vision parts, no LM head), as recorded in
 # shared/reference/qwen3_5-0.8b.json: 752.4M language and 100.6M vision parameters.
@@ -95,22 +95,22 @@ def shape_only_parts(name: str, device, dtype: str = "bfloat16", seed: int = 0):
 
 
 def shape_only_predictor(name: str, device: str | torch.device | None = None, graphs: bool = True):
-    """A `Predictor` over a random-weight model of a named shape, temperatures 1, Qwen3.5's
+    """A `Predictor` over a random-weight model of a named shape, uncalibrated, Qwen3.5's
     tokenizer: for timing only, its answers mean nothing. `graphs` as in
     `Predictor.from_checkpoint`."""
     device = torch.device(device) if device is not None else default_device()
     model, template, config = shape_only_parts(name, device)
-    predictor = Predictor(model, template, config, {"choice": 1.0, "noul": 1.0, "score": 1.0})
+    predictor = Predictor(model, template, config, Calibrator())
     if graphs:
         predictor.prepare_graphs()
     return predictor
 
 
 def write_shape_checkpoint(name: str, folder: Path, seed: int = 0) -> Path:
-    """A deployable folder of a random-weight model of a named shape (temperatures 1, Qwen3.5's
+    """A deployable folder of a random-weight model of a named shape (uncalibrated, Qwen3.5's
     tokenizer), built on the CPU, for serving it from its own processes (`dohnuts serve`):
     shape-only, its answers mean nothing. `folder` must be new or empty. Returns it."""
     model, template, config = shape_only_parts(name, torch.device("cpu"), seed=seed)
     write_merged(folder, model.backbone, model.head, template.tokenizer, template.image_processor, config,
-                 {"shape-only": name, "seed": seed}, dict.fromkeys(QUESTION_TYPES, 1.0))
+                 {"shape-only": name, "seed": seed}, Calibrator())
     return Path(folder)

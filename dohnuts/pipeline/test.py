@@ -14,6 +14,8 @@ from ..runtime.distributed import World, gathered, shard, world
 from ..runtime.evaluation import plan_batches, request_of, score_table, state_records
 from ..runtime.predict import Predictor
 from ..schema import QUESTION_TYPES
+from ..scoring.abstention import risk_coverage
+from ..scoring.calibrator import Calibrator
 from ..scoring.metrics import reliability
 from .audits import changes, sample, summarise
 
@@ -21,7 +23,7 @@ from .audits import changes, sample, summarise
 def predictions(predictor: Predictor, rows: pd.DataFrame, reader: RecordReader, batch_tokens: int,
                 place: World | None = None) -> pd.DataFrame | None:
     """Every record of a partition answered through `Predictor.predict_many`, what a user of
-    the checkpoint gets (its CUDA graphs, temperatures and `answer`): one request per state,
+    the checkpoint gets (its CUDA graphs, calibrator and `answer`): one request per state,
     whole requests per batch, up to `batch_tokens` computed tokens.
 
     Under several processes (`place`) each rank answers every size-th batch and rank 0 gathers
@@ -55,14 +57,36 @@ def predictions(predictor: Predictor, rows: pd.DataFrame, reader: RecordReader, 
 
 def reliability_diagrams(raw: pd.DataFrame, calibrated: pd.DataFrame) -> dict[str, list[dict]]:
     """Plot data of the reliability diagrams: per question type, raw and calibrated, the 15
-    confidence bins of the ECE (mean confidence, accuracy, rows); and the diagonal of perfect
-    calibration. Every type has its files, empty when the partition has no question of it."""
+    confidence bins of the ECE (mean confidence, accuracy, rows); the diagonal of perfect
+    calibration; and per type the risk-coverage curve of the served answers (the error of the
+    most confident at each coverage). Every type has its files, empty when the partition has no
+    question of it."""
     diagrams = {"diagonal": [{"confidence": value, "accuracy": value} for value in (0.0, 1.0)]}
     for kind in QUESTION_TYPES:
         for name, scored in (("raw", raw), ("calibrated", calibrated)):
             rows = scored[scored.kind == kind]
             diagrams[f"{kind}_{name}"] = reliability(rows.confidence, rows.correct) if len(rows) else []
+        rows = calibrated[calibrated.kind == kind]
+        diagrams[f"risk_coverage_{kind}"] = risk_coverage(rows.confidence.to_numpy(), rows.correct.to_numpy() < 1)
     return diagrams
+
+
+def abstention(scored: pd.DataFrame, calibrator: Calibrator) -> dict:
+    """At each risk the checkpoint has thresholds for, per group and over all: the share of
+    questions answered (their served confidence at least their type's threshold) and the error
+    of those answered (None where none is)."""
+    def summary(rows):
+        answered = rows[rows.answered]
+        return {"questions": len(rows), "coverage": float(rows.answered.mean()),
+                "error": float(1 - answered.correct.mean()) if len(answered) else None}
+
+    report = {}
+    for risk in calibrator.risks:
+        thresholds = scored.kind.map(lambda kind, risk=risk: calibrator.threshold(kind, risk))
+        rows = scored.assign(answered=scored.confidence >= thresholds)
+        report[repr(risk)] = {"all": summary(rows),
+                              "groups": {group: summary(part) for group, part in rows.groupby("group", sort=True)}}
+    return report
 
 
 def audits(predictor: Predictor, records: pd.DataFrame, reader: RecordReader, table: pd.DataFrame,
@@ -97,6 +121,7 @@ def test(checkpoint: Path, data: Path, config: TestConfig) -> tuple[pd.DataFrame
         return None
     raw_rows, raw = score_table(table)
     scored, calibrated = score_table(table.drop(columns="served"), probabilities=list(table.served))
-    metrics = {"calibrated": calibrated, "raw": raw, "temperatures": predictor.temperatures,
+    metrics = {"calibrated": calibrated, "raw": raw, "calibrator": predictor.calibrator.to_json(),
+               "abstention": abstention(scored, predictor.calibrator),
                "audits": audits(predictor, records, reader, table, config.audit_states)}
     return scored, metrics, reliability_diagrams(raw_rows, scored)

@@ -20,6 +20,7 @@ from ..model.adapters import adapter_state, load_adapter_state, with_lora
 from ..model.base import load_backbone, load_image_processor, load_processors
 from ..model.decision import DTYPES, HEAD_KEY, DecisionModel, new_head
 from ..schema import QUESTION_TYPES
+from ..scoring.calibrator import Calibrator
 from .training_graphs import TrainingGraphs
 from .vision_graphs import VisionGraphs
 
@@ -27,7 +28,8 @@ ADAPTER = "adapter.safetensors"  # unmerged LoRA + head weights in a checkpoint 
 CONFIG = "config.json"  # beside it: the run's resolved configuration, LoRA settings and base
 HEAD = "head.safetensors"  # a merged folder's head
 SETTINGS = "dohnuts.json"  # a merged folder's model settings and resolved configuration
-TEMPERATURES = "temperatures.json"  # a deployable folder's per-type temperatures
+CALIBRATION = "calibration.json"  # a deployable folder's calibrator (`scoring.calibrator`)
+TEMPERATURES = "temperatures.json"  # what a deployable folder held before: one temperature a type
 OPTIMIZER = "optimizer.pt"  # the training state's optimizer (tensors and numbers only)
 PROGRESS = "progress.json"  # the training state's update count, fingerprint and log
 GENERATORS = "generators.safetensors"  # torch, CUDA and noise generator states
@@ -158,10 +160,10 @@ def verify_parent(parent: Path, lora: LoraConfig, base: Path) -> Path:
 
 
 def write_merged(folder: Path, backbone, head: torch.nn.Linear, tokenizer, image_processor,
-                 model_config: ModelConfig, resolved: dict, temperatures: dict | None = None) -> None:
+                 model_config: ModelConfig, resolved: dict, calibrator: Calibrator | None = None) -> None:
     """Write a self-describing folder: HF backbone, head, tokenizer, processor, settings, manifest.
 
-    With `temperatures` it is the deployable checkpoint `Predictor.from_checkpoint` loads.
+    With `calibrator` it is the deployable checkpoint `Predictor.from_checkpoint` loads.
     """
     folder = Path(folder)
     backbone.save_pretrained(folder)
@@ -169,52 +171,56 @@ def write_merged(folder: Path, backbone, head: torch.nn.Linear, tokenizer, image
     tokenizer.save_pretrained(folder)
     image_processor.save_pretrained(folder)
     write_json(folder / SETTINGS, {"model": to_dict(model_config), "resolved": json_ready(resolved)})
-    if temperatures is not None:
-        write_json(folder / TEMPERATURES, {kind: float(temperatures[kind]) for kind in QUESTION_TYPES})
+    if calibrator is not None:
+        write_json(folder / CALIBRATION, calibrator.to_json())
     write_manifest(folder)
 
 
-def load_merged(folder: Path, device: torch.device, need_temperatures: bool = False):
+def load_merged(folder: Path, device: torch.device, need_calibration: bool = False):
     """Load a merged folder after checking every SHA-256.
 
     Returns:
-        (DecisionModel in eval mode on `device`, Template, ModelConfig, temperatures or None)
+        (DecisionModel in eval mode on `device`, Template, ModelConfig, Calibrator or None)
     """
-    model_config, temperatures = read_merged(folder, need_temperatures)
+    model_config, calibrator = read_merged(folder, need_calibration)
     tokenizer, processor = load_processors(folder, model_config)
     return load_network(folder, model_config, device), Template.of(tokenizer, processor, model_config), \
-        model_config, temperatures
+        model_config, calibrator
 
 
-def read_merged(folder: Path, need_temperatures: bool, unread: tuple[str, ...] = ()):
+def read_merged(folder: Path, need_calibration: bool, unread: tuple[str, ...] = ()):
     """A merged folder's settings after checking its SHA-256 manifest (the files ending in one of
     `unread` only for being there: a caller that will not read them).
 
     Returns:
-        (ModelConfig, temperatures or None)
+        (ModelConfig, Calibrator or None): the calibrator of its calibration.json, or of an older
+        folder's temperatures.json (one temperature a type, no abstention)
 
     Raises:
-        ValueError: a merged model without temperatures where they are needed, or bad ones.
+        ValueError: a merged model without a calibrator where one is needed, or a bad one.
         IntegrityError: a missing or changed file.
     """
     folder = Path(folder)
-    if need_temperatures and (folder / SETTINGS).is_file() and not (folder / TEMPERATURES).is_file():
-        raise ValueError(f"{folder} is a merged model without temperatures: run the calibrate stage and "
+    calibrated = next((name for name in (CALIBRATION, TEMPERATURES) if (folder / name).is_file()), None)
+    if need_calibration and (folder / SETTINGS).is_file() and calibrated is None:
+        raise ValueError(f"{folder} is a merged model without calibration: run the calibrate stage and "
                          f"load its output (runs/calibrate/checkpoint)")
-    required = (HEAD, SETTINGS) + ((TEMPERATURES,) if need_temperatures else ())
+    required = (HEAD, SETTINGS) + ((calibrated or CALIBRATION,) if need_calibration else ())
     verify_manifest(folder, required=required, unread=unread)
     settings = read_json(folder / SETTINGS)
     # A checkpoint from before `choice_order` existed was trained and served in the given order.
     model = {"choice_order": "given", **settings["model"]}
     model_config = build(ModelConfig, model, f"{folder}/{SETTINGS} model")
-    temperatures = None
-    if (folder / TEMPERATURES).is_file():
+    if calibrated == CALIBRATION:
+        return model_config, Calibrator.from_json(read_json(folder / CALIBRATION), f"{folder}/{CALIBRATION}")
+    if calibrated == TEMPERATURES:
         temperatures = {kind: float(value) for kind, value in read_json(folder / TEMPERATURES).items()}
         bad = {kind: value for kind, value in temperatures.items() if not value > 0}
         if set(temperatures) != set(QUESTION_TYPES) or bad:
             raise ValueError(f"{folder}/{TEMPERATURES} must give a positive temperature for each of "
                              f"{QUESTION_TYPES}, got {json.dumps(temperatures)}")
-    return model_config, temperatures
+        return model_config, Calibrator.per_type(temperatures)
+    return model_config, None
 
 
 def load_network(folder: Path, model_config: ModelConfig, device: torch.device) -> DecisionModel:
@@ -229,17 +235,17 @@ def load_network(folder: Path, model_config: ModelConfig, device: torch.device) 
     return model
 
 
-def load_front(folder: Path) -> tuple[Template, ModelConfig, dict[str, float]]:
+def load_front(folder: Path) -> tuple[Template, ModelConfig, Calibrator]:
     """What a server's front end reads of a deployable folder: its template (tokenizer and image
-    processor), settings and temperatures, every file's SHA-256 checked but the weights' (the
+    processor), settings and calibrator, every file's SHA-256 checked but the weights' (the
     engine, which reads them, checks those).
 
     Raises:
         as `read_merged`.
     """
-    model_config, temperatures = read_merged(folder, need_temperatures=True, unread=(".safetensors",))
+    model_config, calibrator = read_merged(folder, need_calibration=True, unread=(".safetensors",))
     tokenizer, processor = load_processors(folder, model_config)
-    return Template.of(tokenizer, processor, model_config), model_config, temperatures
+    return Template.of(tokenizer, processor, model_config), model_config, calibrator
 
 
 def load_engine(folder: Path, device: torch.device):
@@ -249,7 +255,7 @@ def load_engine(folder: Path, device: torch.device):
     Returns:
         (DecisionModel in eval mode on `device`, ModelConfig, PixelSettings or None)
     """
-    model_config, _ = read_merged(folder, need_temperatures=True)
+    model_config, _ = read_merged(folder, need_calibration=True)
     return (load_network(folder, model_config, device), model_config,
             PixelSettings.of(load_image_processor(folder, model_config)))
 

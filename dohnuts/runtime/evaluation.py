@@ -14,7 +14,7 @@ from ..data.records import RecordReader
 from ..inputs.batch import SHARED_MIN
 from ..inputs.template import Template, pieces_of
 from ..schema import parse_request
-from ..scoring.calibration import apply_temperatures
+from ..scoring.calibrator import Calibrator
 from ..scoring.metrics import masked_softmax, row_metrics, summarize
 from .distributed import World, gathered, shard
 
@@ -208,13 +208,13 @@ def padded(table: pd.DataFrame) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return logits, mask, targets
 
 
-def score_table(table: pd.DataFrame, temperatures: dict[str, float] | None = None,
+def score_table(table: pd.DataFrame, calibrator: Calibrator | None = None,
                 probabilities: list[list[float]] | None = None) -> tuple[pd.DataFrame, dict]:
     """Per-row metrics and the per-group/macro summary of an evaluation table.
 
     Args:
         table: from `evaluate`.
-        temperatures: per question type; None means raw (T = 1).
+        calibrator: what calibrates the logits; None means raw (T = 1).
         probabilities: each row's candidate probabilities as they were served (`Predictor`),
             scored instead of those of the logits.
 
@@ -226,9 +226,9 @@ def score_table(table: pd.DataFrame, temperatures: dict[str, float] | None = Non
         probs = torch.zeros_like(logits)
         for index, row in enumerate(probabilities):
             probs[index, : len(row)] = torch.tensor(row, dtype=probs.dtype)
+    elif calibrator is not None:
+        probs = torch.from_numpy(calibrator.probabilities(logits.numpy(), mask.numpy(), list(table.kind)))
     else:
-        if temperatures is not None:
-            logits = apply_temperatures(logits, list(table.kind), temperatures)
         probs = masked_softmax(logits, mask)
     ordinal = torch.tensor([kind == "score" for kind in table.kind])
     metrics = row_metrics(probs, mask, targets, ordinal)

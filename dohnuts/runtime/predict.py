@@ -16,7 +16,8 @@ from ..inputs.template import OverBudget
 from ..model.decision import default_device
 from ..model.decoder import pack_projections
 from ..schema import Request, answer, parse_request
-from ..scoring.metrics import masked_softmax_rows, normalised_entropy_confidence
+from ..scoring.calibrator import Calibrator
+from ..scoring.metrics import normalised_entropy_confidence
 from .checkpoint import load_merged
 from .engine import EncodedRequest, Engine, Piece, request_shape
 
@@ -33,13 +34,13 @@ class Predictor:
     on `self.engine`, in invocations it plans by computed tokens.
     """
 
-    def __init__(self, model, template, model_config, temperatures: dict[str, float]):
+    def __init__(self, model, template, model_config, calibrator: Calibrator):
         self.model = model
         if pack_projections(model.backbone.language_model):
             model.changed()  # new weight storage: no captured graph or derived constant may outlive it
         self.template = template
         self.config = model_config
-        self.temperatures = temperatures
+        self.calibrator = calibrator
         # CUDA graphs: of the shape buckets once `prepare_graphs` ran, and of layouts that recur.
         self.engine = Engine(model, pad_id=template.pad_id, image_pad_id=template.image_pad_id)
         self.scores = self.engine.scores
@@ -51,8 +52,8 @@ class Predictor:
         with `graphs`, capture the shape buckets' CUDA graphs too (`prepare_graphs`), which a
         process that only trains the model does not need."""
         device = torch.device(device) if device is not None else default_device()
-        model, template, config, temperatures = load_merged(Path(path), device, need_temperatures=True)
-        predictor = cls(model, template, config, temperatures)
+        model, template, config, calibrator = load_merged(Path(path), device, need_calibration=True)
+        predictor = cls(model, template, config, calibrator)
         if graphs:
             predictor.prepare_graphs()
         return predictor
@@ -110,26 +111,31 @@ class Predictor:
         return encode_request(self.template, self.config, request, self.model.image_cache.grid)
 
     @torch.no_grad()
-    def predict(self, state, questions) -> dict:
+    def predict(self, state, questions, risk: float | None = None) -> dict:
         """Answer every question about `state`.
 
         Args:
             state: a string, or a mapping (rendered as JSON) with at most one PIL image
                 under "image".
             questions: qid -> {"type": "choice" | "noul" | "score", "instructions", "criteria"}.
+            risk: mark each answer "abstain": true where its confidence is below its type's
+                threshold at this risk (one of `self.calibrator.risks`, fitted by the calibrate
+                stage): the answers given then err at most at this rate (with the calibrate
+                stage's stated chance, `calibrate.delta`).
 
         Returns:
             {"answers": {qid: answer}, "usage": {"input_tokens", "images"}}; see
             `dohnuts.schema.answer` for each answer's fields.
 
         Raises:
-            TypeError, ValueError: invalid request (see `dohnuts.schema.parse_request`).
+            TypeError, ValueError: invalid request (see `dohnuts.schema.parse_request`), or a
+                risk the checkpoint has no threshold for.
         """
-        return self.predict_many([(state, questions)])[0]
+        return self.predict_many([(state, questions)], risk=risk)[0]
 
     @torch.no_grad()
     def predict_many(self, requests: Sequence[tuple[object, dict]], raw_logits: bool = False,
-                     errors: str = "raise") -> list:
+                     errors: str = "raise", risk: float | None = None) -> list:
         """Answer several requests in one forward pass; each gets what `predict` gives it alone
         (batched rows differ only by floating-point summation order).
 
@@ -139,6 +145,7 @@ class Predictor:
                 temperature}, for evaluation.
             errors: "raise" (an invalid request raises, nothing is run) or "return" (its place in
                 the results holds its TypeError or ValueError; the others are answered).
+            risk: as `predict`'s, for every request.
 
         Returns:
             One `predict` result per request, in order.
@@ -146,12 +153,14 @@ class Predictor:
         Raises:
             TypeError, ValueError: an invalid request, with errors="raise".
         """
+        if risk is not None:
+            self.calibrator.threshold("choice", risk)  # ValueError, before any work, for a risk not fitted
         with self.lock:
             encoded, parsed, tokens, failures = self._encode(requests, collect=errors == "return")
             # The logits come to the host at once: the few small operations after them cost less
             # there than as device launches, and the temperatures need no copy to the device.
-            answered = answers_of(self.engine.run(encoded), candidate_mask(parsed), parsed, tokens, self.temperatures,
-                                  raw_logits) if encoded else []
+            answered = answers_of(self.engine.run(encoded), candidate_mask(parsed), parsed, tokens, self.calibrator,
+                                  raw_logits, risk) if encoded else []
         results = iter(answered)
         return [failures[index] if index in failures else next(results) for index in range(len(requests))]
 
@@ -186,17 +195,18 @@ def candidate_mask(parsed: list[Request]) -> np.ndarray:
 
 
 def answers_of(logits: np.ndarray, mask: np.ndarray, parsed: list[Request], tokens: list[int],
-               temperatures: dict[str, float], raw_logits: bool = False) -> list[dict]:
+               calibrator: Calibrator, raw_logits: bool = False, risk: float | None = None) -> list[dict]:
     """Each request's `predict` result from its rows' logits on the host.
 
     Args:
         logits: [B, K] float32, the rows of `parsed`'s questions in order; mask: [B, K] bool.
         parsed: the validated requests; tokens: each one's input tokens.
-        temperatures: question kind -> temperature.
+        calibrator: the checkpoint's (`scoring.calibrator.Calibrator`).
         raw_logits: also give each result "logits" (see `Predictor.predict_many`).
+        risk: also mark each answer "abstain" at this risk (a fitted one: `Calibrator.threshold`).
     """
-    scale = np.array([temperatures[question.kind] for request in parsed for question in request.questions])
-    table = masked_softmax_rows(logits, mask, scale)
+    kinds = [question.kind for request in parsed for question in request.questions]
+    table = calibrator.probabilities(logits, mask, kinds)
     # Every row's confidence at once, where that pays (a few numpy calls cost about 5 us, a
     # question's own about 1 us): with fewer rows `answer` computes each.
     confidences = (normalised_entropy_confidence(table, mask).tolist() if len(table) >= BATCHED_CONFIDENCE
@@ -207,7 +217,10 @@ def answers_of(logits: np.ndarray, mask: np.ndarray, parsed: list[Request], toke
     for request, count in zip(parsed, tokens):
         answers = {}
         for question in request.questions:
-            answers[question.qid] = answer(question, probs[row][: len(question.labels)], confidences[row])
+            own = probs[row][: len(question.labels)]
+            answers[question.qid] = answer(question, own, confidences[row])
+            if risk is not None:
+                answers[question.qid]["abstain"] = max(own) < calibrator.threshold(question.kind, risk)
             row += 1
         result = {"answers": answers, "usage": {"input_tokens": count, "images": int(request.image is not None)}}
         if raw is not None:

@@ -36,8 +36,9 @@ from ..inputs.template import OverBudget, Template
 from ..runtime.metrics import exposition, metrics
 from ..runtime.predict import answers_of, candidate_mask, encode_request
 from ..schema import parse_request
+from ..scoring.calibrator import Calibrator
 from .engines import Closed, EngineFailed, Expired, LocalEngine, Overloaded, Unavailable
-from .wire import WireError, parse_system_one, render_response
+from .wire import WireError, parse_system_one, render_response, requested_risk
 
 ALIAS = "jev-latest"  # the official client's default model name
 REQUEST_ID = "x-typesafe-request-id"
@@ -51,15 +52,16 @@ DEADLINE_HEADER = "x-dohnuts-deadline-ms"  # a request's own time budget, in mil
 @dataclass
 class Front:
     """What a front end answers with: the template, the model's settings (its token budgets), the
-    temperatures, and the engines (`engines.LocalEngine` or `engines.RemoteEngines`)."""
+    calibrator, and the engines (`engines.LocalEngine` or `engines.RemoteEngines`)."""
 
     template: Template
     config: ModelConfig
-    temperatures: dict[str, float]
+    calibrator: Calibrator
     engines: object
 
-    async def answer(self, state, questions, deadline: float | None = None) -> dict:
-        """The `predict` result of one request, due by `deadline` (`time.monotonic()` seconds).
+    async def answer(self, state, questions, deadline: float | None = None, risk: float | None = None) -> dict:
+        """The `predict` result of one request, due by `deadline` (`time.monotonic()` seconds),
+        each answer marked "abstain" at `risk` when one is given (see `Predictor.predict`).
 
         Raises:
             TypeError, ValueError (OverBudget among them): an invalid request; Overloaded,
@@ -68,12 +70,14 @@ class Front:
         stages = metrics().stages
         begun = time.perf_counter()
         request = parse_request(state, questions, self.template.reserved)
+        if risk is not None:
+            self.calibrator.threshold("choice", risk)  # ValueError for a risk not fitted, before any work
         encoded = encode_request(self.template, self.config, request)._replace(deadline=deadline)
         stages.labels("encode").observe(time.perf_counter() - begun)
         logits = await self.engines.submit(encoded)
         begun = time.perf_counter()
         tokens = sum(len(row.input_ids) for row in encoded.rows)
-        result = answers_of(logits, candidate_mask([request]), [request], [tokens], self.temperatures)[0]
+        result = answers_of(logits, candidate_mask([request]), [request], [tokens], self.calibrator, risk=risk)[0]
         stages.labels("answer").observe(time.perf_counter() - begun)
         return result
 
@@ -212,7 +216,7 @@ def create_app(predictor, model_name: str, api_key: str | None = None, release_d
     """The server over `predictor` in this process: an `EngineLoop` on its engine (`max_queue`
     requests may wait; `on_invocation(requests, rows, waits)` hears of each model invocation),
     the rest as `front_app`."""
-    front = Front(predictor.template, predictor.config, predictor.temperatures, None)
+    front = Front(predictor.template, predictor.config, predictor.calibrator, None)
 
     def start():
         # The first call loads kernels and tunes them: before /health says ready.
@@ -306,6 +310,7 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
                 state_value, questions, model = await asyncio.to_thread(parse_system_one, body, parts)
             else:
                 state_value, questions, model = parse_system_one(body, parts)
+            risk = requested_risk(body)
         except WireError as error:
             if error.status == 422:
                 return _invalid(str(error), error.loc, error.error_type)
@@ -314,7 +319,7 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
             return _error(404, "not_found_error", f"model {model!r} is not served here; this server serves "
                                                   f"{model_name!r} (or {ALIAS!r})")
         try:
-            result = await unless_disconnected(request, front.answer(state_value, questions, due_at))
+            result = await unless_disconnected(request, front.answer(state_value, questions, due_at, risk))
         except Disconnected:  # no one to answer; its work was dropped if it had not started
             return Response(status_code=DISCONNECTED)
         except OverBudget as error:

@@ -81,8 +81,8 @@ def front_main(settings: ServeSettings, listening: socket.socket, addresses: lis
     from .app import Front, front_app
     from .engines import RemoteEngines
 
-    template, model_config, temperatures = load_front(Path(settings.checkpoint))
-    front = Front(template, model_config, temperatures, None)
+    template, model_config, calibrator = load_front(Path(settings.checkpoint))
+    front = Front(template, model_config, calibrator, None)
 
     def start():
         front.engines = RemoteEngines(addresses, states, settings.deadline)

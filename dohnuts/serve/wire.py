@@ -67,6 +67,21 @@ def parse_system_one(body: object, parts: dict[str, bytes] | None = None) -> tup
     return state, questions, body["model"]
 
 
+def requested_risk(body: Mapping) -> float | None:
+    """The risk a request asks its answers to abstain at: its "x_risk" field (a number; absent or
+    null: none, and the response is exactly the format's). An extension, prefixed x_ as the
+    format's convention asks; the official client ignores the "x_abstain" it adds to answers.
+
+    Raises:
+        WireError: x_risk is not a number.
+    """
+    risk = body.get("x_risk")
+    if risk is not None and (isinstance(risk, bool) or not isinstance(risk, (int, float))):
+        raise WireError(f"x_risk must be a number (a risk this model's calibration fitted), got {_json_type(risk)}",
+                        loc=("body", "x_risk"), error_type="float_type")
+    return None if risk is None else float(risk)
+
+
 def render_response(result: dict, questions: dict, model_name: str) -> dict:
     """A Predictor result (for the questions parse_system_one returned) -> the wire response body.
 
@@ -80,6 +95,9 @@ def render_response(result: dict, questions: dict, model_name: str) -> dict:
         choice and score with the wire's confidence, noul without one, integer token counts.
     """
     answers = {qid: _answer(question, result["answers"][qid]) for qid, question in questions.items()}
+    for qid, answer in answers.items():  # asked for with "x_risk": the format's prefix for an extra field
+        if "abstain" in result["answers"][qid]:
+            answer["x_abstain"] = bool(result["answers"][qid]["abstain"])
     usage = {"input_tokens": int(result["usage"]["input_tokens"]), "output_tokens": 0}
     return {"model": model_name, "answers": answers, "usage": usage}
 

@@ -38,7 +38,7 @@ def _batch(tiny, template):
 def test_merged_model_gives_the_unmerged_logits(tiny, adapter, tmp_path):
     folder, unmerged = adapter
     merge(tiny.base, folder, tiny.model, LoraConfig(), tmp_path / "merged")
-    merged, template, _, temperatures = load_merged(tmp_path / "merged", torch.device("cpu"))
+    merged, template, _, calibrator = load_merged(tmp_path / "merged", torch.device("cpu"))
     batch = _batch(tiny, template)
     assert batch.pixel_values is not None
     with torch.no_grad():
@@ -46,7 +46,7 @@ def test_merged_model_gives_the_unmerged_logits(tiny, adapter, tmp_path):
         actual = merged(batch)
         plain, _ = build_training_model(tiny.base, "float32", LoraConfig(), 0.01, seed=0)
         base_only = plain.eval()(batch)
-    assert temperatures is None
+    assert calibrator is None
     assert (actual - expected).abs().max().item() <= TOLERANCE
     assert (base_only - expected).abs().max().item() > 100 * TOLERANCE  # the adapter matters
 

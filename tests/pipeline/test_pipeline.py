@@ -62,7 +62,7 @@ def project(tmp_path_factory) -> Path:
 
 def test_repro_produces_every_stage_output_and_then_is_up_to_date(project):
     for path in ("runs/prepare/summary.json", "runs/train/log.csv", "runs/select/metrics.json",
-                 "runs/merge/model/manifest.json", "runs/calibrate/checkpoint/temperatures.json",
+                 "runs/merge/model/manifest.json", "runs/calibrate/checkpoint/calibration.json",
                  "runs/test/predictions.parquet", "runs/test/metrics.json",
                  "runs/benchmark/benchmarks/dohnuts.jsonl", "runs/benchmark/summary.json"):
         assert (project / path).is_file(), path

@@ -25,7 +25,12 @@ def test_test_stage_probabilities_equal_predict_on_each_request_alone(tiny, depl
         for qid, answer in alone["answers"].items():
             # float32 forward: batched rows differ from the request alone by summation order only.
             assert served[records.state_id, qid] == pytest.approx(list(answer["probabilities"].values()), abs=1e-5)
-    assert metrics["temperatures"] == predictor.temperatures
+    assert metrics["calibrator"] == predictor.calibrator.to_json()
+    for risk, report in metrics["abstention"].items():  # every fitted risk, each group's coverage and error
+        assert float(risk) in predictor.calibrator.risks and set(report["groups"]) == set(scored.group)
+        assert 0.0 <= report["all"]["coverage"] <= 1.0 and report["all"]["questions"] == len(scored)
+    assert set(metrics["abstention"]) == {repr(risk) for risk in predictor.calibrator.risks}
+    assert diagrams["risk_coverage_choice"] and diagrams["risk_coverage_choice"][-1]["coverage"] == 1.0
     # Raw metrics score the same forward at temperature 1: they differ where a temperature is not 1.
     assert metrics["raw"]["macro"]["nll"] != metrics["calibrated"]["macro"]["nll"]
     for kind in ("choice", "noul", "score"):

@@ -42,9 +42,9 @@ def test_a_checkpoint_from_before_choice_order_keeps_the_given_order(deployable,
     del settings["model"]["choice_order"], settings["model"]["choice_salt"]
     write_json(folder / SETTINGS, settings)
     write_manifest(folder)
-    model_config, _ = read_merged(folder, need_temperatures=True)
+    model_config, _ = read_merged(folder, need_calibration=True)
     assert model_config.choice_order == "given" and model_config.order_salt is None
-    assert read_merged(root / "checkpoint", need_temperatures=True)[0].order_salt == "dohnuts-choice-1"
+    assert read_merged(root / "checkpoint", need_calibration=True)[0].order_salt == "dohnuts-choice-1"
 
 
 def test_choice_order_settings_are_checked():

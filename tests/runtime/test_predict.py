@@ -1,4 +1,4 @@
-"""The deployable checkpoint: calibrate writes it, Predictor loads it and applies temperatures."""
+"""The deployable checkpoint: calibrate writes it, Predictor loads it and applies its calibrator."""
 
 import concurrent.futures
 import dataclasses
@@ -21,11 +21,11 @@ QUESTIONS = {
 }
 
 
-def test_calibrate_writes_temperatures_that_predict_applies(deployable):
+def test_calibrate_writes_a_calibrator_that_predict_applies(deployable):
     root, metrics = deployable
     predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
-    assert predictor.temperatures == pytest.approx(metrics["temperatures"])
-    assert any(abs(t - 1.0) > 1e-3 for t in predictor.temperatures.values())
+    assert predictor.calibrator.to_json()["cells"] == metrics["cells"]
+    assert predictor.calibrator.risks == [0.01, 0.05, 0.1]
     state = {"note": "a square", "image": Image.new("RGB", (64, 64), (220, 20, 20))}
     result = predictor.predict(state, QUESTIONS)
     batch, request = predictor.encode(state, QUESTIONS)
@@ -33,7 +33,10 @@ def test_calibrate_writes_temperatures_that_predict_applies(deployable):
         logits = predictor.model(batch).double()
     for index, question in enumerate(request.questions):
         count = len(question.labels)
-        expected = torch.softmax(logits[index, :count] / predictor.temperatures[question.kind], -1).tolist()
+        cell = predictor.calibrator.cell(question.kind, count)
+        expected = torch.softmax(logits[index, :count] / cell.temperature + torch.tensor(cell.bias or [0.0] * count,
+                                                                                         dtype=torch.float64), -1)
+        expected = expected.tolist()
         answer = result["answers"][question.qid]
         assert list(answer["probabilities"].values()) == pytest.approx(expected, abs=1e-9)
     score = result["answers"]["size"]
@@ -45,17 +48,35 @@ def test_calibrate_writes_temperatures_that_predict_applies(deployable):
     assert result["usage"] == {"input_tokens": sum(len(row.input_ids) for row in rows), "images": 1}
 
 
-def test_calibration_lowers_each_types_nll_on_the_calibration_partition(deployable):
+def test_calibration_raises_no_groups_ece_on_the_calibration_partition(deployable):
     _, metrics = deployable
-    assert set(metrics["types"]) == {"choice", "noul", "score"}
-    for kind, values in metrics["types"].items():
-        assert math.isfinite(values["nll_raw"])
-        assert values["nll_calibrated"] <= values["nll_raw"] + 1e-9, kind
+    assert set(metrics["families"]) == {"choice", "noul", "score"}
+    for entry in metrics["families"].values():
+        assert entry["chosen"] in entry["held_out_nll"] and all(map(math.isfinite, entry["held_out_nll"].values()))
+    for group, entry in metrics["groups"].items():
+        if entry["rows"] >= 2:  # the fixture's calibrate.min_rows
+            assert entry["ece_calibrated"] <= entry["ece_raw"] + 1e-12, group
+
+
+def test_predict_marks_abstentions_at_a_fitted_risk_and_refuses_another(deployable):
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    state = {"note": "a square", "image": Image.new("RGB", (64, 64), (220, 20, 20))}
+    plain = predictor.predict(state, QUESTIONS)
+    assert all("abstain" not in answer for answer in plain["answers"].values())  # a plain request: as before
+    for risk in predictor.calibrator.risks:
+        marked = predictor.predict(state, QUESTIONS, risk=risk)
+        for qid, answer in marked["answers"].items():
+            assert {key: value for key, value in answer.items() if key != "abstain"} == plain["answers"][qid]
+            threshold = predictor.calibrator.threshold(answer["type"], risk)
+            assert answer["abstain"] is (max(answer["probabilities"].values()) < threshold)
+    with pytest.raises(ValueError, match="risk 0.2 was not fitted for this checkpoint"):
+        predictor.predict(state, QUESTIONS, risk=0.2)
 
 
 def test_an_uncalibrated_merged_folder_is_refused_with_a_clear_message(deployable):
     root, _ = deployable
-    with pytest.raises(ValueError, match="merged model without temperatures: run the calibrate stage"):
+    with pytest.raises(ValueError, match="merged model without calibration: run the calibrate stage"):
         Predictor.from_checkpoint(root / "merged", device="cpu")
 
 

@@ -122,7 +122,7 @@ class HeldEngines:
 
 def test_a_front_end_refuses_past_its_requests_in_flight_with_429(predictor):
     engines = HeldEngines()
-    front = Front(predictor.template, predictor.config, predictor.temperatures, engines)
+    front = Front(predictor.template, predictor.config, predictor.calibrator, engines)
     held = Served(front_app(front, "dohnuts-tiny", max_in_flight=2))
     body = {"model": "jev-latest", "state": "hello", "questions": {"ok": {"type": "noul"}}}
     try:
@@ -148,7 +148,7 @@ def test_a_front_end_refuses_at_once_while_its_engines_refuse(predictor):
     the engines, a malformed body included; once they take requests again, it answers."""
     engines = HeldEngines()
     engines.release.set()
-    front = Front(predictor.template, predictor.config, predictor.temperatures, engines)
+    front = Front(predictor.template, predictor.config, predictor.calibrator, engines)
     held = Served(front_app(front, "dohnuts-tiny"))
     body = {"model": "jev-latest", "state": "hello", "questions": {"ok": {"type": "noul"}}}
     try:
@@ -168,7 +168,7 @@ def test_a_client_that_disconnects_has_its_request_withdrawn_from_the_engines(pr
     """Its wait for the engines is cancelled (an engine then drops it from its queue: the engine
     tests), and the front end serves on."""
     engines = HeldEngines()
-    front = Front(predictor.template, predictor.config, predictor.temperatures, engines)
+    front = Front(predictor.template, predictor.config, predictor.calibrator, engines)
     held = Served(front_app(front, "dohnuts-tiny"))
     body = {"model": "jev-latest", "state": "hello", "questions": {"ok": {"type": "noul"}}}
     try:
@@ -325,3 +325,26 @@ def test_the_server_leaves_graph_captures_to_its_idle_time(served, predictor):
     never one to capture)."""
     assert httpx2.get(f"{served.url}/health").json()["status"] == "ready"
     assert predictor.scores.deferred and predictor.engine.deferrers == 1
+
+
+def test_x_risk_asks_for_abstentions_that_the_official_client_ignores(served, predictor):
+    """A request with "x_risk" gets each answer's "x_abstain" as `predict(risk=...)` marks it; the
+    official client still parses it; a plain request gets the format's response exactly; a risk
+    that is not a number or not fitted is a 422 naming it."""
+    state = {"message": "I was billed twice", "plan": "pro"}
+    body = {"model": "jev-latest", "state": state, "questions": OURS}  # OURS: the wire form of QUESTIONS
+    plain = _post(served, body)
+    assert plain.status_code == 200 and all("x_abstain" not in answer for answer in plain.json()["answers"].values())
+    marked = predictor.predict(state, OURS, risk=0.05)["answers"]
+    response = _post(served, {**body, "x_risk": 0.05})
+    assert response.status_code == 200
+    for qid, answer in response.json()["answers"].items():
+        assert answer["x_abstain"] is marked[qid]["abstain"]
+        assert {key: value for key, value in answer.items() if key != "x_abstain"} == plain.json()["answers"][qid]
+    with _client(served) as client:  # the client sends extra fields through extra_body, and ignores x_abstain
+        parsed = client.system_one(state=state, questions=QUESTIONS, extra_body={"x_risk": 0.05})
+    assert parsed.choices["team"].choice == marked["team"]["choice"]
+    for risk, message in (("high", "x_risk must be a number"), (True, "x_risk must be a number"),
+                          (0.2, "risk 0.2 was not fitted for this checkpoint")):
+        refused = _post(served, {**body, "x_risk": risk})
+        assert refused.status_code == 422 and message in json.dumps(refused.json()), refused.text
