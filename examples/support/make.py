@@ -3,8 +3,9 @@
     python examples/support/make.py
 
 ticket_routing.jsonl holds text records (a support message and the customer's plan), with all
-three question types and soft labels; product_photos.jsonl holds image records (a photo of a
-product and its caption) whose images sit in images/. Deterministic: the files are committed.
+three question types and soft labels (two of the team options have a null description);
+product_photos.jsonl holds image records (a photo of a product beside one caption shared by all)
+whose images sit in images/. Deterministic: the files are committed.
 """
 
 import json
@@ -14,8 +15,9 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 HERE = Path(__file__).parent
-TEAMS = {"billing": "payments, invoices and refunds", "tech": "the app or the website does not work",
-         "account": "logins, passwords and profiles", "shipping": "parcels and deliveries"}
+# Two options without a description (null, as the official client sends "the name alone describes it").
+TEAMS = {"billing": "payments, invoices and refunds", "tech": None,
+         "account": "logins, passwords and profiles", "shipping": None}
 PROBLEMS = {
     "billing": ["I was billed twice for order {n}.", "Invoice {n} shows the wrong amount.",
                 "My card was charged {n} cents too much."],
@@ -30,6 +32,7 @@ REFUND = [("", 0.0), ("Could I maybe get some money back?", 0.7), ("Please refun
 URGENCY = [("No rush.", [0.8, 0.2, 0.0]), ("Please look at it this week.", [0.1, 0.8, 0.1]),
            ("I need this fixed today!", [0.0, 0.2, 0.8])]
 COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (30, 70, 220)}
+CAPTION = "Product photo"  # one caption beside every image: the images alone tell the states apart
 
 
 def tickets(rng: random.Random, count: int) -> list[dict]:
@@ -73,7 +76,7 @@ def photos(rng: random.Random, count: int, folder: Path) -> list[dict]:
         image.save(folder.parent / name)
         records.append({
             "id": f"p-{index:04d}",
-            "state": {"caption": f"Product photo {rng.randint(10000, 99999)}", "image": name},
+            "state": {"caption": CAPTION, "image": name},
             "questions": {
                 "colour": {"type": "choice", "instructions": "What colour is the product?",
                            "criteria": list(COLOURS)},

@@ -172,7 +172,12 @@ def test_own_records_run_through_the_pipeline_and_are_a_declared_dependency(proj
     assert doctor["records"] == 168 and doctor["problem_count"] == 0
     assert set(doctor["groups"]) == {"product_photos", "ticket_routing"}
     metrics = json.loads((project / "runs/test/metrics.json").read_text())
+    # The photos share one caption (the images tell them apart) and two team options have a null
+    # description: both groups are tested, and asked in another order, no choice moves.
     assert set(metrics["calibrated"]["groups"]) == {"product_photos", "ticket_routing"}
+    assert metrics["calibrated"]["groups"]["product_photos"]["rows"] > 0
+    order = metrics["audits"]["order"]
+    assert set(order["groups"]) == {"product_photos", "ticket_routing"} and order["all"]["max"] < 1e-6
     assert "runs/test/metrics.json" in _run(project, "dvc", "metrics", "diff").stdout
     assert "Data and pipelines are up to date" in _run(project, "dvc", "status").stdout
     records = project / "examples/support/ticket_routing.jsonl"
