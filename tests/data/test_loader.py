@@ -12,7 +12,7 @@ from dohnuts.data.records import RecordReader, load_records
 from dohnuts.model.base import load_backbone
 from dohnuts.model.decision import new_head
 from dohnuts.runtime.checkpoint import assemble
-from dohnuts.runtime.evaluation import EvaluationBatches, _requests, evaluate, plan_batches, request_tokens
+from dohnuts.runtime.evaluation import EvaluationBatches, evaluate, plan_batches, request_tokens, state_records
 
 BUDGET = 400  # computed tokens a test batch holds: two or three of the tiny partition's requests
 
@@ -72,7 +72,7 @@ def test_request_tokens_are_the_tokens_its_packed_batch_computes(evaluation):
     """The planner's count, from text alone, equals what `pack_rows` lays out for the request:
     its shared prefix once, aligned down, image block included."""
     template, _, rows, build = evaluation
-    requests = _requests(rows)
+    requests = state_records(rows)
     assert any(records.image is not None for records in requests)
     assert any(len(records) > 1 for records in requests)
     # One question: its row runs whole, no prefix shared.
