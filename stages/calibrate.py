@@ -33,9 +33,11 @@ def main(params_path, merged, data, out, metrics):
     if result is None:  # another process's share; rank 0 writes
         return
     write_json(Path(metrics), result)
-    families = " ".join(f"{kind}={entry['chosen']}" for kind, entry in result["families"].items())
-    click.echo(f"calibrator families {families}; {len(result['fallbacks'])} fallbacks; macro ECE "
-               f"{result['macro_ece_raw']:.4f} raw -> {result['macro_ece_calibrated']:.4f}")
+    families = " ".join(f"{kind}={entry['kept']}" + (f" (chosen {entry['chosen']})" if entry["chosen"] != entry["kept"]
+                                                      else "") for kind, entry in result["families"].items())
+    click.echo(f"calibrator families {families}; macro ECE {result['macro_ece_raw']:.4f} raw -> "
+               f"{result['macro_ece_calibrated']:.4f}, NLL {result['macro_nll_raw']:.4f} -> "
+               f"{result['macro_nll_calibrated']:.4f}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """The served calibrator: a row's logits z become z / T + b by what a served row carries (its
 question type and number of candidates), the family of cells chosen by cross-validation and
-guarded so that no group's ECE rises; and its abstention thresholds.
+guarded so that no group's ECE rises (a type's family steps down to a gentler one where a group
+of that type would get worse); and its abstention thresholds.
 
-Families, simplest first:
+Families, gentlest first:
 - none: the raw logits;
+- mix: the raw probabilities mixed with the uniform, p' = (1 - m) p + m / K, one m a type: it
+  bounds how sure an answer can be, which lowers the NLL of confident mistakes and barely moves
+  the confidence of the many confident right answers;
 - type: one temperature a question type (`calibration.fit_temperatures`);
 - count: a temperature for each (type, number of candidates) with enough rows, the type's
   temperature for the others;
@@ -27,17 +31,19 @@ from .abstention import NEVER, risk_threshold
 from .calibration import _fit_one
 from .metrics import PROB_FLOOR, ece, masked_softmax_rows, soft_nll
 
-FAMILIES = ("none", "type", "count", "bias")
+FAMILIES = ("none", "mix", "type", "count", "bias")
 TYPE_WIDE = 0  # the candidate count of a type's own cell
 BIASED = ("noul", "score")  # types whose candidate places mean the same in every question
 
 
 @dataclass(frozen=True)
 class Cell:
-    """Logits z of a row become z / temperature + bias (bias: one a candidate place, or none)."""
+    """Logits z of a row become z / temperature + bias (bias: one a candidate place, or none);
+    their softmax p then becomes (1 - mix) p + mix / K."""
 
     temperature: float = 1.0
     bias: tuple[float, ...] = ()
+    mix: float = 0.0
 
 
 IDENTITY = Cell()
@@ -81,7 +87,12 @@ class Calibrator:
     def probabilities(self, logits: np.ndarray, mask: np.ndarray, kinds: Sequence[str]) -> np.ndarray:
         """[B, K] calibrated probabilities, 0 at invalid places (mask [B, K], valid places first)."""
         counts = mask.sum(axis=1)
-        return masked_softmax_rows(self.scaled(logits, kinds, counts), mask, np.ones(len(counts)))
+        out = masked_softmax_rows(self.scaled(logits, kinds, counts), mask, np.ones(len(counts)))
+        for row, (kind, count) in enumerate(zip(kinds, counts)):
+            mix = self.cell(kind, count).mix
+            if mix:
+                out[row, :count] = (1 - mix) * out[row, :count] + mix / count
+        return out
 
     @property
     def risks(self) -> list[float]:
@@ -102,7 +113,8 @@ class Calibrator:
 
     def to_json(self) -> dict:
         return {"cells": [{"type": kind, "candidates": count, "temperature": cell.temperature,
-                           "bias": list(cell.bias)} for (kind, count), cell in sorted(self.cells.items())],
+                           "bias": list(cell.bias), "mix": cell.mix}
+                          for (kind, count), cell in sorted(self.cells.items())],
                 "abstention": {kind: {repr(risk): None if threshold == NEVER else threshold
                                       for risk, threshold in sorted(by_risk.items())}
                                for kind, by_risk in sorted(self.thresholds.items())}}
@@ -115,12 +127,15 @@ class Calibrator:
             for entry in data["cells"]:
                 kind, count, temperature, bias = entry["type"], int(entry["candidates"]), entry["temperature"], \
                     tuple(float(value) for value in entry["bias"])
+                mix = float(entry.get("mix", 0.0))
+                if not 0.0 <= mix < 1.0:
+                    raise ValueError(entry)
                 if kind not in QUESTION_TYPES or count < 0 or not (isinstance(temperature, (int, float))
                                                                    and 0 < temperature < math.inf):
                     raise ValueError(entry)
                 if bias and (count == TYPE_WIDE or len(bias) != count or not all(map(math.isfinite, bias))):
                     raise ValueError(entry)
-                cells[kind, count] = Cell(float(temperature), bias)
+                cells[kind, count] = Cell(float(temperature), bias, mix)
             thresholds = {}
             for kind, by_risk in data["abstention"].items():
                 if kind not in QUESTION_TYPES:
@@ -183,6 +198,9 @@ def fit_family(family: str, rows: Rows, fit: Fit) -> dict[tuple[str, int], Cell]
         of_kind = rows.kinds == kind
         if of_kind.sum() < fit.min_rows:
             continue
+        if family == "mix":
+            cells[kind, TYPE_WIDE] = Cell(mix=_fit_mix(rows.where(of_kind), fit))
+            continue
         cells[kind, TYPE_WIDE] = Cell(_clamped(_fit_one(*_tensors(rows.where(of_kind)), fit.lr, fit.iterations), fit))
         if family == "type":
             continue
@@ -193,6 +211,28 @@ def fit_family(family: str, rows: Rows, fit: Fit) -> dict[tuple[str, int], Cell]
                 cells[kind, int(count)] = _fit_cell(dense.logits[:, :count], dense.targets[:, :count],
                                                     family == "bias" and kind in BIASED, fit)
     return cells
+
+
+def _fit_mix(rows: Rows, fit: Fit) -> float:
+    """The uniform share m of (1 - m) p + m / K that minimises the rows' soft-target NLL (LBFGS on
+    its logit, from m = 1%)."""
+    probabilities = torch.from_numpy(rows.probabilities())
+    uniform = torch.from_numpy(rows.mask / rows.counts[:, None])
+    targets = torch.from_numpy(rows.targets)
+    logit = torch.tensor(math.log(0.01 / 0.99), dtype=torch.float64, requires_grad=True)
+    # A line search: the NLL is flat in the logit near a small share, where fixed steps stall.
+    optimizer = torch.optim.LBFGS([logit], lr=1.0, max_iter=fit.iterations, line_search_fn="strong_wolfe")
+
+    def closure():
+        optimizer.zero_grad()
+        mix = torch.sigmoid(logit)
+        mixed = (1 - mix) * probabilities + mix * uniform
+        loss = -(targets * mixed.clamp_min(PROB_FLOOR).log()).sum(dim=1).mean()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    return float(torch.sigmoid(logit.detach()))
 
 
 def _tensors(rows: Rows):
@@ -266,32 +306,43 @@ def group_ece(rows: Rows, probabilities: np.ndarray) -> dict[str, tuple[int, flo
             for group in np.unique(rows.groups)}
 
 
-def guarded(calibrator: Calibrator, rows: Rows, min_rows: int) -> tuple[Calibrator, list[dict]]:
-    """The calibrator with, while a group of at least `min_rows` rows has a higher ECE than raw,
-    the cells that group's rows take removed (a (type, count) cell falls back to its type's, a
-    type's to the identity). Each round removes a cell, and with none left every ECE is the raw
-    one, so it ends.
+def assembled(families: Mapping[str, str], fitted: Mapping[str, dict]) -> Calibrator:
+    """The calibrator taking each type's cells from its family's fit."""
+    return Calibrator({key: cell for kind, family in families.items() for key, cell in fitted[family].items()
+                       if key[0] == kind})
+
+
+def guarded(families: Mapping[str, str], fitted: Mapping[str, dict], rows: Rows,
+            min_rows: int) -> tuple[dict[str, str], list[dict]]:
+    """Each type's family, stepped down to the next gentler one (`FAMILIES`, to none at last)
+    while a group of at least `min_rows` rows has a higher ECE calibrated than raw: the types
+    that group's rows have step down. Each round steps a type down, and with every type at none
+    every ECE is the raw one, so it ends.
+
+    Args:
+        families: {type: family} to start from; fitted: {family: its cells fitted on `rows`}.
 
     Returns:
-        (the guarded calibrator, one entry per fallback: group, its ECEs, the cells removed)
+        ({type: family}, one entry per round some group was worse: those groups with their
+        ECEs, and the steps their types took)
     """
     raw = group_ece(rows, rows.probabilities())
-    cells, fallbacks = dict(calibrator.cells), []
+    families, fallbacks = dict(families), []
     while True:
-        current = Calibrator(cells)
-        calibrated = group_ece(rows, rows.probabilities(current))
+        calibrated = group_ece(rows, rows.probabilities(assembled(families, fitted)))
         worse = [group for group, (count, value) in calibrated.items()
                  if count >= min_rows and value > raw[group][1] + 1e-12]
         if not worse:
-            return Calibrator(cells, calibrator.thresholds), fallbacks
-        for group in worse:
-            members = rows.groups == group
-            used = {current.key(kind, int(count)) for kind, count in zip(rows.kinds[members], rows.counts[members])}
-            removed = sorted(key for key in used if key is not None and key in cells)
-            for key in removed:
-                del cells[key]
-            fallbacks.append({"group": group, "ece_raw": raw[group][1], "ece_calibrated": calibrated[group][1],
-                              "cells_removed": [f"{kind}/{count or 'all'}" for kind, count in removed]})
+            return families, fallbacks
+        kinds = {str(kind) for kind in rows.kinds[np.isin(rows.groups, worse)]}
+        steps = {}
+        for kind in sorted(kinds):  # each type of a worse group steps down once a round
+            if families.get(kind, "none") != "none":
+                gentler = FAMILIES[FAMILIES.index(families[kind]) - 1]
+                steps[kind] = f"{families[kind]} -> {gentler}"
+                families[kind] = gentler
+        fallbacks.append({"groups": {group: {"ece_raw": raw[group][1], "ece_calibrated": calibrated[group][1]}
+                                     for group in worse}, "steps": steps})
 
 
 def fit_calibrator(rows: Rows, folds: int, fit: Fit, risks: Sequence[float], delta: float) -> tuple[Calibrator, dict]:
@@ -303,10 +354,10 @@ def fit_calibrator(rows: Rows, folds: int, fit: Fit, risks: Sequence[float], del
         (Calibrator, report: families with their held-out NLLs, cells, fallbacks, the groups'
         ECE raw and calibrated, and each threshold with its coverage, error and bound here)
     """
-    families, held_out = choose_families(rows, folds, fit)
-    fitted = {family: fit_family(family, rows, fit) for family in set(families.values())}
-    cells = {key: cell for kind, family in families.items() for key, cell in fitted[family].items() if key[0] == kind}
-    calibrator, fallbacks = guarded(Calibrator(cells), rows, fit.min_rows)
+    chosen, held_out = choose_families(rows, folds, fit)
+    fitted = {family: fit_family(family, rows, fit) for family in FAMILIES}
+    families, fallbacks = guarded(chosen, fitted, rows, fit.min_rows)
+    calibrator = assembled(families, fitted)
     probabilities = rows.probabilities(calibrator)
     confidence = probabilities.max(axis=1)
     wrong = probabilities.argmax(axis=1) != rows.targets.argmax(axis=1)
@@ -318,8 +369,8 @@ def fit_calibrator(rows: Rows, folds: int, fit: Fit, risks: Sequence[float], del
         abstention[kind] = {repr(risk): {**result, "threshold": None if result["threshold"] == NEVER
                                          else result["threshold"]} for risk, result in found.items()}
     raw, calibrated = group_ece(rows, rows.probabilities()), group_ece(rows, probabilities)
-    report = {"families": {kind: {"chosen": family, "held_out_nll": held_out[kind]}
-                           for kind, family in families.items()},
+    report = {"families": {kind: {"chosen": chosen[kind], "kept": families[kind], "held_out_nll": held_out[kind]}
+                           for kind in chosen},
               "cells": Calibrator(calibrator.cells).to_json()["cells"], "fallbacks": fallbacks,
               "groups": {group: {"rows": count, "ece_raw": raw[group][1], "ece_calibrated": value}
                          for group, (count, value) in calibrated.items()},

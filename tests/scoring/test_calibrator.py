@@ -6,7 +6,18 @@ import numpy as np
 import pytest
 
 from dohnuts.scoring.abstention import NEVER, binomial_upper, risk_coverage, risk_threshold, selective
-from dohnuts.scoring.calibrator import IDENTITY, Calibrator, Cell, Fit, Rows, choose_families, fit_calibrator, guarded
+from dohnuts.scoring.calibrator import (
+    FAMILIES,
+    IDENTITY,
+    Calibrator,
+    Cell,
+    Fit,
+    Rows,
+    choose_families,
+    fit_calibrator,
+    fit_family,
+    guarded,
+)
 
 
 def _softmax(logits):
@@ -60,30 +71,43 @@ def test_cross_validation_picks_the_family_that_made_the_data():
     assert choose_families(plain, 5, Fit())[0] == {"choice": "none"}
 
 
-def test_the_guard_removes_cells_until_no_group_is_worse_than_raw():
-    # Over-confident rows (made at temperature 3) in two groups sharing one cell: a cell that
-    # sharpens them further makes both groups worse than raw, and goes.
+def test_the_guard_steps_a_family_down_until_no_group_is_worse_than_raw():
+    # Over-confident rows (made at temperature 3) in group a, calibrated ones in group b, all of
+    # one type: a temperature helps a and makes b worse than raw, so the type steps down to
+    # gentler families until b is no worse; without b, the temperature stays.
     def truth(kind, count, z):
-        return _softmax(z / 3.0)
+        return _softmax(z / np.where(np.arange(len(z)) < 600, 3.0, 1.0)[:, None])
 
-    rows = _rows([("choice", 3, 400)], truth, groups=["a"] * 300 + ["b"] * 100)
-    over = Calibrator({("choice", 0): Cell(0.3)})  # sharpens: worse for every group
-    kept, fallbacks = guarded(over, rows, min_rows=10)
-    assert kept.cells == {} and {entry["group"] for entry in fallbacks} <= {"a", "b"} and fallbacks
-    assert all(entry["ece_calibrated"] > entry["ece_raw"] for entry in fallbacks)
-    assert fallbacks[0]["cells_removed"] == ["choice/all"]
-    good = Calibrator({("choice", 0): Cell(3.0)})
-    kept, none = guarded(good, rows, min_rows=10)  # the temperature that made the data: no group worse
-    assert kept.cells == good.cells and none == []
+    rows = _rows([("choice", 3, 1200)], truth, groups=["a"] * 600 + ["b"] * 600)
+    fitted = {"none": {}, "mix": {("choice", 0): Cell(mix=0.3)}, "type": {("choice", 0): Cell(3.0)}}
+    fitted |= {"count": fitted["type"], "bias": fitted["type"]}
+    families, fallbacks = guarded({"choice": "type"}, fitted, rows, min_rows=10)
+    assert FAMILIES.index(families["choice"]) < FAMILIES.index("type") and fallbacks
+    assert fallbacks[0]["steps"] == {"choice": "type -> mix"} and "b" in fallbacks[0]["groups"]
+    entry = fallbacks[0]["groups"]["b"]
+    assert entry["ece_calibrated"] > entry["ece_raw"]
+    alone = rows.where(rows.groups == "a")
+    assert guarded({"choice": "type"}, fitted, alone, min_rows=10) == ({"choice": "type"}, [])
     # A group below min_rows is not guarded.
-    assert guarded(over, rows.where(rows.groups == "b"), min_rows=200)[0].cells == over.cells
+    assert guarded({"choice": "type"}, fitted, rows, min_rows=1000) == ({"choice": "type"}, [])
     calibrator, report = fit_calibrator(rows, 5, Fit(), (0.05,), 0.1)
     for group, entry in report["groups"].items():
         assert entry["ece_calibrated"] <= entry["ece_raw"] + 1e-12, group
 
 
+def test_the_mix_family_recovers_a_uniform_share():
+    # Rows whose truth is 80% the logits' softmax and 20% uniform.
+    rows = _rows([("noul", 2, 3000)], lambda kind, count, z: 0.8 * _softmax(z) + 0.2 / count, seed=4)
+    (cell,) = fit_family("mix", rows, Fit()).values()
+    assert cell.temperature == 1.0 and cell.mix == pytest.approx(0.2, abs=0.05)
+    probabilities = Calibrator({("noul", 0): cell}).probabilities(rows.logits, rows.mask, rows.kinds)
+    np.testing.assert_allclose(probabilities[:, :2].min(axis=1) >= cell.mix / 2 - 1e-12, True)
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0)
+
+
 def test_a_calibrator_scales_rows_by_their_cell_and_round_trips_through_json():
-    calibrator = Calibrator({("choice", 0): Cell(2.0), ("choice", 3): Cell(0.5), ("noul", 2): Cell(1.0, (0.0, 1.0))},
+    calibrator = Calibrator({("choice", 0): Cell(2.0), ("choice", 3): Cell(0.5), ("noul", 2): Cell(1.0, (0.0, 1.0)),
+                             ("score", 0): Cell(mix=0.1)},
                             {"choice": {0.05: 0.8}, "noul": {0.05: NEVER}, "score": {0.05: 0.5}})
     logits = np.array([[2.0, 4.0, 0.0], [2.0, 4.0, 6.0], [1.0, 1.0, 0.0]])
     mask = np.array([[True, True, False], [True, True, True], [True, True, False]])
