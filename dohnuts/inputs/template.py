@@ -34,7 +34,7 @@ def _rank(salt: str, text: str) -> bytes:
     return hashlib.blake2b(text.encode(), digest_size=8, key=salt.encode()).digest()
 
 
-def rendered_order(question: Question, salt: str | None) -> list[int] | range:
+def rendered_order(question: Question, salt: str | None) -> tuple[int, ...] | range:
     """The order a question's candidates are rendered in, as indices into its candidates.
 
     A choice's options go by a keyed hash of their text (their labels break a tie), a function
@@ -43,10 +43,15 @@ def rendered_order(question: Question, salt: str | None) -> list[int] | range:
     about its label. A score's levels and a noul's two sides keep their order (levels are
     ordinal; a noul's sides are fixed by the schema). `salt` None keeps every given order.
     """
-    count = len(question.candidates)
     if salt is None or question.kind != "choice":
-        return range(count)
-    return sorted(range(count), key=lambda index: (_rank(salt, question.candidates[index]), question.labels[index]))
+        return range(len(question.candidates))
+    return _hashed_order(salt, question.candidates, question.labels)
+
+
+@lru_cache(maxsize=2**14)
+def _hashed_order(salt: str, candidates: tuple[str, ...], labels: tuple[str, ...]) -> tuple[int, ...]:
+    """`rendered_order` of a choice, kept for the questions that recur (most of them do)."""
+    return tuple(sorted(range(len(candidates)), key=lambda index: (_rank(salt, candidates[index]), labels[index])))
 
 
 class Template:
