@@ -107,7 +107,8 @@ def changes(predictor: Predictor, reader: RecordReader, requests: list[StateReco
         for qid, probabilities in alone.items():
             yield ("batch", groups[qid], *_change(batched[records.state_id, qid], probabilities))
         shuffled = {qid: permuted(question, rng) for qid, question in questions.items()}
-        if shuffled != questions:
+        # By identity: a mapping's options in another order compare equal to the original's.
+        if any(shuffled[qid] is not question for qid, question in questions.items()):
             answered = _probabilities(predictor.predict(state, shuffled))
             for qid in (qid for qid in questions if shuffled[qid] is not questions[qid]):
                 yield ("order", groups[qid], *_change(alone[qid], answered[qid]))

@@ -1,6 +1,8 @@
 """The test stage scores what `Predictor` serves (batched requests equal each request alone) and
 audits whether an answer depends on the options' order, an irrelevant option, company or batch."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,7 @@ from dohnuts.config import TestConfig
 from dohnuts.data.records import RecordReader, load_records
 from dohnuts.pipeline.audits import AUDITS, changes, permuted, sample, summarise, without_one
 from dohnuts.pipeline.test import test as run_test_stage
-from dohnuts.runtime.evaluation import request_of, state_records
+from dohnuts.runtime.evaluation import StateRecords, request_of, state_records
 
 
 def test_test_stage_probabilities_equal_predict_on_each_request_alone(tiny, deployable):
@@ -63,6 +65,9 @@ def test_the_order_audit_sees_a_layout_that_keeps_the_given_order(tiny, deployab
     predictor.template.order_salt = None  # the given order
     given = summarise(list(changes(predictor, reader, requests, batched)))
     assert hashed["questions"] == given["order"]["all"]["questions"] > 0
+    choices = sum(question["type"] == "choice"
+                  for records in requests for question in records.request_questions().values())
+    assert hashed["questions"] == choices  # every choice, its options a list or a mapping
     assert hashed["max"] < 1e-6 < 1e-3 < given["order"]["all"]["max"]
     assert given["batch"]["all"]["max"] > 1e-3  # `batched` came from the hashed layout
 
@@ -99,3 +104,26 @@ def test_audit_sample_takes_groups_in_turn_and_summary_counts_flips():
     summary = summarise(found)
     assert summary["order"]["all"] == {"questions": 3, "max": 0.2, "mean": pytest.approx(0.1), "flips": 1 / 3}
     assert summary["order"]["groups"]["h"]["max"] == 0.1 and summary["company"]["all"] == {"questions": 0}
+
+
+def test_the_order_audit_asks_choices_whose_options_are_a_mapping():
+    """A mapping's options in another order compare equal to the original as dicts: the audit
+    must still ask them again (a stub that favours the first option sent shows the change)."""
+    class FirstFavoured:
+        def predict(self, state, questions):
+            answers = {}
+            for qid, question in questions.items():
+                labels = list(question["criteria"])
+                weights = [2.0 if index == 0 else 1.0 for index in range(len(labels))]
+                answers[qid] = {"probabilities": {label: w / sum(weights) for label, w in zip(labels, weights)}}
+            return {"answers": answers}
+
+    class Reader:
+        def state(self, row):
+            return json.loads(row["state"])
+
+    question = {"type": "choice", "instructions": "Which?", "criteria": {"a": None, "b": "bee", "c": None}}
+    records = StateRecords('"s"', None, "s1", ("g",), ("q",), (json.dumps(question),), ((1.0, 0.0, 0.0),))
+    batched = {("s1", "q"): {"a": 0.5, "b": 0.25, "c": 0.25}}
+    found = [row for row in changes(FirstFavoured(), Reader(), [records], batched) if row[0] == "order"]
+    assert len(found) == 1 and found[0][2] == pytest.approx(0.25)
