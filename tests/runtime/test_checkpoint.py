@@ -8,7 +8,15 @@ from safetensors.torch import load_file, save_file
 
 from dohnuts.config import ConfigError, LoraConfig, ModelConfig
 from dohnuts.io import read_json, write_json, write_manifest
-from dohnuts.runtime.checkpoint import SETTINGS, build_training_model, load_adapter, read_merged, save_adapter
+from dohnuts.runtime.checkpoint import (
+    CALIBRATION,
+    SETTINGS,
+    TEMPERATURES,
+    build_training_model,
+    load_adapter,
+    read_merged,
+    save_adapter,
+)
 
 
 def test_adapter_round_trip_and_refusal_of_foreign_keys_and_shapes(tiny, tmp_path):
@@ -52,3 +60,19 @@ def test_choice_order_settings_are_checked():
         ModelConfig(choice_order="sorted")
     with pytest.raises(ConfigError, match="choice_salt must be 1 to 64 bytes"):
         ModelConfig(choice_salt="")
+
+
+def test_a_checkpoint_with_the_older_temperatures_loads_as_one_temperature_a_type(deployable, tmp_path):
+    root, _ = deployable
+    folder = tmp_path / "older"
+    shutil.copytree(root / "checkpoint", folder)
+    (folder / CALIBRATION).unlink()
+    write_json(folder / TEMPERATURES, {"choice": 2.0, "noul": 1.0, "score": 0.5})
+    write_manifest(folder)
+    _, calibrator = read_merged(folder, need_calibration=True)
+    assert calibrator.cell("choice", 7).temperature == 2.0 and calibrator.cell("score", 3).temperature == 0.5
+    assert calibrator.risks == []  # no abstention thresholds: predict(risk=...) says so
+    write_json(folder / TEMPERATURES, {"choice": -1.0, "noul": 1.0, "score": 1.0})
+    write_manifest(folder)
+    with pytest.raises(ValueError, match="must give a positive temperature"):
+        read_merged(folder, need_calibration=True)
