@@ -42,13 +42,14 @@ def fit_temperatures(
         if len(rows) < min_rows:
             temperatures[kind] = 1.0
             continue
-        fitted = _fit_one(logits[rows], mask[rows], targets[rows], lr, iterations)
+        fitted = fit_temperature(logits[rows], mask[rows], targets[rows], lr, iterations)
         temperatures[kind] = min(max(fitted, bounds[0]), bounds[1])
     return temperatures
 
 
-def _fit_one(logits, mask, targets, lr: float, iterations: int) -> float:
-    """LBFGS on log T, so T stays positive without a constrained optimiser."""
+def fit_temperature(logits, mask, targets, lr: float, iterations: int) -> float:
+    """The one temperature of these rows (unclamped): LBFGS on log T, so T stays positive without
+    a constrained optimiser."""
     # Zero the padding before dividing by T: a non-finite padded logit would make the
     # gradient through the division NaN even though its softmax weight is masked.
     logits = logits.double().masked_fill(~mask, 0.0)
@@ -65,19 +66,3 @@ def _fit_one(logits, mask, targets, lr: float, iterations: int) -> float:
     optimizer.step(closure)
     return math.exp(log_t.item())
 
-
-def apply_temperatures(
-    logits: torch.Tensor, kinds: list[str], temperatures: dict[str, float]
-) -> torch.Tensor:
-    """Divide each row's logits by its question type's temperature.
-
-    Args:
-        logits: [B, K] float logits.
-        kinds: B question types, keys of temperatures.
-        temperatures: {type: temperature}, as from fit_temperatures.
-
-    Returns:
-        [B, K] scaled logits.
-    """
-    scale = torch.tensor([temperatures[kind] for kind in kinds], dtype=logits.dtype)
-    return logits / scale.to(logits.device).unsqueeze(1)

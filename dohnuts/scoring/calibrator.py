@@ -28,7 +28,7 @@ import torch
 
 from ..schema import QUESTION_TYPES
 from .abstention import NEVER, risk_threshold
-from .calibration import _fit_one
+from .calibration import fit_temperature, fit_temperatures
 from .metrics import PROB_FLOOR, ece, masked_softmax_rows, soft_nll
 
 FAMILIES = ("none", "mix", "type", "count", "bias")
@@ -75,23 +75,18 @@ class Calibrator:
         key = self.key(kind, count)
         return IDENTITY if key is None else self.cells[key]
 
-    def scaled(self, logits: np.ndarray, kinds: Sequence[str], counts: Sequence[int]) -> np.ndarray:
-        """[B, K] logits -> [B, K] float64 calibrated logits (each row's first counts[b] places)."""
-        cells = [self.cell(kind, count) for kind, count in zip(kinds, counts)]
-        out = np.asarray(logits, dtype=np.float64) / np.array([cell.temperature for cell in cells])[:, None]
-        for row, (cell, count) in enumerate(zip(cells, counts)):
-            if cell.bias:
-                out[row, :count] += cell.bias
-        return out
-
     def probabilities(self, logits: np.ndarray, mask: np.ndarray, kinds: Sequence[str]) -> np.ndarray:
         """[B, K] calibrated probabilities, 0 at invalid places (mask [B, K], valid places first)."""
         counts = mask.sum(axis=1)
-        out = masked_softmax_rows(self.scaled(logits, kinds, counts), mask, np.ones(len(counts)))
-        for row, (kind, count) in enumerate(zip(kinds, counts)):
-            mix = self.cell(kind, count).mix
-            if mix:
-                out[row, :count] = (1 - mix) * out[row, :count] + mix / count
+        cells = [self.cell(kind, count) for kind, count in zip(kinds, counts)]
+        scaled = np.asarray(logits, dtype=np.float64) / np.array([cell.temperature for cell in cells])[:, None]
+        for row, (cell, count) in enumerate(zip(cells, counts)):
+            if cell.bias:
+                scaled[row, :count] += cell.bias
+        out = masked_softmax_rows(scaled, mask, np.ones(len(counts)))
+        for row, (cell, count) in enumerate(zip(cells, counts)):
+            if cell.mix:
+                out[row, :count] = (1 - cell.mix) * out[row, :count] + cell.mix / count
         return out
 
     @property
@@ -194,6 +189,9 @@ def fit_family(family: str, rows: Rows, fit: Fit) -> dict[tuple[str, int], Cell]
     cells = {}
     if family == "none":
         return cells
+    if family != "mix":
+        type_wide = fit_temperatures(*_tensors(rows), list(rows.kinds), fit.min_rows, fit.lr, fit.iterations,
+                                     fit.bounds)
     for kind in QUESTION_TYPES:
         of_kind = rows.kinds == kind
         if of_kind.sum() < fit.min_rows:
@@ -201,7 +199,7 @@ def fit_family(family: str, rows: Rows, fit: Fit) -> dict[tuple[str, int], Cell]
         if family == "mix":
             cells[kind, TYPE_WIDE] = Cell(mix=_fit_mix(rows.where(of_kind), fit))
             continue
-        cells[kind, TYPE_WIDE] = Cell(_clamped(_fit_one(*_tensors(rows.where(of_kind)), fit.lr, fit.iterations), fit))
+        cells[kind, TYPE_WIDE] = Cell(type_wide[kind])
         if family == "type":
             continue
         for count in np.unique(rows.counts[of_kind]):
@@ -262,7 +260,7 @@ def _fit_cell(logits: np.ndarray, targets: np.ndarray, biased: bool, fit: Fit) -
     temperature = math.exp(log_t.item())
     if not fit.bounds[0] <= temperature <= fit.bounds[1] or not math.isfinite(temperature):
         # Clamped, the bias fitted beside the free temperature no longer fits: temperature only.
-        return Cell(_clamped(_fit_one(logits, mask, targets, fit.lr, fit.iterations), fit))
+        return Cell(_clamped(fit_temperature(logits, mask, targets, fit.lr, fit.iterations), fit))
     return Cell(temperature, tuple([0.0] + bias.detach().tolist()) if biased else ())
 
 
@@ -371,7 +369,7 @@ def fit_calibrator(rows: Rows, folds: int, fit: Fit, risks: Sequence[float], del
     raw, calibrated = group_ece(rows, rows.probabilities()), group_ece(rows, probabilities)
     report = {"families": {kind: {"chosen": chosen[kind], "kept": families[kind], "held_out_nll": held_out[kind]}
                            for kind in chosen},
-              "cells": Calibrator(calibrator.cells).to_json()["cells"], "fallbacks": fallbacks,
+              "cells": calibrator.to_json()["cells"], "fallbacks": fallbacks,
               "groups": {group: {"rows": count, "ece_raw": raw[group][1], "ece_calibrated": value}
                          for group, (count, value) in calibrated.items()},
               "abstention": abstention}

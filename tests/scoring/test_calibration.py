@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dohnuts.scoring.calibration import apply_temperatures, fit_temperatures
+from dohnuts.scoring.calibration import fit_temperatures
 from dohnuts.scoring.metrics import masked_softmax, soft_nll
 
 K = 5
@@ -57,7 +57,7 @@ def test_fitted_temperatures_do_not_increase_nll():
     kinds = [("choice", "noul", "score")[i % 3] for i in range(90)]
     temperatures = fit_temperatures(logits, mask, targets, kinds)
     assert all(1.0 < t < 10.0 for t in temperatures.values())
-    scaled = apply_temperatures(logits, kinds, temperatures)
+    scaled = logits / torch.tensor([temperatures[kind] for kind in kinds], dtype=logits.dtype)[:, None]
     for kind in ("choice", "noul", "score"):
         rows = [i for i, row_kind in enumerate(kinds) if row_kind == kind]
         fitted = soft_nll(scaled[rows], mask[rows], targets[rows])
@@ -72,9 +72,3 @@ def test_soft_nll_ignores_padding():
     expected = (torch.log(torch.tensor(2.0)) + torch.log(torch.tensor(3.0))) / 2
     assert soft_nll(logits, mask, targets).item() == pytest.approx(expected.item())
 
-
-def test_apply_temperatures_divides_each_row_by_its_type_temperature():
-    logits = torch.tensor([[2.0, 4.0], [2.0, 4.0], [2.0, 4.0]])
-    temperatures = {"choice": 2.0, "noul": 0.5, "score": 1.0}
-    scaled = apply_temperatures(logits, ["choice", "noul", "score"], temperatures)
-    torch.testing.assert_close(scaled, torch.tensor([[1.0, 2.0], [4.0, 8.0], [2.0, 4.0]]))

@@ -111,10 +111,11 @@ def test_a_calibrator_scales_rows_by_their_cell_and_round_trips_through_json():
                             {"choice": {0.05: 0.8}, "noul": {0.05: NEVER}, "score": {0.05: 0.5}})
     logits = np.array([[2.0, 4.0, 0.0], [2.0, 4.0, 6.0], [1.0, 1.0, 0.0]])
     mask = np.array([[True, True, False], [True, True, True], [True, True, False]])
-    scaled = calibrator.scaled(logits, ["choice", "choice", "noul"], [2, 3, 2])
-    np.testing.assert_allclose(scaled[:, :2], [[1.0, 2.0], [4.0, 8.0], [1.0, 2.0]])
     probabilities = calibrator.probabilities(logits, mask, ["choice", "choice", "noul"])
+    # Row 0 takes the choice type's T = 2, row 1 its 3-candidate cell's T = 0.5, row 2 the bias.
     np.testing.assert_allclose(probabilities[0, :2], _softmax(np.array([[1.0, 2.0]]))[0])
+    np.testing.assert_allclose(probabilities[1], _softmax(np.array([[4.0, 8.0, 12.0]]))[0])
+    np.testing.assert_allclose(probabilities[2, :2], _softmax(np.array([[1.0, 2.0]]))[0])
     assert probabilities[0, 2] == 0.0
     again = Calibrator.from_json(calibrator.to_json(), "here")
     assert again.cells == calibrator.cells and again.thresholds == calibrator.thresholds
