@@ -13,6 +13,7 @@ LORA_TARGETS = (
 )
 EMBEDDED = "embedded"
 CHOICE_ORDERS = ("hashed", "given")
+IMAGE_LAYOUTS = ("inline", "front")
 
 
 class ConfigError(ValueError):
@@ -73,6 +74,10 @@ class ModelConfig:
     # "given" keeps the client's order (checkpoints made before the setting existed).
     choice_order: str = "hashed"
     choice_salt: str = "dohnuts-choice-1"
+    # Where an image's vision block goes: "inline" at its place in the state's text, "front"
+    # before the state (checkpoints made before the setting existed, which took one image).
+    image_layout: str = "inline"
+    max_images: int = 8  # images a state may hold
     embedded: EmbeddedShape = field(default_factory=EmbeddedShape)
 
     def __post_init__(self):
@@ -81,6 +86,9 @@ class ModelConfig:
                f"model.choice_order must be one of {CHOICE_ORDERS}, got {self.choice_order!r}")
         _check(1 <= len(self.choice_salt.encode()) <= 64,
                f"model.choice_salt must be 1 to 64 bytes (a hash key), got {self.choice_salt!r}")
+        _check(self.image_layout in IMAGE_LAYOUTS,
+               f"model.image_layout must be one of {IMAGE_LAYOUTS}, got {self.image_layout!r}")
+        _check(self.max_images >= 1, f"model.max_images must be >= 1, got {self.max_images}")
         _check(self.image_pixels >= 32 * 32, f"model.image_pixels must be >= 1024, got {self.image_pixels}")
         _check(self.max_tokens >= 16 and self.max_request_tokens >= self.max_tokens,
                f"model.max_tokens must be >= 16 and max_request_tokens >= max_tokens, got {self.max_tokens}, "

@@ -15,6 +15,8 @@ QUESTION_KEYS = frozenset({"type", "instructions", "criteria"})
 MIN_CANDIDATES = 2
 MAX_CANDIDATES = 255  # the wire format's bound on choice options (score levels: 10 there)
 MAX_QUESTIONS = 256  # questions a request; beyond, one request would hold an engine for seconds
+MAX_IMAGES = 8  # images a state may hold (`model.max_images`)
+IMAGE_TEXT = "<image>"  # an image's place in `Request.state_text`
 NOUL_DEFAULTS = {
     "false": "no, the statement does not hold",
     "true": "yes, the statement holds",
@@ -47,22 +49,35 @@ class Question(NamedTuple):
 
 @dataclass(frozen=True)
 class Request:
-    """A validated request: the rendered state text, an optional RGB image, its questions."""
+    """A validated request: its state as text, the state's RGB images in the order its text
+    places them, and its questions.
+
+    `state_parts` is the state's JSON text split at its images (one more part than images):
+    an image's place is between two parts. `state_text` is the state as one text, each image's
+    place reading "<image>", and the top-level "image" key left out where it holds an image (the
+    text of the "front" layout, which checkpoints from before several images took).
+    """
 
     state_text: str
-    image: Image.Image | None
+    images: tuple[Image.Image, ...]
     questions: tuple[Question, ...]
+    state_parts: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if not self.state_parts:
+            object.__setattr__(self, "state_parts", (self.state_text,))
 
 
-def parse_request(state, questions, reserved: Sequence[str] = ()) -> Request:
+def parse_request(state, questions, reserved: Sequence[str] = (), max_images: int = MAX_IMAGES) -> Request:
     """Validate a request and render its state and candidates.
 
     Args:
-        state: a string, or a mapping rendered as JSON without its "image" key, which may
-            hold one PIL image.
+        state: a string, or a mapping or list rendered as JSON, which may hold PIL images as
+            values at any depth (in mappings and lists).
         questions: a non-empty mapping qid -> {"type", "instructions", "criteria"}.
         reserved: special-token strings no text may contain; the first is the candidate
             marker.
+        max_images: the most images the state may hold.
 
     Returns:
         The Request.
@@ -70,7 +85,7 @@ def parse_request(state, questions, reserved: Sequence[str] = ()) -> Request:
     Raises:
         TypeError, ValueError: with a message naming the offending field.
     """
-    state_text, image = _parse_state(state)
+    state_text, images, state_parts = _parse_state(state, max_images)
     if not _is_mapping(questions):
         raise TypeError(f"questions must be a mapping qid -> question, got {type(questions).__name__}")
     if not questions:
@@ -83,34 +98,95 @@ def parse_request(state, questions, reserved: Sequence[str] = ()) -> Request:
     # only a hit looks for the field to name.
     joined = "\0".join(texts)
     if not any(token and token in joined for token in reserved):
-        return Request(state_text=state_text, image=image, questions=parsed)
+        return Request(state_text, images, parsed, state_parts)
     _reject_reserved("state", state_text, reserved)
     for question in parsed:
         _reject_reserved(f"question {question.qid!r} instructions", question.instructions, reserved)
         for candidate in question.candidates:
             _reject_reserved(f"question {question.qid!r} candidate", candidate, reserved)
-    return Request(state_text=state_text, image=image, questions=parsed)
+    return Request(state_text, images, parsed, state_parts)
 
 
-def _parse_state(state) -> tuple[str, Image.Image | None]:
+def _parse_state(state, max_images: int) -> tuple[str, tuple[Image.Image, ...], tuple[str, ...]]:
+    """(state_text, images, state_parts) of `Request`."""
     if isinstance(state, str):
-        return state, None
-    if not _is_mapping(state):
-        raise TypeError(f"state must be a string or a mapping, got {type(state).__name__}")
-    if "images" in state:
-        raise ValueError('state has an "images" key: at most one image goes under "image"')
-    for key in state:
+        return state, (), (state,)
+    mapping = _is_mapping(state)
+    if not mapping and not _is_list(state):
+        raise TypeError(f"state must be a string, a mapping or a list, got {type(state).__name__}")
+    for key in state if mapping else ():
         if not isinstance(key, str):
             raise TypeError(f"state keys must be strings, got {key!r}")
-    image = state.get("image")
-    if image is not None and not isinstance(image, Image.Image):
-        raise TypeError(f'state["image"] must be a decoded PIL image, got {type(image).__name__}')
-    rest = {key: value for key, value in state.items() if key != "image"}
+    images = _images_in(state)
+    if len(images) > max_images:
+        raise ValueError(f"the state holds {len(images)} images, over the limit of {max_images} a state "
+                         f"(model.max_images)")
     try:
-        text = json.dumps(rest, ensure_ascii=False)
-    except (TypeError, ValueError) as error:
-        raise TypeError(f"state is not JSON-serialisable apart from its image: {error}") from None
-    return text, None if image is None else image.convert("RGB")
+        if not images:
+            text = json.dumps(state, ensure_ascii=False)
+            return text, (), (text,)
+        parts = _joined(_segments(state))
+        front = {key: value for key, value in state.items() if key != "image"} \
+            if mapping and _is_image(state.get("image")) else state
+        text = json.dumps(IMAGE_TEXT).join(_joined(_segments(front)))
+    except (TypeError, ValueError, RecursionError) as error:
+        raise TypeError(f"state is not JSON-serialisable apart from its images: {error}") from None
+    return text, tuple(image.convert("RGB") for image in images), tuple(parts)
+
+
+def _is_image(value) -> bool:
+    return isinstance(value, Image.Image)
+
+
+def _images_in(state) -> list[Image.Image]:
+    """The images a state holds at any depth, in the order its JSON text places them (a stack,
+    not recursion: a state may be nested as deep as its JSON parser allows)."""
+    found, pending = [], [state]
+    while pending:
+        item = pending.pop()
+        if _is_image(item):
+            found.append(item)
+        elif type(item) is str:
+            continue
+        elif _is_mapping(item):
+            pending.extend(reversed(list(item.values())))
+        elif _is_list(item):
+            pending.extend(reversed(list(item)))
+    return found
+
+
+def _segments(value) -> list:
+    """The JSON text of `value` (as json.dumps writes it, ensure_ascii off) as a list of texts
+    and the images in their places."""
+    if _is_image(value):
+        return [value]
+    if _is_mapping(value):
+        out = ["{"]
+        for index, (key, item) in enumerate(value.items()):
+            # The key as json.dumps writes it, a number's or a boolean's as a string too.
+            out.append((", " if index else "") + json.dumps({key: 0}, ensure_ascii=False)[1:-4] + ": ")
+            out.extend(_segments(item))
+        return [*out, "}"]
+    if _is_list(value):
+        out = ["["]
+        for index, item in enumerate(value):
+            if index:
+                out.append(", ")
+            out.extend(_segments(item))
+        return [*out, "]"]
+    return [json.dumps(value, ensure_ascii=False)]
+
+
+def _joined(segments: list) -> list[str]:
+    """The texts between the images of `_segments`' list (one more than its images)."""
+    parts, current = [], []
+    for segment in segments:
+        if _is_image(segment):
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(segment)
+    return [*parts, "".join(current)]
 
 
 def _parse_question(qid, question) -> Question:

@@ -15,16 +15,21 @@ def state_of_tokens(template, tokens: int) -> str:
     raise AssertionError(f"no state renders to {tokens} tokens")
 
 
+def encoded(template, request, max_tokens=4096, images=None):
+    """(rows, images) of a validated request: each distinct image encoded once, appended to
+    `images` (a new list when None), the rows indexing that list."""
+    images = [] if images is None else images
+    indices = template.encode_images(request, images)
+    return template.encode(request, max_tokens, indices, tuple(images[index] for index in indices)), images
+
+
 def batch_of(template, requests):
-    """A host batch of (state, questions) requests, each its own image if it has one."""
+    """A host batch of (state, questions) requests, each with its own encoded images."""
     rows, images = [], []
     for state, questions in requests:
         request = parse_request(state, questions, template.reserved)
-        image = None
-        if request.image is not None:
-            image = template.encode_image(request.image)
-            images.append(image)
-        rows += template.encode(request, 4096, len(images) - 1 if image is not None else None, image)
+        indices = template.encode_images(request, images, {})
+        rows += template.encode(request, 4096, indices, tuple(images[index] for index in indices))
     return template.collate(rows, images)
 
 

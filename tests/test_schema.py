@@ -53,11 +53,19 @@ def test_score_levels_are_numbered():
     assert request.questions[0].candidates == ("level 0: small", "level 1: large")
 
 
-def test_mapping_state_renders_as_json_without_the_image():
-    image = Image.new("L", (8, 8))
+def test_mapping_state_renders_as_json_split_at_its_images():
+    image, other = Image.new("L", (8, 8)), Image.new("RGB", (4, 4))
     request = parse_request({"name": "Zoë", "n": 2, "image": image}, NOUL, RESERVED)
-    assert request.state_text == '{"name": "Zoë", "n": 2}'
-    assert request.image.mode == "RGB" and request.image.size == (8, 8)
+    assert request.state_parts == ('{"name": "Zoë", "n": 2, "image": ', "}")
+    assert request.state_text == '{"name": "Zoë", "n": 2}'  # the front layout's text: top-level image left out
+    assert len(request.images) == 1 and request.images[0].mode == "RGB" and request.images[0].size == (8, 8)
+    nested = {"images": [image, {"x": 1, 2: other}], "t": True}
+    request = parse_request(nested, NOUL, RESERVED)
+    assert [picture.size for picture in request.images] == [(8, 8), (4, 4)]
+    assert request.state_parts == ('{"images": [', ', {"x": 1, "2": ', '}], "t": true}')
+    assert request.state_text == '{"images": ["<image>", {"x": 1, "2": "<image>"}], "t": true}'
+    # Without images the text is json.dumps' own.
+    assert parse_request({"a": [1, {"b": None}]}, NOUL, RESERVED).state_parts == ('{"a": [1, {"b": null}]}',)
 
 
 @pytest.mark.parametrize("state, questions, error, message", [
@@ -79,9 +87,8 @@ def test_mapping_state_renders_as_json_without_the_image():
     ("s", {"q": {"type": "choice", "instructions": "x", "criteria": ["a", "<|fim_suffix|>"]}},
      ValueError, "candidate contains the reserved candidate marker"),
     ("s <|image_pad|>", NOUL, ValueError, "reserved special token '<|image_pad|>'"),
-    ({"image": "not an image"}, NOUL, TypeError, "decoded PIL image"),
-    ({"images": []}, NOUL, ValueError, '"images" key'),
-    (3, NOUL, TypeError, "string or a mapping"),
+    ({"images": [Image.new("RGB", (2, 2))] * 9}, NOUL, ValueError, "9 images, over the limit of 8"),
+    (3, NOUL, TypeError, "string, a mapping or a list"),
     ({"x": object()}, NOUL, TypeError, "not JSON-serialisable"),
 ])
 def test_invalid_requests_are_rejected_with_a_message_naming_the_problem(state, questions, error, message):

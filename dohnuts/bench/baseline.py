@@ -10,11 +10,14 @@ from ..schema import parse_request
 
 
 def baseline_rows(predictor, state, questions):
-    """(encoded image or None, rows) of a request, always preprocessed (no feature cache)."""
+    """(the encoded image of each vision block, rows) of a request, always preprocessed (no
+    feature cache)."""
     template = predictor.template
-    request = parse_request(state, questions, template.reserved)
-    image = template.encode_image(request.image) if request.image is not None else None
-    return image, template.encode(request, predictor.config.max_tokens, 0, image)
+    request = parse_request(state, questions, template.reserved, template.max_images)
+    images = []
+    indices = template.encode_images(request, images)
+    placed = tuple(images[index] for index in indices)
+    return placed, template.encode(request, predictor.config.max_tokens, indices, placed)
 
 @torch.no_grad()
 def hugging_face_logits(predictor, state, questions) -> torch.Tensor:
@@ -22,7 +25,7 @@ def hugging_face_logits(predictor, state, questions) -> torch.Tensor:
     request's rows padded to the longest (no packing, no shared prefix), then the same
     marker gather and head. Returns logits [B, K]."""
     template, backbone, device = predictor.template, predictor.model.backbone, predictor.model.device
-    image, rows = baseline_rows(predictor, state, questions)
+    images, rows = baseline_rows(predictor, state, questions)
     length = max(len(row.input_ids) for row in rows)
     ids = torch.full((len(rows), length), template.pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -31,9 +34,9 @@ def hugging_face_logits(predictor, state, questions) -> torch.Tensor:
         mask[index, : len(row.input_ids)] = 1
     ids, mask = ids.to(device), mask.to(device)
     kwargs = {}
-    if image is not None:
-        kwargs = {"pixel_values": image.patches(device).repeat(len(rows), 1),
-                  "image_grid_thw": image.grid_thw.repeat(len(rows), 1).to(device)}
+    if images:  # each row's blocks, in order, row after row
+        kwargs = {"pixel_values": torch.cat([image.patches(device) for image in images]).repeat(len(rows), 1),
+                  "image_grid_thw": torch.cat([image.grid_thw for image in images]).repeat(len(rows), 1).to(device)}
         if "mm_token_type_ids" in inspect.signature(backbone.forward).parameters:  # transformers >= 5.23
             kwargs["mm_token_type_ids"] = (ids == template.image_pad_id).int()
     hidden = backbone(input_ids=ids, attention_mask=mask, use_cache=False, **kwargs).last_hidden_state
@@ -46,10 +49,10 @@ def hugging_face_logits(predictor, state, questions) -> torch.Tensor:
 def distinct_tokens(rows) -> int:
     """Tokens that are distinct computations: a token is the same computation in two rows when
     the rows' images and every token up to it are the same (the model is causal). The size of
-    a trie of the rows, one root per image."""
+    a trie of the rows, one root per set of images."""
     nodes: set = set()
     for row in rows:
-        node = ("image", row.image)
+        node = ("images", row.images)
         for token in row.input_ids:
             node = (hash(node), token)
             nodes.add(node)

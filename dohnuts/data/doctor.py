@@ -13,11 +13,11 @@ import statistics
 from collections import Counter
 
 from ..inputs.batch import EncodedImage
-from ..inputs.template import Template, pieces_of
+from ..inputs.template import Template
 from ..inputs.tokens import special_tokens
 from ..model.base import load_processors
 from ..schema import parse_request
-from .image_files import ImageFile, pil_state
+from .image_files import pil_state, state_images
 from .isolation import PARTITIONS
 from .records import partition_rows
 from .user_records import read_records
@@ -29,19 +29,20 @@ SHOWN_PROBLEMS = 50
 def token_lengths(template: Template, states) -> dict[tuple[str, str], tuple[int, int]]:
     """(state tokens, row tokens) of every (state_id, qid), as the template renders them."""
     lengths, encoded = {}, {}
+
+    def grid_only(image, key):
+        # A public source shows one image in many rows (CLEVR: 10 questions a scene): preprocess
+        # it once, and keep only its grid (all the token count needs).
+        if key not in encoded:
+            encoded[key] = EncodedImage(None, template.encode_image(image, key).grid_thw, key)
+        return encoded[key]
+
     for state in states:
-        request = parse_request(pil_state(state.state), state.questions, template.reserved)
-        image = None
-        if request.image is not None:
-            # A public source shows one image in many rows (CLEVR: 10 questions a scene): preprocess it once.
-            file = state.state["image"] if isinstance(state.state["image"], ImageFile) else None
-            image = encoded.get(file.key) if file is not None else None
-            if image is None:
-                image = template.encode_image(request.image)
-                if file is not None:  # its grid is all the token count needs: keep no pixels
-                    encoded[file.key] = image = EncodedImage(None, image.grid_thw, file.key)
-        rows = template.encode(request, 2**62, 0 if image is not None else None, image)
-        shared = len(template.tokenize(pieces_of(request)[:1])[0])
+        request = parse_request(pil_state(state.state), state.questions, template.reserved, template.max_images)
+        images = []
+        indices = template.encode_images(request, images, encode=grid_only)
+        rows = template.encode(request, 2**62, indices, tuple(images[index] for index in indices))
+        shared = rows[0].shared
         for row in rows:
             lengths[(state.state_id, row.question.qid)] = (shared, len(row.input_ids))
     return lengths
@@ -85,12 +86,12 @@ def diagnose(states, problems, records: dict, isolation: dict, lengths: dict | N
     groups = {}
     for group, members in sorted(by_group.items()):
         types: dict[str, dict] = {}
-        images, tiny = 0, 0
+        images, tiny, per_state = 0, 0, []
         for state in members:
-            image = state.state.get("image") if isinstance(state.state, dict) else None
-            if image is not None:
-                images += 1
-                tiny += min(image.size) < TINY_IMAGE
+            shown = state_images(state.state)
+            per_state.append(len(shown))
+            images += len(shown)
+            tiny += sum(min(image.size) < TINY_IMAGE for image in shown)
             for qid, question in state.questions.items():
                 kind = question["type"]
                 entry = types.setdefault(kind, {"questions": 0, "soft_labels": 0, "options": {}})
@@ -108,7 +109,7 @@ def diagnose(states, problems, records: dict, isolation: dict, lengths: dict | N
             entry["never_labelled_in_train"] = sorted(name for name, option in entry["options"].items()
                                                       if option["in_train"] == 0.0)
         report = {"records": len(members), "questions": sum(len(s.questions) for s in members), "types": types,
-                  "images": {"count": images, "tiny": tiny},
+                  "images": {"count": images, "tiny": tiny, "per_state": _spread(per_state)},
                   "partitions": {name: int(rows_in[name][group]) for name in PARTITIONS}}
         report["too_small_for"] = [name for name in ("dev", "calibration", "test") if not report["partitions"][name]]
         if lengths is not None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import json
 from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
 from ..inputs.pixels import image_key
+from ..schema import IMAGE_TEXT
 
 SUFFIXES = {"PNG": ".png", "JPEG": ".jpg", "GIF": ".gif", "WEBP": ".webp", "BMP": ".bmp", "TIFF": ".tif"}
 
@@ -54,8 +56,44 @@ def _png(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
+def is_image(value) -> bool:
+    """An image of a state: decoded (PIL) or kept as its file (`ImageFile`)."""
+    return isinstance(value, Image.Image | ImageFile)
+
+
+def state_images(state) -> list:
+    """The images of a state at any depth (mapping values, list items), in the order its JSON
+    text places them."""
+    found = []
+    replaced(state, lambda image: found.append(image) or image)
+    return found
+
+
+def replaced(value, change):
+    """A copy of a state's mappings and lists with each image replaced by `change(image)`, in
+    the order of the state's JSON text; other values as they are."""
+    if is_image(value):
+        return change(value)
+    if isinstance(value, dict):
+        return {key: replaced(item, change) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [replaced(item, change) for item in value]
+    return value
+
+
 def pil_state(state):
-    """The state with an ImageFile under "image" decoded (what `parse_request` takes)."""
-    if isinstance(state, dict) and isinstance(state.get("image"), ImageFile):
-        return {**state, "image": state["image"].decoded()}
-    return state
+    """The state with every `ImageFile` in it decoded (what `parse_request` takes)."""
+    if isinstance(state, str):
+        return state
+    return replaced(state, lambda image: image.decoded() if isinstance(image, ImageFile) else image)
+
+
+def shown_text(state) -> str:
+    """The text a state is known by apart from its images (isolation, the guard, the vocabulary):
+    its JSON with each image's place reading "<image>" and a top-level "image" key left out, as
+    `schema.Request.state_text` renders it."""
+    if isinstance(state, str):
+        return state
+    if isinstance(state, dict) and is_image(state.get("image")):
+        state = {key: value for key, value in state.items() if key != "image"}
+    return json.dumps(replaced(state, lambda _: IMAGE_TEXT), ensure_ascii=False)

@@ -70,16 +70,16 @@ def hashed_partition(seed: int, key: str, fractions: dict, among: tuple[str, ...
 
 @dataclass(frozen=True)
 class Unit:
-    """One state to place. text: its rendered text (normalised here); image: the SHA-256 of its
-    decoded pixels (`dohnuts.model.features.image_key`); source: an id shared by states of one
-    source record (None: none); split: a pinned partition (None: by hash); links: further ids
+    """One state to place. text: its rendered text (normalised here); images: the SHA-256 of each
+    of its images' decoded pixels (`dohnuts.inputs.pixels.image_key`); source: an id shared by
+    states of one source record (None: none); split: a pinned partition (None: by hash); links: further ids
     that join states ("photo:coco:397133", "massive:1021"); among: the
     partitions a hash may choose (None: all; a source whose official dev and test splits are
     pinned hashes its training rows among train and calibration only)."""
 
     group: str
     text: str | None
-    image: str | None = None
+    images: tuple[str, ...] = ()
     source: str | None = None
     split: str | None = None
     links: tuple[str, ...] = ()
@@ -94,11 +94,10 @@ class Unit:
     def join_keys(self) -> list[tuple[str, str]]:
         """What this state is joined by."""
         found = []
-        text = identifying_text(self.text, self.image is not None)
+        text = identifying_text(self.text, bool(self.images))
         if text is not None:
             found.append(("text", text))
-        if self.image is not None:
-            found.append(("image", self.image))
+        found.extend(("image", image) for image in self.images)
         if self.source is not None:
             found.append(("source", self.source))
         found.extend(("link", link) for link in self.links)
@@ -106,7 +105,7 @@ class Unit:
 
     def content(self) -> str:
         """A digest of the state's content (not of its position in the source)."""
-        parts = [normalise_text(self.text) or "", self.image or "", self.source or "", *self.links]
+        parts = [normalise_text(self.text) or "", *(self.images or ("",)), self.source or "", *self.links]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
@@ -171,15 +170,15 @@ def assign(units: list[Unit], seed: int, fractions: dict) -> tuple[list[str | No
 
 def cross_partition(rows) -> dict:
     """How many identifying state texts (`identifying_text`) and image pixel digests occur in
-    more than one partition of written rows (columns partition, state, image_key): 0 and 0 when
-    isolation held."""
+    more than one partition of written rows, given as (partition, the state's text as `Unit`
+    takes it, its images' digests): 0 and 0 when isolation held."""
     texts: dict[str, set] = {}
     images: dict[str, set] = {}
-    for partition, state, image in zip(rows.partition, rows.state, rows.image_key):
-        text = identifying_text(state, isinstance(image, str))
+    for partition, state, keys in rows:
+        text = identifying_text(state, bool(keys))
         if text is not None:
             texts.setdefault(text, set()).add(partition)
-        if isinstance(image, str):
-            images.setdefault(image, set()).add(partition)
+        for key in keys:
+            images.setdefault(key, set()).add(partition)
     return {"texts": sum(len(seen) > 1 for seen in texts.values()),
             "images": sum(len(seen) > 1 for seen in images.values())}

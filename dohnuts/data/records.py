@@ -17,7 +17,7 @@ from ..inputs.pixels import image_key
 from ..inputs.template import EncodedImage, Row, Template
 from ..io import atomic_directory, verify_manifest, write_bytes, write_manifest, write_parquet
 from ..schema import parse_request
-from .image_files import ImageFile
+from .image_files import ImageFile, replaced, shown_text
 from .isolation import PARTITIONS, Unit, assign, cross_partition, stable_fraction
 
 RECORDS = "records.parquet"
@@ -34,31 +34,36 @@ def write_partition(records: list[dict], images: dict[str, bytes], out: Path, pa
     counts = {"rows": len(table), "states": int(table.state_id.nunique()) if len(table) else 0,
               "groups": {g: int(n) for g, n in table.group.value_counts().sort_index().items()} if len(table) else {}}
     with atomic_directory(out) as tmp:
-        for name in sorted({record["image"] for record in records if record["image"]}):
+        for name in sorted({name for record in records for name in record["images"]}):
             write_bytes(tmp / name, images[name])
         write_parquet(tmp / RECORDS, table)
         write_manifest(tmp, {"partition": partition, "counts": counts, "isolation": isolation})
     return counts
 
 
-def _encoded(state) -> tuple[object, str | None, bytes | None, str | None]:
-    """(the state without its image, the image file name, its PNG bytes, its pixel digest)."""
+def _encoded(state) -> tuple[object, str, tuple[str, ...], list[bytes], tuple[str, ...]]:
+    """(the state with each image's file name in its place, the text isolation identifies it by,
+    its images' file names and bytes, and their pixel digests), images in the order of the state's
+    text (`image_files.shown_text`)."""
     value = state.state
-    if not (isinstance(value, dict) and "image" in value):
-        return value, None, None, None
-    rest = {key: item for key, item in value.items() if key != "image"}
-    if isinstance(value["image"], ImageFile):  # kept as the source's own bytes
-        return rest, value["image"].file_name, value["image"].data, value["image"].key
-    buffer = io.BytesIO()
-    value["image"].save(buffer, format="PNG")
-    data = buffer.getvalue()
-    name = f"images/{hashlib.sha256(data).hexdigest()[:32]}.png"
-    return rest, name, data, image_key(value["image"])
+    if isinstance(value, str):
+        return value, value, (), [], ()
+    names, datas, keys = [], [], []
 
+    def stored(image) -> str:
+        if isinstance(image, ImageFile):  # kept as the source's own bytes
+            name, data, key = image.file_name, image.data, image.key
+        else:
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            data = buffer.getvalue()
+            name, key = f"images/{hashlib.sha256(data).hexdigest()[:32]}.png", image_key(image)
+        names.append(name)
+        datas.append(data)
+        keys.append(key)
+        return name
 
-def _state_text(value) -> str:
-    """The state text the template shows (the schema's rendering, image left out)."""
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return replaced(value, stored), shown_text(value), tuple(names), datas, tuple(keys)
 
 
 def partition_rows(states, seed: int, fractions: dict, exclude=None,
@@ -76,24 +81,25 @@ def partition_rows(states, seed: int, fractions: dict, exclude=None,
         dropped, by reason, and the texts and images found in more than one partition's rows)
     """
     encoded = [_encoded(state) for state in states]
-    units = [Unit(state.group, _state_text(value), pixels, getattr(state, "source", None),
-                  getattr(state, "split", None), getattr(state, "links", ()), getattr(state, "among", None))
-             for state, (value, _, _, pixels) in zip(states, encoded)]
+    units = [Unit(state.group, text, keys, getattr(state, "source", None), getattr(state, "split", None),
+                  getattr(state, "links", ()), getattr(state, "among", None))
+             for state, (_, text, _, _, keys) in zip(states, encoded)]
     placed, report = assign(units, seed, fractions)
     records: dict[str, list[dict]] = {name: [] for name in PARTITIONS}
     images: dict[str, bytes] = {}
     seen: set[tuple] = set()
     drops: dict[str, dict[str, int]] = {}
-    for state, (value, image_name, data, pixels), partition in zip(states, encoded, placed):
+    shown = {}  # id of a written row -> the text isolation identified its state by
+    for state, (value, identified, names, datas, keys), partition in zip(states, encoded, placed):
         if partition is None:
             continue
         text = json.dumps(value, ensure_ascii=False)
         for qid, question in state.questions.items():
             row = {"group": state.group, "state_id": state.state_id, "partition": partition, "state": text,
-                   "image": image_name, "image_key": pixels, "qid": qid,
+                   "images": list(names), "image_keys": list(keys), "qid": qid,
                    "question": json.dumps(question, ensure_ascii=False),
                    "target": [float(x) for x in state.targets[qid]]}
-            identity = (state.group, text, pixels, qid, row["question"], tuple(row["target"]))
+            identity = (state.group, text, keys, qid, row["question"], tuple(row["target"]))
             reason = "exact_duplicate_rows" if identity in seen else exclude and exclude(state, qid, partition)
             if reason:
                 counts = drops.setdefault(reason, {})
@@ -101,19 +107,18 @@ def partition_rows(states, seed: int, fractions: dict, exclude=None,
                 continue
             seen.add(identity)
             records[partition].append(row)
-            if image_name is not None:
-                images[image_name] = data
+            shown[id(row)] = identified
+            images.update(zip(names, datas))
     if train_cap is not None:
         records["train"] = _capped(records["train"], seed, train_cap, drops.setdefault("train_cap", {}))
         if not drops["train_cap"]:
             del drops["train_cap"]
-        used = {row["image"] for rows in records.values() for row in rows}
+        used = {name for rows in records.values() for row in rows for name in row["images"]}
         images = {name: data for name, data in images.items() if name in used}
     for reason, counts in drops.items():
         report["drops"][reason] = dict(sorted(counts.items()))
-    written = pd.DataFrame.from_records([row for rows in records.values() for row in rows],
-                                        columns=["partition", "state", "image_key"])
-    report["cross_partition"] = cross_partition(written)
+    report["cross_partition"] = cross_partition((row["partition"], shown[id(row)], tuple(row["image_keys"]))
+                                                for rows in records.values() for row in rows)
     return records, images, report
 
 
@@ -154,6 +159,9 @@ def load_records(folder: Path) -> pd.DataFrame:
     """
     verify_manifest(folder, required=(RECORDS,))
     rows = pd.read_parquet(Path(folder) / RECORDS).reset_index(drop=True)
+    if "images" not in rows.columns:
+        raise ValueError(f"{folder}/{RECORDS} was written before states held several images (it has no images "
+                         f"column): run the prepare stage again")
     if rows.empty:
         raise ValueError(f"{folder}/{RECORDS} has no rows: use more data.states_per_group")
     return rows
@@ -184,16 +192,31 @@ class RecordReader:
         self._images: dict[str, Image.Image] = {}
 
     def state(self, row) -> object:
+        """The state of a row (a mapping with "state" and "images"), each image decoded in the
+        place its file name holds."""
         state = json.loads(row["state"])
-        if row["image"] is not None and isinstance(row["image"], str):
-            if row["image"] not in self._images:
-                with Image.open(self.folder / row["image"]) as image:
-                    self._images[row["image"]] = image.convert("RGB")
-            state = {**state, "image": self._images[row["image"]]}
-        return state
+        names = set(row["images"] if row["images"] is not None else ())
+        if not names:
+            return state
+        for name in names - self._images.keys():
+            with Image.open(self.folder / name) as image:
+                self._images[name] = image.convert("RGB")
+        return with_images(state, names, self._images)
 
     def example(self, row) -> Example:
         return Example(self.state(row), json.loads(row["question"]), row["qid"], list(row["target"]))
+
+
+def with_images(value, names: set[str], decoded: dict):
+    """A copy of a stored state with each string that names one of its image files replaced by
+    the decoded image (`_encoded` wrote the names in the images' places)."""
+    if isinstance(value, str):
+        return decoded[value] if value in names else value
+    if isinstance(value, dict):
+        return {key: with_images(item, names, decoded) for key, item in value.items()}
+    if isinstance(value, list):
+        return [with_images(item, names, decoded) for item in value]
+    return value
 
 
 def shuffled_choice(example: Example, rng: np.random.Generator) -> Example:
@@ -224,15 +247,10 @@ def encode_examples(template: Template, examples: list[Example], max_tokens: int
     images = [] if images is None else images
     seen = {} if seen is None else seen
     for example in examples:
-        request = parse_request(example.state, {example.qid: example.question}, template.reserved)
-        index = None
-        if request.image is not None:
-            key = image_key(request.image)
-            if key not in seen:
-                seen[key] = len(images)
-                images.append(template.encode_image(request.image, key))
-            index = seen[key]
-        rows.extend(template.encode(request, max_tokens, index, images[index] if index is not None else None))
+        request = parse_request(example.state, {example.qid: example.question}, template.reserved,
+                                template.max_images)
+        indices = template.encode_images(request, images, seen)
+        rows.extend(template.encode(request, max_tokens, indices, tuple(images[index] for index in indices)))
     width = max(len(row.markers) for row in rows)
     targets = torch.zeros((len(rows), width))
     for index, example in enumerate(examples):

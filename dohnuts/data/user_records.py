@@ -9,10 +9,13 @@ A record is the request a user later sends to `predict`, plus labels:
      "photo": null}
 
 `state` and `questions` go through `dohnuts.schema.parse_request`, as in `predict` (same
-checks, same messages); `state.image` is a path relative to the records file, or a
-`data:image/...;base64,` URL, decoded with Pillow. A label is hard or soft: choice an option
-name or {option: probability}; noul true/false or P(true); score a level index or
-{level index: probability}; soft labels sum to 1 over the question's candidates. `group`
+checks, same messages). A state holds images anywhere, as many as `model.max_images`: the value of
+an "image" key, or any string that names an image (a path without spaces ending in .png, .jpg,
+.jpeg, .gif, .webp, .bmp or .tif, relative to the records file, or a `data:image/...;base64,`
+URL), decoded with Pillow: `{"before": "images/a.png", "after": ["images/b.png", "c.jpg"]}`.
+A label is hard or soft: choice an option name or {option: probability}; noul true/false or
+P(true); score a level index or {level index: probability}; soft labels sum to 1 over the
+question's candidates. `group`
 defaults to the file's name without extension, `id` to "file:line", `split` (a pinned
 partition) to none, `photo` (the id of the photo an image shows, such as "coco:397133": states
 showing one photo share a partition even when their files differ) to none. In Parquet, each
@@ -47,8 +50,8 @@ SOFT_TOLERANCE = 1e-6
 class SourceState:
     """One validated state with its questions and target distributions, from any source.
 
-    group, state_id: as written to the partitions; state: a string, or a mapping whose
-    optional "image" holds a decoded PIL image; questions: qid -> question as `predict` takes
+    group, state_id: as written to the partitions; state: a string, or a mapping holding decoded
+    PIL images (or `ImageFile`s) anywhere; questions: qid -> question as `predict` takes
     it; targets: qid -> probabilities in candidate order; split: a pinned partition or None;
     source: an id that joins states of one source record (isolation); where: "file:line";
     links: further ids that join states (isolation; a record's photo is "photo:<photo>");
@@ -174,7 +177,7 @@ def validate_record(record, where: str, group: str, reserved: tuple[str, ...] = 
         where: "file:line" of the record, its default id.
         group: the group of a record that names none.
         reserved: special-token strings no text may contain.
-        folder: where a state.image path is relative to (None: images must be decoded already).
+        folder: where an image's path is relative to (None: images must be decoded already).
     """
     if isinstance(record, str):
         return [(None, record)]
@@ -202,10 +205,8 @@ def validate_record(record, where: str, group: str, reserved: tuple[str, ...] = 
         return problems
     # Every problem of the record is listed, not only the first: its image, its state, each
     # question, each label of the questions that are valid.
-    state, image_problem = decoded_state(folder, record["state"])
-    if image_problem:
-        problems.append((None, image_problem))
-        state = {key: value for key, value in state.items() if key != "image"}
+    state, image_problems = decoded_state(folder, record["state"])
+    problems += [(None, problem) for problem in image_problems]
     questions, found = _questions(pil_state(state), record["questions"], reserved)
     problems += found
     if "labels" not in record:
@@ -256,37 +257,75 @@ def _questions(state, questions, reserved: tuple[str, ...]) -> tuple[list, list[
     return valid, problems
 
 
-def decoded_state(folder: Path | None, state) -> tuple[object, str | None]:
-    """The state with its image decoded (a path relative to `folder`, the records file's, a
-    data: URL, or a PIL image or `ImageFile` already), and None; or the state and why its image
-    cannot be decoded."""
-    if not isinstance(state, Mapping) or "image" not in state:
-        return state, None
-    value = state["image"]
-    if isinstance(value, ImageFile):
-        return dict(state), None
-    if isinstance(value, Image.Image):
-        return {**state, "image": value.convert("RGB")}, None
-    if not isinstance(value, str) or (folder is None and not value.startswith("data:")):
-        return state, f"state.image must be a path relative to the records file or a data: URL, got {value!r}"
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp", ".tif", ".tiff")
+
+
+def names_an_image(text: str) -> bool:
+    """Whether a string of a state stands for an image: a `data:image/` URL, or a path (no spaces)
+    ending in an image suffix."""
+    if text.startswith("data:image/"):
+        return True
+    return len(text) < 4096 and not any(space in text for space in " \t\n") and text.lower().endswith(IMAGE_SUFFIXES)
+
+
+def decoded_state(folder: Path | None, state) -> tuple[object, list[str]]:
+    """The state with its images decoded, and the problems of those that cannot be.
+
+    An image is any value under an "image" key, or any string of the state (at any depth) that
+    `names_an_image`: a path relative to `folder` (the records file's), or a data: URL; a PIL
+    image or an `ImageFile` is kept. A value that cannot be decoded stays as it was written.
+
+    Returns:
+        (state, a problem for each image that cannot be decoded, named by its place: "state.image",
+        "state.photos[1]")
+    """
+    problems: list[str] = []
+
+    def visit(value, where: str, under_image: bool):
+        if isinstance(value, ImageFile):
+            return value
+        if isinstance(value, Image.Image):
+            return value.convert("RGB")
+        if isinstance(value, str) and (under_image or names_an_image(value)):
+            decoded, problem = _decoded_image(folder, value, where)
+            if problem:
+                problems.append(problem)
+            return decoded if problem is None else value
+        if under_image:
+            problems.append(f"{where} must be a path relative to the records file or a data: URL, got {value!r}")
+            return value
+        if isinstance(value, Mapping):
+            return {key: visit(item, f"{where}.{key}", key == "image") for key, item in value.items()}
+        if isinstance(value, list):
+            return [visit(item, f"{where}[{index}]", False) for index, item in enumerate(value)]
+        return value
+
+    if not isinstance(state, Mapping | list):
+        return state, []
+    return visit(state, "state", False), problems
+
+
+def _decoded_image(folder: Path | None, value: str, where: str) -> tuple[Image.Image | None, str | None]:
+    """(the image a path or data: URL names, None) or (None, why it cannot be decoded)."""
+    if folder is None and not value.startswith("data:"):
+        return None, f"{where} must be a path relative to the records file or a data: URL, got {value!r}"
     try:
         if value.startswith("data:"):
             header, _, payload = value.partition(",")
             if not header.startswith("data:image/") or ";base64" not in header:
-                return state, "state.image data URL must be data:image/...;base64,..."
+                return None, f"{where} data URL must be data:image/...;base64,..."
             data = base64.b64decode(payload, validate=True)
         else:
             image_path = Path(folder) / value
             if not image_path.is_file():
-                return state, f"state.image: no such file {value} (in {folder})"
+                return None, f"{where}: no such file {value} (in {folder})"
             data = image_path.read_bytes()
         with Image.open(io.BytesIO(data)) as image:
-            decoded = image.convert("RGB")
+            return image.convert("RGB"), None
     except (binascii.Error, ValueError) as error:
-        return state, f"state.image data URL is not valid base64 ({error})"
+        return None, f"{where} data URL is not valid base64 ({error})"
     except (UnidentifiedImageError, OSError) as error:
-        return state, f"state.image {value[:60]} cannot be decoded as an image ({type(error).__name__})"
-    return {**state, "image": decoded}, None
+        return None, f"{where} {value[:60]} cannot be decoded as an image ({type(error).__name__})"
 
 
 def label_target(question, label) -> list[float] | str:

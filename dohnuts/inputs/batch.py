@@ -1,7 +1,7 @@
 """Token rows and their packed batches: shared prefixes planned once on the host.
 
-A batch packs every row along one token axis. Rows of one request begin alike (image block
-and state); when at least two rows share that beginning and it holds at least 64 tokens, it is
+A batch packs every row along one token axis. Rows of one request begin alike (the state
+with its images' blocks); when at least two rows share that beginning and it holds at least 64 tokens, it is
 a prefix computed once and forked into the rows, which then carry only their remaining tokens.
 All the index arithmetic happens here, on the host, so the model's forward needs no device
 synchronisation to find its way.
@@ -30,17 +30,18 @@ SHARED_MIN = 64
 class Row(NamedTuple):
     """One question of one request as token ids (a named tuple: see `schema.Question`).
 
-    `shared` is the length of the request's common beginning (image block and state);
-    `image` indexes the encoded images of the batch this row goes into (None: no image);
-    `image_grid` is the merged (height, width) token grid of that image.
+    `shared` is the length of the request's common beginning (the state with its images);
+    `images` index the encoded images of the batch this row goes into, one per vision block of
+    the row in order (the same image twice: the same index); `image_grids` are those blocks'
+    merged (height, width) token grids.
     """
 
     input_ids: tuple[int, ...]
     markers: tuple[int, ...]
     question: Question
     shared: int = 0
-    image: int | None = None
-    image_grid: tuple[int, int] | None = None
+    images: tuple[int, ...] = ()
+    image_grids: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass
@@ -203,7 +204,7 @@ def move_packed(tensors: list[torch.Tensor], target: torch.Tensor, offsets: list
 def prefix_groups(rows: list[Row]) -> list[tuple[int, list[int]]]:
     """(split, row indices) of each prefix worth sharing.
 
-    Rows share a prefix when they have the same image and the same first `split` tokens,
+    Rows share a prefix when they have the same images and the same first `split` tokens,
     where split is the row's whole common beginning, never past its first candidate marker
     (every candidate stays in the row's own part). A prefix serves at least two rows and is at
     least SHARED_MIN tokens long; other rows run whole. The delta-rule kernels carry state
@@ -213,20 +214,31 @@ def prefix_groups(rows: list[Row]) -> list[tuple[int, list[int]]]:
     for index, row in enumerate(rows):
         split = min(row.shared, min(row.markers, default=0))
         if split >= SHARED_MIN:
-            by_key.setdefault((row.image, row.input_ids[:split]), []).append(index)
+            by_key.setdefault((row.images, row.input_ids[:split]), []).append(index)
     return [(len(key[1]), members) for key, members in by_key.items() if len(members) > 1]
 
 
-def _image_tokens(row: Row, begin: int, end: int, feature_offset: int, image_pad_id: int) -> tuple[range, range]:
+def image_blocks(row: Row, image_pad_id: int) -> list[tuple[int, int, int]]:
+    """(start, height, width) of each of a row's image blocks' pad runs, in order."""
+    blocks, at = [], 0
+    for height, width in row.image_grids:
+        start = row.input_ids.index(image_pad_id, at)
+        blocks.append((start, height, width))
+        at = start + height * width
+    return blocks
+
+
+def _image_tokens(row: Row, begin: int, end: int, feature_offsets: list[int],
+                  image_pad_id: int) -> tuple[list[int], list[int]]:
     """Image-token positions of row[begin:end] (relative to begin) and their feature rows."""
-    if row.image is None:
-        return range(0), range(0)
-    start = row.input_ids.index(image_pad_id)
-    count = row.image_grid[0] * row.image_grid[1]
-    first, last = max(begin, start), min(end, start + count)
-    if first >= last:
-        return range(0), range(0)
-    return range(first - begin, last - begin), range(feature_offset + first - start, feature_offset + last - start)
+    places, sources = [], []
+    for image, (start, height, width) in zip(row.images, image_blocks(row, image_pad_id)):
+        first, last = max(begin, start), min(end, start + height * width)
+        if first < last:
+            places.extend(range(first - begin, last - begin))
+            offset = feature_offsets[image] - start
+            sources.extend(range(offset + first, offset + last))
+    return places, sources
 
 
 def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) -> Batch:
@@ -254,22 +266,23 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     slot_positions: list[int] = []
     slot_sources: list[int] = []
 
-    text_only = all(row.image_grid is None for row in rows)
+    text_only = all(not row.image_grids for row in rows)
 
     def add(row: Row, begin: int, end: int) -> None:  # a piece of a batch with images
         offset = len(ids)
         ids.extend(row.input_ids[begin:end])
         shift = 0
-        if row.image_grid is not None:
-            start = row.input_ids.index(image_pad_id)
-            height, width = row.image_grid
+        if row.image_grids:
+            blocks = image_blocks(row, image_pad_id)
+            start, height, width = blocks[-1]
             if begin < start + height * width:
                 pieces.append(_mrope(row, len(row.input_ids), image_pad_id)[:, begin:end])
-                places, sources = _image_tokens(row, begin, end, feature_offsets[row.image], image_pad_id)
-                slot_positions.extend(range(offset + places.start, offset + places.stop))
+                places, sources = _image_tokens(row, begin, end, feature_offsets, image_pad_id)
+                slot_positions.extend(offset + place for place in places)
                 slot_sources.extend(sources)
                 return
-            shift = max(height, width) - height * width  # all after the image: shifted as it leaves them
+            # All after the images: shifted as each leaves the positions after it.
+            shift = sum(max(height, width) - height * width for _, height, width in blocks)
         pieces.append(np.broadcast_to(np.arange(begin + shift, end + shift), (3, end - begin)))
 
     prefix_lengths = [split for split, _ in groups]
@@ -343,22 +356,22 @@ def _longs(values: list) -> torch.Tensor:
 
 
 def mrope_positions(row: Row, length: int, image_pad_id: int) -> torch.Tensor:
-    """[3, length] M-RoPE positions: text advances all three axes together; image tokens take
-    (start, start + h, start + w) and the text after them resumes at start + max(H, W)."""
+    """[3, length] M-RoPE positions: text advances all three axes together; an image's tokens
+    take (p, p + h, p + w), p the position its block starts at, and the text after it resumes
+    at p + max(H, W)."""
     return torch.from_numpy(_mrope(row, length, image_pad_id))
 
 
 def _mrope(row: Row, length: int, image_pad_id: int) -> np.ndarray:
     """`mrope_positions` in numpy (int64): a dozen small torch operations cost several times more."""
     positions = np.broadcast_to(np.arange(length, dtype=np.int64), (3, length)).copy()
-    if row.image_grid is None:
-        return positions
-    start = row.input_ids.index(image_pad_id)
-    height, width = row.image_grid
-    count = height * width
-    positions[:, start:start + count] = start
-    positions[1, start:start + count] += np.repeat(np.arange(height), width)
-    positions[2, start:start + count] += np.tile(np.arange(width), height)
-    after = start + count
-    positions[:, after:] = np.arange(length - after) + start + max(height, width)
+    shift = 0  # what the blocks so far took from the positions after them
+    for start, height, width in image_blocks(row, image_pad_id):
+        count = height * width
+        first = start + shift
+        positions[:, start:start + count] = first
+        positions[1, start:start + count] += np.repeat(np.arange(height), width)
+        positions[2, start:start + count] += np.tile(np.arange(width), height)
+        shift += max(height, width) - count
+        positions[:, start + count:] = np.arange(start + count, length) + shift
     return positions

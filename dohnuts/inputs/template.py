@@ -7,7 +7,7 @@ from collections import OrderedDict
 from functools import lru_cache
 
 from ..config import ModelConfig
-from ..schema import Question, Request
+from ..schema import MAX_IMAGES, Question, Request
 from .batch import Batch, EncodedImage, Row, pack_rows
 from .pixels import PixelSettings, image_key, qwen_pixels, rgb_bytes
 from .tokens import SPATIAL_MERGE, special_tokens
@@ -19,10 +19,15 @@ class OverBudget(ValueError):
     """A row is longer than the token budget: inputs are rejected, never truncated."""
 
 
-def pieces_of(request: Request) -> list[str]:
-    """The texts the template tokenises, each on its own: the state, then per question its
-    header followed by its candidates."""
-    texts = [f"State: {request.state_text}\n"]
+def pieces_of(request: Request, inline: bool = True) -> list[str]:
+    """The texts the template tokenises, each on its own: the state (`inline`: its parts
+    between images, one piece each; else its text with "<image>" in their places), then per
+    question its header followed by its candidates."""
+    parts = request.state_parts if inline else (request.state_text,)
+    if len(parts) == 1:
+        texts = [f"State: {parts[0]}\n"]
+    else:
+        texts = [f"State: {parts[0]}", *parts[1:-1], f"{parts[-1]}\n"]
     for question in request.questions:
         texts.append(f"{question.kind} question: {question.instructions}\nOptions:\n")
         texts.extend(f"- {candidate}" for candidate in question.candidates)
@@ -57,8 +62,12 @@ def _hashed_order(salt: str, candidates: tuple[str, ...], labels: tuple[str, ...
 class Template:
     """Renders validated requests with the template of recipe.md and enforces the token budget.
 
-        [<|vision_start|><|image_pad|>...<|vision_end|>\\n]State: {state}\\n
+        State: {state, each image's vision block in its place}\\n
         {type} question: {instructions}\\nOptions:\\n- {candidate 1}<M>- {candidate 2}<M>...
+
+    An image's vision block is <|vision_start|><|image_pad|>...<|vision_end|>. In the "front"
+    layout (`model.image_layout`, checkpoints from before several images) the blocks come first
+    instead, each followed by a newline, and the state's text says "<image>" in their places.
 
     Every piece is tokenised on its own, so the shared beginning of a request's rows is the
     same token sequence in each row. A choice's candidates are rendered in `rendered_order`
@@ -66,9 +75,12 @@ class Template:
     come out in label order whatever the rendering.
     """
 
-    def __init__(self, tokenizer, image_processor, marker: str, order_salt: str | None = None):
+    def __init__(self, tokenizer, image_processor, marker: str, order_salt: str | None = None,
+                 image_layout: str = "inline", max_images: int = MAX_IMAGES):
         self.tokenizer = tokenizer
+        self.max_images = max_images  # what `parse_request` takes for this template's requests
         self.order_salt = order_salt
+        self.inline = image_layout == "inline"
         self.image_processor = image_processor
         self.reserved = tuple(special_tokens(marker))
         ids = tokenizer.convert_tokens_to_ids(list(self.reserved))
@@ -85,8 +97,9 @@ class Template:
 
     @classmethod
     def of(cls, tokenizer, image_processor, model: ModelConfig) -> Template:
-        """The template of a model configuration: its marker and its choices' layout."""
-        return cls(tokenizer, image_processor, model.marker_token, model.order_salt)
+        """The template of a model configuration: its marker, its choices' and images' layouts."""
+        return cls(tokenizer, image_processor, model.marker_token, model.order_salt, model.image_layout,
+                   model.max_images)
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text on its own, through an LRU of recent pieces (questions and
@@ -112,8 +125,8 @@ class Template:
 
     def image_tokens(self) -> int:
         """The most tokens an image's block takes under the processor's fixed pixel count (its
-        patches merged 2x2, vision start and end, the newline after), or 0 without a processor:
-        what a batch planner counts for an image it has not preprocessed."""
+        patches merged 2x2, vision start and end, in the front layout the newline after), or 0
+        without a processor: what a batch planner counts for an image it has not preprocessed."""
         processor = self.image_processor
         size = getattr(processor, "size", None) or {}
         pixels = getattr(size, "longest_edge", None) or (size.get("longest_edge") if isinstance(size, dict) else None)
@@ -121,7 +134,7 @@ class Template:
         if processor is None or not pixels:
             return 0
         patch = getattr(processor, "patch_size", 16) * getattr(processor, "merge_size", SPATIAL_MERGE)
-        return pixels // patch**2 + 2 + len(self.newline_ids)
+        return pixels // patch**2 + 2 + (0 if self.inline else len(self.newline_ids))
 
     def encode_image(self, image, key: str | None = None) -> EncodedImage:
         """Pixels and patch grid of a decoded image; `key` is its `image_key` when known."""
@@ -132,27 +145,66 @@ class Template:
         rgb = rgb_bytes(image)  # the patches are made on the model's device (`Batch.patches`)
         return EncodedImage(rgb, self.pixels.grid(*rgb.shape[:2]), key, self.pixels)
 
-    def encode(self, request: Request, max_tokens: int, image_index: int | None = None,
-               image: EncodedImage | None = None) -> list[Row]:
+    def encode_images(self, request: Request, images: list[EncodedImage] | None = None,
+                      seen: dict[str, int] | None = None, encode=None) -> tuple[int, ...]:
+        """Encode each distinct image of a request once (by `image_key`), appended to `images`.
+
+        Args:
+            images, seen: a list of encoded images and {image key: its index there} to extend (an
+                image already there is not encoded again); new ones when None.
+            encode: `encode(image, key)` -> EncodedImage, `encode_image` by default.
+
+        Returns:
+            Per image of the request, in order, the index of its encoding in `images`.
+        """
+        images = [] if images is None else images
+        seen = {} if seen is None else seen
+        encode = encode or self.encode_image
+        indices = []
+        for image in request.images:
+            key = image_key(image)
+            if key not in seen:
+                seen[key] = len(images)
+                images.append(encode(image, key))
+            indices.append(seen[key])
+        return tuple(indices)
+
+    def image_block(self, image: EncodedImage) -> tuple[list[int], tuple[int, int]]:
+        """An image's vision block and its merged (height, width) token grid."""
+        thw = image.grid_thw[0].tolist()
+        grid = (thw[1] // SPATIAL_MERGE, thw[2] // SPATIAL_MERGE)
+        return [self.vision_start_id] + [self.image_pad_id] * (grid[0] * grid[1]) + [self.vision_end_id], grid
+
+    def encode(self, request: Request, max_tokens: int, image_indices: tuple[int, ...] = (),
+               images: tuple[EncodedImage, ...] = ()) -> list[Row]:
         """Token rows of a request, one per question, in question order.
 
         Args:
             request: the validated request.
             max_tokens: the budget; a longer row is rejected, never truncated.
-            image_index: index the rows' image will have in its batch.
-            image: the request's encoded image (required when the request has one).
+            image_indices: per image of the request (in `request.images` order), the index its
+                encoded image will have in its batch (the same image twice: the same index).
+            images: per image of the request, its encoded image.
 
         Raises:
             OverBudget: a row is over the token budget (a ValueError).
         """
-        pieces = iter(self.tokenize(pieces_of(request)))
-        prefix, grid = [], None
-        if request.image is not None:
-            thw = image.grid_thw[0].tolist()
-            grid = (thw[1] // SPATIAL_MERGE, thw[2] // SPATIAL_MERGE)
-            prefix = [self.vision_start_id] + [self.image_pad_id] * (grid[0] * grid[1]) + [self.vision_end_id]
-            prefix = prefix + self.newline_ids
-        prefix = prefix + next(pieces)
+        if len(images) != len(request.images) or len(image_indices) != len(request.images):
+            raise ValueError(f"the request has {len(request.images)} images; {len(images)} encoded images and "
+                             f"{len(image_indices)} batch indices were given")
+        pieces = iter(self.tokenize(pieces_of(request, self.inline)))
+        blocks = [self.image_block(image) for image in images]
+        prefix = []
+        if self.inline:
+            for block, _ in blocks:
+                prefix.extend(next(pieces))
+                prefix.extend(block)
+        else:
+            for block, _ in blocks:
+                prefix.extend(block)
+                prefix.extend(self.newline_ids)
+        prefix.extend(next(pieces))
+        grids = tuple(grid for _, grid in blocks)
         rows = []
         for question in request.questions:
             ids = prefix + next(pieces)
@@ -167,8 +219,7 @@ class Template:
                     f"question {question.qid!r}: the input is {len(ids)} tokens, over the budget of "
                     f"{max_tokens}; inputs are rejected, never truncated"
                 )
-            rows.append(Row(tuple(ids), tuple(markers), question, len(prefix),
-                            image_index if request.image is not None else None, grid))
+            rows.append(Row(tuple(ids), tuple(markers), question, len(prefix), tuple(image_indices), grids))
         return rows
 
     def collate(self, rows: list[Row], images: list[EncodedImage]) -> Batch:

@@ -27,9 +27,10 @@ def _probe(template: Template, max_tokens: int):
     request = parse_request({"note": "a red square", "image": image}, {
         "colour": {"type": "choice", "instructions": "What colour?", "criteria": ["red", "green", "blue"]},
         "big": {"type": "noul", "instructions": "Is it big?"},
-    }, template.reserved)
-    encoded = template.encode_image(request.image)
-    return template.collate(template.encode(request, max_tokens, 0, encoded), [encoded])
+    }, template.reserved, template.max_images)
+    images = []
+    indices = template.encode_images(request, images)
+    return template.collate(template.encode(request, max_tokens, indices, tuple(images)), images)
 
 
 def merge(base: Path, adapter: Path, model: ModelConfig, lora: LoraConfig, out: Path) -> float:

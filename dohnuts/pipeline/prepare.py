@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..config import DataConfig, ModelConfig, to_dict
 from ..data import synthetic
 from ..data.doctor import budget_exclusion, diagnose, token_lengths
 from ..data.guard import guarded, read_guard
+from ..data.image_files import shown_text
 from ..data.public.mixture import public_states
 from ..data.records import partition_rows, write_partition
 from ..data.user_records import RecordsError, read_records
@@ -45,7 +45,7 @@ def exclusion(lengths: dict, train_tokens: int, inference_tokens: int, guard: fr
 
     def exclude(state, qid, partition):
         if guard:
-            text = rendered.setdefault(state.state_id, _text(state.state))
+            text = rendered.setdefault(state.state_id, shown_text(state.state))
             if guarded(state.state, text, guard):
                 return "guard"
         return budget(state, qid, partition)
@@ -54,12 +54,6 @@ def exclusion(lengths: dict, train_tokens: int, inference_tokens: int, guard: fr
 
 class UntestedGroups(ValueError):
     """A group has no test rows (and `data.allow_untested_groups` is off)."""
-
-
-def _text(state) -> str:
-    if isinstance(state, str):
-        return state
-    return json.dumps({key: value for key, value in state.items() if key != "image"}, ensure_ascii=False)
 
 
 def prepare(model: ModelConfig, data: DataConfig, train_tokens: int, base_out: Path, data_root: Path,

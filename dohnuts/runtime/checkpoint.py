@@ -208,8 +208,9 @@ def read_merged(folder: Path, need_calibration: bool, unread: tuple[str, ...] = 
     required = (HEAD, SETTINGS) + ((calibrated or CALIBRATION,) if need_calibration else ())
     verify_manifest(folder, required=required, unread=unread)
     settings = read_json(folder / SETTINGS)
-    # A checkpoint from before `choice_order` existed was trained and served in the given order.
-    model = {"choice_order": "given", **settings["model"]}
+    # A checkpoint from before `choice_order` existed was trained and served in the given order;
+    # one from before `image_layout`, with its image's block before the state.
+    model = {"choice_order": "given", "image_layout": "front", **settings["model"]}
     model_config = build(ModelConfig, model, f"{folder}/{SETTINGS} model")
     if calibrated == CALIBRATION:
         return model_config, Calibrator.from_json(read_json(folder / CALIBRATION), f"{folder}/{CALIBRATION}")

@@ -46,13 +46,13 @@ MAX_WAIT = 1.0
 
 
 class EncodedRequest(NamedTuple):
-    """One request as the engine takes it: its rows in question order, its image (None when it
-    has none) and its deadline (`time.monotonic()` seconds, the same clock for every process of
-    a host; None: none). The rows' `question` may be None: the engine reads only tokens and
-    markers."""
+    """One request as the engine takes it: its rows in question order, its distinct images (the
+    rows' `images` index them) and its deadline (`time.monotonic()` seconds, the same clock for
+    every process of a host; None: none). The rows' `question` may be None: the engine reads
+    only tokens and markers."""
 
     rows: list[Row]
-    image: EncodedImage | None = None
+    images: tuple[EncodedImage, ...] = ()
     deadline: float | None = None
 
 
@@ -189,9 +189,9 @@ class Engine:
             return self.graphed(joined)
         return joined.tokens <= self.budget
 
-    def _cached(self, image: EncodedImage | None) -> EncodedImage | None:
+    def _cached(self, image: EncodedImage) -> EncodedImage:
         """The image as a batch takes it: without pixels when its features are cached."""
-        if image is None or image.pixel_values is None:
+        if image.pixel_values is None:
             return image
         grid = self.model.image_cache.grid(image.key)
         return EncodedImage(None, grid, image.key) if grid is not None else image
@@ -201,16 +201,16 @@ class Engine:
         rows, images, seen = [], [], {}
         for piece in pieces:
             request = requests[piece.request]
-            slot = None
-            if request.image is not None:
-                key = request.image.key
-                if key not in seen:
-                    seen[key] = len(images)
-                    images.append(self._cached(request.image))
-                slot = seen[key]
+            slots = []
+            for image in request.images:
+                if image.key not in seen:
+                    seen[image.key] = len(images)
+                    images.append(self._cached(image))
+                slots.append(seen[image.key])
             for index in piece.rows:
                 row = request.rows[index]
-                rows.append(row if row.image == slot else row._replace(image=slot))
+                own = tuple(slots[image] for image in row.images)
+                rows.append(row if row.images == own else row._replace(images=own))
         return pack_rows(rows, images, self.image_pad_id)
 
     def launch(self, requests: Sequence[EncodedRequest], pieces: list[Piece]) -> Invocation:

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import pandas as pd
 import torch
+from PIL import Image
 from tqdm import tqdm
 
 from ..data.loader import Item, prefetch, worker_batches
-from ..data.records import RecordReader
+from ..data.records import RecordReader, with_images
 from ..inputs.batch import SHARED_MIN
 from ..inputs.template import Template, pieces_of
 from ..schema import parse_request
@@ -24,8 +25,8 @@ class StateRecords:
     """One state's records as plain values, in the partition's order: one request. Plain lists
     cost far less to walk than the table's rows (pandas indexing was half of a batch's build)."""
 
-    state: str  # the state's JSON
-    image: str | None  # its image file, relative to the partition
+    state: str  # the state's JSON, each image's file name in its place
+    images: tuple[str, ...]  # its images' files, relative to the partition, in the order of the state's text
     state_id: str
     groups: tuple[str, ...]
     qids: tuple[str, ...]
@@ -40,7 +41,8 @@ class StateRecords:
         return {qid: json.loads(question) for qid, question in zip(self.qids, self.questions)}
 
 
-COLUMNS = ("state", "image", "state_id", "group", "qid", "question", "target")
+BLANK = Image.new("RGB", (1, 1))  # what stands for an image whose block is counted, not made
+COLUMNS = ("state", "images", "state_id", "group", "qid", "question", "target")
 
 
 def state_records(rows: pd.DataFrame) -> list[StateRecords]:
@@ -51,9 +53,9 @@ def state_records(rows: pd.DataFrame) -> list[StateRecords]:
         members.setdefault(state_id, []).append(index)
     requests = []
     for state_id, indices in members.items():
-        image = columns["image"][indices[0]]
+        images = columns["images"][indices[0]]
         requests.append(StateRecords(
-            columns["state"][indices[0]], image if isinstance(image, str) and image else None, state_id,
+            columns["state"][indices[0]], tuple(images) if images is not None else (), state_id,
             *(tuple(columns[name][index] for index in indices) for name in ("group", "qid", "question")),
             tuple(tuple(float(x) for x in columns["target"][index]) for index in indices)))
     return requests
@@ -61,12 +63,16 @@ def state_records(rows: pd.DataFrame) -> list[StateRecords]:
 
 def request_tokens(template: Template, records: StateRecords) -> int:
     """The tokens one request (a state's records) computes once packed, as `pack_rows` lays it
-    out: the image block and state, shared by its questions when it holds at least
+    out: the state with its images' blocks, shared by its questions when it holds at least
     `SHARED_MIN` tokens, then each question's own header, candidates and markers. Counted from the
-    text, without decoding the image (`Template.image_tokens` bounds its block)."""
-    request = parse_request(json.loads(records.state), records.request_questions(), template.reserved)
-    pieces = iter(len(ids) for ids in template.tokenize(pieces_of(request)))
-    prefix = next(pieces) + (template.image_tokens() if records.image is not None else 0)
+    text, without decoding the images (`Template.image_tokens` bounds each block)."""
+    names = set(records.images)
+    state = with_images(json.loads(records.state), names, dict.fromkeys(names, BLANK))
+    request = parse_request(state, records.request_questions(), template.reserved, template.max_images)
+    lengths = [len(ids) for ids in template.tokenize(pieces_of(request, template.inline))]
+    parts = len(request.state_parts) if template.inline else 1  # the state's pieces
+    prefix = sum(lengths[:parts]) + template.image_tokens() * len(request.images)
+    pieces = iter(lengths[parts:])
     own = [next(pieces) + sum(next(pieces) + 1 for _ in question.candidates)  # header, candidates, markers
            for question in request.questions]
     split = prefix if len(own) > 1 and prefix >= SHARED_MIN else 0
@@ -92,7 +98,7 @@ def plan_batches(rows: pd.DataFrame, batch_tokens: int, template: Template) -> l
 
 def request_of(reader: RecordReader, records: StateRecords) -> tuple[object, dict]:
     """(state, questions) of one state's records, as a user would send them to `predict`."""
-    return reader.state({"state": records.state, "image": records.image}), records.request_questions()
+    return reader.state({"state": records.state, "images": records.images}), records.request_questions()
 
 
 class EvaluationBatches:
@@ -105,11 +111,9 @@ class EvaluationBatches:
         template = self.template
         encoded_rows, images, meta = [], [], []
         for records in requests:
-            request = parse_request(*request_of(self.reader, records), template.reserved)
-            image = template.encode_image(request.image) if request.image is not None else None
-            rows = template.encode(request, self.max_tokens, len(images), image)
-            if image is not None:
-                images.append(image)
+            request = parse_request(*request_of(self.reader, records), template.reserved, template.max_images)
+            indices = template.encode_images(request, images, {})  # each request's own: no joint prefixes
+            rows = template.encode(request, self.max_tokens, indices, tuple(images[index] for index in indices))
             encoded_rows.extend(rows)
             for row, group, qid, target in zip(rows, records.groups, records.qids, records.targets):
                 meta.append({"group": group, "state_id": records.state_id, "qid": qid, "kind": row.question.kind,

@@ -1,8 +1,9 @@
 """What a server's front ends and engines say to each other, as msgpack: encoded requests one
-way (token ids, marker positions, an image's key, grid and RGB bytes), logits or an error back.
+way (token ids, marker positions, each image's key, grid and RGB bytes), logits or an error back.
 
-    request: [id, [[ids int32 bytes, markers int32 bytes, shared], ...], image, deadline]
-             image: None, or [key, [t, h, w], height, width, RGB bytes]
+    request: [id, [[ids int32 bytes, markers int32 bytes, shared], ...], images, placed, deadline]
+             images: the request's distinct images, each [key, [t, h, w], height, width, RGB bytes]
+             placed: per vision block of its rows, in order, the index of its image in images
              deadline: None, or time.monotonic() seconds (one clock for a host's processes)
     reply:   [id, "logits", rows, columns, float32 bytes]  or  [id, "error", kind, message]
     cancel:  the frames CANCEL, [id]: the request's caller went away; drop it if it still waits
@@ -27,30 +28,31 @@ CANCEL = b"cancel"  # the first of a cancel's two frames (a request is one frame
 
 
 def pack_request(request_id: int, request: EncodedRequest) -> bytes:
-    """The message of one encoded request (its image with its RGB bytes)."""
+    """The message of one encoded request (its images with their RGB bytes)."""
     rows = [[np.asarray(row.input_ids, dtype=np.int32).tobytes(), np.asarray(row.markers, dtype=np.int32).tobytes(),
              row.shared] for row in request.rows]
-    image = request.image
-    if image is not None:
+    images = []
+    for image in request.images:
         if image.pixel_values is None or image.settings is None:
             raise ValueError("an image crosses to the engine as its RGB bytes: encode it with pixel settings")
         height, width = image.pixel_values.shape[:2]
-        image = [image.key, image.grid_thw[0].tolist(), height, width, image.pixel_values.numpy().tobytes()]
-    return msgpack.packb([request_id, rows, image, request.deadline], use_bin_type=True)
+        images.append([image.key, image.grid_thw[0].tolist(), height, width, image.pixel_values.numpy().tobytes()])
+    placed = list(request.rows[0].images) if request.rows else []
+    return msgpack.packb([request_id, rows, images, placed, request.deadline], use_bin_type=True)
 
 
 def unpack_request(message: bytes, settings: PixelSettings | None) -> tuple[int, EncodedRequest]:
-    """(id, encoded request) of a request message; `settings` turn its image's bytes into patches."""
-    request_id, rows, image, deadline = msgpack.unpackb(message, raw=False)
-    encoded_image, grid = None, None
-    if image is not None:
-        key, thw, height, width, pixels = image
+    """(id, encoded request) of a request message; `settings` turn its images' bytes into patches."""
+    request_id, rows, images, placed, deadline = msgpack.unpackb(message, raw=False)
+    encoded, grids = [], []
+    for key, thw, height, width, pixels in images:
         rgb = torch.frombuffer(bytearray(pixels), dtype=torch.uint8).view(height, width, 3)
-        encoded_image = EncodedImage(rgb, torch.tensor([thw], dtype=torch.long), key, settings)
-        grid = (thw[1] // SPATIAL_MERGE, thw[2] // SPATIAL_MERGE)
-    made = [Row(_ints(ids), _ints(markers), None, shared, 0 if image is not None else None, grid)
-            for ids, markers, shared in rows]
-    return request_id, EncodedRequest(made, encoded_image, deadline)
+        encoded.append(EncodedImage(rgb, torch.tensor([thw], dtype=torch.long), key, settings))
+        grids.append((thw[1] // SPATIAL_MERGE, thw[2] // SPATIAL_MERGE))
+    placed = tuple(placed)
+    own_grids = tuple(grids[index] for index in placed)
+    made = [Row(_ints(ids), _ints(markers), None, shared, placed, own_grids) for ids, markers, shared in rows]
+    return request_id, EncodedRequest(made, tuple(encoded), deadline)
 
 
 def pack_cancel(request_id: int) -> list[bytes]:

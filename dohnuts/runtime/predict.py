@@ -11,7 +11,6 @@ import torch
 
 from ..config import ModelConfig
 from ..inputs.batch import Batch, EncodedImage
-from ..inputs.pixels import image_key
 from ..inputs.template import OverBudget
 from ..model.decision import default_device
 from ..model.decoder import pack_projections
@@ -93,7 +92,7 @@ class Predictor:
         encoded, parsed, tokens, failures = [], [], [], {}
         for index, (state, questions) in enumerate(requests):
             try:
-                request = parse_request(state, questions, self.template.reserved)
+                request = parse_request(state, questions, self.template.reserved, self.template.max_images)
                 own = self.encode_request(request)
             except (TypeError, ValueError) as error:
                 if not collect:
@@ -115,8 +114,8 @@ class Predictor:
         """Answer every question about `state`.
 
         Args:
-            state: a string, or a mapping (rendered as JSON) with at most one PIL image
-                under "image".
+            state: a string, or a mapping (rendered as JSON) holding PIL images anywhere in
+                it, at most `model.max_images`; each image's vision block takes its place.
             questions: qid -> {"type": "choice" | "noul" | "score", "instructions", "criteria"}.
             risk: mark each answer "abstain": true where its confidence is below its type's
                 threshold at this risk (one of `self.calibrator.risks`, fitted by the calibrate
@@ -166,20 +165,23 @@ class Predictor:
 
 
 def encode_request(template, config: ModelConfig, request: Request, cached_grid=None) -> EncodedRequest:
-    """A validated request's rows and image as the engine takes them; with `cached_grid(key)`
-    (the grid of an image whose features are cached, else None), a cached image carries no
-    pixels. A server's front end, which sees no cache, sends every image's bytes.
+    """A validated request's rows and images as the engine takes them (each distinct image
+    once); with `cached_grid(key)` (the grid of an image whose features are cached, else None),
+    a cached image carries no pixels. A server's front end, which sees no cache, sends every
+    image's bytes.
 
     Raises:
         OverBudget: a row over `config.max_tokens`, or the request's computed tokens (its shared
             beginning once, then each row's own) over `config.max_request_tokens`.
     """
-    image = None
-    if request.image is not None:
-        key = image_key(request.image)
+    def encode(image, key):
         grid = cached_grid(key) if cached_grid is not None else None
-        image = EncodedImage(None, grid, key) if grid is not None else template.encode_image(request.image, key)
-    encoded = EncodedRequest(template.encode(request, config.max_tokens, 0, image), image)
+        return EncodedImage(None, grid, key) if grid is not None else template.encode_image(image, key)
+
+    images = []
+    indices = template.encode_images(request, images, encode=encode)  # the same image twice: encoded once
+    placed = tuple(images[index] for index in indices)
+    encoded = EncodedRequest(template.encode(request, config.max_tokens, indices, placed), tuple(images))
     tokens = request_shape(encoded).tokens
     if tokens > config.max_request_tokens:
         raise OverBudget(f"the request is {tokens} tokens (its state once, then every question), over the "
@@ -222,7 +224,7 @@ def answers_of(logits: np.ndarray, mask: np.ndarray, parsed: list[Request], toke
             if risk is not None:
                 answers[question.qid]["abstain"] = max(own) < calibrator.threshold(question.kind, risk)
             row += 1
-        result = {"answers": answers, "usage": {"input_tokens": count, "images": int(request.image is not None)}}
+        result = {"answers": answers, "usage": {"input_tokens": count, "images": len(request.images)}}
         if raw is not None:
             first = row - len(request.questions)
             result["logits"] = {question.qid: raw[first + index][: len(question.labels)]

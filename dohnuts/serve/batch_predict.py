@@ -24,9 +24,9 @@ def _request(line: str, folder: Path) -> tuple[object, dict]:
         raise ValueError(f"unknown keys {sorted(unknown)}")
     if "state" not in record or "questions" not in record:
         raise ValueError("a request needs 'state' and 'questions'")
-    state, problem = decoded_state(folder, record["state"])
-    if problem:
-        raise ValueError(problem)
+    state, problems = decoded_state(folder, record["state"])
+    if problems:
+        raise ValueError("; ".join(problems))
     return state, record["questions"]
 
 

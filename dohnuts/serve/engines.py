@@ -204,8 +204,8 @@ class RemoteEngines:
         ready = self._ready()
         if not ready:
             raise Unavailable("no engine is ready yet")
-        if request.image is not None:  # the same image, the same engine: its features are cached there
-            return ready[zlib.crc32(request.image.key.encode()) % len(ready)]
+        if request.images:  # the same first image, the same engine: its features are cached there
+            return ready[zlib.crc32(request.images[0].key.encode()) % len(ready)]
         return min(ready, key=lambda index: (self._refusing(index), len(self.waiting[index])))
 
     async def submit(self, request: EncodedRequest) -> np.ndarray:

@@ -64,7 +64,7 @@ def test_shape_only_runs_give_the_published_token_counts_of_the_workloads():
 
 
 def _rows(*sequences, shared=0, image=None):
-    return [Row(tuple(ids), (len(ids) - 1,), None, shared, image, None) for ids in sequences]
+    return [Row(tuple(ids), (len(ids) - 1,), None, shared, () if image is None else (image,)) for ids in sequences]
 
 
 def test_repeated_prefix_tokens_count_what_the_padded_baseline_computes_twice():

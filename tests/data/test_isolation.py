@@ -23,9 +23,9 @@ def test_texts_are_compared_after_unicode_case_and_space_normalisation():
 
 def test_states_sharing_a_text_an_image_or_a_source_are_joined_across_groups():
     units = [Unit("a", "Hello there"), Unit("b", "hello  THERE"),  # one text, two groups
-             Unit("c", "{}", image="pixels-1"), Unit("d", "a caption", image="pixels-1"),  # one image
+             Unit("c", "{}", images=("pixels-1",)), Unit("d", "a caption", images=("pixels-1",)),  # one image
              Unit("d", "another caption", source="record-7"), Unit("e", "third", source="record-7"),
-             Unit("e", "{}", image="pixels-2"), Unit("f", "{}", image="pixels-3")]  # empty texts join nothing
+             Unit("e", "{}", images=("pixels-2",)), Unit("f", "{}", images=("pixels-3",))]  # empty texts join nothing
     roots = components(units)
     assert roots[0] == roots[1] and roots[2] == roots[3] and roots[4] == roots[5]
     assert len({roots[0], roots[2], roots[4], roots[6], roots[7]}) == 5
@@ -34,22 +34,23 @@ def test_states_sharing_a_text_an_image_or_a_source_are_joined_across_groups():
 def test_a_shared_caption_over_different_images_joins_nothing_and_a_shared_document_does():
     caption = '{"caption": "a scanned form"}'
     document = "The agreement between the parties covers delivery, payment and returns. " * 4  # over 256 characters
-    units = [Unit("forms", caption, image=f"pixels-{index}") for index in range(3)]
-    units += [Unit("claims", document, image="photo-1"), Unit("claims", document, image="photo-2")]
+    units = [Unit("forms", caption, images=(f"pixels-{index}",)) for index in range(3)]
+    units += [Unit("claims", document, images=("photo-1",)), Unit("claims", document, images=("photo-2",))]
     units += [Unit("tickets", "short"), Unit("tickets", "SHORT")]  # no image: any shared text joins
     roots = components(units)
     assert len({roots[0], roots[1], roots[2]}) == 3
     assert roots[3] == roots[4] and roots[5] == roots[6]
-    rows = pd.DataFrame({"partition": ["train", "test", "train", "test", "train", "test"],
-                         "state": [caption, caption, document, document, "short", "short"],
-                         "image_key": ["pixels-0", "pixels-1", "photo-1", "photo-2", None, None]})
+    rows = zip(["train", "test", "train", "test", "train", "test"],
+               [caption, caption, document, document, "short", "short"],
+               [("pixels-0",), ("pixels-1",), ("photo-1",), ("photo-2",), (), ()])
     assert cross_partition(rows) == {"texts": 2, "images": 0}  # the document and the text state, not the caption
+    assert cross_partition([("train", "{}", ("a", "b")), ("test", "{}", ("c", "b"))]) == {"texts": 0, "images": 1}
 
 
 def test_one_photo_stored_with_different_bytes_by_two_groups_is_joined_by_a_link_to_the_photo():
-    units = [Unit("aokvqa", '{"question": "What is on it?"}', image="jpeg-bytes-a", links=("photo:coco:397133",)),
-             Unit("vqav2", '{"question": "Is it sunny?"}', image="jpeg-bytes-b", links=("photo:coco:397133",)),
-             Unit("vqav2", '{"question": "Is it raining?"}', image="jpeg-bytes-c", links=("photo:coco:42",))]
+    units = [Unit("aokvqa", '{"question": "What is on it?"}', images=("jpeg-bytes-a",), links=("photo:coco:397133",)),
+             Unit("vqav2", '{"question": "Is it sunny?"}', images=("jpeg-bytes-b",), links=("photo:coco:397133",)),
+             Unit("vqav2", '{"question": "Is it raining?"}', images=("jpeg-bytes-c",), links=("photo:coco:42",))]
     roots = components(units)
     assert roots[0] == roots[1] != roots[2]
     for seed in range(10):
@@ -74,7 +75,7 @@ def test_training_rows_of_a_source_with_official_splits_are_hashed_only_among_th
 
 def test_joins_are_transitive_and_a_component_lands_whole_in_one_partition():
     document = "a document long enough to identify its state beside an image. " * 5
-    units = [Unit("g", document if i == 1 else f"text {i}", image=f"image {i // 2}") for i in range(6)]  # pairs
+    units = [Unit("g", document if i == 1 else f"text {i}", images=(f"image {i // 2}",)) for i in range(6)]  # pairs
     units += [Unit("g", document, source="s"), Unit("h", "other", source="s")]  # a chain: 1 - 6 - 7
     roots = components(units)
     assert roots[0] == roots[1] == roots[6] == roots[7]
@@ -115,7 +116,7 @@ def test_a_prepared_mixture_has_no_text_and_no_image_in_two_partitions(tmp_path)
     # Checked here from the written rows, independently of the isolation's own report.
     per_text = rows.assign(text=[normalise_text(s) for s in rows.state]).dropna(subset=["text"])
     assert per_text.groupby("text").partition.nunique().max() == 1
-    assert rows.dropna(subset=["image_key"]).groupby("image_key").partition.nunique().max() == 1
+    assert rows.explode("image_keys").dropna(subset=["image_keys"]).groupby("image_keys").partition.nunique().max() == 1
     assert result["isolation"]["cross_partition"] == {"texts": 0, "images": 0}
     # At 32 pixels two colour states may draw the same square: their rows repeat exactly.
     assert set(result["isolation"]["drops"]) <= {"exact_duplicate_rows"}
@@ -148,5 +149,6 @@ def test_duplicated_and_re_encoded_states_are_isolated_and_exact_duplicates_drop
     assert "copy-exact" not in where
     assert result["isolation"]["drops"] == {"exact_duplicate_rows": {"message_tone": len(text_state.questions)}}
     assert result["isolation"]["cross_partition"] == {"texts": 0, "images": 0}
-    png_files = set(rows[rows.state_id.isin(["copy-pixels", image_state.state_id])].image)
+    png_files = {name for names in rows[rows.state_id.isin(["copy-pixels", image_state.state_id])].images
+                 for name in names}
     assert len(png_files) == 2  # two files on disk, one image by content

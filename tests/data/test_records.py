@@ -34,7 +34,7 @@ def test_every_state_lands_whole_in_exactly_one_partition(tmp_path):
     assert len(seen) == len(states)
     expected_rows = sum(len(state.questions) for state in states)
     assert sum(len(table) for table in tables.values()) == expected_rows
-    images = tables["test"].image.dropna()
+    images = tables["test"].images.explode().dropna()
     assert len(images) and all((tmp_path / "test" / name).is_file() for name in images)
 
 

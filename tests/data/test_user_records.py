@@ -171,6 +171,35 @@ def test_a_re_encoded_image_and_a_text_in_two_groups_land_in_one_partition(tmp_p
         assert report["cross_partition"] == {"texts": 0, "images": 0}
 
 
+def test_states_of_several_images_are_read_in_place_and_joined_by_any_shared_image(tmp_path):
+    """Images under any key and in lists, as paths or data URLs, decoded in their places; a text
+    that only mentions a file stays text; a state sharing any one image with another joins it;
+    a nested missing file is named by its place."""
+    (tmp_path / "images").mkdir()
+    for name, colour in (("a", (200, 20, 20)), ("b", (20, 200, 20)), ("c", (20, 20, 200))):
+        (tmp_path / "images" / f"{name}.png").write_bytes(_png(colour))
+    url = "data:image/png;base64," + base64.b64encode(_png((90, 90, 90))).decode()
+    pair = {"before": "images/a.png", "note": "see before.png for details", "after": ["images/b.png", url]}
+    records = [{**_record(0), "state": pair},
+               {**_record(1), "state": {"photos": ["images/c.png", "images/b.png"]}},  # shares b with r-0
+               {**_record(2), "state": {"photos": ["images/c.png", {"inner": "images/missing.png"}]}}]
+    _write(tmp_path / "pairs.jsonl", records + [_record(10 + i) for i in range(40)])
+    states, problems = read_records(tmp_path)
+    assert [str(problem).split(": ", 1)[1] for problem in problems] == [
+        f"state.photos[1].inner: no such file images/missing.png (in {tmp_path})"]
+    state = next(state for state in states if state.state_id == "r-0").state
+    assert state["note"] == "see before.png for details" and isinstance(state["before"], Image.Image)
+    assert [image.getpixel((10, 10)) for image in state["after"]] == [(20, 200, 20), (90, 90, 90)]
+    for seed in range(6):
+        written, files, report = partition_rows(states, seed, FRACTIONS)
+        rows = {row["state_id"]: row for rows in written.values() for row in rows}
+        assert rows["r-0"]["partition"] == rows["r-1"]["partition"]
+        assert len(rows["r-0"]["images"]) == 3 and all(name in files for name in rows["r-0"]["images"])
+        stored = json.loads(rows["r-0"]["state"])  # each image's file name in its place
+        assert stored["before"] == rows["r-0"]["images"][0] and stored["after"] == rows["r-0"]["images"][1:]
+        assert report["cross_partition"] == {"texts": 0, "images": 0}
+
+
 def test_states_naming_one_photo_land_in_one_partition_whatever_their_pixels(tmp_path):
     (tmp_path / "images").mkdir()
     colours = [(200, 20, 20), (20, 200, 20), (20, 20, 200), (90, 90, 90)]

@@ -25,8 +25,10 @@ THREE_TYPES = {  # one question of each type
 }
 
 
-def _row(ids, shared, markers, image=None):
-    return Row(tuple(ids), tuple(markers), QUESTION, shared, image, (2, 2) if image is not None else None)
+def _row(ids, shared, markers, image=None, images=None):
+    """A row of one 2x2 image (`image`: its batch index) or of several (`images`), or none."""
+    images = images if images is not None else (() if image is None else (image,))
+    return Row(tuple(ids), tuple(markers), QUESTION, shared, tuple(images), ((2, 2),) * len(images))
 
 
 def test_split_is_the_whole_shared_beginning_and_never_passes_the_first_marker():
@@ -121,6 +123,34 @@ def test_positions_of_a_mixed_batch_rebuild_every_rows_own_mrope_positions():
         assert torch.equal(rebuilt, mrope_positions(row, len(row.input_ids), 77)), index
     text_rows = pack_rows([rows[2], rows[4]], [], image_pad_id=77)
     assert text_rows.position_ids.is_contiguous() and torch.equal(text_rows.position_ids[0], text_rows.position_ids[2])
+
+
+def test_rows_of_several_images_get_each_blocks_features_and_positions_cut_anywhere():
+    """Rows with two image blocks (the same image twice in one, two images in another), split
+    inside the second block: every slot reads its own image's feature rows, and each row's
+    positions, its prefix's then its own, are `mrope_positions` of the row alone."""
+    two = [9] * 50 + [50] + [77] * 4 + [51] + [9] * 6 + [50] + [77] * 4 + [51] + [12, 13]  # blocks at 51, 63
+    rows = [_row(two + [1, 0], 65, [len(two) + 1], images=(0, 1)), _row(two + [2, 0], 65, [len(two) + 1],
+                                                                       images=(0, 1)),
+            _row(two + [3, 0], 0, [len(two) + 1], images=(1, 1))]
+    images = [EncodedImage(torch.zeros(16, 3), torch.tensor([[1, 4, 4]]), key) for key in "ab"]
+    batch = pack_rows(rows, images, image_pad_id=77)
+    assert batch.prefix_tokens == 65 and batch.fork.parents.tolist() == [0, 0, -1]
+    slots, sources = batch.image_slots.tolist(), batch.image_sources.tolist()
+    # The prefix holds image 0 whole and 2 tokens of image 1 (feature rows 4..7 follow image 0's 0..3).
+    assert slots[:6] == [51, 52, 53, 54, 63, 64] and sources[:6] == [0, 1, 2, 3, 4, 5]
+    assert sources[6:10] == [6, 7] * 2 and sources[10:] == [4, 5, 6, 7] * 2  # rows 0 and 1's rest, row 2 whole
+    assert (batch.input_ids[batch.image_slots] == 77).all()
+    prefix, own = batch.position_ids[:, :65], batch.position_ids[:, 65:]
+    bounds = batch.cu_seqlens.tolist()
+    for index, row in enumerate(rows):
+        head = prefix if index < 2 else prefix[:, :0]
+        rebuilt = torch.cat([head, own[:, bounds[index]:bounds[index + 1]]], 1)
+        assert torch.equal(rebuilt, mrope_positions(row, len(row.input_ids), 77)), index
+    full = mrope_positions(rows[2], len(rows[2].input_ids), 77)
+    # Each 2x2 block takes positions (p, p + h, p + w) and leaves max(h, w) = 2 to the text after it.
+    assert full[:, 51:55].tolist() == [[51] * 4, [51, 51, 52, 52], [51, 52, 51, 52]]
+    assert full[0, 55].item() == 53 and full[0, 63].item() == 61 and full[0, 67].item() == 63
 
 
 def test_shared_prefixes_of_64_and_127_tokens_match_unshared_logits_and_gradients(tiny):

@@ -37,16 +37,45 @@ def test_rows_render_the_recipe_template_with_one_marker_per_candidate(tiny):
     assert first.input_ids[:shared] == second.input_ids[:shared]
 
 
-def test_image_rows_carry_the_vision_block_before_the_state(tiny):
+def test_image_rows_carry_each_vision_block_in_its_place_in_the_state(tiny):
     template = tiny.template()
-    request = parse_request({"image": Image.new("RGB", (64, 64), "white")}, QUESTIONS, template.reserved)
-    image = template.encode_image(request.image)
-    rows = template.encode(request, 4096, 0, image)
+    white, black = Image.new("RGB", (64, 64), "white"), Image.new("RGB", (64, 32), "black")
+    request = parse_request({"before": white, "note": "x", "after": [black, white]}, QUESTIONS, template.reserved)
+    images = []
+    indices = template.encode_images(request, images)
+    assert indices == (0, 1, 0) and len(images) == 2  # the same image twice: encoded once
+    rows = template.encode(request, 4096, indices, tuple(images[index] for index in indices))
+    ids = list(rows[0].input_ids)
+    # The pixel policy sizes every image to about image_pixels: 64 x 64 is 2 x 2 merged tokens.
+    height, width = (images[1].grid_thw[0, 1:] // 2).tolist()
+    assert rows[0].images == (0, 1, 0) and rows[0].image_grids == ((2, 2), (height, width), (2, 2))
+    decoded = template.tokenizer.decode(ids)
+    block = "<|vision_start|>{}<|vision_end|>"
+    assert decoded.startswith('State: {"before": ' + block.format("<|image_pad|>" * 4) + ', "note": "x", "after": ['
+                              + block.format("<|image_pad|>" * height * width) + ", "
+                              + block.format("<|image_pad|>" * 4) + "]}\n")
+    # The rows' common beginning is the whole state, images and all.
+    assert rows[0].shared == rows[1].shared and template.tokenizer.decode(ids[:rows[0].shared]).endswith("]}\n")
+    assert rows[0].input_ids[:rows[0].shared] == rows[1].input_ids[:rows[1].shared]
+
+
+def test_the_front_layout_puts_the_blocks_before_the_state(tiny):
+    """Checkpoints from before several images (`image_layout: front`): blocks first, each with its
+    newline, and the state's text without its top-level image ("<image>" in other places)."""
+    template = Template(tiny.template().tokenizer, tiny.template().image_processor, tiny.model.marker_token,
+                        image_layout="front")
+    white = Image.new("RGB", (64, 64), "white")
+    request = parse_request({"image": white, "photo": white, "n": 1}, QUESTIONS, template.reserved)
+    images = []
+    indices = template.encode_images(request, images)
+    ids = template.encode(request, 4096, indices, tuple(images[index] for index in indices))[0].input_ids
     tokens = 64 * 64 // (16 * 16) // 4  # 4x4 patches merged 2x2
-    ids = rows[0].input_ids
     assert ids[0] == template.vision_start_id and ids[1 + tokens] == template.vision_end_id
     assert ids[1 : 1 + tokens] == (template.image_pad_id,) * tokens
-    assert template.tokenizer.decode(list(ids[2 + tokens :])).startswith("\nState: {}\n")
+    second = 2 + tokens + len(template.newline_ids)
+    assert ids[second] == template.vision_start_id
+    assert template.tokenizer.decode(list(ids[second + 2 + tokens:])).startswith(
+        '\nState: {"photo": "<image>", "n": 1}\n')
 
 
 def test_over_budget_input_is_rejected_not_truncated(tiny):
@@ -60,15 +89,20 @@ def test_over_budget_input_is_rejected_not_truncated(tiny):
 def test_mrope_positions_match_hugging_face(tiny):
     template = tiny.template()
     backbone = load_backbone(tiny.base, torch.float32)
-    request = parse_request({"image": Image.new("RGB", (96, 64), "white")}, QUESTIONS, template.reserved)
-    image = template.encode_image(request.image)
-    row = template.encode(request, 4096, 0, image)[0]
-    ids = torch.tensor([row.input_ids])
-    kwargs = {}
-    if "mm_token_type_ids" in inspect.signature(backbone.get_rope_index).parameters:  # transformers >= 5.23
-        kwargs["mm_token_type_ids"] = (ids == template.image_pad_id).int()
-    reference, _ = backbone.get_rope_index(ids, image_grid_thw=image.grid_thw, **kwargs)
-    assert torch.equal(mrope_positions(row, len(row.input_ids), template.image_pad_id), reference[:, 0])
+    for state in ({"image": Image.new("RGB", (96, 64), "white")},
+                  {"a": Image.new("RGB", (96, 64), "white"), "b": "text", "c": [Image.new("RGB", (32, 128), "red")]}):
+        request = parse_request(state, QUESTIONS, template.reserved)
+        images = []
+        indices = template.encode_images(request, images)
+        placed = tuple(images[index] for index in indices)
+        row = template.encode(request, 4096, indices, placed)[0]
+        ids = torch.tensor([row.input_ids])
+        kwargs = {}
+        if "mm_token_type_ids" in inspect.signature(backbone.get_rope_index).parameters:  # transformers >= 5.23
+            kwargs["mm_token_type_ids"] = (ids == template.image_pad_id).int()
+        grids = torch.cat([image.grid_thw for image in placed])
+        reference, _ = backbone.get_rope_index(ids, image_grid_thw=grids, **kwargs)
+        assert torch.equal(mrope_positions(row, len(row.input_ids), template.image_pad_id), reference[:, 0])
 
 
 def test_tokenized_pieces_are_cached_and_equal_the_tokenizer(tiny, monkeypatch):

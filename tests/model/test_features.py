@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import encoded
 from PIL import Image
 
 from dohnuts.config import LoraConfig
@@ -108,8 +109,7 @@ def test_the_key_is_the_decoded_content_and_size():
 def _image_batch(template, image):
     request = parse_request({"note": "a square", "image": image},
                             {"red": {"type": "noul", "instructions": "Is it red?"}}, template.reserved)
-    encoded = template.encode_image(request.image)
-    return template.collate(template.encode(request, 4096, 0, encoded), [encoded])
+    return template.collate(*encoded(template, request))
 
 
 def test_model_hits_skip_the_vision_tower_and_give_identical_logits(tiny):
@@ -161,7 +161,7 @@ def test_features_cached_in_training_serve_prediction_and_survive_lora_updates(t
         grid = model.image_cache.grid(key)
         hit = template.collate(template.encode(parse_request(
             {"note": "a square", "image": image}, {"red": {"type": "noul", "instructions": "Is it red?"}},
-            template.reserved), 4096, 0, EncodedImage(None, grid, key)), [EncodedImage(None, grid, key)])
+            template.reserved), 4096, (0,), (EncodedImage(None, grid, key),)), [EncodedImage(None, grid, key)])
         model(hit)  # built as prediction builds a hit: no pixels at all
         assert len(calls) == 1
         encoded = template.encode_image(image)

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import LAYOUTS, batch_of
+from helpers import LAYOUTS, batch_of, encoded
 from PIL import Image
 
 from dohnuts.model.base import load_backbone
@@ -23,8 +23,7 @@ def _batch(template, colour, note="a square on a page, drawn for the test " * 4)
     image = Image.new("RGB", (64, 64), "white")
     image.paste(colour, (8, 8, 40, 40))
     request = parse_request({"note": note, "image": image}, QUESTIONS, template.reserved)
-    encoded = template.encode_image(request.image)
-    return template.collate(template.encode(request, 4096, 0, encoded), [encoded])
+    return template.collate(*encoded(template, request))
 
 
 def test_layout_key_ignores_contents_but_not_the_plan(tiny):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from helpers import encoded
 from PIL import Image
 
 from dohnuts import Predictor
@@ -44,7 +45,7 @@ def test_calibrate_writes_a_calibrator_that_predict_applies(deployable):
     warm = result["answers"]["warm"]
     assert warm["noul"] == pytest.approx(warm["probabilities"]["true"])
     template = predictor.template
-    rows = template.encode(request, 4096, 0, template.encode_image(request.image))
+    rows, _ = encoded(template, request)
     assert result["usage"] == {"input_tokens": sum(len(row.input_ids) for row in rows), "images": 1}
 
 
@@ -119,6 +120,30 @@ def test_a_cached_image_skips_preprocessing_and_the_vision_tower(deployable):
     assert preprocessed == [1] and encoded == [1]  # the second call did neither
 
 
+def test_a_state_of_several_images_encodes_each_once_and_answers_as_alone_in_a_batch(deployable):
+    """Four images in one state, one of them twice: three preprocessed and encoded in one tower
+    call; asked again, none; in a batch with other requests, the answers it gets alone."""
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    red, green, blue = (Image.new("RGB", (48 + 16 * index, 64), colour)
+                        for index, colour in enumerate([(220, 20, 20), (20, 220, 20), (20, 20, 220)]))
+    state = {"photos": [red, green], "note": "a listing", "detail": {"label": blue, "again": red}}
+    stats = predictor.model.image_cache.stats
+    alone = predictor.predict(state, QUESTIONS)
+    assert alone["usage"]["images"] == 4
+    assert stats["misses"] == 3 and stats["vision_calls"] == 1 and stats["hits"] == 0
+    assert predictor.predict(state, QUESTIONS) == alone
+    assert stats["misses"] == 3 and stats["vision_calls"] == 1
+    predictor.model.image_cache.clear()
+    together = predictor.predict_many([*_requests(4), (state, QUESTIONS)])[-1]
+    for qid, answer in together["answers"].items():
+        expected = list(alone["answers"][qid]["probabilities"].values())
+        assert list(answer["probabilities"].values()) == pytest.approx(expected, abs=1e-5)
+    # The order of the images in the state is part of it: swapped, the answers move.
+    swapped = predictor.predict({**state, "photos": [green, red]}, QUESTIONS)
+    assert swapped["answers"] != alone["answers"]
+
+
 def _requests(count):
     return [({"note": f"request {index}", "image": Image.new("RGB", (64, 64), (20 * index % 255, 40, 200))}
              if index % 3 == 0 else f"text request number {index}",
@@ -140,7 +165,7 @@ def test_predict_many_answers_each_request_as_alone_and_returns_each_invalid_one
     root, _ = deployable
     predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
     requests = _requests(6)
-    broken = [*requests[:2], ("s", {}), *requests[2:4], ({"image": "not an image"}, QUESTIONS), *requests[4:]]
+    broken = [*requests[:2], ("s", {}), *requests[2:4], ({"image": object()}, QUESTIONS), *requests[4:]]
     results = predictor.predict_many(broken, errors="return")
     assert isinstance(results[2], ValueError) and "questions is empty" in str(results[2])
     assert isinstance(results[5], TypeError)

@@ -52,6 +52,25 @@ def test_every_line_gets_its_answer_or_its_error_in_order(tmp_path, predictor):
                                                                                abs=1e-5)
 
 
+def test_a_line_of_several_images_is_answered_as_predict_answers_them(tmp_path, predictor):
+    (tmp_path / "images").mkdir()
+    pictures = []
+    for index, colour in enumerate([(220, 20, 20), (20, 220, 20), (20, 20, 220)]):
+        picture = Image.new("RGB", (48, 40 + 8 * index), colour)
+        picture.save(tmp_path / "images" / f"{index}.png")
+        pictures.append(picture)
+    state = {"photos": ["images/0.png", "images/1.png"], "note": "a listing",
+             "detail": {"label": "images/2.png", "again": "images/0.png"}}
+    (tmp_path / "requests.jsonl").write_text(json.dumps({"id": "four", "state": state, "questions": QUESTIONS}) + "\n")
+    predict_file(predictor, tmp_path / "requests.jsonl", tmp_path / "answers.jsonl", progress=False)
+    (out,) = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    alone = predictor.predict({"photos": pictures[:2], "note": "a listing",
+                               "detail": {"label": pictures[2], "again": pictures[0]}}, QUESTIONS)
+    assert out["usage"]["images"] == 4
+    for qid, answer in alone["answers"].items():
+        assert out["answers"][qid]["probabilities"] == pytest.approx(answer["probabilities"], abs=1e-5)
+
+
 class Killed(Exception):
     pass
 
