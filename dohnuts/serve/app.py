@@ -69,7 +69,7 @@ class Front:
         """
         stages = metrics().stages
         begun = time.perf_counter()
-        request = parse_request(state, questions, self.template.reserved)
+        request = parse_request(state, questions, self.template.reserved, self.template.max_images)
         if risk is not None:
             self.calibrator.threshold("choice", risk)  # ValueError for a risk not fitted, before any work
         encoded = encode_request(self.template, self.config, request)._replace(deadline=deadline)
@@ -307,9 +307,10 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
             due_at = due(request)
             body, parts = await _body_and_parts(request, max_body_bytes)
             if parts or (isinstance(body, dict) and body.get("assets")):  # images decode off the event loop
-                state_value, questions, model = await asyncio.to_thread(parse_system_one, body, parts)
+                state_value, questions, model = await asyncio.to_thread(parse_system_one, body, parts,
+                                                                        front.template.max_images)
             else:
-                state_value, questions, model = parse_system_one(body, parts)
+                state_value, questions, model = parse_system_one(body, parts, front.template.max_images)
             risk = requested_risk(body)
         except WireError as error:
             if error.status == 422:

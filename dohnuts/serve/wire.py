@@ -10,11 +10,13 @@ from collections.abc import Mapping
 
 from PIL import Image
 
-IMAGE_MARKER = "<image>"  # what an image's place in the state's text says
+from ..schema import MAX_IMAGES
+
 QUESTION_TYPES = ("choice", "noul", "score")
 # The official client's own placeholder form: the only one that text can hold inside a longer string (str(image)).
 REFERENCE_PATTERN = re.compile(r"<image:[0-9a-f]{32}>")
-TOP_LEVEL = "images go at the top level of the state, as the whole state or as one of its values"
+WHERE_IMAGES_GO = ("images go in the state, as the whole state or as a value at any depth in it (a placeholder "
+                   "string on its own)")
 
 
 MAX_IMAGE_PIXELS = 40_000_000  # an image's width x height, read from its header before decoding
@@ -30,16 +32,20 @@ class WireError(ValueError):
         self.error_type = error_type
 
 
-def parse_system_one(body: object, parts: dict[str, bytes] | None = None) -> tuple[object, dict, str]:
+def parse_system_one(body: object, parts: dict[str, bytes] | None = None,
+                     max_images: int = MAX_IMAGES) -> tuple[object, dict, str]:
     """A wire request -> (state, questions) as Predictor.predict takes them, and the requested model name.
 
     Args:
-        body: the decoded JSON body (the "request" part of a multipart request).
+        body: the decoded JSON body (the "request" part of a multipart request); its state is
+            changed in place, each image's placeholder replaced by the decoded image.
         parts: a multipart request's other parts, name -> bytes; None for a JSON request.
+        max_images: the most images a state may hold (counted before any is decoded).
 
     Returns:
-        (state, questions, model): state a string or a mapping (its "image" key holding the one decoded
-        image), questions in the form dohnuts.schema.parse_request validates, the model name as sent.
+        (state, questions, model): state a string, a mapping or a list holding the decoded images in
+        their placeholders' places (a state that is an image alone: {"image": it}), questions in the
+        form dohnuts.schema.parse_request validates, the model name as sent.
 
     Raises:
         WireError: with its status and FastAPI-style location, for any input this cannot take.
@@ -58,12 +64,18 @@ def parse_system_one(body: object, parts: dict[str, bytes] | None = None) -> tup
                         error_type="dict_type")
     for key, asset in assets.items():
         _check_asset(key, asset)
-    state, placed = _state(body["state"], assets)
+    state, places = _state(body["state"], assets)
     questions = _questions(body["questions"], assets)
+    if len(places) > max_images:
+        raise WireError(f"the state holds {len(places)} images, over this model's limit of {max_images}",
+                        status=413, loc=("body", "state"))
     # Decoding comes last: no image work for a request that fails on something cheaper.
-    if placed is not None:
-        image = _decode(placed, assets[placed], parts)
-        state = {"image": image} if state is None else {**state, "image": image}
+    decoded = {}
+    for container, key in places:
+        name = container[key]
+        if name not in decoded:  # one placeholder placed twice: decoded once
+            decoded[name] = _decode(name, assets[name], parts)
+        container[key] = decoded[name]
     return state, questions, body["model"]
 
 
@@ -138,30 +150,47 @@ def score_confidence(probabilities: list[float]) -> float:
     return float(min(1.0, max(0.0, 1 - distance / spread)))
 
 
-def _state(state, assets) -> tuple[object, str | None]:
-    """The state without its image (None when the image is the whole state), and the placeholder placed."""
+def _state(state, assets) -> tuple[object, list[tuple[object, object]]]:
+    """The state as `parse_request` takes it, and each place in it holding an image's placeholder
+    as (container, key or index), in the order of the state's text; raises where a placeholder
+    sits inside a longer text or as a key. A state that is a placeholder alone becomes
+    {"image": placeholder}."""
     loc = ("body", "state")
     if isinstance(state, str) and state in assets:
-        return None, state
-    if not isinstance(state, Mapping):
+        state = {"image": state}
+    if not isinstance(state, Mapping | list):
         _reject_images(state, assets, loc)
-        return state if isinstance(state, str) else _json_text(state, loc), None
-    placed = {key: value for key, value in state.items() if isinstance(value, str) and value in assets}
-    for key, value in state.items():
-        _reject_images(key, assets, (*loc, key))
-        if key not in placed:
-            _reject_images(value, assets, (*loc, key))
-    if len(set(placed.values())) > 1:
-        raise WireError(f"this model takes one image per request; the state has {len(set(placed.values()))} "
-                        f"(under {', '.join(map(repr, placed))})", loc=loc)
-    if not placed:
-        return dict(state), None
-    if "image" in state and "image" not in placed:
-        # The image goes under "image", so the state's own text there would be lost without a word.
-        raise WireError(f'state key "image" is where this model puts the image placed under {next(iter(placed))!r}; '
-                        'rename that key', loc=(*loc, "image"))
-    text = {key: IMAGE_MARKER if key in placed else value for key, value in state.items() if key != "image"}
-    return text, next(iter(placed.values()))
+        return state if isinstance(state, str) else _json_text(state, loc), []
+    places = []
+    for container, key, value, where in _walk(state, loc):
+        if isinstance(key, str):
+            _reject_images(key, assets, where)
+        if isinstance(value, str) and value in assets:
+            places.append((container, key))
+        elif not isinstance(value, Mapping | list):
+            _reject_images(value, assets, where)
+    if not places:
+        return state if isinstance(state, Mapping) else _json_text(state, loc), []
+    return state, places
+
+
+def _walk(value, loc):
+    """(container, key or index, value, location) of every entry of a JSON value's objects and
+    arrays, in the order of its text (an explicit stack, not recursion: a value may be nested as
+    deep as the JSON parser allows)."""
+    def entries(container):
+        return iter(container.items() if isinstance(container, Mapping) else enumerate(container))
+
+    stack = [(value, loc, entries(value))]
+    while stack:
+        container, where, items = stack[-1]
+        for key, item in items:
+            yield container, key, item, (*where, key)
+            if isinstance(item, Mapping | list):
+                stack.append((item, (*where, key), entries(item)))
+                break
+        else:
+            stack.pop()
 
 
 def _questions(questions, assets) -> dict:
@@ -276,7 +305,7 @@ def _decode(key: str, asset: Mapping, parts: dict[str, bytes] | None) -> Image.I
 
 
 def _reject_images(value, assets, loc) -> None:
-    """Raise if a placeholder sits anywhere in value: this model takes images only at the state's top level."""
+    """Raise if a placeholder sits anywhere in value: where this is called, none may."""
     if not assets:
         return
     # A stack, not recursion: a body nested as deep as the JSON parser allows must not overflow here.
@@ -285,7 +314,7 @@ def _reject_images(value, assets, loc) -> None:
         item, where = pending.pop()
         if isinstance(item, str):
             if item in assets or any(match in assets for match in REFERENCE_PATTERN.findall(item)):
-                raise WireError(f"{'.'.join(map(str, where[1:]))} holds an image; {TOP_LEVEL}", loc=where)
+                raise WireError(f"{'.'.join(map(str, where[1:]))} holds an image; {WHERE_IMAGES_GO}", loc=where)
         elif isinstance(item, Mapping):
             pending.extend((part, (*where, key)) for key, entry in item.items() for part in (key, entry))
         elif isinstance(item, list):

@@ -27,7 +27,7 @@ from wire_questions import OURS, QUESTIONS
 
 from dohnuts import Predictor
 from dohnuts.serve.app import Front, create_app, front_app
-from dohnuts.serve.wire import IMAGE_MARKER, choice_confidence, score_confidence
+from dohnuts.serve.wire import choice_confidence, score_confidence
 
 PLACEHOLDERS = ["<image:" + digit * 32 + ">" for digit in "01"]
 
@@ -71,16 +71,28 @@ def test_the_official_client_parses_noul_choice_and_score_answers(served, predic
     assert response.model == "dohnuts-tiny" and response.request_id
 
 
-def test_an_image_sent_as_the_client_sends_it(served, predictor, tmp_path):
-    image = Image.new("RGB", (64, 48), "white")
-    image.paste((220, 20, 20), (8, 8, 40, 40))
-    image.save(tmp_path / "photo.png")
+def test_images_sent_as_the_client_sends_them(served, predictor, tmp_path):
+    """One image, then four (one of them twice, in a list and nested) through the official client's
+    multipart form: the answers `predict` gives the same state with the images in place."""
+    pictures = []
+    for index, colour in enumerate([(220, 20, 20), (20, 220, 20), (20, 20, 220)]):
+        image = Image.new("RGB", (64, 48 + 16 * index), "white")
+        image.paste(colour, (8, 8, 40, 40))
+        image.save(tmp_path / f"{index}.png")
+        pictures.append(image)
+    sent = [SdkImage(tmp_path / f"{index}.png") for index in range(3)]
+    states = [({"photo": sent[0], "note": "parcel arrived"}, {"photo": pictures[0], "note": "parcel arrived"}),
+              ({"photos": [sent[0], sent[1]], "note": "listing", "detail": {"label": sent[2], "again": sent[0]}},
+               {"photos": [pictures[0], pictures[1]], "note": "listing",
+                "detail": {"label": pictures[2], "again": pictures[0]}})]
     with _client(served) as client:
-        response = client.system_one(state={"photo": SdkImage(tmp_path / "photo.png"), "note": "parcel arrived"},
-                                     questions=QUESTIONS)
-    alone = _alone(predictor, {"photo": IMAGE_MARKER, "note": "parcel arrived", "image": image})
-    assert dict(response.choices["team"].probabilities) == pytest.approx(alone["team"]["probabilities"], abs=1e-6)
-    assert response.nouls["refund"].noul == pytest.approx(alone["refund"]["noul"], abs=1e-6)
+        for wire_state, state in states:
+            response = client.system_one(state=wire_state, questions=QUESTIONS)
+            alone = _alone(predictor, state)
+            assert dict(response.choices["team"].probabilities) == pytest.approx(alone["team"]["probabilities"],
+                                                                                abs=1e-6)
+            assert response.nouls["refund"].noul == pytest.approx(alone["refund"]["noul"], abs=1e-6)
+            assert response.usage.input_tokens == predictor.predict(state, OURS)["usage"]["input_tokens"]
 
 
 def test_a_large_zstd_or_gzip_body_is_decoded(served, predictor):

@@ -16,7 +16,6 @@ from typesafe_sdk import TypeSafeClient
 from wire_questions import OURS, QUESTIONS
 
 from dohnuts import Predictor
-from dohnuts.serve.wire import IMAGE_MARKER
 
 BODY = {"model": "jev-latest", "state": "I was billed twice",
         "questions": {"refund": {"type": "noul", "instructions": "Refund asked?"}}}
@@ -38,9 +37,13 @@ def server(deployable):
 
 def test_two_front_ends_and_an_engine_answer_as_predict_alone(server, predictor, tmp_path):
     states = [{"message": f"ticket {index}: I was billed twice", "plan": "pro"} for index in range(12)]
-    image = Image.new("RGB", (64, 48), "white")
-    image.paste((220, 20, 20), (8, 8, 40, 40))
-    image.save(tmp_path / "photo.png")
+    pictures = []
+    for index, colour in enumerate([(220, 20, 20), (20, 220, 20), (20, 20, 220)]):
+        image = Image.new("RGB", (64, 48 + 16 * index), "white")
+        image.paste(colour, (8, 8, 40, 40))
+        image.save(tmp_path / f"{index}.png")
+        pictures.append(image)
+    sent = [SdkImage(tmp_path / f"{index}.png") for index in range(3)]
 
     def ask(state):
         with TypeSafeClient(api_key="local", base_url=server.url) as client:
@@ -49,11 +52,12 @@ def test_two_front_ends_and_an_engine_answer_as_predict_alone(server, predictor,
     with concurrent.futures.ThreadPoolExecutor(max_workers=6) as pool:  # concurrent: they share invocations
         responses = list(pool.map(ask, states))
     with TypeSafeClient(api_key="local", base_url=server.url) as client:
-        pictured = client.system_one(state={"photo": SdkImage(tmp_path / "photo.png"), "note": "parcel arrived"},
-                                     questions=QUESTIONS)
+        # Four images, one of them twice: the split server as `predict` with the images in place.
+        pictured = client.system_one(state={"photos": [sent[0], sent[1]], "note": "parcel arrived",
+                                            "label": sent[2], "again": sent[0]}, questions=QUESTIONS)
     expected = [predictor.predict(state, OURS)["answers"] for state in states]
-    expected.append(predictor.predict({"photo": IMAGE_MARKER, "note": "parcel arrived", "image": image},
-                                      OURS)["answers"])
+    expected.append(predictor.predict({"photos": pictures[:2], "note": "parcel arrived", "label": pictures[2],
+                                       "again": pictures[0]}, OURS)["answers"])
     for response, alone in zip(responses + [pictured], expected):
         assert response.model == "dohnuts-tiny"
         assert response.nouls["refund"].noul == pytest.approx(alone["refund"]["noul"], abs=1e-5)
@@ -161,7 +165,7 @@ def test_front_ends_read_which_engines_refuse_from_the_shared_states(tmp_path):
     states = [0] * (2 * SLOTS)
     states[STATE] = states[SLOTS + STATE] = READY
     engines = RemoteEngines([f"ipc://{tmp_path}/a", f"ipc://{tmp_path}/b"], states)
-    text = SimpleNamespace(image=None)
+    text = SimpleNamespace(images=())
     try:
         assert not engines.refusing
         states[REFUSING] = 1

@@ -10,7 +10,6 @@ from PIL import Image
 
 from dohnuts.schema import parse_request
 from dohnuts.serve.wire import (
-    IMAGE_MARKER,
     WireError,
     choice_confidence,
     parse_system_one,
@@ -65,12 +64,10 @@ def test_state_object_with_an_image_value(key):
     reference = placeholder()
     body, parts = multipart({key: reference, "note": "parcel arrived"}, reference)
     state, _, _ = parse_system_one(body, parts)
-    assert isinstance(state["image"], Image.Image) and state["image"].mode == "RGB"
-    assert state["image"].size == (6, 4) and state["image"].getpixel((0, 0)) == (200, 10, 30)
-    assert state.get("photo") == (IMAGE_MARKER if key == "photo" else None)
+    assert list(state) == [key, "note"] and isinstance(state[key], Image.Image) and state[key].mode == "RGB"
+    assert state[key].size == (6, 4) and state[key].getpixel((0, 0)) == (200, 10, 30)
     validated = parse_request(state, {"damaged": NOUL})
-    assert validated.image is not None and json.loads(validated.state_text)["note"] == "parcel arrived"
-    assert (IMAGE_MARKER in validated.state_text) == (key == "photo")
+    assert len(validated.images) == 1 and validated.state_parts == (f'{{"{key}": ', ', "note": "parcel arrived"}')
 
 
 def test_whole_state_is_the_image():
@@ -79,10 +76,30 @@ def test_whole_state_is_the_image():
     assert list(state) == ["image"] and state["image"].size == (6, 4)
 
 
-def test_same_placeholder_twice_is_one_image():
+def test_same_placeholder_twice_is_one_decoded_image_in_both_places():
     reference = placeholder()
     state, _, _ = parse_system_one(*multipart({"front": reference, "back": reference}, reference))
-    assert state["front"] == state["back"] == IMAGE_MARKER and isinstance(state["image"], Image.Image)
+    assert isinstance(state["front"], Image.Image) and state["front"] is state["back"]
+
+
+def test_several_images_at_any_depth_in_the_order_of_the_text():
+    body = request({"listing": {"photos": [OTHER, "no photo"], "cover": REFERENCE}, "after": OTHER},
+                   assets=IMAGES)
+    state, _, _ = parse_system_one(body, {"asset-0": image_bytes(color=(1, 2, 3)),
+                                          "asset-1": image_bytes(color=(4, 5, 6))})
+    validated = parse_request(state, {"damaged": NOUL})
+    assert [image.getpixel((0, 0)) for image in validated.images] == [(4, 5, 6), (1, 2, 3), (4, 5, 6)]
+    assert validated.state_parts == ('{"listing": {"photos": [', ', "no photo"], "cover": ', '}, "after": ', '}')
+    listed, _, _ = parse_system_one(request([REFERENCE, "caption"], assets={REFERENCE: PART}),
+                                    {"asset-0": image_bytes()})
+    assert isinstance(listed[0], Image.Image) and listed[1] == "caption"
+
+
+def test_more_images_than_the_limit_are_refused_before_decoding():
+    body = request({"photos": [REFERENCE] * 3}, assets={REFERENCE: PART})
+    with pytest.raises(WireError) as caught:
+        parse_system_one(body, {"asset-0": b"not even an image"}, max_images=2)
+    assert caught.value.status == 413 and "3 images, over this model's limit of 2" in str(caught.value)
 
 
 def test_data_base64_asset_without_parts():
@@ -90,7 +107,7 @@ def test_data_base64_asset_without_parts():
     wrapped = "\n".join(encoded[start:start + 60] for start in range(0, len(encoded), 60))
     body = request({"photo": "pic"}, assets={"pic": {"type": "image", "format": "jpeg", "data_base64": wrapped}})
     state, _, _ = parse_system_one(body)
-    assert state["photo"] == IMAGE_MARKER and state["image"].size == (6, 4)
+    assert state["photo"].size == (6, 4)
 
 
 def test_unknown_top_level_fields_and_unused_assets_are_ignored():
@@ -139,15 +156,15 @@ IMAGES = {REFERENCE: PART, OTHER: {"type": "image", "part": "asset-1"}}
 @pytest.mark.parametrize(("body", "parts", "loc", "fragment"), [
     (request("s", {"q": {"type": "box", "instructions": "the dog"}}), None, ("body", "questions", "q", "type"),
      "box questions are not supported"),
-    (request({"a": REFERENCE, "b": OTHER}, assets=IMAGES), {}, ("body", "state"), "one image per request"),
-    (request({"a": {"deep": REFERENCE}}, assets=IMAGES), {}, ("body", "state", "a", "deep"), "top level of the state"),
-    (request([REFERENCE], assets=IMAGES), {}, ("body", "state", 0), "top level of the state"),
-    (request(f"look: {REFERENCE}", assets=IMAGES), {}, ("body", "state"), "top level of the state"),
+    (request({"a": {"deep": f"see {REFERENCE}"}}, assets=IMAGES), {}, ("body", "state", "a", "deep"),
+     "images go in the state"),
+    (request({"a": {REFERENCE: "as a key"}}, assets=IMAGES), {}, ("body", "state", "a", REFERENCE),
+     "images go in the state"),
+    (request(f"look: {REFERENCE}", assets=IMAGES), {}, ("body", "state"), "images go in the state"),
     (request("s", {"q": {"type": "noul", "instructions": f"Is {REFERENCE} red?"}}, assets=IMAGES), {},
-     ("body", "questions", "q", "instructions"), "top level of the state"),
+     ("body", "questions", "q", "instructions"), "images go in the state"),
     (request("s", {"q": {"type": "choice", "instructions": "Pick", "criteria": {"x": REFERENCE, "y": None}}},
-             assets=IMAGES), {}, ("body", "questions", "q", "criteria", "x"), "top level of the state"),
-    (request({"photo": REFERENCE, "image": "text"}, assets=IMAGES), {}, ("body", "state", "image"), "rename"),
+             assets=IMAGES), {}, ("body", "questions", "q", "criteria", "x"), "images go in the state"),
     (request(REFERENCE, assets={REFERENCE: PART}), {"asset-7": b""}, ("body", "assets", REFERENCE, "part"),
      "'asset-0'"),
     (request(REFERENCE, assets={REFERENCE: PART}), None, ("body", "assets", REFERENCE, "part"), "'asset-0'"),
