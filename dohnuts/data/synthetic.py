@@ -14,7 +14,6 @@ soft targets (hedged messages, neighbouring urgency levels) to exercise calibrat
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from PIL import Image, ImageDraw
 
 from ..schema import NOUL_DEFAULTS
+from .image_files import shown_text
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,8 @@ class SyntheticState:
     Attributes:
         group: the task family name, a key of GROUPS.
         state_id: unique and stable within a mixture, f"{group}-{index:05d}".
-        state: a string, or a dict whose optional "image" key holds an RGB PIL image.
+        state: a string, or a dict holding RGB PIL images (under "image", or several in
+            other places: "before" and "after", a list of "photos").
         questions: qid -> {"type", "instructions"[, "criteria"]}, 2 to 4 per state.
         targets: qid -> probabilities over the question's candidates in candidate order
             (choice: criteria order; noul: [false, true]; score: levels 0..K-1).
@@ -52,6 +53,9 @@ GROUPS: dict[str, str] = {
     "image_count": "1-4 squares in 2x2 quadrants; score the count, noul more than two",
     "image_shape": "one big circle or square; noul circle, choice of colour (mapping criteria)",
     "captioned_image": "caption plus a coloured square; noul caption matches, choice of named colour",
+    "image_pair": "two photos of a square, before and after; noul its colour changed, choice of the after colour",
+    "image_pair_count": "two photos of 1-3 squares each, in a list; score the squares across both, noul the "
+                        "first holds more",
 }
 
 # Saturated, well separated fills so that a random frozen vision tower still separates them.
@@ -126,6 +130,14 @@ _Q_SHAPE_COLOUR = "What colour is the shape?"
 _SHAPE_COLOUR_CRITERIA = {name: f"the shape is {name}" for name in _COLOUR_NAMES}
 _Q_MATCH = "Does the caption match the colour of the square?"
 _Q_CAPTION_COLOUR = "Which colour does the caption name?"
+_Q_CHANGED = "Did the colour of the square change between the two photos?"
+_Q_AFTER_COLOUR = "What colour is the square in the after photo?"
+_Q_PAIR_COUNT = "How many squares are there in the two photos together?"
+_Q_FIRST_MORE = "Does the first photo show more squares than the second?"
+_PAIR_COUNT_LEVELS = ("two squares", "three squares", "four squares")
+# (first, second) square counts, drawn in equal turns: each total a third of the time, the first
+# showing more half of it.
+_PAIRS = ((1, 1), (1, 1), (2, 1), (2, 1), (3, 1), (2, 2))
 
 
 class _Balanced:
@@ -268,18 +280,24 @@ def _image_color(rng: random.Random, n: int, size: int):
         yield {"image": _square_image(rng, size, colour)}, questions, targets
 
 
+def _squares_image(rng: random.Random, size: int, count: int) -> Image.Image:
+    """`count` squares of one colour in distinct quadrants, each with its own insets (so the
+    images of one count differ)."""
+    half, margin = size // 2, max(1, size // 16)
+    image, draw = _canvas(size)
+    fill = _COLOURS[rng.choice(_COLOUR_NAMES)]
+    for cell in rng.sample(range(4), count):
+        x0, y0 = (cell % 2) * half, (cell // 2) * half
+        left, top, right, bottom = (rng.randint(max(1, margin // 2), margin + margin // 2) for _ in range(4))
+        draw.rectangle([x0 + left, y0 + top, x0 + half - right - 1, y0 + half - bottom - 1], fill=fill)
+    return image
+
+
 def _image_count(rng: random.Random, n: int, size: int):
     counts = _Balanced(rng, len(_COUNT_LEVELS))
-    half, margin = size // 2, max(1, size // 16)
     for _ in range(n):
         count = counts.draw() + 1
-        image, draw = _canvas(size)
-        fill = _COLOURS[rng.choice(_COLOUR_NAMES)]
-        for cell in rng.sample(range(4), count):
-            # Each square sits in its quadrant with its own insets, so the images of one count differ.
-            x0, y0 = (cell % 2) * half, (cell // 2) * half
-            left, top, right, bottom = (rng.randint(max(1, margin // 2), margin + margin // 2) for _ in range(4))
-            draw.rectangle([x0 + left, y0 + top, x0 + half - right - 1, y0 + half - bottom - 1], fill=fill)
+        image = _squares_image(rng, size, count)
         questions = {"count": _score(_Q_COUNT, _COUNT_LEVELS), "more_than_two": _noul(_Q_MORE_THAN_TWO)}
         targets = {
             "count": _one_hot(count - 1, len(_COUNT_LEVELS)),
@@ -317,6 +335,36 @@ def _captioned_image(rng: random.Random, n: int, size: int):
         yield state, questions, targets
 
 
+def _image_pair(rng: random.Random, n: int, size: int):
+    """Two photos a state: an answer needs both (did the colour change) or the right one (the
+    after photo's colour)."""
+    colours, changes = _Balanced(rng, len(_COLOUR_NAMES)), _Balanced(rng, 2)
+    for _ in range(n):
+        after, changed = _COLOUR_NAMES[colours.draw()], changes.draw() == 1
+        before = rng.choice([c for c in _COLOUR_NAMES if c != after]) if changed else after
+        state = {"before": _square_image(rng, size, before), "after": _square_image(rng, size, after)}
+        questions = {"changed": _noul(_Q_CHANGED), "after_colour": _choice(_Q_AFTER_COLOUR, list(_COLOUR_NAMES))}
+        targets = {
+            "changed": _noul_target(1.0 if changed else 0.0),
+            "after_colour": _one_hot(_COLOUR_NAMES.index(after), len(_COLOUR_NAMES)),
+        }
+        yield state, questions, targets
+
+
+def _image_pair_count(rng: random.Random, n: int, size: int):
+    """Two photos of one to three squares each, in a list: count across both, compare them."""
+    pairs = _Balanced(rng, len(_PAIRS))
+    for _ in range(n):
+        first, second = _PAIRS[pairs.draw()]
+        state = {"photos": [_squares_image(rng, size, first), _squares_image(rng, size, second)]}
+        questions = {"total": _score(_Q_PAIR_COUNT, _PAIR_COUNT_LEVELS), "first_more": _noul(_Q_FIRST_MORE)}
+        targets = {
+            "total": _one_hot(first + second - 2, len(_PAIR_COUNT_LEVELS)),
+            "first_more": _noul_target(1.0 if first > second else 0.0),
+        }
+        yield state, questions, targets
+
+
 # Every builder takes (rng, n, image_size) and yields n (state, questions, targets) rows, so
 # generate() treats text and image groups alike; text groups ignore image_size.
 _BUILDERS: dict[str, Callable] = {
@@ -327,6 +375,8 @@ _BUILDERS: dict[str, Callable] = {
     "image_count": _image_count,
     "image_shape": _image_shape,
     "captioned_image": _captioned_image,
+    "image_pair": _image_pair,
+    "image_pair_count": _image_pair_count,
 }
 
 
@@ -365,12 +415,9 @@ def generate(seed: int, states_per_group: int, image_size: int = 64) -> list[Syn
 
 
 def _texts(state: SyntheticState) -> list[str]:
-    """The texts a model sees for one state: the state as the schema renders it (dicts as JSON
-    without the image), the instructions and the criteria labels and descriptions."""
-    if isinstance(state.state, str):
-        texts = [state.state]
-    else:
-        texts = [json.dumps({k: v for k, v in state.state.items() if k != "image"}, ensure_ascii=False)]
+    """The texts a model sees for one state: the state as the schema renders it (dicts as JSON,
+    images apart: `image_files.shown_text`), the instructions and the criteria labels and descriptions."""
+    texts = [shown_text(state.state)]
     for question in state.questions.values():
         texts.append(question["instructions"])
         criteria = question.get("criteria", ())
@@ -389,11 +436,13 @@ def _vocabulary() -> list[str]:
             phrases += [label, *sentences]
     for group in (_CALM, _ANNOYED, _ANGRY, _NO_REFUND, _MAYBE_REFUND, _REFUND, *_URGENCY_PHRASES):
         phrases += group
-    phrases += [*_URGENCY_LEVELS, *_COUNT_LEVELS, *_COLOUR_NAMES, *_SHAPE_COLOUR_CRITERIA.values(), "caption", "image"]
+    phrases += [*_URGENCY_LEVELS, *_COUNT_LEVELS, *_COLOUR_NAMES, *_SHAPE_COLOUR_CRITERIA.values(), "caption", "image",
+                *_PAIR_COUNT_LEVELS, "before", "after", "photos"]
     phrases += [caption.format(colour=colour) for caption in _CAPTIONS for colour in _COLOUR_NAMES]
     phrases += [
         _Q_TOPIC, _Q_ANGRY, _Q_REFUND, _Q_URGENCY, _Q_TODAY, _Q_AREA, _Q_COLOUR, _Q_WARM,
         _Q_COUNT, _Q_MORE_THAN_TWO, _Q_CIRCLE, _Q_SHAPE_COLOUR, _Q_MATCH, _Q_CAPTION_COLOUR,
+        _Q_CHANGED, _Q_AFTER_COLOUR, _Q_PAIR_COUNT, _Q_FIRST_MORE,
     ]
     return phrases
 

@@ -73,7 +73,7 @@ def test_request_tokens_are_the_tokens_its_packed_batch_computes(evaluation):
     its shared prefix once, aligned down, image block included."""
     template, _, rows, build = evaluation
     requests = state_records(rows)
-    assert any(records.image is not None for records in requests)
+    assert {1, 2} <= {len(records.images) for records in requests}  # one image, and two (image_pair)
     assert any(len(records) > 1 for records in requests)
     # One question: its row runs whole, no prefix shared.
     alone = [dataclasses.replace(records, **{name: getattr(records, name)[:1] for name in (

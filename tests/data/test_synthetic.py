@@ -50,7 +50,7 @@ def _comparable(state: SyntheticState):
 
 def _texts(state: SyntheticState) -> list[str]:
     texts = [state.state] if isinstance(state.state, str) else [
-        f"{key} {value}" for key, value in state.state.items() if key != "image"
+        f"{key} {value}" if isinstance(value, str) else key for key, value in state.state.items() if key != "image"
     ]
     for question in state.questions.values():
         texts.append(question["instructions"])
