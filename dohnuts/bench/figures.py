@@ -15,7 +15,8 @@ START, END = "<!-- figures:start -->", "<!-- figures:end -->"  # the README bloc
 # Rendering. Sections follow the model measured, then the kind, then the workload; the headline
 # workloads come first, in this order.
 ORDER = ("varied_traffic", "distinct_text_1q", "distinct_text_50q", "vision_protocol_image_1q",
-         "vision_protocol_image_1q_cache_miss", "training_update", "training_update_varied", "evaluation_throughput",
+         "vision_protocol_image_1q_cache_miss", "vision_protocol_images_4q", "vision_protocol_images_4q_cache_miss",
+         "training_update", "training_update_varied", "evaluation_throughput",
          "serving")
 HEADLINES = (
     ("varied traffic, first sight: p50 / p99 ms", "varied_traffic", ("first_sight_p50_ms", "first_sight_p99_ms")),
@@ -24,6 +25,9 @@ HEADLINES = (
     ("distinct_text_50q: p50 ms", "distinct_text_50q", ("p50_ms",)),
     ("vision_protocol_image_1q, feature-cache hit: p50 ms", "vision_protocol_image_1q", ("p50_ms",)),
     ("vision_protocol_image_1q, cache miss: p50 ms", "vision_protocol_image_1q_cache_miss", ("p50_ms",)),
+    ("vision_protocol_images_4q (4 images), feature-cache hit: p50 ms", "vision_protocol_images_4q", ("p50_ms",)),
+    ("vision_protocol_images_4q (4 images), cache miss: p50 ms", "vision_protocol_images_4q_cache_miss",
+     ("p50_ms",)),
     ("training update: p50 ms", "training_update", ("p50_ms",)),
     ("evaluation: rows/s, overlapped / plain loop", "evaluation_throughput",
      ("rows_per_second", "plain_loop_rows_per_second")),

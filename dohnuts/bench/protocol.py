@@ -56,6 +56,17 @@ def protocol_image() -> Image.Image:
     ImageDraw.Draw(image).rectangle([24, 24, 24 + 48 - 1, 24 + 48 - 1], fill=(220, 20, 20))
     return image
 
+def protocol_images() -> dict:
+    """Four images in one state (`vision_protocol_images_4q`): the protocol's canvas with its
+    square in another colour and place in each, two under keys and two in a list."""
+    images = []
+    for index, colour in enumerate([(220, 20, 20), (20, 60, 220), (20, 160, 40), (240, 200, 0)]):
+        image = Image.new("RGB", (96, 96), "white")
+        corner = 8 + 16 * index
+        ImageDraw.Draw(image).rectangle([corner, corner, corner + 40 - 1, corner + 40 - 1], fill=colour)
+        images.append(image)
+    return {"front": images[0], "back": images[1], "details": images[2:]}
+
 def distinct_questions(count: int) -> dict:
     """The first `count` questions in template-major order (50 in all)."""
     questions = {}
@@ -73,6 +84,8 @@ def workloads() -> dict[str, tuple[object, dict]]:
         "vision_protocol_text_3q": (TEXT_STATE, THREE_QUESTIONS),
         "vision_protocol_image_1q": (image_state, ONE_QUESTION),
         "vision_protocol_image_3q": (image_state, THREE_QUESTIONS),
+        # Four images, three questions (the workload of the several-images issue).
+        "vision_protocol_images_4q": (protocol_images(), THREE_QUESTIONS),
     }
     for count in (1, 5, 10, 50):
         cases[f"distinct_text_{count}q"] = (DISTINCT_STATE, distinct_questions(count))

@@ -48,7 +48,9 @@ class Geometry:
     prefix_lengths: each shared prefix, computed once; row_lengths: each row's own tokens after
     its prefix; parents: the prefix each row continues (-1: none); candidates: marker positions
     the head scores; image_patches: vision patches encoded in this call (0 on an image-feature
-    cache hit or without an image); padding_tokens: tokens computed beyond the useful ones.
+    cache hit or without an image); padding_tokens: tokens computed beyond the useful ones;
+    image_sizes: the patches of each image encoded (they sum to image_patches; empty: one image
+    of image_patches), each attending only to its own.
     """
 
     prefix_lengths: tuple[int, ...]
@@ -57,15 +59,24 @@ class Geometry:
     candidates: int
     image_patches: int
     padding_tokens: int = 0
+    image_sizes: tuple[int, ...] = ()
 
     def __post_init__(self):
         if len(self.parents) != len(self.row_lengths):
             raise ValueError(f"{len(self.parents)} parents for {len(self.row_lengths)} rows: {self.parents}")
         if any(parent < -1 or parent >= len(self.prefix_lengths) for parent in self.parents):
             raise ValueError(f"parents {self.parents} must lie in [-1, {len(self.prefix_lengths)})")
-        counts = (*self.prefix_lengths, *self.row_lengths, self.candidates, self.image_patches, self.padding_tokens)
+        counts = (*self.prefix_lengths, *self.row_lengths, self.candidates, self.image_patches, self.padding_tokens,
+                  *self.image_sizes)
         if any(count < 0 for count in counts):
             raise ValueError(f"negative count in {self}")
+        if self.image_sizes and sum(self.image_sizes) != self.image_patches:
+            raise ValueError(f"image sizes {self.image_sizes} do not sum to {self.image_patches} patches")
+
+    @property
+    def images(self) -> tuple[int, ...]:
+        """The patches of each image encoded."""
+        return self.image_sizes or ((self.image_patches,) if self.image_patches else ())
 
     @property
     def useful_tokens(self) -> int:
@@ -78,8 +89,7 @@ def geometry_from_batch(batch, vision_encoded: bool = True) -> Geometry:
 
     Read it from the batch as packed on the host (before `Batch.to`): the fork's parents and
     the candidate mask are then host tensors and nothing waits on the device.
-    Image patches are summed over the batch's images, and `useful_work` takes them as one image
-    (every patch attending to all), which overcounts the vision attention of several images.
+    Each image encoded is counted on its own (its patches attend to each other only).
 
     Args:
         batch: the packed batch.
@@ -92,14 +102,14 @@ def geometry_from_batch(batch, vision_encoded: bool = True) -> Geometry:
     rows = batch.cu_seqlens_cpu.tolist()
     row_lengths = tuple(end - start for start, end in zip(rows, rows[1:]))
     parents = tuple(batch.fork.parents.tolist()) if batch.fork is not None else (-1,) * len(row_lengths)
-    patches = 0
+    sizes = ()
     if vision_encoded and batch.image_keys:
         # Only images that carry pixels can be encoded; the others were cache hits when built.
         counts = batch.image_grid_thw_cpu.prod(dim=-1).tolist()
-        patches = sum(count for count, present in zip(counts, batch.image_has_pixels) if present)
+        sizes = tuple(count for count, present in zip(counts, batch.image_has_pixels) if present)
     return Geometry(prefix_lengths=tuple(end - start for start, end in zip(prefix, prefix[1:])),
                     row_lengths=row_lengths, parents=parents, candidates=int(batch.candidate_mask.sum()),
-                    image_patches=patches)
+                    image_patches=sum(sizes), image_sizes=sizes)
 
 
 def attention_pairs(geometry: Geometry) -> int:
@@ -238,7 +248,7 @@ def useful_work(text_config: dict, vision_config: dict | None, geometry: Geometr
             q and k, 2 * conv_kernel per conv channel; 4 per attention score and head (softmax).
         head: 2 * D * candidates; there is no vocabulary projection; the embedding lookup is no
             matmul (0 FLOPs, its rows are bytes).
-        vision (image_patches N > 0, one image): patch embedding 2 * N * (C * t * p * p) * Dv;
+        vision (each image encoded, of N patches): patch embedding 2 * N * (C * t * p * p) * Dv;
             per block 2 * N * (3 Dv^2 + Dv^2 + 2 Dv * Iv) and attention 2 * 2 * Dv * N^2; the
             merger's two linears on N / m^2 tokens (m^2 Dv -> m^2 Dv -> out). Its element-wise
             work (LayerNorm, GELU, rotary, softmax) is left out: under 1% of its matrix work.
@@ -277,7 +287,7 @@ def useful_work(text_config: dict, vision_config: dict | None, geometry: Geometr
         "recurrence": shape["linear"] * DELTA_RULE_FLOPS * state * tokens,
         "vector": _vector_flops(shape, tokens, pairs) - skipped * (side_vector + NORM_FLOPS * hidden),
         "head": 2 * hidden * geometry.candidates,
-        "vision": _vision_flops(vision_config, geometry.image_patches) if geometry.image_patches else 0,
+        "vision": sum(_vision_flops(vision_config, patches) for patches in geometry.images),
     }
     flops["total"] = sum(flops.values())
     weights = language_parameters(text_config) * dtype_bytes + hidden * HEAD_BYTES

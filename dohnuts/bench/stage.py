@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..config import BenchmarkConfig
+from ..data.image_files import state_images
 from ..io import write_bytes
 from ..runtime.predict import Predictor
 from .evaluation import evaluation_throughput_record
@@ -43,7 +44,7 @@ def benchmark(predictor, warmup: int, timed: int, progress=None, serving: Servin
     ceilings = measure_ceilings(device)
     records = []
     for name, (state, questions) in workloads().items():
-        variants = (False, True) if isinstance(state, dict) and "image" in state else (False,)
+        variants = (False, True) if state_images(state) else (False,)  # an image state: its cache miss too
         for cache_miss in variants:
             record = run_workload(predictor, name, state, questions, warmup, timed, ceilings, cache_miss)
             records.append({**record, "environment": environment(predictor)})

@@ -122,6 +122,11 @@ def test_image_cache_hit_has_no_vision_work_and_a_miss_counts_the_tower():
     )
     assert miss["bytes"]["weights"] == hit["bytes"]["weights"] + 2 * vision_weights
     assert miss["bytes"]["activations"] == hit["bytes"]["activations"] + (8 * 24 + 2 * 8) * 2  # patches in, out
+    # Two images of 8 patches: each attends to its own, so twice one image's vision work, not one of 16.
+    two = useful_work(TEXT, VISION, Geometry((), (5,), (-1,), candidates=1, image_patches=16, image_sizes=(8, 8)))
+    assert two["flops"]["vision"] == 2 * vision_flops
+    with pytest.raises(ValueError, match="do not sum to 12 patches"):
+        Geometry((), (5,), (-1,), candidates=1, image_patches=12, image_sizes=(8, 8))
 
 
 def test_padding_is_computed_but_adds_no_work():
@@ -212,7 +217,8 @@ def test_a_record_of_work_and_bounds_on_every_device_is_json():
 
 
 def _row(ids, shared, markers, image=None):
-    return Row(tuple(ids), tuple(markers), None, shared, image, (2, 2) if image is not None else None)
+    return Row(tuple(ids), tuple(markers), None, shared, () if image is None else (image,),
+               () if image is None else ((2, 2),))
 
 
 def test_geometry_from_a_packed_batch_with_a_shared_prefix():
@@ -229,7 +235,7 @@ def test_geometry_from_a_batch_with_an_image_encoded_or_cached():
     image = EncodedImage(pixel_values=torch.zeros(16, 24), grid_thw=torch.tensor([[1, 4, 4]]))  # 4 merged tokens
     batch = pack_rows(rows, [image], image_pad_id=77)
     encoded = geometry_from_batch(batch)
-    assert encoded == Geometry((), (7,), (-1,), candidates=1, image_patches=16)
+    assert encoded == Geometry((), (7,), (-1,), candidates=1, image_patches=16, image_sizes=(16,))
     assert geometry_from_batch(batch, vision_encoded=False).image_patches == 0
 
 
