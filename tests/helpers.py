@@ -44,6 +44,17 @@ def square_image(colour):
     return image
 
 
+def saved_pictures(folder):
+    """Three pictures of a coloured square on white, of three heights, saved as folder/0.png..2.png."""
+    pictures = []
+    for index, colour in enumerate([(220, 20, 20), (20, 220, 20), (20, 20, 220)]):
+        image = Image.new("RGB", (64, 48 + 16 * index), "white")
+        image.paste(colour, (8, 8, 40, 40))
+        image.save(folder / f"{index}.png")
+        pictures.append(image)
+    return pictures
+
+
 LAYOUTS = {
     "shared prefix": [({"note": "a long note about a parcel " * 12}, questions(3))],
     "no prefix (one question)": [("short", questions(1))],

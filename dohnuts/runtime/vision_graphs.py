@@ -31,7 +31,7 @@ import torch
 from ..model.vision import VisionPlan, vision_blocks, vision_plan
 from ..ops import kernels
 
-IMAGES = (1, 2, 4, 8)  # images a bucket holds, for one image per request up to a few together
+IMAGES = (1, 2, 4, 8)  # images a bucket holds: one request's (model.max_images, 8) or several requests' together
 SLACK = 1.125  # patches per image over the policy's nominal count (1,144 / 1,024 at 512 x 512)
 
 

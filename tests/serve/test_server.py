@@ -12,6 +12,7 @@ import time
 import httpx2
 import numpy as np
 import pytest
+from helpers import saved_pictures
 from PIL import Image
 from served import Served
 from typesafe_sdk import (
@@ -74,12 +75,7 @@ def test_the_official_client_parses_noul_choice_and_score_answers(served, predic
 def test_images_sent_as_the_client_sends_them(served, predictor, tmp_path):
     """One image, then four (one of them twice, in a list and nested) through the official client's
     multipart form: the answers `predict` gives the same state with the images in place."""
-    pictures = []
-    for index, colour in enumerate([(220, 20, 20), (20, 220, 20), (20, 20, 220)]):
-        image = Image.new("RGB", (64, 48 + 16 * index), "white")
-        image.paste(colour, (8, 8, 40, 40))
-        image.save(tmp_path / f"{index}.png")
-        pictures.append(image)
+    pictures = saved_pictures(tmp_path)
     sent = [SdkImage(tmp_path / f"{index}.png") for index in range(3)]
     states = [({"photo": sent[0], "note": "parcel arrived"}, {"photo": pictures[0], "note": "parcel arrived"}),
               ({"photos": [sent[0], sent[1]], "note": "listing", "detail": {"label": sent[2], "again": sent[0]}},

@@ -9,7 +9,7 @@ import time
 
 import httpx2
 import pytest
-from PIL import Image
+from helpers import saved_pictures
 from served import Server
 from typesafe_sdk import Image as SdkImage
 from typesafe_sdk import TypeSafeClient
@@ -37,12 +37,7 @@ def server(deployable):
 
 def test_two_front_ends_and_an_engine_answer_as_predict_alone(server, predictor, tmp_path):
     states = [{"message": f"ticket {index}: I was billed twice", "plan": "pro"} for index in range(12)]
-    pictures = []
-    for index, colour in enumerate([(220, 20, 20), (20, 220, 20), (20, 20, 220)]):
-        image = Image.new("RGB", (64, 48 + 16 * index), "white")
-        image.paste(colour, (8, 8, 40, 40))
-        image.save(tmp_path / f"{index}.png")
-        pictures.append(image)
+    pictures = saved_pictures(tmp_path)
     sent = [SdkImage(tmp_path / f"{index}.png") for index in range(3)]
 
     def ask(state):
