@@ -59,7 +59,7 @@ def evaluation_throughput_record(model, template, max_tokens: int, root: Path, s
     model.image_cache.clear()
     seconds = {name: statistics.median(values) for name, values in samples.items()}
     record = {"workload": "evaluation_throughput", "rows": len(rows), "batches": len(plan),
-              "batch_tokens": batch_tokens, "images": int(rows.image.notna().sum()),
+              "batch_tokens": batch_tokens, "images": int(rows.images.map(len).sum()),
               "loader_workers": workers_for(device, len(plan)), "passes": passes}
     for name, value in seconds.items():
         record[f"{name}_seconds"] = value

@@ -49,7 +49,8 @@ def evaluation_profile() -> None:
         plan = plan_batches(rows, EVALUATION_BATCH_TOKENS, template)
         samples = timed_samples(lambda: plan_batches(rows, EVALUATION_BATCH_TOKENS, template), 5)
         print(f"plan_batches (host) p50 {statistics.median(samples):8.2f} ms", flush=True)
-        print(f"{len(rows)} rows, {len(plan)} batches, {int(rows.image.notna().sum())} rows with images", flush=True)
+        pictured = int((rows.images.map(len) > 0).sum())
+        print(f"{len(rows)} rows, {len(plan)} batches, {pictured} rows with images", flush=True)
         for index, tables in enumerate(plan):
             item = build(tables)
             moved = item.batch.to(model.device)
