@@ -20,7 +20,7 @@ def encoded(template, request, max_tokens=4096, images=None):
     `images` (a new list when None), the rows indexing that list."""
     images = [] if images is None else images
     indices = template.encode_images(request, images)
-    return template.encode(request, max_tokens, indices, tuple(images[index] for index in indices)), images
+    return template.encode(request, max_tokens, indices, images), images
 
 
 def batch_of(template, requests):
@@ -29,7 +29,7 @@ def batch_of(template, requests):
     for state, questions in requests:
         request = parse_request(state, questions, template.reserved)
         indices = template.encode_images(request, images, {})
-        rows += template.encode(request, 4096, indices, tuple(images[index] for index in indices))
+        rows += template.encode(request, 4096, indices, images)
     return template.collate(rows, images)
 
 

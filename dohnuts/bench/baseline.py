@@ -17,7 +17,7 @@ def baseline_rows(predictor, state, questions):
     images = []
     indices = template.encode_images(request, images)
     placed = tuple(images[index] for index in indices)
-    return placed, template.encode(request, predictor.config.max_tokens, indices, placed)
+    return placed, template.encode(request, predictor.config.max_tokens, indices, images)
 
 @torch.no_grad()
 def hugging_face_logits(predictor, state, questions) -> torch.Tensor:

@@ -41,7 +41,7 @@ def token_lengths(template: Template, states) -> dict[tuple[str, str], tuple[int
         request = parse_request(pil_state(state.state), state.questions, template.reserved, template.max_images)
         images = []
         indices = template.encode_images(request, images, encode=grid_only)
-        rows = template.encode(request, 2**62, indices, tuple(images[index] for index in indices))
+        rows = template.encode(request, 2**62, indices, images)
         shared = rows[0].shared
         for row in rows:
             lengths[(state.state_id, row.question.qid)] = (shared, len(row.input_ids))

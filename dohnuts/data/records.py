@@ -250,7 +250,7 @@ def encode_examples(template: Template, examples: list[Example], max_tokens: int
         request = parse_request(example.state, {example.qid: example.question}, template.reserved,
                                 template.max_images)
         indices = template.encode_images(request, images, seen)
-        rows.extend(template.encode(request, max_tokens, indices, tuple(images[index] for index in indices)))
+        rows.extend(template.encode(request, max_tokens, indices, images))
     width = max(len(row.markers) for row in rows)
     targets = torch.zeros((len(rows), width))
     for index, example in enumerate(examples):

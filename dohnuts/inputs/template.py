@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from functools import lru_cache
 
 from ..config import ModelConfig
@@ -176,24 +177,25 @@ class Template:
         return [self.vision_start_id] + [self.image_pad_id] * (grid[0] * grid[1]) + [self.vision_end_id], grid
 
     def encode(self, request: Request, max_tokens: int, image_indices: tuple[int, ...] = (),
-               images: tuple[EncodedImage, ...] = ()) -> list[Row]:
+               images: Sequence[EncodedImage] = ()) -> list[Row]:
         """Token rows of a request, one per question, in question order.
 
         Args:
             request: the validated request.
             max_tokens: the budget; a longer row is rejected, never truncated.
-            image_indices: per image of the request (in `request.images` order), the index its
-                encoded image will have in its batch (the same image twice: the same index).
-            images: per image of the request, its encoded image.
+            image_indices: per image of the request (in `request.images` order), the index of its
+                encoded image in `images`, the index it keeps in its batch (the same image twice:
+                the same index), as `encode_images` returns them.
+            images: the encoded images the indices name (`encode_images`' list).
 
         Raises:
             OverBudget: a row is over the token budget (a ValueError).
         """
-        if len(images) != len(request.images) or len(image_indices) != len(request.images):
-            raise ValueError(f"the request has {len(request.images)} images; {len(images)} encoded images and "
-                             f"{len(image_indices)} batch indices were given")
+        if len(image_indices) != len(request.images):
+            raise ValueError(f"the request has {len(request.images)} images; {len(image_indices)} batch indices "
+                             f"were given")
         pieces = iter(self.tokenize(pieces_of(request, self.inline)))
-        blocks = [self.image_block(image) for image in images]
+        blocks = [self.image_block(images[index]) for index in image_indices]
         prefix = []
         if self.inline:
             for block, _ in blocks:

@@ -30,7 +30,7 @@ def _probe(template: Template, max_tokens: int):
     }, template.reserved, template.max_images)
     images = []
     indices = template.encode_images(request, images)
-    return template.collate(template.encode(request, max_tokens, indices, tuple(images)), images)
+    return template.collate(template.encode(request, max_tokens, indices, images), images)
 
 
 def merge(base: Path, adapter: Path, model: ModelConfig, lora: LoraConfig, out: Path) -> float:

@@ -113,7 +113,7 @@ class EvaluationBatches:
         for records in requests:
             request = parse_request(*request_of(self.reader, records), template.reserved, template.max_images)
             indices = template.encode_images(request, images, {})  # each request's own: no joint prefixes
-            rows = template.encode(request, self.max_tokens, indices, tuple(images[index] for index in indices))
+            rows = template.encode(request, self.max_tokens, indices, images)
             encoded_rows.extend(rows)
             for row, group, qid, target in zip(rows, records.groups, records.qids, records.targets):
                 meta.append({"group": group, "state_id": records.state_id, "qid": qid, "kind": row.question.kind,

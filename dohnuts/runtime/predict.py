@@ -180,8 +180,7 @@ def encode_request(template, config: ModelConfig, request: Request, cached_grid=
 
     images = []
     indices = template.encode_images(request, images, encode=encode)  # the same image twice: encoded once
-    placed = tuple(images[index] for index in indices)
-    encoded = EncodedRequest(template.encode(request, config.max_tokens, indices, placed), tuple(images))
+    encoded = EncodedRequest(template.encode(request, config.max_tokens, indices, images), tuple(images))
     tokens = request_shape(encoded).tokens
     if tokens > config.max_request_tokens:
         raise OverBudget(f"the request is {tokens} tokens (its state once, then every question), over the "

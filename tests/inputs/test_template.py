@@ -44,7 +44,7 @@ def test_image_rows_carry_each_vision_block_in_its_place_in_the_state(tiny):
     images = []
     indices = template.encode_images(request, images)
     assert indices == (0, 1, 0) and len(images) == 2  # the same image twice: encoded once
-    rows = template.encode(request, 4096, indices, tuple(images[index] for index in indices))
+    rows = template.encode(request, 4096, indices, images)
     ids = list(rows[0].input_ids)
     # The pixel policy sizes every image to about image_pixels: 64 x 64 is 2 x 2 merged tokens.
     height, width = (images[1].grid_thw[0, 1:] // 2).tolist()
@@ -68,7 +68,7 @@ def test_the_front_layout_puts_the_blocks_before_the_state(tiny):
     request = parse_request({"image": white, "photo": white, "n": 1}, QUESTIONS, template.reserved)
     images = []
     indices = template.encode_images(request, images)
-    ids = template.encode(request, 4096, indices, tuple(images[index] for index in indices))[0].input_ids
+    ids = template.encode(request, 4096, indices, images)[0].input_ids
     tokens = 64 * 64 // (16 * 16) // 4  # 4x4 patches merged 2x2
     assert ids[0] == template.vision_start_id and ids[1 + tokens] == template.vision_end_id
     assert ids[1 : 1 + tokens] == (template.image_pad_id,) * tokens
@@ -95,7 +95,7 @@ def test_mrope_positions_match_hugging_face(tiny):
         images = []
         indices = template.encode_images(request, images)
         placed = tuple(images[index] for index in indices)
-        row = template.encode(request, 4096, indices, placed)[0]
+        row = template.encode(request, 4096, indices, images)[0]
         ids = torch.tensor([row.input_ids])
         kwargs = {}
         if "mm_token_type_ids" in inspect.signature(backbone.get_rope_index).parameters:  # transformers >= 5.23
