@@ -126,9 +126,7 @@ def _parse_state(state, max_images: int) -> tuple[str, tuple[Image.Image, ...], 
             text = json.dumps(state, ensure_ascii=False)
             return text, (), (text,)
         parts = _joined(_segments(state))
-        front = {key: value for key, value in state.items() if key != "image"} \
-            if mapping and _is_image(state.get("image")) else state
-        text = json.dumps(IMAGE_TEXT).join(_joined(_segments(front)))
+        text = front_text(state)
     except (TypeError, ValueError, RecursionError) as error:
         raise TypeError(f"state is not JSON-serialisable apart from its images: {error}") from None
     return text, tuple(image.convert("RGB") for image in images), tuple(parts)
@@ -136,6 +134,29 @@ def _parse_state(state, max_images: int) -> tuple[str, tuple[Image.Image, ...], 
 
 def _is_image(value) -> bool:
     return isinstance(value, Image.Image)
+
+
+def replaced_images(value, change, is_image=_is_image):
+    """A copy of a state's mappings and lists with each image (`is_image`: a PIL image by default)
+    replaced by `change(image)`, called in the order of the state's JSON text; other values as
+    they are."""
+    if is_image(value):
+        return change(value)
+    if _is_mapping(value):
+        return {key: replaced_images(item, change, is_image) for key, item in value.items()}
+    if _is_list(value):
+        return [replaced_images(item, change, is_image) for item in value]
+    return value
+
+
+def front_text(state, is_image=_is_image) -> str:
+    """`Request.state_text` of a state: its JSON with each image's place reading "<image>" and a
+    top-level "image" key left out where it holds an image."""
+    if isinstance(state, str):
+        return state
+    if _is_mapping(state) and is_image(state.get("image")):
+        state = {key: value for key, value in state.items() if key != "image"}
+    return json.dumps(replaced_images(state, lambda _: IMAGE_TEXT, is_image), ensure_ascii=False)
 
 
 def _images_in(state) -> list[Image.Image]:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
-import json
 from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
 from ..inputs.pixels import image_key
-from ..schema import IMAGE_TEXT
+from ..schema import front_text, replaced_images
 
 SUFFIXES = {"PNG": ".png", "JPEG": ".jpg", "GIF": ".gif", "WEBP": ".webp", "BMP": ".bmp", "TIFF": ".tif"}
 
@@ -70,15 +69,8 @@ def state_images(state) -> list:
 
 
 def replaced(value, change):
-    """A copy of a state's mappings and lists with each image replaced by `change(image)`, in
-    the order of the state's JSON text; other values as they are."""
-    if is_image(value):
-        return change(value)
-    if isinstance(value, dict):
-        return {key: replaced(item, change) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [replaced(item, change) for item in value]
-    return value
+    """`schema.replaced_images` of a state whose images are decoded or kept as files."""
+    return replaced_images(value, change, is_image)
 
 
 def pil_state(state):
@@ -90,10 +82,5 @@ def pil_state(state):
 
 def shown_text(state) -> str:
     """The text a state is known by apart from its images (isolation, the guard, the vocabulary):
-    its JSON with each image's place reading "<image>" and a top-level "image" key left out, as
-    `schema.Request.state_text` renders it."""
-    if isinstance(state, str):
-        return state
-    if isinstance(state, dict) and is_image(state.get("image")):
-        state = {key: value for key, value in state.items() if key != "image"}
-    return json.dumps(replaced(state, lambda _: IMAGE_TEXT), ensure_ascii=False)
+    `schema.front_text`, images decoded or kept as files."""
+    return front_text(state, is_image)

@@ -16,7 +16,7 @@ from PIL import Image
 from ..inputs.pixels import image_key
 from ..inputs.template import EncodedImage, Row, Template
 from ..io import atomic_directory, verify_manifest, write_bytes, write_manifest, write_parquet
-from ..schema import parse_request
+from ..schema import parse_request, replaced_images
 from .image_files import ImageFile, replaced, shown_text
 from .isolation import PARTITIONS, Unit, assign, cross_partition, stable_fraction
 
@@ -210,13 +210,7 @@ class RecordReader:
 def with_images(value, names: set[str], decoded: dict):
     """A copy of a stored state with each string that names one of its image files replaced by
     the decoded image (`_encoded` wrote the names in the images' places)."""
-    if isinstance(value, str):
-        return decoded[value] if value in names else value
-    if isinstance(value, dict):
-        return {key: with_images(item, names, decoded) for key, item in value.items()}
-    if isinstance(value, list):
-        return [with_images(item, names, decoded) for item in value]
-    return value
+    return replaced_images(value, decoded.__getitem__, lambda item: isinstance(item, str) and item in names)
 
 
 def shuffled_choice(example: Example, rng: np.random.Generator) -> Example:
