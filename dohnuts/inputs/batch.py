@@ -228,11 +228,12 @@ def image_blocks(row: Row, image_pad_id: int) -> list[tuple[int, int, int]]:
     return blocks
 
 
-def _image_tokens(row: Row, begin: int, end: int, feature_offsets: list[int],
-                  image_pad_id: int) -> tuple[list[int], list[int]]:
-    """Image-token positions of row[begin:end] (relative to begin) and their feature rows."""
+def _image_tokens(row: Row, blocks: list[tuple[int, int, int]], begin: int, end: int,
+                  feature_offsets: list[int]) -> tuple[list[int], list[int]]:
+    """Image-token positions of row[begin:end] (relative to begin) and their feature rows; `blocks`
+    are the row's `image_blocks`."""
     places, sources = [], []
-    for image, (start, height, width) in zip(row.images, image_blocks(row, image_pad_id)):
+    for image, (start, height, width) in zip(row.images, blocks):
         first, last = max(begin, start), min(end, start + height * width)
         if first < last:
             places.extend(range(first - begin, last - begin))
@@ -276,8 +277,8 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
             blocks = image_blocks(row, image_pad_id)
             start, height, width = blocks[-1]
             if begin < start + height * width:
-                pieces.append(_mrope(row, len(row.input_ids), image_pad_id)[:, begin:end])
-                places, sources = _image_tokens(row, begin, end, feature_offsets, image_pad_id)
+                pieces.append(_mrope(blocks, len(row.input_ids))[:, begin:end])
+                places, sources = _image_tokens(row, blocks, begin, end, feature_offsets)
                 slot_positions.extend(offset + place for place in places)
                 slot_sources.extend(sources)
                 return
@@ -359,14 +360,15 @@ def mrope_positions(row: Row, length: int, image_pad_id: int) -> torch.Tensor:
     """[3, length] M-RoPE positions: text advances all three axes together; an image's tokens
     take (p, p + h, p + w), p the position its block starts at, and the text after it resumes
     at p + max(H, W)."""
-    return torch.from_numpy(_mrope(row, length, image_pad_id))
+    return torch.from_numpy(_mrope(image_blocks(row, image_pad_id), length))
 
 
-def _mrope(row: Row, length: int, image_pad_id: int) -> np.ndarray:
-    """`mrope_positions` in numpy (int64): a dozen small torch operations cost several times more."""
+def _mrope(blocks: list[tuple[int, int, int]], length: int) -> np.ndarray:
+    """`mrope_positions` in numpy (int64) from a row's `image_blocks`: a dozen small torch
+    operations cost several times more."""
     positions = np.broadcast_to(np.arange(length, dtype=np.int64), (3, length)).copy()
     shift = 0  # what the blocks so far took from the positions after them
-    for start, height, width in image_blocks(row, image_pad_id):
+    for start, height, width in blocks:
         count = height * width
         first = start + shift
         positions[:, start:start + count] = first
