@@ -62,3 +62,19 @@ LAYOUTS = {
                                 ("another short state", questions(2, candidates=5))],
     "long rows": [("a state of many words " * 10, questions(1, words=12))],
 }
+
+
+def relative_error(have, truth) -> float:
+    """The largest difference of `have` from `truth`, relative to truth's largest magnitude
+    (compared in float64 on the host)."""
+    truth = truth.detach().double().cpu()
+    return ((have.detach().double().cpu() - truth).abs().max() / truth.abs().max().clamp_min(1e-12)).item()
+
+
+def errs_like(have, reference, truth, floor=1e-2) -> bool:
+    """A bf16 fast path held to the float64 `truth` of the same model and input: it may err at
+    most twice what the plain bf16 `reference` path errs, plus `floor` (of truth's largest
+    magnitude). Two bf16 paths of a tiny random model differ by about as much as each errs, so
+    comparing them with each other fails on rounding alone; a wrong result errs by the
+    truth's own size."""
+    return relative_error(have, truth) <= 2 * relative_error(reference, truth) + floor

@@ -1,10 +1,11 @@
 """CUDA graphs of the inference forward against the eager forward (GPU tests), and the layout key."""
 
+import copy
 import dataclasses
 
 import pytest
 import torch
-from helpers import LAYOUTS, batch_of, encoded
+from helpers import LAYOUTS, batch_of, encoded, errs_like, square_image
 from PIL import Image
 
 from dohnuts.model.base import load_backbone
@@ -188,10 +189,14 @@ def test_deferred_captures_are_a_no_op_on_the_cpu(tiny):
 
 
 def _varied(template):
-    """Host batches of distinct layouts: images in the prefix and in a row, text only, long rows."""
+    """Host batches of distinct layouts: images in the prefix and in a row, text only, long rows,
+    and a state of four images (one of them twice) beside a text request."""
     batches = [batch_of(template, requests) for requests in LAYOUTS.values()]
     notes = [({"note": "a parcel " * (5 + 7 * index)}, _questions_of(index)) for index in range(4)]
-    return batches + [batch_of(template, [note]) for note in notes]
+    red, green, blue = (square_image(colour) for colour in ((220, 20, 20), (20, 220, 20), (20, 20, 220)))
+    several = [({"photos": [red, green], "note": "a listing", "detail": {"label": blue, "again": red}},
+                _questions_of(2)), ("a text request beside it", _questions_of(1))]
+    return batches + [batch_of(template, [note]) for note in notes] + [batch_of(template, several)]
 
 
 def _questions_of(count):
@@ -202,11 +207,14 @@ def _questions_of(count):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtype):
     """Every host batch of a new layout replays its bucket's graphs (captured by `prepare`, none
-    on a request), with the logits of the eager forward of the batch alone: to 1e-4 in float32,
-    to 2% of the largest logit in bf16 (padding changes the matrix products' shapes)."""
+    on a request), with the logits of the eager forward of the batch alone: to 1e-4 in float32;
+    in bf16 (padding changes the matrix products' shapes) each held to the model in float64,
+    the replay erring at most twice what the eager forward errs plus 1% of the largest logit
+    (the two differed by 2.75% of the largest logit of this tiny model on the H200)."""
     from dohnuts.runtime.buckets import all_buckets
 
     template, model, graphed = _on_cuda(tiny, dtype)
+    exact = copy.deepcopy(model).double().cpu()
     graphed.pad_id = template.pad_id
     buckets = [bucket for bucket in all_buckets() if bucket.tokens <= 1536]
     assert graphed.prepare(buckets) == len(buckets)
@@ -218,7 +226,7 @@ def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtyp
             if dtype == torch.float32:
                 torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
             else:
-                assert (ours - eager).abs().max() <= 0.02 * eager.abs().max()
+                assert errs_like(ours, eager, exact(batch))
     assert graphed.stats["bucket_replays"] == len(batches)
     assert graphed.stats["captures"] == graphed.stats["eager"] == 0 and graphed.stats["padding_tokens"] > 0
 
@@ -232,8 +240,9 @@ def test_bucket_graphs_are_captured_again_after_the_model_changes(tiny):
     graphed.prepare([Bucket(256, 256, False), Bucket(64, 128, False)])  # the first layout: 131 prefix tokens
     batch = _varied(template)[0]
     with torch.no_grad():
-        graphed(batch)
+        before = graphed(batch)
         model.backbone.language_model.layers[0].input_layernorm.weight.add_(0.5)
         ours, eager = graphed(batch), model(batch.to("cuda"))
-    assert (ours - eager).abs().max() <= 0.02 * eager.abs().max()
+        truth = copy.deepcopy(model).double().cpu()(batch)
+    assert errs_like(ours, eager, truth) and not torch.equal(ours, before)  # the new weights, not the old
     assert graphed.stats["bucket_replays"] == 2 and len(graphed.buckets) == 2
