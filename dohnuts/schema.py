@@ -129,7 +129,14 @@ def _parse_state(state, max_images: int) -> tuple[str, tuple[Image.Image, ...], 
         text = front_text(state)
     except (TypeError, ValueError, RecursionError) as error:
         raise TypeError(f"state is not JSON-serialisable apart from its images: {error}") from None
-    return text, tuple(image.convert("RGB") for image in images), tuple(parts)
+    return text, tuple(rgb(image) for image in images), tuple(parts)
+
+
+def rgb(image: Image.Image) -> Image.Image:
+    """The image in RGB: itself when it already is (read, never written: a request's images are
+    not changed), else its conversion. `convert("RGB")` copies even an RGB image, which for a
+    512 x 512 picture cost more than hashing it, on every request that carried it."""
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def _is_image(value) -> bool:

@@ -123,3 +123,17 @@ def test_instructions_may_be_left_out_and_choice_takes_255_options():
     request = parse_request("s", {"ok": {"type": "noul"}, "big": {"type": "choice",
                                                                   "criteria": [str(i) for i in range(255)]}})
     assert [q.instructions for q in request.questions] == ["", ""] and len(request.questions[1].labels) == 255
+
+
+def test_an_rgb_image_is_taken_as_it_is_and_others_are_converted():
+    """A request's RGB image is used as given (converting it copied every pixel on every call);
+    another mode is converted, and the cache key sees the same pixels either way."""
+    from dohnuts.inputs.pixels import image_key
+
+    colour = Image.new("RGB", (48, 32), (200, 30, 30))
+    grey = Image.new("L", (48, 32), 90)
+    request = parse_request({"a": colour, "b": grey}, {"q": {"type": "noul", "instructions": "Red?"}})
+    assert request.images[0] is colour
+    assert request.images[1].mode == "RGB" and request.images[1].getpixel((0, 0)) == (90, 90, 90)
+    assert image_key(grey) == image_key(grey.convert("RGB")) == image_key(request.images[1])
+    assert image_key(colour) == image_key(colour.copy())

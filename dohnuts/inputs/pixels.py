@@ -27,14 +27,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..schema import rgb
+
 BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
 
 
 def image_key(image) -> str:
     """SHA-256 of a decoded image's RGB content and dimensions (the cache key)."""
-    rgb = image.convert("RGB")
-    digest = hashlib.sha256(f"{rgb.width}x{rgb.height}:".encode())
-    digest.update(rgb.tobytes())
+    converted = rgb(image)
+    digest = hashlib.sha256(f"{converted.width}x{converted.height}:".encode())
+    digest.update(converted.tobytes())
     return digest.hexdigest()
 
 
@@ -125,7 +127,7 @@ def _constants(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Ten
 
 def rgb_bytes(image) -> torch.Tensor:
     """A PIL image's RGB bytes [H, W, 3] uint8 (a writable copy)."""
-    return torch.from_numpy(np.array(image.convert("RGB")))
+    return torch.from_numpy(np.array(rgb(image)))
 
 
 def qwen_pixels(image, processor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,10 +137,10 @@ def qwen_pixels(image, processor) -> tuple[torch.Tensor, torch.Tensor]:
     if settings is None:
         out = processor(images=[image], return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
-    rgb = image.convert("RGB")
-    grid = settings.grid(rgb.height, rgb.width)
-    height, width = settings.size(rgb.height, rgb.width)
-    if (width, height) != rgb.size:
-        rgb = rgb.resize((width, height), resample=settings.resample)
+    picture = rgb(image)
+    grid = settings.grid(picture.height, picture.width)
+    height, width = settings.size(picture.height, picture.width)
+    if (width, height) != picture.size:
+        picture = picture.resize((width, height), resample=settings.resample)
     # The processor rescales in float64 and rounds to float32: float32 here, within an ulp.
-    return settings.layout(settings.normalised(torch.from_numpy(np.array(rgb)).permute(2, 0, 1))), grid
+    return settings.layout(settings.normalised(torch.from_numpy(np.array(picture)).permute(2, 0, 1))), grid
