@@ -106,8 +106,17 @@ def test_encode_host_times_each_host_step_of_a_workload_on_the_cpu(runner, capsy
     for line in steps:
         step, median, smallest = re.fullmatch(r"(.+?)\s+median\s+([\d.]+)\s+smallest block\s+([\d.]+)", line).groups()
         timed[step] = (float(median), float(smallest))
-    assert list(timed) == ["parse", "template", "pack", "encode (all three)", "answers"]
+    assert list(timed) == ["parse", "image keys", "template", "pack", "encode (all four)", "answers"]
     assert all(0 < smallest <= median for median, smallest in timed.values())
+
+
+def test_encode_host_takes_a_workload_of_several_images(runner, capsys):
+    """Four images in the state, three questions: the rows index the images encoded once, as a
+    warm feature cache holds them, and their keys are a timed step of their own."""
+    assert runner.main(["encode_host", "--workload", "vision_protocol_images_4q", "--blocks", "1", "--calls", "2"]) == 0
+    header, *steps = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"## vision_protocol_images_4q: 3 rows, \d+ computed tokens; us per call", header)
+    assert [line.split("  ")[0].strip() for line in steps][1] == "image keys"
 
 
 def test_the_serving_ceiling_runs_anywhere_and_scales_with_the_matrix_rate():
