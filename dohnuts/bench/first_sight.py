@@ -33,10 +33,11 @@ def eager_forwards(predictor, count: int) -> None:
                for state, questions in varied_requests(count, seed=0) if "image" not in state]
     from ..ops.delta_rule import scan as ops  # the bound kernels.delta_rule reads
 
-    routes = {"ours (delta_rule_rows + delta_rule_scan)": ops.SCAN_TOKENS, "FLA chunked for prefixes, long rows": 0}
+    routes = {"ours (delta_rule_rows + delta_rule_scan)": (ops.SCAN_TOKENS, ops.FORWARD_TOKENS),
+              "FLA chunked for prefixes, long rows": (0, 0)}
     logits = {}
-    for label, scan_tokens in routes.items():
-        ops.SCAN_TOKENS = scan_tokens
+    for label, (scan_tokens, forward_tokens) in routes.items():
+        ops.SCAN_TOKENS, ops.FORWARD_TOKENS = scan_tokens, forward_tokens
         try:
             for batch in batches[:4]:  # compile and autotune outside the timing
                 model(batch)
@@ -48,7 +49,7 @@ def eager_forwards(predictor, count: int) -> None:
             logits[label] = outputs
             _line(f"eager forward, {label}", samples)
         finally:
-            ops.SCAN_TOKENS = routes["ours (delta_rule_rows + delta_rule_scan)"]
+            ops.SCAN_TOKENS, ops.FORWARD_TOKENS = routes["ours (delta_rule_rows + delta_rule_scan)"]
     ours, fla = logits.values()
     difference = max((a - b).abs().max().item() for a, b in zip(ours, fla))
     tokens = [batch.computed_tokens for batch in batches]

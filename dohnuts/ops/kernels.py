@@ -212,11 +212,12 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
             needs no concatenation), or None. Forward only: autograd does not see the write. The
             Triton forward kernels write there; the other paths copy their output in.
 
-    On CUDA, with A_log and dt_bias frozen and sequences of at most `SCAN_TOKENS`: rows that
-    continue states, need no gradient and no final states, and hold at most 64 tokens run
-    `delta_rule.rows.delta_rule_rows`; the rest `delta_rule.scan.delta_rule_scan` (reading each
-    state in place), with `delta_rule.backward`'s gradient when autograd needs one. Otherwise
-    FLA's chunked kernels, or the plain-PyTorch chunked reference off CUDA.
+    On CUDA, with A_log and dt_bias frozen: without autograd, rows that continue states, need no
+    final states and hold at most 64 tokens run `delta_rule.rows.delta_rule_rows`; the rest
+    `delta_rule.scan.delta_rule_scan` (reading each state in place), at any length
+    (`scan.FORWARD_TOKENS`), so inference never tunes a kernel on a request; with autograd, the
+    scan with `delta_rule.backward`'s gradient for sequences of at most `scan.SCAN_TOKENS`.
+    Otherwise FLA's chunked kernels, or the plain-PyTorch chunked reference off CUDA.
 
     Returns:
         (o [T, HV, V] in v's dtype, final states or None)
@@ -224,8 +225,10 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     if out is not None and _differentiable(q, k, v, g, beta, states, A_log, dt_bias):
         raise ValueError("delta_rule: out is for forward passes only; autograd would not see the write")
     ours = _ours(q)
-    walks = ours is not None and not _differentiable(A_log, dt_bias) and longest <= ours.scan.SCAN_TOKENS
-    if walks and not _differentiable(q, k, v, g, beta, states):
+    frozen = ours is not None and not _differentiable(A_log, dt_bias)
+    forward_tokens = None if ours is None else ours.scan.FORWARD_TOKENS
+    if (frozen and not _differentiable(q, k, v, g, beta, states)
+            and (forward_tokens is None or longest <= forward_tokens)):
         if states is not None and not output_final_state and longest <= ours.rows.ROW_TOKENS:
             return ours.rows.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias,
                                              out=out, beta_logits=beta_logits), None
@@ -233,7 +236,7 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                                          dt_bias, out=out, beta_logits=beta_logits, chunks=chunk_indices)
     if beta_logits:
         beta = torch.sigmoid(beta)
-    if walks:
+    if frozen and longest <= ours.scan.SCAN_TOKENS:
         from .delta_rule import backward  # the same walk with its gradient
 
         return backward.delta_rule(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,

@@ -13,6 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
+# Triton compiles a kernel afresh for each class an integer argument falls in (1, a multiple of
+# 16, any other), so a count that follows the request (its tokens or rows, its markers, its
+# forked states) compiled a new variant of every kernel that took it on the first request of a
+# new class: a stall of seconds on a user's request (issue 37). These arguments are left
+# unspecialised; they bound loops and masks, never strides or address alignment.
+REQUEST_ROWS = ("R",)
+REQUEST_ELEMENTS = ("N",)
+REQUEST_STATES = ("G",)
+
 
 def _on(device: torch.device):
     """Launch on `device` rather than the current CUDA device (the CPU: Triton's interpreter)."""

@@ -462,6 +462,30 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width, pa
 
 
 @pytest.mark.gpu
+def test_inference_walks_sequences_past_the_gradient_bound_and_never_calls_fla(monkeypatch):
+    """Forward only, `kernels.delta_rule` sends sequences of any length to the scan (here a
+    prefix of 5,000 tokens, past `SCAN_TOKENS`, beside short ones): FLA, which tunes its kernels
+    on a first long sequence for seconds (issue 37), is never called at inference. Against the
+    float32 recurrence, as the scan's own test."""
+    from dohnuts.ops.delta_rule import scan as module
+
+    lengths = [5000, 17, 64, 3]
+    assert max(lengths) > module.SCAN_TOKENS and module.FORWARD_TOKENS is None
+    q, k, v, gate, beta, A_log, dt_bias, _, _, cu = _forked_inputs(lengths, 16, 16, 128, 4)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("FLA's chunked kernels were called at inference")
+
+    monkeypatch.setattr(kernels, "chunk_gated_delta_rule", refused)
+    with torch.no_grad():
+        ours, final = kernels.delta_rule(q[0], k[0], v[0], gate[0], beta[0], cu, cu.cpu(), max(lengths), None,
+                                         A_log, dt_bias, output_final_state=True)
+    reference, reference_final = gated_delta_rule_reference(q, k, v, decay(gate, A_log, dt_bias), beta, None, True,
+                                                            cu.long(), normalise=False)
+    assert _relative_error(ours[None], reference) < 1e-2 and _relative_error(final, reference_final) < 1e-2
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("heads, value_heads, width", [(16, 16, 128), (2, 4, 40)])
 def test_delta_rule_gradient_matches_reference_and_fla(heads, value_heads, width):
     """delta_rule.backward.delta_rule in bf16 (sequences of 1 to 1,100 tokens), its gradients against

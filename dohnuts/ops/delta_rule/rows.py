@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import _even_rows, _on
+from ..triton_common import REQUEST_STATES, _even_rows, _on
 from .parts import (
     PART,
     ROW_WARPS,
@@ -39,7 +39,7 @@ from .parts import (
 ROW_TOKENS = 64  # the longest row `delta_rule_rows` takes (four parts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REQUEST_STATES)
 def _delta_rows_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, cu_seqlens, G, scale, sa, sb,
                     H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, BC: tl.constexpr, PARTS: tl.constexpr, SIGMOID: tl.constexpr):

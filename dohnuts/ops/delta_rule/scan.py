@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..plan import CHUNK, chunk_plan
-from ..triton_common import _even_rows, _on
+from ..triton_common import REQUEST_STATES, _even_rows, _on
 from .parts import (
     PART,
     ROW_WARPS,
@@ -54,7 +54,12 @@ from .parts import (
 # at most, `runtime.buckets`), so buckets take the one-kernel walk; the parts path serves the
 # eager calls of one to three sequences.
 
-SCAN_TOKENS = 2048  # the longest sequence `kernels` sends to `delta_rule_scan`
+SCAN_TOKENS = 2048  # the longest sequence whose gradient `kernels` computes with the walk
+# The longest sequence a forward-only call (inference) walks; None: any. Beyond it FLA's chunked
+# kernels ran, which tune themselves on their first long sequence: on the H200 a first request of
+# 1,557 tokens stalled 12.5 s, and 50 s on a cold cache (issue 37). Forward only, the walk's
+# buffers grow with the tokens (about 13 kB a token at the Qwen3.5-0.8B shape, freed each layer).
+FORWARD_TOKENS: int | None = None
 WALK_VALUES = 64  # values a walking program (a block of V)
 PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
 
@@ -96,7 +101,7 @@ def _delta_scan_parts(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunks, W, U, P
             tl.store(Gc + o_t * HV + i_h, g_i, mask=m_t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REQUEST_STATES)
 def _delta_scan_walk(q, k, W, U, P, Gc, states, parents, o, final, cu_seqlens, G, scale, H: tl.constexpr,
                      K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr):
@@ -128,7 +133,7 @@ def _delta_scan_walk(q, k, W, U, P, Gc, states, parents, o, final, cu_seqlens, G
         tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REQUEST_STATES)
 def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale, sa, sb,
                     H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr,

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import _norm_grad, _on, _row_tile, _rows_layout
+from ..triton_common import REQUEST_ROWS, _norm_grad, _on, _row_tile, _rows_layout
 
 # -- RMSNorm ---------------------------------------------------------------------------------------
 #
@@ -21,7 +21,7 @@ from ..triton_common import _norm_grad, _on, _row_tile, _rows_layout
 ROWS = 16  # rows per RMSNorm program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REQUEST_ROWS)
 def _rms_norm_fwd(x, scale, y, rstd, R, B, s0, s1, eps, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     # Row r of the [A, B, D] input lies at (r // B) * s0 + (r % B) * s1; the output is contiguous.
     rows, cols, m_r, m = _row_tile(R, D, BR, BD)
@@ -33,7 +33,7 @@ def _rms_norm_fwd(x, scale, y, rstd, R, B, s0, s1, eps, D: tl.constexpr, BR: tl.
     tl.store(rstd + rows, r, mask=m_r)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REQUEST_ROWS)
 def _rms_norm_bwd(x, scale, rstd, dy, dx, R, B, s0, s1, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     rows, cols, m_r, m = _row_tile(R, D, BR, BD)
     start = (rows // B) * s0 + (rows % B) * s1
@@ -101,7 +101,7 @@ def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     return RMSNorm.apply(x, scale.contiguous(), eps)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REQUEST_ROWS)
 def _add_rms_norm_fwd(x, residual, scale, total, y, rstd, R, eps, D: tl.constexpr, BR: tl.constexpr,
                       BD: tl.constexpr):
     # The sum is rounded to x's dtype, then normed: as an addition followed by RMSNorm would.
@@ -158,7 +158,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, e
 # per tensor, 84 launches a Qwen3.5-0.8B forward. `norm_rotate` does both in one pass.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REQUEST_ROWS)
 def _norm_rotate_fwd(x, scale, cos, sin, y, rstd, R, H, s0, s1, eps, D: tl.constexpr, ROT: tl.constexpr,
                      BR: tl.constexpr, BD: tl.constexpr):
     # Row r is head r % H of token r // H, at (r // H) * s0 + (r % H) * s1; y is contiguous.
@@ -234,7 +234,7 @@ def norm_rotate(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: to
     return NormRotate.apply(x, scale.contiguous(), cos, sin, eps)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REQUEST_ROWS)
 def _rms_norm_gated_fwd(x, gate, weight, y, rstd, R, eps, GB, gs0, gs1, D: tl.constexpr, BR: tl.constexpr,
                         BD: tl.constexpr):
     # Row r of the gate lies at (r // GB) * gs0 + (r % GB) * gs1 (a column block of a wider
@@ -251,7 +251,7 @@ def _rms_norm_gated_fwd(x, gate, weight, y, rstd, R, eps, GB, gs0, gs1, D: tl.co
     tl.store(rstd + rows, r, mask=m_r)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REQUEST_ROWS)
 def _rms_norm_gated_bwd(x, gate, weight, rstd, dy, dx, dgate, R, D: tl.constexpr, BR: tl.constexpr,
                         BD: tl.constexpr):
     rows, cols, m_r, m = _row_tile(R, D, BR, BD)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..triton_common import _even_rows, _on
+from ..triton_common import REQUEST_ELEMENTS, _even_rows, _on
 
 # -- SwiGLU ----------------------------------------------------------------------------------------
 #
@@ -17,7 +17,7 @@ from ..triton_common import _even_rows, _on
 BLOCK = 1024  # elements per SwiGLU program
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REQUEST_ELEMENTS)
 def _swiglu_fwd(gate, up, y, N, width, sg, su, BN: tl.constexpr):
     # Element e of the [N / width, width] output is row e // width, column e % width; gate and up
     # rows are read with their own strides (two column blocks of one projection output, in place).
@@ -29,7 +29,7 @@ def _swiglu_fwd(gate, up, y, N, width, sg, su, BN: tl.constexpr):
     tl.store(y + offsets, (g * tl.sigmoid(g) * u).to(y.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REQUEST_ELEMENTS)
 def _swiglu_bwd(gate, up, dy, dgate, dup, N, BN: tl.constexpr):
     offsets = tl.program_id(0).to(tl.int64) * BN + tl.arange(0, BN)
     m = offsets < N
