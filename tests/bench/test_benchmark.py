@@ -111,12 +111,12 @@ def test_varied_traffic_times_each_distinct_layout_on_first_sight_then_again(dep
     assert record["requests"] == len(record["input_tokens"]) == 8 and min(record["input_tokens"]) > 0
     for name in ("first_sight", "second_pass"):
         measured = record[name]
-        # The CPU: no graphs. Each image is new on first sight (the tower runs) and cached after.
+        # The CPU: no graphs, no Triton. Each image is new on first sight (the tower runs) and cached after.
         vision = record["image_requests"] if name == "first_sight" else 0
         assert measured["timed_calls"] == {"graph_replays": 0, "graph_captures": 0, "bucket_replays": 0, "eager": 8,
                                            "padding_tokens": 0, "vision_replays": 0, "vision_captures": 0,
                                            "vision_bucket_replays": 0, "vision_eager": vision,
-                                           "vision_padding_patches": 0}
+                                           "vision_padding_patches": 0, "triton_compiles": 0, "triton_autotunes": 0}
         assert len(measured["samples_ms"]) == 8
         assert min(measured["samples_ms"]) <= measured["p50_ms"] <= measured["p95_ms"] <= measured["p99_ms"]
         assert measured["p99_ms"] <= measured["max_ms"] == max(measured["samples_ms"])
