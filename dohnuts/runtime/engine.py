@@ -56,6 +56,40 @@ class EncodedRequest(NamedTuple):
     deadline: float | None = None
 
 
+# The longest sequence of the warm-up: past the gradient bound of the delta rule's walk
+# (`scan.SCAN_TOKENS`) and the longest prefix a bucket holds, as the longest requests run.
+WARM_UP_TOKENS = 4200
+
+
+def warm_up_batches(image_pad_id: int) -> list[Batch]:
+    """Text batches that between them take every eager route of the forward: a short row of one
+    marker; a shared prefix forked into rows of at most 64 tokens (the delta rule's rows kernel),
+    or into a longer row too (the scan from forked states, parts then walk); four prefixes, each
+    forked into a short and a long row (the scan's one-kernel walk, from zero and from forked
+    states); rows run whole, one and five of them (both scan paths from zero states);
+    one long sequence. Markers: 1, 2 and several a row. The token ids are
+    arbitrary (prefixes differ by their start): only the shapes and routes matter."""
+    def ids(count: int, start: int = 1) -> tuple[int, ...]:  # ids below 100: in any vocabulary
+        return tuple(1 + (start + index) % 97 for index in range(count))
+
+    def row(own: int, markers: int, prefix: tuple[int, ...] = ()) -> Row:
+        tokens = prefix + ids(own, 500)
+        return Row(tokens, tuple(range(len(tokens) - markers, len(tokens))), None, len(prefix))
+
+    prefix = ids(SHARED_MIN + 36)
+    shapes = [
+        [row(16, 1)],
+        [row(10, 2, prefix), row(40, 3, prefix), row(64, 1, prefix)],
+        [row(10, 2, prefix), row(150, 5, prefix)],
+        [row(own, 2 + index, ids(SHARED_MIN + 10 * index, 1000 * index + 1))
+         for index in range(4) for own in (10, 100 + 20 * index)],
+        [row(300, 3)],
+        [row(90 + 37 * index, 2) for index in range(5)],
+        [row(WARM_UP_TOKENS, 2)],
+    ]
+    return [pack_rows(rows, [], image_pad_id) for rows in shapes]
+
+
 def request_shape(request: EncodedRequest, rows: Sequence[int] | None = None) -> Shape:
     """The shape (`buckets.Shape`) of a request's rows (all, or those at `rows`) in a batch: their
     shared beginning once when at least two share one of SHARED_MIN tokens (as
@@ -170,7 +204,20 @@ class Engine:
             if pixels is not None:
                 self.model.vision_graphs.prepare(self.model.backbone.visual,
                                                  vision_buckets(pixels.max_pixels, pixels.patch, pixels.merge))
+            if device.type == "cuda":
+                self.warm_up()
         return ready
+
+    @torch.no_grad()
+    def warm_up(self) -> int:
+        """Run the eager forward once on each of `warm_up_batches`, so the kernel variants a
+        request met for the first time can reach are compiled at load, not on the request (a
+        bucket's graph covers only the shapes it fixes). Returns the batches run."""
+        batches = warm_up_batches(self.image_pad_id)
+        for batch in batches:
+            moved = batch.to(self.model.device)
+            self.model.scores(self.model.embeddings(moved), moved)
+        return len(batches)
 
     @property
     def budget(self) -> int:
