@@ -93,3 +93,57 @@ def percentile(samples: list[float], q: float) -> float:
     low = int(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+REAL_IMAGE_SIDES = (160, 1200)  # a side of a real-traffic image, pixels (uniform)
+
+
+def real_traffic(count: int, seed: int = 37) -> list[tuple[dict, dict]]:
+    """`count` distinct (state, questions) pairs shaped like the niche's real clients (issue 37),
+    harder than the serving mix: states from a line to about 1,500 words (log-uniform, 5 to
+    1,500), a third with a new photo-like image of 160 to 1,200 pixels a side (each side drawn
+    apart, so aspect ratios vary), 1 to 20 questions of all three types, choices of 2 to 40
+    options (log-uniform), half of them with a description per option. Seeded apart from the
+    other generators: none of its requests is one of theirs."""
+    rng = random.Random(f"real-traffic-{seed}")
+    requests = []
+    for index in range(count):
+        state = _state(rng, f"R-{seed}-{index:05d}", 5, 1500, 1, 2)  # no image from _state: ours below
+        if index % 3 == 0:
+            state["image"] = _photo(rng, index)
+        questions = {}
+        for number in range(rng.randint(1, 20)):
+            kind = rng.choice(("noul", "choice", "score"))
+            topic = rng.choice(WORDS)
+            if kind == "noul":
+                questions[f"q{number}"] = {"type": "noul", "instructions": f"Does the customer mention {topic}?"}
+            elif kind == "choice":
+                options = round(math.exp(rng.uniform(math.log(2), math.log(40))))
+                labels = [f"{topic} {rng.choice(WORDS)} {option}" for option in range(options)]
+                criteria = ({label: " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for label in labels}
+                            if rng.random() < 0.5 else labels)
+                questions[f"q{number}"] = {"type": "choice", "instructions": f"Which {topic} case is it?",
+                                           "criteria": criteria}
+            else:
+                levels = rng.randint(2, 10)
+                questions[f"q{number}"] = {"type": "score", "instructions": f"How severe is the {topic} issue?",
+                                           "criteria": [f"severity {level}" for level in range(levels)]}
+        requests.append((state, questions))
+    return requests
+
+
+def _photo(rng: random.Random, index: int) -> Image.Image:
+    """A photo-like image of its own size: a gradient, shapes and noise, so no two are alike and
+    none is one flat colour."""
+    width, height = (rng.randint(*REAL_IMAGE_SIDES) for _ in range(2))
+    top, bottom = (tuple(rng.randrange(256) for _ in range(3)) for _ in range(2))
+    gradient = Image.linear_gradient("L").resize((width, height))
+    image = Image.composite(Image.new("RGB", (width, height), top), Image.new("RGB", (width, height), bottom),
+                            gradient)
+    draw = ImageDraw.Draw(image)
+    for _ in range(3 + index % 5):
+        x, y = rng.randrange(width), rng.randrange(height)
+        size = rng.randint(8, max(9, min(width, height) // 3))
+        draw.ellipse([x, y, x + size, y + size], fill=tuple(rng.randrange(256) for _ in range(3)))
+    noise = Image.effect_noise((width, height), 24).convert("RGB")
+    return Image.blend(image, noise, 0.15)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from pathlib import Path
 
 from ..ops.compiles import kernel_variants
 from ..runtime.cuda_graphs import layout_key
 from .baseline import baseline_rows, hugging_face_logits
 from .telemetry import synchronize
-from .traffic import percentile, varied_requests
+from .traffic import percentile, real_traffic, varied_requests
 
 
 def varied_traffic(predictor, count: int, seed: int = 0, warmup: int = 8) -> tuple[list, list]:
@@ -71,15 +72,7 @@ def varied_traffic_record(predictor, count: int, seed: int = 0, warmup: int = 8)
         predictor.predict(state, questions)
     first = _timed_pass(predictor, timed)
     second = _timed_pass(predictor, timed)
-    for state, questions in warm:
-        hugging_face_logits(predictor, state, questions)
-    baseline = []
-    for state, questions in timed:
-        synchronize(predictor.model.device)
-        start = time.perf_counter()
-        hugging_face_logits(predictor, state, questions)
-        synchronize(predictor.model.device)
-        baseline.append((time.perf_counter() - start) * 1000.0)
+    baseline = _hugging_face_samples(predictor, warm, timed)
     tokens = [sum(len(row.input_ids) for row in baseline_rows(predictor, *request)[1]) for request in timed]
     return {
         "workload": "varied_traffic", "requests": len(timed), "seed": seed, "warmup_requests": len(warm),
@@ -92,3 +85,65 @@ def varied_traffic_record(predictor, count: int, seed: int = 0, warmup: int = 8)
         "hugging_face_p50_ms": percentile(baseline, 0.5), "hugging_face_p99_ms": percentile(baseline, 0.99),
         "hugging_face_samples_ms": baseline,
     }
+
+
+def _hugging_face_samples(predictor, warm, timed) -> list[float]:
+    """Milliseconds of Hugging Face's padded forward on each `timed` request, after one untimed
+    pass over `warm`."""
+    for state, questions in warm:
+        hugging_face_logits(predictor, state, questions)
+    samples = []
+    for state, questions in timed:
+        synchronize(predictor.model.device)
+        start = time.perf_counter()
+        hugging_face_logits(predictor, state, questions)
+        synchronize(predictor.model.device)
+        samples.append((time.perf_counter() - start) * 1000.0)
+    return samples
+
+
+def real_traffic_record(predictor, count: int, seed: int = 37, warmup: int = 10) -> dict:
+    """The real-traffic workload (issue 37): `warmup` requests of the real-traffic generator sent
+    first, then `count` others, each timed once, on first sight: its layout and its image new
+    (`traffic.real_traffic`: up to 1,500 words, 20 questions, 40 options, a third with an image
+    of 160 to 1,200 pixels a side). The pass counts the kernels Triton compiled or tuned on the
+    timed requests; Hugging Face's padded forward runs on the same requests."""
+    requests = real_traffic(warmup + count, seed)
+    warm, timed = requests[:warmup], requests[warmup:]
+    for state, questions in warm:
+        predictor.predict(state, questions)
+    first = _timed_pass(predictor, timed)
+    baseline = _hugging_face_samples(predictor, warm[:2], timed)
+    tokens = [sum(len(row.input_ids) for row in baseline_rows(predictor, *request)[1]) for request in timed]
+    return {
+        "workload": "real_traffic", "requests": len(timed), "seed": seed, "warmup_requests": len(warm),
+        "image_requests": sum("image" in state for state, _ in timed),
+        "image_sides": [list(state["image"].size) for state, _ in timed if "image" in state],
+        "questions": [len(questions) for _, questions in timed], "input_tokens": tokens,
+        "first_sight": first,
+        "hugging_face_p50_ms": percentile(baseline, 0.5), "hugging_face_p99_ms": percentile(baseline, 0.99),
+        "hugging_face_max_ms": max(baseline), "hugging_face_samples_ms": baseline,
+    }
+
+
+def real_traffic_measurement(count: int = 80, seed: int = 37, out: str | None = None) -> None:
+    """The real-traffic workload on the shape-only Qwen3.5-0.8B predictor (graphs captured, the
+    warm-up run, as a server loads): first-sight p50/p99/max, text and image p50, Triton's
+    compiles and autotunes on the timed requests, Hugging Face on the same; the record as JSON
+    to `out`.
+
+        python benchmarks/run.py real_traffic --count 80 --out real.json
+    """
+    from ..io import write_json
+    from .host import SHAPE
+    from .shapes import shape_only_predictor
+
+    record = real_traffic_record(shape_only_predictor(SHAPE), count, seed)
+    part = record["first_sight"]
+    print(f"real traffic, {record['requests']} requests ({record['image_requests']} with an image) on first sight: "
+          f"p50 {part['p50_ms']:.2f} p99 {part['p99_ms']:.2f} max {part['max_ms']:.2f} ms; text p50 "
+          f"{part['text_p50_ms']:.2f}, image p50 {part['image_p50_ms']:.2f}; {part['timed_calls']}; Hugging Face "
+          f"p50 {record['hugging_face_p50_ms']:.2f} p99 {record['hugging_face_p99_ms']:.2f} max "
+          f"{record['hugging_face_max_ms']:.2f}", flush=True)
+    if out is not None:
+        write_json(Path(out), record)

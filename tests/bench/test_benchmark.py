@@ -1,5 +1,7 @@
 """The benchmark's training-update record on the CPU (tiny model)."""
 
+import dataclasses
+
 import torch
 
 from dohnuts import Predictor
@@ -147,3 +149,56 @@ def test_the_stage_echoes_every_record_even_when_a_step_adds_several(tmp_path, m
     assert lines == [describe(first), *(describe(record) for record in pair)]
     written = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert written == [first, *pair]
+
+
+def test_real_traffic_is_harder_than_the_serving_mix_and_its_own():
+    from dohnuts.bench.traffic import REAL_IMAGE_SIDES, real_traffic, serving_mix
+
+    requests = real_traffic(60)
+    assert real_traffic(60)[5][1] == requests[5][1]  # seeded
+    counts = [len(questions) for _, questions in requests]
+    assert min(counts) <= 2 and max(counts) == 20
+    options = [len(q["criteria"]) for _, questions in requests for q in questions.values() if q["type"] == "choice"]
+    assert min(options) == 2 and max(options) >= 30
+    described = [q for _, questions in requests for q in questions.values() if isinstance(q.get("criteria"), dict)]
+    assert described and all(all(isinstance(text, str) and text for text in q["criteria"].values()) for q in described)
+    words = [len(state["message"].split()) for state, _ in requests]
+    assert min(words) <= 10 and max(words) >= 800
+    images = [state["image"] for state, _ in requests if "image" in state]
+    assert len(images) == 20  # a third
+    assert all(REAL_IMAGE_SIDES[0] <= side <= REAL_IMAGE_SIDES[1] for image in images for side in image.size)
+    assert len({image.size for image in images}) == len(images) and max(max(image.size) for image in images) > 800
+    assert len({image.tobytes() for image in images}) == len(images)
+    tickets = {state["ticket"] for state, _ in requests}
+    assert not tickets & {state["ticket"] for state, _ in serving_mix(60)}
+
+
+def test_real_traffic_times_each_request_once_and_counts_compiles(deployable):
+    from dohnuts.bench.varied import real_traffic_record
+
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    record = real_traffic_record(predictor, 4, warmup=2)
+    assert record["requests"] == len(record["input_tokens"]) == len(record["hugging_face_samples_ms"]) == 4
+    part = record["first_sight"]
+    assert len(part["samples_ms"]) == 4 and part["max_ms"] == max(part["samples_ms"])
+    assert part["timed_calls"]["triton_compiles"] == part["timed_calls"]["triton_autotunes"] == 0  # the CPU
+    assert part["timed_calls"]["eager"] == 4 and record["image_requests"] == len(record["image_sides"]) >= 1
+    assert record["hugging_face_max_ms"] >= record["hugging_face_p50_ms"] > 0
+
+
+def test_long_requests_meet_the_budgets_they_aim_at_and_past_them_are_refused(deployable):
+    """Within a row's budget one question; past it several, each row within the row budget and
+    the request within its own; past the request budget, refused by name (never truncated)."""
+    from dohnuts.bench.long_context import long_context_record
+
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    predictor.config = dataclasses.replace(predictor.config, max_tokens=2048, max_request_tokens=4096)
+    record = long_context_record(predictor, (1000, 3500, 9000))
+    one, several, over = record["requests"]
+    assert one["rows"] == 1 and 800 <= one["computed_tokens"] <= 1000
+    assert several["rows"] == 3 and 3000 <= several["computed_tokens"] <= 4096  # the state once, each question
+    assert one["first_sight_ms"] > 0 and several["computed_tokens_per_second"] > 0
+    assert one["peak_memory_bytes"] is None  # the CPU
+    assert "budget of 4096" in over["refused"]

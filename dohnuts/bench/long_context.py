@@ -1,0 +1,100 @@
+"""The long-context workload (issue 37): requests of many thousand tokens, up to the wire
+format's budgets (32,768 tokens a row: the state and one question; 65,536 a request), each
+timed on first sight and once more, with its tokens a second and its peak device memory."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..inputs.template import OverBudget
+from .telemetry import synchronize
+from .traffic import WORDS
+
+MARGIN = 256  # tokens a row's template adds around its state and question, and then some
+
+
+def text_of_tokens(tokenizer, tokens: int, offset: int = 0) -> str:
+    """Plain words that tokenise to about `tokens` tokens (`offset` varies which words)."""
+    words = " ".join(WORDS[(offset + index * 7) % len(WORDS)] for index in range(tokens + 16))
+    return tokenizer.decode(tokenizer(words, add_special_tokens=False)["input_ids"][:tokens])
+
+
+def long_request(tokenizer, tokens: int, max_tokens: int) -> tuple[dict, dict]:
+    """A request of about `tokens` input tokens. Within the row budget `max_tokens`: a state of
+    that length and one yes/no question. Past it: a state of half a row and as many questions,
+    each with instructions of half a row, as bring the request near `tokens` (not past it)."""
+    if tokens <= max_tokens - MARGIN:
+        return ({"document": text_of_tokens(tokenizer, tokens - MARGIN)},
+                {"q0": {"type": "noul", "instructions": "Does the document mention a refund?"}})
+    half = max_tokens // 2 - MARGIN
+    count = max(1, (tokens - half) // half)
+    questions = {f"q{index}": {"type": "noul", "instructions": text_of_tokens(tokenizer, half, index + 1)
+                               + " Is this described in the document?"} for index in range(count)}
+    return {"document": text_of_tokens(tokenizer, half)}, questions
+
+
+@torch.no_grad()
+def long_context_record(predictor, lengths: tuple[int, ...]) -> dict:
+    """Each of `lengths` as a `long_request`: first-sight and second-call milliseconds, computed
+    tokens a second (second call), the peak device memory the call added (CUDA), and what ran
+    (eager or graphs); a request over the model's budgets is recorded as refused, with why."""
+    device, config = predictor.model.device, predictor.config
+    results = []
+    for tokens in lengths:
+        state, questions = long_request(predictor.template.tokenizer, tokens, config.max_tokens)
+        try:
+            batch, _ = predictor.encode(state, questions)
+        except OverBudget as error:
+            results.append({"target_tokens": tokens, "refused": str(error)})
+            continue
+        stats = predictor.scores.stats
+        before = dict(stats)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        calls = []
+        for _ in range(2):
+            synchronize(device)
+            start = time.perf_counter()
+            answer = predictor.predict(state, questions)
+            synchronize(device)
+            calls.append((time.perf_counter() - start) * 1000.0)
+        peak = torch.cuda.max_memory_allocated(device) - resident if device.type == "cuda" else None
+        results.append({
+            "target_tokens": tokens, "input_tokens": answer["usage"]["input_tokens"],
+            "computed_tokens": batch.computed_tokens, "rows": len(questions),
+            "first_sight_ms": calls[0], "second_ms": calls[1],
+            "computed_tokens_per_second": batch.computed_tokens / (calls[1] / 1000.0),
+            "peak_memory_bytes": peak,
+            "timed_calls": {name: stats[name] - before[name] for name in ("eager", "bucket_replays", "replays",
+                                                                          "captures")},
+        })
+    return {"workload": "long_context", "max_tokens": config.max_tokens,
+            "max_request_tokens": config.max_request_tokens, "requests": results}
+
+
+def long_context(lengths: tuple[int, ...] = (8192, 32768, 65536), out: str | None = None) -> None:
+    """The long-context workload on the shape-only Qwen3.5-0.8B predictor (graphs captured, the
+    warm-up run, as a server loads): a line per request, and the record as JSON to `out`.
+
+        python benchmarks/run.py long_context --lengths 8192 32768 65536 --out long.json
+    """
+    from ..io import write_json
+    from .host import SHAPE
+    from .shapes import shape_only_predictor
+
+    record = long_context_record(shape_only_predictor(SHAPE), lengths)
+    for request in record["requests"]:
+        if "refused" in request:
+            print(f"{request['target_tokens']:6d} tokens: refused: {request['refused']}", flush=True)
+            continue
+        memory = request["peak_memory_bytes"]
+        print(f"{request['computed_tokens']:6d} tokens ({request['rows']} rows): first sight "
+              f"{request['first_sight_ms']:.1f} ms, again {request['second_ms']:.1f} ms, "
+              f"{request['computed_tokens_per_second']:.0f} tokens/s, peak memory "
+              f"{'n/a' if memory is None else f'{memory / 2**30:.2f} GiB'}; {request['timed_calls']}", flush=True)
+    if out is not None:
+        write_json(Path(out), record)
