@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dohnuts.bench import batching, device, first_sight, host, long_context, loops, short_rows, varied
+from dohnuts.bench import batching, device, first_sight, host, loops, short_rows
 
 WORKLOADS = "benchmark workloads (dohnuts.bench.protocol.workloads)"
 
@@ -96,12 +96,12 @@ MEASUREMENTS: dict[str, Measurement] = {
         first_sight.first_sight, "first-seen requests: eager forward by delta-rule route, an image miss", "cuda",
         (Argument("count", int, 80, "varied requests whose text ones run eagerly (0 skips that part)"),)),
     "real_traffic": Measurement(
-        varied.real_traffic_measurement, "real-traffic requests on first sight: p50/p99/max, compiles, HF", "any",
+        first_sight.real_traffic_measurement, "real-traffic requests on first sight: p50/p99/max, compiles, HF", "any",
         (Argument("count", int, 80, "timed requests (10 others warm up first)"),
          Argument("seed", int, 37, "the generator's seed"),
          Argument("out", str, None, "a file for the record (JSON)"))),
     "long_context": Measurement(
-        long_context.long_context, "8k to 64k-token requests: latency, tokens/s, peak memory", "any",
+        first_sight.long_context_measurement, "8k to 64k-token requests: latency, tokens/s, peak memory", "any",
         (Argument("lengths", int, (8192, 32768, 65536), "input tokens of each request", many=True),
          Argument("out", str, None, "a file for the record (JSON)"))),
     "delta_rule_short_rows": Measurement(

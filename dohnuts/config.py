@@ -279,7 +279,9 @@ SHAPE_NAMES = ("qwen3_5-0.8b",)  # the shapes dohnuts.measure.shapes can build
 class BenchmarkConfig:
     """The latency protocol: cold call, warm-up calls, timed calls; `shape` names a model shape
     to benchmark with random weights instead of the checkpoint (records say shape-only); the
-    varied-traffic workload times `varied_requests` requests of distinct layouts. The serving
+    varied-traffic workload times `varied_requests` requests of distinct layouts, the
+    real-traffic workload `real_traffic_requests` (0: none) on first sight, and on CUDA the
+    long-context workload one request of about each of `long_context` tokens. The serving
     workload runs `dohnuts serve` (`serving_workers` front ends) in processes of its own and
     drives it from `serving_client_processes` client processes with `serving_requests` distinct
     requests of the serving mix: open loop at each offered rate of `serving_rates` (requests/s),
@@ -291,6 +293,8 @@ class BenchmarkConfig:
     timed: int = 20
     shape: str | None = None
     varied_requests: int = 60
+    real_traffic_requests: int = 80
+    long_context: tuple[int, ...] = (8192, 32768, 65536)
     serving_requests: int = 512
     serving_rates: tuple[float, ...] = ()
     serving_clients: tuple[int, ...] = (1, 8, 64)
@@ -304,6 +308,9 @@ class BenchmarkConfig:
         _check(self.timed >= 2 and self.warmup >= 0,
                f"benchmark.timed must be >= 2 and warmup >= 0, got {self.timed}, {self.warmup}")
         _check(self.varied_requests >= 1, f"benchmark.varied_requests must be >= 1, got {self.varied_requests}")
+        _check(self.real_traffic_requests >= 0 and all(tokens >= 64 for tokens in self.long_context),
+               f"benchmark.real_traffic_requests must be >= 0 and long_context lengths >= 64, got "
+               f"{self.real_traffic_requests}, {list(self.long_context)}")
         _check(self.serving_requests >= 0 and all(count >= 1 for count in self.serving_clients)
                and all(rate > 0 for rate in self.serving_rates),
                f"benchmark.serving_requests must be >= 0, serving_clients and serving_rates positive, got "

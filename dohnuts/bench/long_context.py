@@ -5,7 +5,6 @@ timed on first sight and once more, with its tokens a second and its peak device
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
@@ -75,26 +74,3 @@ def long_context_record(predictor, lengths: tuple[int, ...]) -> dict:
     return {"workload": "long_context", "max_tokens": config.max_tokens,
             "max_request_tokens": config.max_request_tokens, "requests": results}
 
-
-def long_context(lengths: tuple[int, ...] = (8192, 32768, 65536), out: str | None = None) -> None:
-    """The long-context workload on the shape-only Qwen3.5-0.8B predictor (graphs captured, the
-    warm-up run, as a server loads): a line per request, and the record as JSON to `out`.
-
-        python benchmarks/run.py long_context --lengths 8192 32768 65536 --out long.json
-    """
-    from ..io import write_json
-    from .host import SHAPE
-    from .shapes import shape_only_predictor
-
-    record = long_context_record(shape_only_predictor(SHAPE), lengths)
-    for request in record["requests"]:
-        if "refused" in request:
-            print(f"{request['target_tokens']:6d} tokens: refused: {request['refused']}", flush=True)
-            continue
-        memory = request["peak_memory_bytes"]
-        print(f"{request['computed_tokens']:6d} tokens ({request['rows']} rows): first sight "
-              f"{request['first_sight_ms']:.1f} ms, again {request['second_ms']:.1f} ms, "
-              f"{request['computed_tokens_per_second']:.0f} tokens/s, peak memory "
-              f"{'n/a' if memory is None else f'{memory / 2**30:.2f} GiB'}; {request['timed_calls']}", flush=True)
-    if out is not None:
-        write_json(Path(out), record)

@@ -15,6 +15,7 @@ from ..io import write_bytes
 from ..runtime.predict import Predictor
 from .evaluation import evaluation_throughput_record
 from .load import describe_level
+from .long_context import long_context_record
 from .protocol import PUBLISHED_P50_MS, run_workload, workloads
 from .records import environment, mix_ceiling
 from .serving import ServingPlan, serving_record
@@ -22,14 +23,17 @@ from .shapes import shape_only_predictor, write_shape_checkpoint
 from .telemetry import measure_ceilings
 from .traffic import serving_mix
 from .training import TRAINING_LAYOUTS, multi_process_update_record, scaling, training_update_record
-from .varied import varied_traffic_record
+from .varied import real_traffic_record, varied_traffic_record
 
 
 def benchmark(predictor, warmup: int, timed: int, progress=None, serving: ServingPlan | None = None,
               shape: str | None = None, checkpoint: Path | None = None,
-              varied_requests: int = 60) -> tuple[list[dict], dict, list[dict]]:
+              varied_requests: int = 60, real_traffic_requests: int = 0,
+              long_context: tuple[int, ...] = ()) -> tuple[list[dict], dict, list[dict]]:
     """Run every repeated workload (image workloads also with a cold image-feature cache), the
-    varied-traffic workload (`varied_requests` requests of distinct layouts), evaluation
+    varied-traffic workload (`varied_requests` requests of distinct layouts), the real-traffic
+    workload (`real_traffic_requests`, none when 0), on CUDA the long-context one (a request of
+    about each of `long_context` tokens), evaluation
     throughput, the serving workload (`serving`: `dohnuts serve` on `checkpoint`, or on a
     deployable folder of the `shape` written for it, in processes of its own; none when None),
     then one training-update record (which injects fresh LoRA into the predictor's model, so it
@@ -57,6 +61,10 @@ def benchmark(predictor, warmup: int, timed: int, progress=None, serving: Servin
         throughput = {**evaluation_throughput_record(predictor.model, predictor.template, predictor.config.max_tokens,
                                                      Path(scratch)), "environment": environment(predictor)}
     extra = [varied, throughput]
+    if real_traffic_requests:
+        extra.append({**real_traffic_record(predictor, real_traffic_requests), "environment": environment(predictor)})
+    if long_context and device.type == "cuda":
+        extra.append({**long_context_record(predictor, long_context), "environment": environment(predictor)})
     if progress is not None:
         progress(records + extra)
     if serving is not None:
@@ -102,6 +110,11 @@ def benchmark(predictor, warmup: int, timed: int, progress=None, serving: Servin
         "evaluation_rows_per_second": {name: throughput[f"{name}_rows_per_second"]
                                        for name in ("overlapped", "synchronous")},
         "serving": serving_summary(serving) if serving else {},
+        "real_traffic": next(({**{key: record[key] for key in ("requests", "image_requests", "hugging_face_p50_ms",
+                                                               "hugging_face_p99_ms", "hugging_face_max_ms")},
+                               **{key: value for key, value in record["first_sight"].items() if key != "samples_ms"}}
+                              for record in extra if record["workload"] == "real_traffic"), {}),
+        "long_context": next((record["requests"] for record in extra if record["workload"] == "long_context"), []),
         "published_p50_ms": PUBLISHED_P50_MS,
     }
     plots = [{"workload": record["workload"], "p50_ms": record["p50_ms"],
@@ -147,6 +160,16 @@ def describe(record: dict) -> str:
             f"{name.replace('_', ' ')} p50 {record[name]['p50_ms']:.2f} p99 {record[name]['p99_ms']:.2f} ms "
             f"{record[name]['timed_calls']}" for name in ("first_sight", "second_pass")) + (
             f"; Hugging Face p50 {record['hugging_face_p50_ms']:.2f} ms")
+    if record["workload"] == "real_traffic":
+        part = record["first_sight"]
+        return (f"real_traffic                         first sight p50 {part['p50_ms']:.2f} p99 {part['p99_ms']:.2f} "
+                f"max {part['max_ms']:.2f} ms {part['timed_calls']}; Hugging Face p50 "
+                f"{record['hugging_face_p50_ms']:.2f} max {record['hugging_face_max_ms']:.2f} ms")
+    if record["workload"] == "long_context":
+        return "long_context                         " + "; ".join(
+            f"{request['target_tokens']} tokens refused" if "refused" in request else
+            f"{request['computed_tokens']} tokens {request['first_sight_ms']:.1f} ms first, "
+            f"{request['second_ms']:.1f} again" for request in record["requests"])
     if record["workload"] == "training_update_varied":
         return (f"training_update_varied               p50 {record['p50_ms']:8.2f} ms  p95 {record['p95_ms']:.2f}  "
                 f"mean {record['mean_ms']:.2f}  {record['updates']} layouts in {record['buckets']} buckets "
@@ -195,5 +218,7 @@ def run(config: BenchmarkConfig, checkpoint: Path, records: Path, echo=print) ->
     _, summary, plots = benchmark(predictor, config.warmup, config.timed, progress=progress,
                                   serving=serving_plan(config), shape=config.shape,
                                   checkpoint=None if config.shape else checkpoint,
-                                  varied_requests=config.varied_requests)
+                                  varied_requests=config.varied_requests,
+                                  real_traffic_requests=config.real_traffic_requests,
+                                  long_context=config.long_context)
     return summary, plots

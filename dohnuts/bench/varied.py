@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from pathlib import Path
 
 from ..ops.compiles import kernel_variants
 from ..runtime.cuda_graphs import layout_key
@@ -125,25 +124,3 @@ def real_traffic_record(predictor, count: int, seed: int = 37, warmup: int = 10)
         "hugging_face_max_ms": max(baseline), "hugging_face_samples_ms": baseline,
     }
 
-
-def real_traffic_measurement(count: int = 80, seed: int = 37, out: str | None = None) -> None:
-    """The real-traffic workload on the shape-only Qwen3.5-0.8B predictor (graphs captured, the
-    warm-up run, as a server loads): first-sight p50/p99/max, text and image p50, Triton's
-    compiles and autotunes on the timed requests, Hugging Face on the same; the record as JSON
-    to `out`.
-
-        python benchmarks/run.py real_traffic --count 80 --out real.json
-    """
-    from ..io import write_json
-    from .host import SHAPE
-    from .shapes import shape_only_predictor
-
-    record = real_traffic_record(shape_only_predictor(SHAPE), count, seed)
-    part = record["first_sight"]
-    print(f"real traffic, {record['requests']} requests ({record['image_requests']} with an image) on first sight: "
-          f"p50 {part['p50_ms']:.2f} p99 {part['p99_ms']:.2f} max {part['max_ms']:.2f} ms; text p50 "
-          f"{part['text_p50_ms']:.2f}, image p50 {part['image_p50_ms']:.2f}; {part['timed_calls']}; Hugging Face "
-          f"p50 {record['hugging_face_p50_ms']:.2f} p99 {record['hugging_face_p99_ms']:.2f} max "
-          f"{record['hugging_face_max_ms']:.2f}", flush=True)
-    if out is not None:
-        write_json(Path(out), record)
