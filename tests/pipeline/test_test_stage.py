@@ -38,7 +38,9 @@ def test_test_stage_probabilities_equal_predict_on_each_request_alone(tiny, depl
     if predictor.calibrator.cells:
         assert metrics["raw"]["macro"]["nll"] != metrics["calibrated"]["macro"]["nll"]
     else:
-        assert metrics["raw"]["macro"]["nll"] == metrics["calibrated"]["macro"]["nll"]
+        # the same probabilities, summed in another order: equal to a few ulps (1.3853218212825855
+        # against 1.385321821282586 in one CI run)
+        assert metrics["raw"]["macro"]["nll"] == pytest.approx(metrics["calibrated"]["macro"]["nll"], rel=1e-12)
     for kind in ("choice", "noul", "score"):
         assert sum(row["rows"] for row in diagrams[f"{kind}_raw"]) == int((scored.kind == kind).sum())
 
