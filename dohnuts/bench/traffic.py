@@ -22,7 +22,7 @@ def varied_requests(count: int, seed: int = 0, image_every: int = 4) -> list[tup
     rng = random.Random(seed)
     requests = []
     for index in range(count):
-        state = _state(rng, f"T-{seed}-{index:05d}", 2, 300, index, image_every)
+        state = _state(rng, f"T-{seed}-{index:05d}", 2, 300, index, image=index % image_every == 0)
         questions = {}
         for number in range(rng.randint(1, 10)):
             kind = ("noul", "choice", "score")[number % 3]
@@ -38,12 +38,12 @@ def varied_requests(count: int, seed: int = 0, image_every: int = 4) -> list[tup
     return requests
 
 
-def _state(rng: random.Random, ticket: str, shortest: int, longest: int, index: int, image_every: int) -> dict:
-    """A state: its ticket, a message of `shortest` to `longest` words (log-uniform), and a new
-    image when `index` is a multiple of `image_every`."""
+def _state(rng: random.Random, ticket: str, shortest: int, longest: int, index: int, image: bool) -> dict:
+    """A state: its ticket, a message of `shortest` to `longest` words (log-uniform), and, when
+    `image`, a new image drawn for `index`."""
     length = round(math.exp(rng.uniform(math.log(shortest), math.log(longest))))
     state: dict = {"ticket": ticket, "message": " ".join(rng.choice(WORDS) for _ in range(length))}
-    if index % image_every == 0:
+    if image:
         state["image"] = _image(rng, index)
     return state
 
@@ -65,24 +65,43 @@ def serving_mix(count: int, seed: int = 0, image_every: int = 6) -> list[tuple[d
     rng = random.Random(seed)
     requests = []
     for index in range(count):
-        state = _state(rng, f"T-{seed}-{index:06d}", 8, 1500, index, image_every)
-        questions = {}
-        for number in range(rng.randint(1, 20)):
-            kind = rng.choice(("noul", "choice", "score"))
-            topic = rng.choice(WORDS)
-            if kind == "noul":
-                questions[f"q{number}"] = {"type": "noul", "instructions": f"Is the message about {topic}?"}
-            elif kind == "choice":
-                options = round(math.exp(rng.uniform(math.log(2), math.log(40))))
-                labels = [f"{rng.choice(WORDS)} {rng.choice(WORDS)} {option}" for option in range(options)]
-                questions[f"q{number}"] = {"type": "choice", "instructions": f"Which {topic} case is it?",
-                                           "criteria": labels}
-            else:
-                levels = rng.randint(2, 10)
-                questions[f"q{number}"] = {"type": "score", "instructions": f"How much is it about {topic}?",
-                                           "criteria": [f"level {level} of {topic}" for level in range(levels)]}
-        requests.append((state, questions))
+        state = _state(rng, f"T-{seed}-{index:06d}", 8, 1500, index, image=index % image_every == 0)
+        requests.append((state, _questions(rng, SERVING_WORDING, described=False)))
     return requests
+
+
+def _questions(rng: random.Random, wording: dict, described: bool) -> dict:
+    """1 to 20 questions (uniform) of all three types, phrased by `wording` (templates over
+    {topic}, {word}, {option} and {level}): choices of 2 to 40 options (log-uniform), half of
+    them with a description per option when `described`, and scores of 2 to 10 levels."""
+    questions = {}
+    for number in range(rng.randint(1, 20)):
+        kind = rng.choice(("noul", "choice", "score"))
+        topic = rng.choice(WORDS)
+        if kind == "noul":
+            questions[f"q{number}"] = {"type": "noul", "instructions": wording["noul"].format(topic=topic)}
+        elif kind == "choice":
+            options = round(math.exp(rng.uniform(math.log(2), math.log(40))))
+            labels = [wording["option"](rng, topic, option) for option in range(options)]
+            criteria = labels
+            if described and rng.random() < 0.5:
+                criteria = {label: " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for label in labels}
+            questions[f"q{number}"] = {"type": "choice", "instructions": f"Which {topic} case is it?",
+                                       "criteria": criteria}
+        else:
+            levels = rng.randint(2, 10)
+            questions[f"q{number}"] = {"type": "score", "instructions": wording["score"].format(topic=topic),
+                                       "criteria": [wording["level"].format(level=level, topic=topic)
+                                                    for level in range(levels)]}
+    return questions
+
+
+SERVING_WORDING = {"noul": "Is the message about {topic}?",
+                   "option": lambda rng, topic, option: f"{rng.choice(WORDS)} {rng.choice(WORDS)} {option}",
+                   "score": "How much is it about {topic}?", "level": "level {level} of {topic}"}
+REAL_WORDING = {"noul": "Does the customer mention {topic}?",
+                "option": lambda rng, topic, option: f"{topic} {rng.choice(WORDS)} {option}",
+                "score": "How severe is the {topic} issue?", "level": "severity {level}"}
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -108,27 +127,10 @@ def real_traffic(count: int, seed: int = 37) -> list[tuple[dict, dict]]:
     rng = random.Random(f"real-traffic-{seed}")
     requests = []
     for index in range(count):
-        state = _state(rng, f"R-{seed}-{index:05d}", 5, 1500, 1, 2)  # no image from _state: ours below
+        state = _state(rng, f"R-{seed}-{index:05d}", 5, 1500, index, image=False)
         if index % 3 == 0:
             state["image"] = _photo(rng, index)
-        questions = {}
-        for number in range(rng.randint(1, 20)):
-            kind = rng.choice(("noul", "choice", "score"))
-            topic = rng.choice(WORDS)
-            if kind == "noul":
-                questions[f"q{number}"] = {"type": "noul", "instructions": f"Does the customer mention {topic}?"}
-            elif kind == "choice":
-                options = round(math.exp(rng.uniform(math.log(2), math.log(40))))
-                labels = [f"{topic} {rng.choice(WORDS)} {option}" for option in range(options)]
-                criteria = ({label: " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) for label in labels}
-                            if rng.random() < 0.5 else labels)
-                questions[f"q{number}"] = {"type": "choice", "instructions": f"Which {topic} case is it?",
-                                           "criteria": criteria}
-            else:
-                levels = rng.randint(2, 10)
-                questions[f"q{number}"] = {"type": "score", "instructions": f"How severe is the {topic} issue?",
-                                           "criteria": [f"severity {level}" for level in range(levels)]}
-        requests.append((state, questions))
+        requests.append((state, _questions(rng, REAL_WORDING, described=True)))
     return requests
 
 
