@@ -28,6 +28,9 @@ def test_the_count_finds_our_kernels_and_counts_each_cached_variant_and_tuned_ke
     after = compiles.kernel_variants()
     assert after["compiled"] - before["compiled"] == 3 and after["tuned"] - before["tuned"] == 2
     assert after["kernels"] == before["kernels"]  # the autotuner wraps a kernel already counted
+    keys = compiles.compiled_keys()  # what a failing GPU test shows: the kernels and their new keys
+    assert keys["dohnuts.ops.norm.fused._rms_norm_fwd"] == {"a", "b", "c"}
+    assert keys["dohnuts.ops.swiglu.fused._swiglu_bwd (tuned)"] == {"(16,)", "(32,)"}
 
 
 def test_request_sized_arguments_are_not_specialised():
