@@ -63,12 +63,13 @@ WARM_UP_TOKENS = 4200
 
 def warm_up_batches(image_pad_id: int) -> list[Batch]:
     """Text batches that between them take every eager route of the forward: a short row of one
-    marker; a shared prefix forked into rows of at most 64 tokens (the delta rule's rows kernel),
-    or into a longer row too (the scan from forked states, parts then walk); four prefixes, each
-    forked into a short and a long row (the scan's one-kernel walk, from zero and from forked
-    states); rows run whole, one and five of them (both scan paths from zero states);
-    one long sequence. Markers: 1, 2 and several a row. The token ids are
-    arbitrary (prefixes differ by their start): only the shapes and routes matter."""
+    marker; a shared prefix forked into rows of at most 16, 32, 48 and 64 tokens (the delta
+    rule's rows kernel, compiled for each count of 16-token parts it unrolls), or into a longer
+    row too (the scan from forked states, parts then walk); four prefixes, each forked into a
+    short and a long row (the scan's one-kernel walk, from zero and from forked states); rows
+    run whole, one and five of them (both scan paths from zero states); one long sequence.
+    Markers: 1, 2 and several a row. The token ids are arbitrary (prefixes differ by their
+    start): only the shapes and routes matter."""
     def ids(count: int, start: int = 1) -> tuple[int, ...]:  # ids below 100: in any vocabulary
         return tuple(1 + (start + index) % 97 for index in range(count))
 
@@ -80,6 +81,7 @@ def warm_up_batches(image_pad_id: int) -> list[Batch]:
     shapes = [
         [row(16, 1)],
         [row(10, 2, prefix), row(40, 3, prefix), row(64, 1, prefix)],
+        *[[row(own // 2, 2, prefix), row(own, 1, prefix)] for own in (16, 32, 48)],
         [row(10, 2, prefix), row(150, 5, prefix)],
         [row(own, 2 + index, ids(SHARED_MIN + 10 * index, 1000 * index + 1))
          for index in range(4) for own in (10, 100 + 20 * index)],

@@ -270,10 +270,12 @@ def test_new_requests_are_refused_while_the_oldest_has_waited_past_max_wait(pred
 
 
 def test_the_warm_up_batches_take_every_eager_route_of_the_forward(predictor):
-    """Between them: the delta rule's rows kernel (forked rows of at most 64 tokens), its scan
+    """Between them: the delta rule's rows kernel (forked rows of at most 64 tokens, its longest
+    row in each 16-token step: one compiled variant each, else a request compiles one), its scan
     from forked states by both paths (fewer than PARTS_BELOW sequences, and more), from zero
     states by both, and a sequence past the walk's gradient bound; on the CPU
     they run the eager forward (CUDA compiles their kernels there at load)."""
+    from dohnuts.ops.delta_rule.parts import PART
     from dohnuts.ops.delta_rule.rows import ROW_TOKENS
     from dohnuts.ops.delta_rule.scan import PARTS_BELOW, SCAN_TOKENS
     from dohnuts.runtime.engine import warm_up_batches
@@ -286,6 +288,9 @@ def test_the_warm_up_batches_take_every_eager_route_of_the_forward(predictor):
     forked = [batch for batch in batches if batch.fork is not None]
     whole = [batch for batch in batches if batch.fork is None]
     assert any(lengths(batch.cu_seqlens_cpu).max() <= ROW_TOKENS for batch in forked)
+    parts = {-(-int(lengths(batch.cu_seqlens_cpu).max()) // PART) for batch in forked
+             if lengths(batch.cu_seqlens_cpu).max() <= ROW_TOKENS}
+    assert parts == set(range(1, ROW_TOKENS // PART + 1))
     assert any(lengths(batch.cu_seqlens_cpu).max() > ROW_TOKENS and len(batch.cu_seqlens_cpu) - 1 < PARTS_BELOW
                for batch in forked)
     assert any(len(batch.prefix_cu_seqlens_cpu) - 1 >= PARTS_BELOW and len(batch.cu_seqlens_cpu) - 1 >= PARTS_BELOW
@@ -301,11 +306,11 @@ def test_after_load_no_request_compiles_or_tunes_a_kernel(deployable):
     """Load (graphs captured, the warm-up run), then requests of new shapes run eagerly and
     through graphs: text of 1 to about 3,000 tokens, states shared or not, 1 to 40 candidates,
     images. Triton compiles and tunes nothing on them (`ops.compiles.kernel_variants`)."""
-    from dohnuts.ops.compiles import kernel_variants
+    from dohnuts.ops.compiles import compiled_keys, kernel_variants
 
     root, _ = deployable
     predictor = Predictor.from_checkpoint(root / "checkpoint", device="cuda")
-    before = kernel_variants()
+    before, keys = kernel_variants(), compiled_keys()
     assert before["kernels"] > 0 and before["compiled"] > 0
     sent = 0
     for index, tokens in enumerate((3, 17, 64, 65, 130, 700, 1500, 2049, 3001)):
@@ -319,4 +324,6 @@ def test_after_load_no_request_compiles_or_tunes_a_kernel(deployable):
         predictor.predict(state, dict(list(QUESTIONS.items())[: 1 + index % 3]))
         sent += 2
     after = kernel_variants()
-    assert (after["compiled"], after["tuned"]) == (before["compiled"], before["tuned"]), (before, after, sent)
+    new = {name: sorted(variants - keys.get(name, set())) for name, variants in compiled_keys().items()}
+    new = {name: variants for name, variants in new.items() if variants}  # what compiled, and how specialised
+    assert (after["compiled"], after["tuned"]) == (before["compiled"], before["tuned"]), (before, after, sent, new)
