@@ -589,6 +589,33 @@ def test_varlen_attention_matches_reference_with_prefix_keys_and_grouped_heads()
         assert _relative_error(grad, expected) < 2e-2, name
 
 
+def test_the_padded_reference_attention_in_slices_equals_each_sequence_alone(monkeypatch):
+    """The reference pads every sequence to the longest; a bucket's hundreds of padding rows beside
+    one long row ran it out of memory (144 GiB), so it goes through the sequences in slices. With
+    a budget of one sequence a slice, and of all at once, each sequence's output equals plain
+    causal attention of that sequence alone (bottom-right aligned after its prefix keys), float32."""
+    from dohnuts.ops import attention
+
+    queries, prefixes = [7, 1, 30, 0, 12], [3, 0, 9, 2, 0]
+    keys = [q + p for q, p in zip(queries, prefixes)]
+    cu_q, cu_k = _cu(queries, "cpu").to(torch.int32), _cu(keys, "cpu").to(torch.int32)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(sum(queries), 4, 8, generator=generator)
+    k, v = (torch.randn(sum(keys), 2, 8, generator=generator) for _ in range(2))
+    expected = []
+    for n, (lq, lk) in enumerate(zip(queries, keys)):
+        qs, ks, vs = q[cu_q[n]:cu_q[n + 1]], k[cu_k[n]:cu_k[n + 1]], v[cu_k[n]:cu_k[n + 1]]
+        scores = torch.einsum("qhd,khd->hqk", qs, ks.repeat_interleave(2, dim=1)) * 0.125
+        visible = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        expected.append(torch.einsum("hqk,khd->qhd", weights, vs.repeat_interleave(2, dim=1)))
+    expected = torch.cat(expected)
+    for budget in (1, attention.REFERENCE_SCORES):
+        monkeypatch.setattr(attention, "REFERENCE_SCORES", budget)
+        out = attention_reference(q, k, v, cu_q, cu_k, 0.125, max(queries), max(keys))
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_uncached_plans_sets_flas_switch_for_nested_users_and_restores_it(monkeypatch):
     utils = types.ModuleType("fla.utils")
     utils.FLA_DISABLE_TENSOR_CACHE = False
