@@ -126,11 +126,12 @@ class DecisionModel(nn.Module):
 
 def plan_segments(batch: Batch) -> tuple[Segments, Prefixes | None]:
     """The rows' `Segments` and the shared `Prefixes` (None without) of a batch's plan."""
-    rows = Segments.of(batch.cu_seqlens, batch.cu_seqlens_cpu, batch.chunk_indices, batch.rows_bound)
+    bucket = batch.rows_bound is not None  # padded to a bucket: its sequence counts are the padding's
+    rows = Segments.of(batch.cu_seqlens, batch.cu_seqlens_cpu, batch.chunk_indices, batch.rows_bound, bucket)
     prefixes = None
     if batch.fork is not None:
         prefixes = Prefixes(batch.prefix_tokens, Segments.of(batch.prefix_cu_seqlens, batch.prefix_cu_seqlens_cpu,
-                                                             batch.prefix_chunk_indices), batch.fork)
+                                                             batch.prefix_chunk_indices, routed=bucket), batch.fork)
     return rows, prefixes
 
 

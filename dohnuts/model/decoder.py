@@ -53,18 +53,21 @@ class Segments:
     cu_seqlens_cpu: torch.Tensor
     max_seqlen: int
     chunk_indices: torch.Tensor | None
+    routed: bool = False  # the delta rule chooses its path on the device (a bucket's graph)
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None = None,
-           chunk_indices: torch.Tensor | None = None, max_seqlen: int | None = None) -> Segments:
+           chunk_indices: torch.Tensor | None = None, max_seqlen: int | None = None, routed: bool = False) -> Segments:
         """`max_seqlen`, when given, bounds the longest sequence instead (a CUDA graph of a
-        bucket serves every layout under its bound: `dohnuts.model.buckets`)."""
+        bucket serves every layout under its bound: `dohnuts.runtime.buckets`); `routed`: the
+        count of sequences is not the request's (a bucket's padding), so the delta rule's walk
+        chooses its path on the device (`delta_rule.scan.delta_rule_scan`)."""
         if cu_seqlens_cpu is None:
             cu_seqlens_cpu = cu_seqlens.cpu()  # one synchronisation for the whole pass
         if max_seqlen is None:
             lengths = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
             max_seqlen = int(lengths.max()) if len(lengths) else 0
-        return cls(cu_seqlens, cu_seqlens_cpu, max_seqlen, chunk_indices)
+        return cls(cu_seqlens, cu_seqlens_cpu, max_seqlen, chunk_indices, routed)
 
 
 @dataclass(frozen=True)
@@ -286,7 +289,7 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
         out, final = kernels.delta_rule(
             query, key, value, gate, beta, segments.cu_seqlens, segments.cu_seqlens_cpu, segments.max_seqlen,
             segments.chunk_indices, module.A_log, module.dt_bias, states, fork.parents if fork else None,
-            fork.orphans if fork else False, keep, out, forward_only)
+            fork.orphans if fork else False, keep, out, forward_only, routed=segments.routed)
         return out, conv_final, final
 
     if prefixes is None:

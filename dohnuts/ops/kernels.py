@@ -193,8 +193,8 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor, longest: int, chunk_indices: torch.Tensor | None,
                A_log: torch.Tensor, dt_bias: torch.Tensor, states: torch.Tensor | None = None,
                parents: torch.Tensor | None = None, orphans: bool = False,
-               output_final_state: bool = False, out: torch.Tensor | None = None, beta_logits: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               output_final_state: bool = False, out: torch.Tensor | None = None, beta_logits: bool = False,
+               routed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule of packed sequences, the decoder's entry point: tensors [T, ...]
     with no batch axis, so autograd records no select or unsqueeze around the kernels.
 
@@ -211,6 +211,8 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         out: [T, HV, V] contiguous in v's dtype, to hold o (a part of a larger output, which then
             needs no concatenation), or None. Forward only: autograd does not see the write. The
             Triton forward kernels write there; the other paths copy their output in.
+        routed: the scan chooses its path on the device (`delta_rule_scan`'s `routed`): a
+            bucket's graph, whose sequence count is its padding's.
 
     On CUDA, with A_log and dt_bias frozen: without autograd, rows that continue states, need no
     final states and hold at most 64 tokens run `delta_rule.rows.delta_rule_rows`; the rest
@@ -233,7 +235,8 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
             return ours.rows.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias,
                                              out=out, beta_logits=beta_logits), None
         return ours.scan.delta_rule_scan(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
-                                         dt_bias, out=out, beta_logits=beta_logits, chunks=chunk_indices)
+                                         dt_bias, out=out, beta_logits=beta_logits, chunks=chunk_indices,
+                                         routed=routed)
     if beta_logits:
         beta = torch.sigmoid(beta)
     if frozen and longest <= ours.scan.SCAN_TOKENS:

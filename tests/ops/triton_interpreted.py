@@ -260,7 +260,7 @@ def check_delta_rule_scan():
     (every 16-token part boundary, several parts, empty ones among them, many sequences starting
     within one part's tokens), from zero states keeping the final states (prefixes) and from
     forked states (long rows, some without a parent), grouped heads and value blocks of 16 with
-    a partial last one."""
+    a partial last one; each path chosen on the host and routed on the device."""
     default = delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW
     generator = torch.Generator().manual_seed(9)
     heads, key_dim, value_heads = 2, 8, 4
@@ -292,6 +292,13 @@ def check_delta_rule_scan():
                     chunks=padded_plan(lengths + [0], len(chunk_plan(lengths)) + 3))
                 close(f"{case} on a padded plan", planned, ours)
                 close(f"{case} final states on a padded plan", planned_final[:-1], final)
+                # Routed on the device (a bucket's graph): both paths launched, the one the count of
+                # sequences over 64 tokens picks does the work (here the path PARTS_BELOW names).
+                routed, routed_final = delta_scan.delta_rule_scan(
+                    q, k, v, gate, beta, None, None, padded_cu, True, A_log, dt_bias,
+                    chunks=padded_plan(lengths + [0], len(chunk_plan(lengths)) + 3), routed=True)
+                close(f"{case} routed on the device", routed, ours)
+                close(f"{case} final states routed on the device", routed_final[:-1], final)
                 states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
                 parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
                 ours, none = delta_scan.delta_rule_scan(q, k, v, gate, beta, states, parents, cu, False, A_log,
@@ -301,6 +308,10 @@ def check_delta_rule_scan():
                     False, cu.long(), normalise=False)
                 assert none is None, case
                 close(f"{case} forked", ours, reference[0])
+                routed, none = delta_scan.delta_rule_scan(q, k, v, gate, beta, states, parents, cu, False, A_log,
+                                                          dt_bias, routed=True)
+                assert none is None, case
+                close(f"{case} forked, routed on the device", routed, reference[0])
                 # Written into a part of a larger output: there, and nowhere else in it.
                 larger = torch.full((total + 7, value_heads, value_dim), 5.0)
                 into, _ = delta_scan.delta_rule_scan(q, k, v, gate, beta, states, parents, cu, False, A_log, dt_bias,
@@ -317,6 +328,47 @@ def check_delta_rule_scan():
                 close(f"{case} final states from beta's input", raw_final, expected_final)
     finally:
         delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW = default
+    check_routes_on_the_device()
+
+
+class _Idle:
+    """A Triton kernel launcher that launches nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **options: None
+
+
+def check_routes_on_the_device():
+    """Routed, the path the device picks does all the work and the other none: with one path's
+    last kernel idle, the output is the reference where the other path was picked (fewer than
+    PARTS_BELOW sequences over 64 tokens: the parts and the walk; more: the one-kernel walk), and
+    untouched where the idle one was."""
+    generator = torch.Generator().manual_seed(11)
+    heads, key_dim, value_heads, value_dim = 1, 8, 2, 16
+    assert delta_scan.PARTS_BELOW == 4
+    for lengths, parts in (([130, 2, 64, 0], True), ([65, 70, 66, 100, 65], False)):
+        total = sum(lengths)
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
+        v = torch.randn(total, value_heads, value_dim, generator=generator)
+        gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
+        A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
+        reference, _ = gated_delta_rule_reference(q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None],
+                                                  beta[None], None, False, cu.long(), normalise=False)
+        for idle in ("_delta_scan_walk", "_delta_scan_fwd"):
+            kernel = getattr(delta_scan, idle)
+            setattr(delta_scan, idle, _Idle())
+            try:
+                out = torch.full((total, value_heads, value_dim), 5.0)
+                delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, False, A_log, dt_bias, out=out,
+                                           routed=True)
+            finally:
+                setattr(delta_scan, idle, kernel)
+            case = f"routed lengths={lengths} with {idle} idle"
+            if parts == (idle == "_delta_scan_fwd"):
+                close(case, out, reference[0])
+            else:
+                assert out.eq(5.0).all(), case
 
 
 def check_delta_rule_grad():

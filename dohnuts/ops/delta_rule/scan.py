@@ -51,8 +51,10 @@ from .parts import (
 # device (4 x 1,024: 213 against 205; 8 x 1,024: 385 against 291; `bench.short_rows.
 # delta_rule_prefixes`). From PARTS_BELOW sequences on, one kernel, `_delta_scan_fwd`, walks
 # them solving each part in the walk. A bucket's graph counts its padding sequences (64 tokens
-# at most, `runtime.buckets`), so buckets take the one-kernel walk; the parts path serves the
-# eager calls of one to three sequences.
+# at most, `runtime.buckets`) too, so there the count cannot choose: routed, `_scan_route`
+# counts the sequences over 64 tokens on the device and both paths are launched, the one not
+# chosen returning at once (a one-question request of 1,287 tokens in a bucket of 2,048 row
+# tokens: 213 -> 141 us a layer for its walk).
 
 SCAN_TOKENS = 2048  # the longest sequence whose gradient `kernels` computes with the walk
 # The longest sequence a forward-only call (inference) walks; None: any. Beyond it FLA's chunked
@@ -65,13 +67,15 @@ PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of part
 
 
 @triton.jit
-def _delta_scan_parts(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunks, W, U, P, Gc, sa, sb, H: tl.constexpr,
-                      K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BVA: tl.constexpr,
-                      BC: tl.constexpr, SPLIT: tl.constexpr, SIGMOID: tl.constexpr):
+def _delta_scan_parts(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunks, W, U, P, Gc, sa, sb, route,
+                      H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                      BVA: tl.constexpr, BC: tl.constexpr, SPLIT: tl.constexpr, SIGMOID: tl.constexpr,
+                      ROUTED: tl.constexpr):
     """The SPLIT parts of the 64-token chunk named by entry program 0 of the chunk plan
     `chunks` [C, 2] (sequence, chunk), of value head program 1: W [T, HV, K] (q's dtype), U0
     [T, HV, V], P [T, HV, BC] and the part's cumulative log decay Gc [T, HV] (float32). Parts
-    past the sequence's end (a padded plan's entries name an empty sequence) are skipped."""
+    past the sequence's end (a padded plan's entries name an empty sequence) are skipped, and
+    every part when ROUTED and `route` [1] says the one-kernel walk runs (`_scan_route`)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // H)
     o_k, o_v, o_c = tl.arange(0, BK), tl.arange(0, BVA), tl.arange(0, BC)
@@ -79,6 +83,8 @@ def _delta_scan_parts(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunks, W, U, P
     chunk = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
     bos = tl.load(cu_seqlens + n).to(tl.int64)
     eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    if ROUTED:
+        eos = tl.where(tl.load(route) != 0, eos, bos)  # the other route's turn: nothing to do
     log_a = tl.load(A_log + i_h).to(tl.float32)
     bias = tl.load(dt_bias + i_h).to(tl.float32)
     for split in tl.static_range(SPLIT):
@@ -102,11 +108,15 @@ def _delta_scan_parts(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunks, W, U, P
 
 
 @triton.jit(do_not_specialize=REQUEST_STATES)
-def _delta_scan_walk(q, k, W, U, P, Gc, states, parents, o, final, cu_seqlens, G, scale, H: tl.constexpr,
+def _delta_scan_walk(q, k, W, U, P, Gc, states, parents, o, final, cu_seqlens, G, scale, route, H: tl.constexpr,
                      K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr):
+                     BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr, ROUTED: tl.constexpr):
     n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    if ROUTED:  # the one-kernel walk's turn (`_scan_route`): no part walked, no state stored
+        taken = tl.load(route)
+        eos = tl.where(taken != 0, eos, bos)
+        m_kv = m_kv & (tl.zeros([BK, BV], dtype=tl.int32) != taken)
     o_c = tl.arange(0, BC)
     h = tl.zeros([BK, BV], dtype=tl.float32)
     if INITIAL:
@@ -134,12 +144,16 @@ def _delta_scan_walk(q, k, W, U, P, Gc, states, parents, o, final, cu_seqlens, G
 
 
 @triton.jit(do_not_specialize=REQUEST_STATES)
-def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale, sa, sb,
+def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale, sa, sb, route,
                     H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                     BV: tl.constexpr, BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr,
-                    SIGMOID: tl.constexpr):
+                    SIGMOID: tl.constexpr, ROUTED: tl.constexpr):
     n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    if ROUTED:  # the parts' turn (`_scan_route`): no part walked, no state stored
+        taken = tl.load(route)
+        eos = tl.where(taken == 0, eos, bos)
+        m_kv = m_kv & (tl.zeros([BK, BV], dtype=tl.int32) == taken)
     h = tl.zeros([BK, BV], dtype=tl.float32)
     if INITIAL:
         h = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK)
@@ -160,11 +174,25 @@ def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu
         tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
 
 
+@triton.jit(do_not_specialize=["N"])
+def _scan_route(cu_seqlens, route, N, LONG: tl.constexpr, FEW: tl.constexpr, BN: tl.constexpr):
+    """route [1] int32: 1 (solve the parts apart, then walk) when fewer than FEW of the N
+    sequences are longer than LONG tokens, else 0 (the one-kernel walk); one program."""
+    count = tl.zeros([BN], dtype=tl.int32)
+    for first in range(0, N, BN):
+        o_n = first + tl.arange(0, BN)
+        m_n = o_n < N
+        length = tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0) - tl.load(cu_seqlens + o_n, mask=m_n, other=0)
+        count += (length > LONG).to(tl.int32)
+    tl.store(route, (tl.sum(count, 0) < FEW).to(tl.int32))
+
+
 def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     states: torch.Tensor | None, parents: torch.Tensor | None, cu_seqlens: torch.Tensor,
                     output_final_state: bool, A_log: torch.Tensor, dt_bias: torch.Tensor,
                     scale: float | None = None, out: torch.Tensor | None = None, beta_logits: bool = False,
-                    chunks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    chunks: torch.Tensor | None = None, routed: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule's output for packed sequences of any length, sequence n starting
     from states[parents[n]] (zero where parents[n] < 0, or everywhere without `states`);
     forward only.
@@ -181,6 +209,10 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             None for a new tensor.
         chunks: the sequences' 64-token chunk plan on q's device (`plan.chunk_plan`, or a
             bucket's `plan.padded_plan`), or None to make it here (reading cu_seqlens back).
+        routed: choose the path on the device (`_scan_route`: the parts then the walk for fewer
+            than PARTS_BELOW sequences over 64 tokens, else the one-kernel walk), launching both
+            with the other skipping its work: for a bucket's graph, whose count of sequences
+            is the padding's, not the request's. Otherwise the count of sequences chooses.
 
     Returns:
         (o [T, HV, V] in v's dtype, final states or None)
@@ -202,15 +234,24 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     final = q.new_empty(sequences, value_heads, key_dim, value_dim, dtype=torch.float32) if output_final_state else o
     initial = states.contiguous() if states is not None else o
     block_k = max(16, triton.next_power_of_2(key_dim))
-    if sequences >= PARTS_BELOW:  # static in a graph: a bucket's sequence count is its own
+    route = cu_seqlens  # any pointer: unread unless routed
+    routed = routed and sequences >= PARTS_BELOW  # else no count could pick the one-kernel walk
+    if routed:
+        route = torch.empty(1, dtype=torch.int32, device=q.device)
+        with _on(q.device):
+            _scan_route[(1,)](cu_seqlens, route, sequences, CHUNK, min(PARTS_BELOW, 1 << 30), 256)
+    G = 0 if states is None else states.shape[0]
+    scale = key_dim**-0.5 if scale is None else scale
+    parents = parents if parents is not None else cu_seqlens
+    if routed or sequences >= PARTS_BELOW:  # static in a graph: a bucket's sequence count is its own
         block_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
         with _on(q.device):
             _delta_scan_fwd[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
-                q, k, v, g, beta, A_log, dt_bias, initial, parents if parents is not None else cu_seqlens, o, final,
-                cu_seqlens, 0 if states is None else states.shape[0], key_dim**-0.5 if scale is None else scale,
-                gate_stride, beta_stride, heads, key_dim, value_heads, value_dim, block_k, block_v, PART,
-                states is not None, output_final_state, beta_logits, num_warps=ROW_WARPS)
-        return o, final if output_final_state else None
+                q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu_seqlens, G, scale, gate_stride,
+                beta_stride, route, heads, key_dim, value_heads, value_dim, block_k, block_v, PART, states is not None,
+                output_final_state, beta_logits, routed, num_warps=ROW_WARPS)
+        if not routed:
+            return o, final if output_final_state else None
     block_v = max(16, min(WALK_VALUES, triton.next_power_of_2(value_dim)))
     # What the walk reads of each part (`_delta_scan_parts`); a bucket's graph keeps them in its pool.
     w = q.new_empty(total, value_heads, key_dim)
@@ -223,12 +264,11 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     with _on(q.device):
         if chunks.shape[0]:
             _delta_scan_parts[(chunks.shape[0], value_heads)](
-                q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunks, w, u, p, decays, gate_stride, beta_stride,
+                q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunks, w, u, p, decays, gate_stride, beta_stride, route,
                 heads, key_dim, value_heads, value_dim, block_k, max(16, triton.next_power_of_2(value_dim)), PART,
-                CHUNK // PART, beta_logits, num_warps=ROW_WARPS)
+                CHUNK // PART, beta_logits, routed, num_warps=ROW_WARPS)
         _delta_scan_walk[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
-            q, k, w, u, p, decays, initial, parents if parents is not None else cu_seqlens, o, final, cu_seqlens,
-            0 if states is None else states.shape[0], key_dim**-0.5 if scale is None else scale, heads, key_dim,
-            value_heads, value_dim, block_k, block_v, PART, states is not None, output_final_state,
+            q, k, w, u, p, decays, initial, parents, o, final, cu_seqlens, G, scale, route, heads, key_dim,
+            value_heads, value_dim, block_k, block_v, PART, states is not None, output_final_state, routed,
             num_warps=ROW_WARPS)
     return o, final if output_final_state else None
