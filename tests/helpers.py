@@ -61,6 +61,7 @@ LAYOUTS = {
     "image and text requests": [({"note": "a square " * 20, "image": square_image((200, 30, 30))}, questions(2)),
                                 ("another short state", questions(2, candidates=5))],
     "long rows": [("a state of many words " * 10, questions(1, words=12))],
+    "one long row": [("a state of many more words " * 60, questions(1))],  # a one-row bucket's
 }
 
 

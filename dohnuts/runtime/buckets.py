@@ -12,16 +12,19 @@ depends on, and `pad_to_bucket` brings any batch under it there:
   `prefix_chunks` (a prefix's last chunk may be partial, so the count varies);
 - the rows' part holds `row_tokens` (S*) tokens in `rows` (N*) sequences: the real rows, then
   padding rows of the remaining tokens (at most 64 tokens each), then empty ones; its chunk plan
-  is padded with entries of an empty row to `row_chunks`;
+  is padded with entries of an empty row to `row_chunks`; a one-row bucket (`single`) holds one
+  row, then its padding as one sequence, then an empty row;
 - markers and the candidate mask are [rows, candidates]; padding rows have no candidate.
 
 Padding sequences are short so that they never outlast the real ones in the delta rule's walk,
-whose sequences run in parallel, each part after part. Padding tokens are real tokens of padding
-sequences (so every kernel writes every output) that no candidate reads: the rows' logits are
-those of the batch alone, up to floating-point order. Only the device contents of the plan
-change within a bucket; what the kernels decide on the host (grid sizes, the delta rule's
-route, its longest row) is the bucket's. Attention, whose work depends on the keys each row
-sees, runs eagerly between graphs (`cuda_graphs`).
+whose sequences run in parallel, each part after part (a one-row bucket's padding is shorter
+than any row it is the smallest fit for). Padding tokens are real tokens of padding sequences
+(so every kernel writes every output) that no candidate reads: the rows' logits are those of
+the batch alone, up to floating-point order. Only the device contents of the plan change within
+a bucket; what the kernels decide on the host (grid sizes, the longest row) is the bucket's,
+and the delta rule's walk picks its path on the device from the real sequences (`Segments.
+routed`), since the bucket's count of sequences is its padding's. Attention, whose work depends
+on the keys each row sees, runs eagerly between graphs (`cuda_graphs`).
 """
 
 from __future__ import annotations
@@ -46,16 +49,22 @@ from ..ops.plan import CHUNK, chunk_plan, cumulative, padded_plan, plan_fork
 PREFIX_LADDER = (64, 128, 256, 512, 1024, 2048, 4096)
 ROW_LADDER = (128, 256, 512, 1024, 2048, 4096)
 LONG_ROW_LADDER = (128, 256, 512, 1024, 2048, 4096, 8192)
+# One-row buckets (`Bucket.single`), for one long row and no shared prefix: a one-question
+# request of a long state. Their padding is one sequence, shorter than the row (each step is at
+# most half again the one before), so the walk is the row's alone, planned on the host: a
+# 1,287-token question in a long-row bucket of 2,048 tokens (64% more, 193 row sequences, the
+# walk routed on the device) took 14.2 ms on the H200, against 7.8 for its own graph.
+ONE_ROW_LADDER = (512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 SHORT_ROW_TOKENS = 6144  # the most tokens of a short-row bucket
 CANDIDATES = 64  # candidates a bucket's row may have
 ROW_TOKENS = 64  # the longest short row (`ops.delta_rule.rows.ROW_TOKENS`)
 
 
-# The longest sequence `kernels` sends to `delta_rule.scan.delta_rule_scan` (its SCAN_TOKENS; a test
-# holds them equal): a bucket's graph is captured on sequences of at most this (its padding
-# ones, and its long rows' bound), so the capture never routes to FLA, whose chunk plans it would
-# memoise from its empty batch. Within the graph the scan then walks real sequences of any length.
-LONGEST_SEQUENCE = 2048
+# A bucket's graph plans its long rows for the longest its row tokens allow: forward only, the
+# delta rule walks a sequence of any length (`delta_rule.scan.FORWARD_TOKENS` is None; a test
+# holds it so), so no capture and no replay routes to FLA, whose chunk plans a capture would
+# memoise. (Bounded at the walk's gradient bound, 2,048 tokens, a one-question request of 2,787
+# tokens found no bucket and ran eagerly: 43 ms on the H200.)
 
 
 @dataclass(frozen=True)
@@ -65,10 +74,13 @@ class Bucket:
     prefix_tokens: int
     row_tokens: int
     long_rows: bool
+    single: bool = False  # one row, its padding one sequence after it (`ONE_ROW_LADDER`)
 
     def __post_init__(self):
         if self.prefix_tokens < CHUNK or self.prefix_tokens % CHUNK or self.row_tokens < 1:
             raise ValueError(f"a bucket needs prefix tokens a positive multiple of {CHUNK} and row tokens: got {self}")
+        if self.single and (not self.long_rows or self.prefix_tokens != CHUNK):
+            raise ValueError(f"a one-row bucket holds one long row and {CHUNK} prefix tokens of padding: got {self}")
 
     @property
     def prefixes(self) -> int:
@@ -84,6 +96,8 @@ class Bucket:
 
     @property
     def rows(self) -> int:
+        if self.single:
+            return 3  # the row, its padding, an empty row
         return self.row_tokens // 8 + 1  # rows of 8 tokens on average fill it; one empty row at least
 
     @property
@@ -94,7 +108,7 @@ class Bucket:
     def longest_row(self) -> int:
         """The bound on a row the graph plans for: the delta rule's route and attention's
         longest row (its host decisions)."""
-        return min(self.row_tokens, LONGEST_SEQUENCE) if self.long_rows else ROW_TOKENS
+        return self.row_tokens if self.long_rows else ROW_TOKENS
 
     @property
     def tokens(self) -> int:
@@ -105,6 +119,7 @@ def all_buckets() -> list[Bucket]:
     """The buckets captured at load, smallest first."""
     buckets = [Bucket(p, s, False) for p in PREFIX_LADDER for s in ROW_LADDER if p + s <= SHORT_ROW_TOKENS]
     buckets += [Bucket(p, s, True) for p in PREFIX_LADDER for s in LONG_ROW_LADDER]
+    buckets += [Bucket(PREFIX_LADDER[0], s, True, single=True) for s in ONE_ROW_LADDER]
     return sorted(buckets, key=lambda bucket: bucket.tokens)
 
 
@@ -118,6 +133,8 @@ def _row_padding(bucket: Bucket, rows: int, tokens: int) -> list[int] | None:
     """The padding rows' lengths that bring `rows` rows of `tokens` tokens to the bucket, or
     None when they cannot."""
     spare, room = bucket.row_tokens - tokens, bucket.rows - rows
+    if bucket.single:
+        return [spare, 0] if rows == 1 and spare >= 0 else None
     if spare < 0 or room < 1:
         return None
     padding = _pieces(spare)
@@ -175,8 +192,10 @@ def fits(shape: Shape, bucket: Bucket) -> bool:
 
 
 def smallest_fit(shape: Shape, buckets) -> Bucket | None:
-    """The smallest of `buckets` a batch of `shape` fits, or None."""
-    return min((bucket for bucket in buckets if fits(shape, bucket)), key=lambda bucket: bucket.tokens, default=None)
+    """The smallest of `buckets` a batch of `shape` fits (a one-row bucket before another of its
+    size), or None."""
+    return min((bucket for bucket in buckets if fits(shape, bucket)),
+               key=lambda bucket: (bucket.tokens, not bucket.single), default=None)
 
 
 def bucket_for(batch: Batch, buckets) -> Bucket | None:

@@ -68,7 +68,8 @@ OWN_GRAPH_AT = 4
 CAPACITY = 64
 
 # The longest sequence a training bucket holds (and its padding sequences' length): within the
-# scan's bound (`buckets.LONGEST_SEQUENCE`), so neither the forward nor the backward routes to FLA.
+# walk's gradient bound (`delta_rule.scan.SCAN_TOKENS`), so neither the forward nor the backward
+# routes to FLA.
 LONGEST_SEQUENCE = 1024
 
 

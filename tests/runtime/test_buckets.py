@@ -7,7 +7,17 @@ from helpers import LAYOUTS, batch_of, questions
 
 from dohnuts.model.base import load_backbone
 from dohnuts.model.decision import new_head
-from dohnuts.runtime.buckets import CANDIDATES, ROW_TOKENS, Bucket, all_buckets, bucket_for, empty_batch, pad_to_bucket
+from dohnuts.runtime.buckets import (
+    CANDIDATES,
+    ROW_TOKENS,
+    Bucket,
+    all_buckets,
+    batch_shape,
+    bucket_for,
+    empty_batch,
+    fits,
+    pad_to_bucket,
+)
 from dohnuts.runtime.checkpoint import assemble
 
 
@@ -38,12 +48,11 @@ def test_a_padded_batch_gives_its_rows_the_logits_of_the_batch_alone(parts, name
 
 def test_padding_keeps_the_shapes_the_bucket_fixes(parts):
     template, _ = parts
-    for bucket in (Bucket(128, 256, False), Bucket(256, 512, True)):
+    for bucket in (Bucket(128, 256, False), Bucket(256, 512, True), Bucket(64, 768, True, single=True)):
         shapes = []
         for requests in LAYOUTS.values():
             batch = batch_of(template, requests)
-            if batch.prefix_tokens > bucket.prefix_tokens or (batch.cu_seqlens_cpu.diff().max() > ROW_TOKENS) != \
-                    bucket.long_rows:
+            if not fits(batch_shape(batch), bucket):
                 continue
             padded = pad_to_bucket(batch, bucket, template.pad_id)
             lengths = padded.cu_seqlens_cpu.diff()
@@ -80,15 +89,30 @@ def test_bucket_for_picks_the_smallest_that_fits_or_none(parts):
 
 def test_the_last_row_of_a_padded_batch_is_always_empty_and_buckets_stay_within_the_scan():
     """Rows that would use up every row slot of a bucket go to the next one, so the padded chunk
-    plan can always name an empty row; a bucket never sends a sequence past the scan kernel's
-    bound (it would route to FLA, whose plans a capture would memoise)."""
+    plan can always name an empty row; a bucket's long rows may be as long as its row tokens,
+    since forward only the scan kernel walks any length (a bound there would route longer rows
+    to FLA, whose plans a capture would memoise)."""
     from dohnuts.ops.delta_rule import scan
-    from dohnuts.runtime.buckets import LONGEST_SEQUENCE, _row_padding
+    from dohnuts.runtime.buckets import _row_padding
 
     full = Bucket(64, 128, True)
     assert full.rows == 17 and _row_padding(full, 16, 65 + 15 * 3) is None  # 16 rows + 1 padding = no room
     assert _row_padding(full, 15, 65 + 14 * 3)[-1] == 0
-    assert LONGEST_SEQUENCE == scan.SCAN_TOKENS
+    assert scan.FORWARD_TOKENS is None
+    assert Bucket(64, 4096, True).longest_row == 4096 and Bucket(64, 4096, False).longest_row == ROW_TOKENS
+    # One long row (a one-question request): a one-row bucket at most half again its size, up
+    # to 8,192 tokens, its padding one sequence shorter than the row; two rows never fit one.
+    from dohnuts.runtime.buckets import Shape, smallest_fit
+
+    for tokens, row_tokens in ((300, 512), (1287, 1536), (1600, 2048), (2787, 3072), (3500, 4096), (5000, 6144),
+                               (7979, 8192)):
+        bucket = smallest_fit(Shape(0, 0, tokens, 1, tokens, 2), all_buckets())
+        assert bucket == Bucket(64, row_tokens, True, single=True)
+        assert _row_padding(bucket, 1, tokens) == [row_tokens - tokens, 0] and row_tokens - tokens < tokens
+    assert not smallest_fit(Shape(0, 0, 1300, 2, 1287, 2), all_buckets()).single
+    assert smallest_fit(Shape(0, 0, 10000, 1, 10000, 2), all_buckets()) is None
+    with pytest.raises(ValueError, match="one-row bucket"):
+        Bucket(128, 1024, True, single=True)
     for bad in ((100, 128, False), (0, 128, False), (64, 0, True)):
         with pytest.raises(ValueError, match="a bucket needs"):
             Bucket(*bad)
