@@ -229,17 +229,23 @@ def image_blocks(row: Row, image_pad_id: int) -> list[tuple[int, int, int]]:
 
 
 def _image_tokens(row: Row, blocks: list[tuple[int, int, int]], begin: int, end: int,
-                  feature_offsets: list[int]) -> tuple[list[int], list[int]]:
-    """Image-token positions of row[begin:end] (relative to begin) and their feature rows; `blocks`
-    are the row's `image_blocks`."""
+                  feature_offsets: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Image-token positions of row[begin:end] (relative to begin) and their feature rows, int64
+    arrays; `blocks` are the row's `image_blocks`. (Arrays, not lists: a 4-image request has
+    about a thousand image tokens, which a list built item by item paid for on every request.)"""
     places, sources = [], []
     for image, (start, height, width) in zip(row.images, blocks):
         first, last = max(begin, start), min(end, start + height * width)
         if first < last:
-            places.extend(range(first - begin, last - begin))
+            places.append(np.arange(first - begin, last - begin, dtype=np.int64))
             offset = feature_offsets[image] - start
-            sources.extend(range(offset + first, offset + last))
-    return places, sources
+            sources.append(np.arange(offset + first, offset + last, dtype=np.int64))
+    return _joined(places), _joined(sources)
+
+
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """int64 arrays end to end (an empty one for none)."""
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) -> Batch:
@@ -264,8 +270,8 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     pieces: list[np.ndarray] = []
     shifts: list[int] = []
     spans: list[int] = []
-    slot_positions: list[int] = []
-    slot_sources: list[int] = []
+    slot_positions: list[np.ndarray] = []
+    slot_sources: list[np.ndarray] = []
 
     text_only = all(not row.image_grids for row in rows)
 
@@ -279,8 +285,8 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
             if begin < start + height * width:
                 pieces.append(_mrope(blocks, len(row.input_ids))[:, begin:end])
                 places, sources = _image_tokens(row, blocks, begin, end, feature_offsets)
-                slot_positions.extend(offset + place for place in places)
-                slot_sources.extend(sources)
+                slot_positions.append(places + offset)
+                slot_sources.append(sources)
                 return
             # All after the images: shifted as each leaves the positions after it.
             shift = sum(max(height, width) - height * width for _, height, width in blocks)
@@ -326,8 +332,8 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         prefix_cu_seqlens=prefix_cu, prefix_cu_seqlens_cpu=prefix_cu, cu_seqlens=row_cu, cu_seqlens_cpu=row_cu,
         prefix_chunk_indices=chunk_plan(prefix_lengths), chunk_indices=chunk_plan(own_lengths),
         fork=plan_fork(prefix_lengths, own_lengths, parents) if groups else None,
-        markers=markers, candidate_mask=candidate_mask, image_slots=_longs(slot_positions),
-        image_sources=_longs(slot_sources),
+        markers=markers, candidate_mask=candidate_mask, image_slots=torch.from_numpy(_joined(slot_positions)),
+        image_sources=torch.from_numpy(_joined(slot_sources)),
         pixel_values=torch.cat([pixels.reshape(-1) if raw else pixels for pixels in carried]) if carried else None,
         image_grid_thw_cpu=grid,
         image_keys=tuple(image.key for image in images),
