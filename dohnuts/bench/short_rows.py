@@ -147,7 +147,8 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     paths = (("parts, walk values 32", 32, 2**31), ("parts, walk values 64", 64, 2**31), ("one kernel", 64, 0))
     defaults = ops.WALK_VALUES, ops.PARTS_BELOW
     print(f"# {heads} heads of width {width}, bf16, from zero states, final states kept; CUDA graph replays; "
-          f"the runtime takes the one-kernel walk from {ops.PARTS_BELOW} sequences")
+          f"the runtime takes the one-kernel walk from {ops.PARTS_BELOW} sequences (in a bucket, from "
+          f"{ops.PARTS_BELOW} sequences over 64 tokens, counted on the device)")
     try:
         for count, length in [(count, length) for count in together for length in lengths]:
             total = count * length

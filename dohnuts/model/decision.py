@@ -126,7 +126,8 @@ class DecisionModel(nn.Module):
 
 def plan_segments(batch: Batch) -> tuple[Segments, Prefixes | None]:
     """The rows' `Segments` and the shared `Prefixes` (None without) of a batch's plan."""
-    bucket = batch.rows_bound is not None  # padded to a bucket: its sequence counts are the padding's
+    # Padded to a bucket (prediction's or training's): its sequence counts are the padding's.
+    bucket = batch.rows_bound is not None
     rows = Segments.of(batch.cu_seqlens, batch.cu_seqlens_cpu, batch.chunk_indices, batch.rows_bound, bucket)
     prefixes = None
     if batch.fork is not None:

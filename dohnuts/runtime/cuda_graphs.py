@@ -299,9 +299,10 @@ class GraphedScores:
 
         Smallest first, while the graphs hold at most `memory_fraction` of the device's memory
         (each keeps its layers' outputs between pieces: 9.3 GiB for the 50 buckets of the
-        Qwen3.5-0.8B shape the ladders had before 2026-12-03, captured in 14 to 17 s; with the 90
-        of today's the split server was ready 35 and 59 s after its start on two H200s, loading
-        included, docs/figures.md); larger batches then run eagerly, and the stop is logged once.
+        Qwen3.5-0.8B shape the ladders had before 2026-12-03, captured in 14 to 17 s; with 90 the
+        split server was ready 35 and 59 s after its start on two H200s, loading included,
+        docs/figures.md; the 99 of 2026-12-04, one-row buckets added, took 37 s to prepare on a
+        fresh H200); larger batches then run eagerly, and the stop is logged once.
         Returns how many are ready (0 on the CPU). A bucket whose capture fails is left out,
         and the failure logged once."""
         model = self.model

@@ -293,7 +293,9 @@ def check_delta_rule_scan():
                 close(f"{case} on a padded plan", planned, ours)
                 close(f"{case} final states on a padded plan", planned_final[:-1], final)
                 # Routed on the device (a bucket's graph): both paths launched, the one the count of
-                # sequences over 64 tokens picks does the work (here the path PARTS_BELOW names).
+                # sequences over 64 tokens picks does the work (with PARTS_BELOW 0 the one-kernel
+                # walk; with 2**31 nothing routes, as fewer sequences than PARTS_BELOW never do:
+                # `check_routes_on_the_device` routes to each path).
                 routed, routed_final = delta_scan.delta_rule_scan(
                     q, k, v, gate, beta, None, None, padded_cu, True, A_log, dt_bias,
                     chunks=padded_plan(lengths + [0], len(chunk_plan(lengths)) + 3), routed=True)
@@ -340,9 +342,10 @@ class _Idle:
 
 def check_routes_on_the_device():
     """Routed, the path the device picks does all the work and the other none: with one path's
-    last kernel idle, the output is the reference where the other path was picked (fewer than
-    PARTS_BELOW sequences over 64 tokens: the parts and the walk; more: the one-kernel walk), and
-    untouched where the idle one was."""
+    last kernel idle, the output (and the final states) are the reference where the other path
+    was picked (fewer than PARTS_BELOW sequences over 64 tokens: the parts and the walk; more:
+    the one-kernel walk), and the output untouched where the idle one was; from zero states
+    without final states (a bucket's rows) and from forked states keeping them."""
     generator = torch.Generator().manual_seed(11)
     heads, key_dim, value_heads, value_dim = 1, 8, 2, 16
     assert delta_scan.PARTS_BELOW == 4
@@ -353,22 +356,31 @@ def check_routes_on_the_device():
         v = torch.randn(total, value_heads, value_dim, generator=generator)
         gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
         A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
-        reference, _ = gated_delta_rule_reference(q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None],
-                                                  beta[None], None, False, cu.long(), normalise=False)
-        for idle in ("_delta_scan_walk", "_delta_scan_fwd"):
-            kernel = getattr(delta_scan, idle)
-            setattr(delta_scan, idle, _Idle())
-            try:
-                out = torch.full((total, value_heads, value_dim), 5.0)
-                delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, False, A_log, dt_bias, out=out,
-                                           routed=True)
-            finally:
-                setattr(delta_scan, idle, kernel)
-            case = f"routed lengths={lengths} with {idle} idle"
-            if parts == (idle == "_delta_scan_fwd"):
-                close(case, out, reference[0])
-            else:
-                assert out.eq(5.0).all(), case
+        states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
+        parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
+        for forked in (False, True):
+            initial = kernels.fork_states(states, parents, True) if forked else None
+            reference, reference_final = gated_delta_rule_reference(
+                q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None], beta[None], initial, forked, cu.long(),
+                normalise=False)
+            for idle in (None, "_delta_scan_walk", "_delta_scan_fwd"):  # None: both run, as routed
+                kernel = getattr(delta_scan, idle or "_scan_route")
+                if idle:
+                    setattr(delta_scan, idle, _Idle())
+                try:
+                    out = torch.full((total, value_heads, value_dim), 5.0)
+                    _, final = delta_scan.delta_rule_scan(
+                        q, k, v, gate, beta, states if forked else None, parents if forked else None, cu, forked,
+                        A_log, dt_bias, out=out, routed=True)
+                finally:
+                    setattr(delta_scan, idle or "_scan_route", kernel)
+                case = f"routed lengths={lengths} forked={forked} with {idle} idle"
+                if idle is None or parts == (idle == "_delta_scan_fwd"):
+                    close(case, out, reference[0])
+                    if forked:
+                        close(f"{case}: final states", final, reference_final)
+                else:
+                    assert out.eq(5.0).all(), case
 
 
 def check_delta_rule_grad():

@@ -147,7 +147,9 @@ def test_the_serving_mix_replays_buckets_alone_and_several_together(parts, tiny)
 
 def test_padding_sequences_are_short_whatever_the_spare_tokens(parts):
     """A bucket's padding prefixes and rows hold at most 64 tokens each: the delta rule walks its
-    sequences in parallel, so one long padding sequence would outlast every real one."""
+    sequences in parallel, so one long padding sequence would outlast every real one. (A one-row
+    bucket's one padding row is shorter than any row it is the smallest fit for:
+    `test_the_last_row_of_a_padded_batch_is_always_empty_and_buckets_stay_within_the_scan`.)"""
     template, _ = parts
     for name, bucket in (("shared prefix", Bucket(2048, 4096, False)), ("long rows", Bucket(4096, 8192, True))):
         batch = batch_of(template, LAYOUTS[name])

@@ -1,4 +1,4 @@
-"""The delta rule of whole sequences of any length: two forward-only Triton kernels (CUDA).
+"""The delta rule of whole sequences of any length: forward-only Triton kernels (CUDA).
 
 `delta_rule_scan` runs packed sequences from zero or forked states, so inference needs no FLA
 call; `backward` adds its gradient for training.
@@ -51,7 +51,8 @@ from .parts import (
 # device (4 x 1,024: 213 against 205; 8 x 1,024: 385 against 291; `bench.short_rows.
 # delta_rule_prefixes`). From PARTS_BELOW sequences on, one kernel, `_delta_scan_fwd`, walks
 # them solving each part in the walk. A bucket's graph counts its padding sequences (64 tokens
-# at most, `runtime.buckets`) too, so there the count cannot choose: routed, `_scan_route`
+# at most, `runtime.buckets`; a one-row bucket's three sequences never route) too, so there the
+# count cannot choose: routed, `_scan_route`
 # counts the sequences over 64 tokens on the device and both paths are launched, the one not
 # chosen returning at once (a one-question request of 1,287 tokens in a bucket of 2,048 row
 # tokens: 213 -> 141 us a layer for its walk).
@@ -239,11 +240,11 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if routed:
         route = torch.empty(1, dtype=torch.int32, device=q.device)
         with _on(q.device):
-            _scan_route[(1,)](cu_seqlens, route, sequences, CHUNK, min(PARTS_BELOW, 1 << 30), 256)
+            _scan_route[(1,)](cu_seqlens, route, sequences, CHUNK, PARTS_BELOW, 256)
     G = 0 if states is None else states.shape[0]
     scale = key_dim**-0.5 if scale is None else scale
     parents = parents if parents is not None else cu_seqlens
-    if routed or sequences >= PARTS_BELOW:  # static in a graph: a bucket's sequence count is its own
+    if routed or sequences >= PARTS_BELOW:  # static in a graph: fixed by the bucket's sequence count
         block_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
         with _on(q.device):
             _delta_scan_fwd[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
