@@ -55,9 +55,14 @@ def test_fuzzed_requests_get_4xx_or_200_never_5xx(served):
                 problems.append((name, status, str(detail)[:300]))
     assert not problems, problems[:10]
     assert sum(sum(counter.values()) for counter in statuses.values()) == COUNT
-    assert statuses["valid"][200] == sum(statuses["valid"].values()) > 0
+    # Busy, the server refuses any request with 429 and Retry-After before reading its body (its
+    # oldest request waited past the queue-delay bound: on a loaded 2-core CI machine, bodies of
+    # garbage once met it). A refusal names no mistake, so it is set apart, and stays rare.
+    busy = sum(counter[429] for counter in statuses.values())
+    assert busy < COUNT / 20, dict(statuses)
+    assert statuses["valid"][200] == sum(statuses["valid"].values()) - statuses["valid"][429] > 0
     assert statuses["multipart-valid"][200] > 0 and statuses["multipart-claims-huge"][413] > 0
-    assert all(status in (400, 413, 415, 422) for status in statuses["bytes-garbage"])
+    assert set(statuses["bytes-garbage"]) <= {400, 413, 415, 422, 429}, statuses["bytes-garbage"]
     refused = sum(count for counter in statuses.values() for status, count in counter.items() if status != 200)
     assert refused > COUNT / 2  # most mutations are mistakes the server must name
     body = {"model": "jev-latest", "state": "a parcel arrived broken", "questions": OURS}
