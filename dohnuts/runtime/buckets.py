@@ -60,13 +60,6 @@ CANDIDATES = 64  # candidates a bucket's row may have
 ROW_TOKENS = 64  # the longest short row (`ops.delta_rule.rows.ROW_TOKENS`)
 
 
-# A bucket's graph plans its long rows for the longest its row tokens allow: forward only, the
-# delta rule walks a sequence of any length (`delta_rule.scan.FORWARD_TOKENS` is None; a test
-# holds it so), so no capture and no replay routes to FLA, whose chunk plans a capture would
-# memoise. (Bounded at the walk's gradient bound, 2,048 tokens, a one-question request of 2,787
-# tokens found no bucket and ran eagerly: 43 ms on the H200.)
-
-
 @dataclass(frozen=True)
 class Bucket:
     """Every shape a bucket's graph fixes (see the module's docstring)."""
@@ -107,7 +100,11 @@ class Bucket:
     @property
     def longest_row(self) -> int:
         """The bound on a row the graph plans for: the delta rule's route and attention's
-        longest row (its host decisions)."""
+        longest row (its host decisions). Long rows may fill the bucket: forward only, the
+        delta rule walks a sequence of any length (`delta_rule.scan.FORWARD_TOKENS` is None; a
+        test holds it so), so no capture or replay routes to FLA, whose chunk plans a capture
+        would memoise. (Bounded at the walk's gradient bound, 2,048 tokens, a one-question
+        request of 2,787 tokens found no bucket and ran eagerly: 43 ms on the H200.)"""
         return self.row_tokens if self.long_rows else ROW_TOKENS
 
     @property

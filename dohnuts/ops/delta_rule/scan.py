@@ -52,10 +52,9 @@ from .parts import (
 # delta_rule_prefixes`). From PARTS_BELOW sequences on, one kernel, `_delta_scan_fwd`, walks
 # them solving each part in the walk. A bucket's graph counts its padding sequences (64 tokens
 # at most, `runtime.buckets`; a one-row bucket's three sequences never route) too, so there the
-# count cannot choose: routed, `_scan_route`
-# counts the sequences over 64 tokens on the device and both paths are launched, the one not
-# chosen returning at once (a one-question request of 1,287 tokens in a bucket of 2,048 row
-# tokens: 213 -> 141 us a layer for its walk).
+# count cannot choose: routed, `_scan_route` counts the sequences over 64 tokens on the device
+# and both paths are launched, the one not chosen doing nothing (`_turn`; a one-question request
+# of 1,287 tokens in a bucket of 2,048 row tokens: 213 -> 141 us a layer for its walk).
 
 SCAN_TOKENS = 2048  # the longest sequence whose gradient `kernels` computes with the walk
 # The longest sequence a forward-only call (inference) walks; None: any. Beyond it FLA's chunked
@@ -65,6 +64,17 @@ SCAN_TOKENS = 2048  # the longest sequence whose gradient `kernels` computes wit
 FORWARD_TOKENS: int | None = None
 WALK_VALUES = 64  # values a walking program (a block of V)
 PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
+
+
+@triton.jit
+def _turn(route, PARTS: tl.constexpr, bos, eos):
+    """(eos, go) for a routed kernel (`_scan_route` wrote `route` [1]) of the parts path (PARTS)
+    or the one-kernel walk: its sequence's end, the start when the other path was chosen (so no
+    part is walked or stored), and go, 1 when this path was chosen, else 0 (masks its final
+    states)."""
+    taken = tl.load(route)
+    go = taken if PARTS else 1 - taken
+    return tl.where(go != 0, eos, bos), go
 
 
 @triton.jit
@@ -85,7 +95,7 @@ def _delta_scan_parts(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunks, W, U, P
     bos = tl.load(cu_seqlens + n).to(tl.int64)
     eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
     if ROUTED:
-        eos = tl.where(tl.load(route) != 0, eos, bos)  # the other route's turn: nothing to do
+        eos, _ = _turn(route, True, bos, eos)
     log_a = tl.load(A_log + i_h).to(tl.float32)
     bias = tl.load(dt_bias + i_h).to(tl.float32)
     for split in tl.static_range(SPLIT):
@@ -114,10 +124,9 @@ def _delta_scan_walk(q, k, W, U, P, Gc, states, parents, o, final, cu_seqlens, G
                      BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr, ROUTED: tl.constexpr):
     n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    if ROUTED:  # the one-kernel walk's turn (`_scan_route`): no part walked, no state stored
-        taken = tl.load(route)
-        eos = tl.where(taken != 0, eos, bos)
-        m_kv = m_kv & (tl.zeros([BK, BV], dtype=tl.int32) != taken)
+    if ROUTED:
+        eos, go = _turn(route, True, bos, eos)
+        m_kv = m_kv & (tl.zeros([BK, BV], dtype=tl.int32) + go != 0)
     o_c = tl.arange(0, BC)
     h = tl.zeros([BK, BV], dtype=tl.float32)
     if INITIAL:
@@ -151,10 +160,9 @@ def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu
                     SIGMOID: tl.constexpr, ROUTED: tl.constexpr):
     n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    if ROUTED:  # the parts' turn (`_scan_route`): no part walked, no state stored
-        taken = tl.load(route)
-        eos = tl.where(taken == 0, eos, bos)
-        m_kv = m_kv & (tl.zeros([BK, BV], dtype=tl.int32) == taken)
+    if ROUTED:
+        eos, go = _turn(route, False, bos, eos)
+        m_kv = m_kv & (tl.zeros([BK, BV], dtype=tl.int32) + go != 0)
     h = tl.zeros([BK, BV], dtype=tl.float32)
     if INITIAL:
         h = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK)
