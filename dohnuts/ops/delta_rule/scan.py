@@ -62,7 +62,10 @@ SCAN_TOKENS = 2048  # the longest sequence whose gradient `kernels` computes wit
 # 1,557 tokens stalled 12.5 s, and 50 s on a cold cache (issue 37). Forward only, the walk's
 # buffers grow with the tokens (about 13 kB a token at the Qwen3.5-0.8B shape, freed each layer).
 FORWARD_TOKENS: int | None = None
-WALK_VALUES = 64  # values a walking program (a block of V)
+# Values a walking program (a block of V). On the H200 (Qwen3.5-0.8B widths, bf16, parts and walk
+# from zero states, `bench.short_rows.delta_rule_prefixes`, 2026-12-04) 32 against 64: 1 x 1,024
+# tokens 97 against 102 us a layer, 1 x 2,816 255 against 274, 2 x 2,816 350 against 370.
+WALK_VALUES = 32
 PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
 
 
