@@ -13,7 +13,7 @@ depends on, and `pad_to_bucket` brings any batch under it there:
 - the rows' part holds `row_tokens` (S*) tokens in `rows` (N*) sequences: the real rows, then
   padding rows of the remaining tokens (at most 64 tokens each), then empty ones; its chunk plan
   is padded with entries of an empty row to `row_chunks`; a one-row bucket (`single`) holds one
-  row, then its padding as one sequence, then an empty row;
+  row that continues no prefix, then its padding as one sequence, then an empty row;
 - markers and the candidate mask are [rows, candidates]; padding rows have no candidate.
 
 Padding sequences are short so that they never outlast the real ones in the delta rule's walk,
@@ -24,7 +24,9 @@ the batch alone, up to floating-point order. Only the device contents of the pla
 a bucket; what the kernels decide on the host (grid sizes, the longest row) is the bucket's,
 and the delta rule's walk picks its path on the device from the real sequences (`Segments.
 routed`), since the bucket's count of sequences is its padding's. Attention, whose work depends
-on the keys each row sees, runs eagerly between graphs (`cuda_graphs`).
+on the keys each row sees, runs eagerly between graphs (`cuda_graphs`), except in a one-row
+bucket: there every sequence's keys are its own tokens, so their count is the bucket's, and its
+forward is one graph, attention planned for sequences of up to the bucket's row tokens.
 """
 
 from __future__ import annotations
@@ -183,6 +185,7 @@ def fits(shape: Shape, bucket: Bucket) -> bool:
     """Whether a batch of `shape` can be padded to `bucket` (`pad_to_bucket`)."""
     long_rows = shape.longest_row > ROW_TOKENS
     return (shape.candidates <= CANDIDATES and bucket.long_rows == long_rows
+            and not (bucket.single and shape.prefixes)
             and shape.prefix_tokens <= bucket.prefix_tokens and shape.prefixes <= bucket.prefixes - 2
             and shape.longest_row <= bucket.longest_row
             and _row_padding(bucket, shape.rows, shape.row_tokens) is not None)
@@ -211,7 +214,8 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
     row_padding = _row_padding(bucket, len(row_lengths), sum(row_lengths))
     spare = bucket.prefix_tokens - batch.prefix_tokens
     if (row_padding is None or spare < 0 or len(prefix_lengths) > bucket.prefixes - 2
-            or batch.markers.shape[1] > CANDIDATES or (max(row_lengths) > ROW_TOKENS) != bucket.long_rows):
+            or (bucket.single and prefix_lengths) or batch.markers.shape[1] > CANDIDATES
+            or (max(row_lengths) > ROW_TOKENS) != bucket.long_rows):
         raise ValueError(f"a batch of {batch.prefix_tokens} prefix tokens in {len(prefix_lengths)} prefixes and "
                          f"{len(row_lengths)} rows of {sum(row_lengths)} tokens does not fit {bucket}")
     if max(row_lengths) > bucket.longest_row:

@@ -110,6 +110,8 @@ def test_the_last_row_of_a_padded_batch_is_always_empty_and_buckets_stay_within_
         assert bucket == Bucket(64, row_tokens, True, single=True)
         assert _row_padding(bucket, 1, tokens) == [row_tokens - tokens, 0] and row_tokens - tokens < tokens
     assert not smallest_fit(Shape(0, 0, 1300, 2, 1287, 2), all_buckets()).single
+    # A row that continues a prefix never takes one: its keys are then more than the bucket's tokens.
+    assert not smallest_fit(Shape(64, 1, 1287, 1, 1287, 2), all_buckets()).single
     assert smallest_fit(Shape(0, 0, 10000, 1, 10000, 2), all_buckets()) is None
     with pytest.raises(ValueError, match="one-row bucket"):
         Bucket(128, 1024, True, single=True)

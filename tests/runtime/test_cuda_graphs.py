@@ -190,9 +190,11 @@ def test_deferred_captures_are_a_no_op_on_the_cpu(tiny):
 
 def _varied(template):
     """Host batches of distinct layouts: images in the prefix and in a row, text only, long rows,
-    and a state of four images (one of them twice) beside a text request."""
+    one question of a long state (a one-row bucket's), and a state of four images (one of them
+    twice) beside a text request."""
     batches = [batch_of(template, requests) for requests in LAYOUTS.values()]
     notes = [({"note": "a parcel " * (5 + 7 * index)}, _questions_of(index)) for index in range(4)]
+    notes.append(({"note": "a long parcel of many words " * 40}, _questions_of(0)))
     red, green, blue = (square_image(colour) for colour in ((220, 20, 20), (20, 220, 20), (20, 20, 220)))
     several = [({"photos": [red, green], "note": "a listing", "detail": {"label": blue, "again": red}},
                 _questions_of(2)), ("a text request beside it", _questions_of(1))]
@@ -211,7 +213,7 @@ def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtyp
     in bf16 (padding changes the matrix products' shapes) each held to the model in float64,
     the replay erring at most twice what the eager forward errs plus 1% of the largest logit
     (the two differed by 2.75% of the largest logit of this tiny model on the H200)."""
-    from dohnuts.runtime.buckets import all_buckets
+    from dohnuts.runtime.buckets import all_buckets, bucket_for
 
     template, model, graphed = _on_cuda(tiny, dtype)
     exact = copy.deepcopy(model).double().cpu()
@@ -219,6 +221,7 @@ def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtyp
     buckets = [bucket for bucket in all_buckets() if bucket.tokens <= 1536]
     assert graphed.prepare(buckets) == len(buckets)
     batches = _varied(template)
+    assert any(bucket_for(batch, graphed.buckets).single for batch in batches)  # one graph, attention in it
     with torch.no_grad():
         for batch in batches:
             ours = graphed(batch)
