@@ -64,7 +64,8 @@ ROW_TOKENS = 64  # the longest short row (`ops.delta_rule.rows.ROW_TOKENS`)
 
 @dataclass(frozen=True)
 class Bucket:
-    """Every shape a bucket's graph fixes (see the module's docstring)."""
+    """Every shape a bucket's graph fixes (see the module's docstring). Its derived sizes are
+    computed once: a request's `smallest_fit` reads them for each of the ~100 buckets."""
 
     prefix_tokens: int
     row_tokens: int
@@ -77,29 +78,29 @@ class Bucket:
         if self.single and (not self.long_rows or self.prefix_tokens != CHUNK):
             raise ValueError(f"a one-row bucket holds one long row and {CHUNK} prefix tokens of padding: got {self}")
 
-    @property
+    @functools.cached_property
     def prefixes(self) -> int:
         # A real prefix has at least SHARED_MIN (64) tokens, a padding one at most 64 (one of them
         # partial); then an empty one.
         return self.prefix_tokens // SHARED_MIN + 2
 
-    @property
+    @functools.cached_property
     def prefix_chunks(self) -> int:
         """Chunks of any prefix layout: each real prefix and the partial padding one add at most
         one partial chunk to the prefix tokens' whole ones."""
         return self.prefix_tokens // CHUNK + self.prefix_tokens // SHARED_MIN + 1
 
-    @property
+    @functools.cached_property
     def rows(self) -> int:
         if self.single:
             return 3  # the row, its padding, an empty row
         return self.row_tokens // 8 + 1  # rows of 8 tokens on average fill it; one empty row at least
 
-    @property
+    @functools.cached_property
     def row_chunks(self) -> int:
         return self.rows if not self.long_rows else self.row_tokens // CHUNK + self.rows
 
-    @property
+    @functools.cached_property
     def longest_row(self) -> int:
         """The bound on a row the graph plans for: the delta rule's route and attention's
         longest row (its host decisions). Long rows may fill the bucket: forward only, the
@@ -109,7 +110,7 @@ class Bucket:
         request of 2,787 tokens found no bucket and ran eagerly: 43 ms on the H200.)"""
         return self.row_tokens if self.long_rows else ROW_TOKENS
 
-    @property
+    @functools.cached_property
     def tokens(self) -> int:
         return self.prefix_tokens + self.row_tokens
 
@@ -140,6 +141,14 @@ def _row_padding(bucket: Bucket, rows: int, tokens: int) -> list[int] | None:
     if len(padding) >= room:  # the last row stays empty: the padded chunk plan names it
         return None
     return padding + [0] * (room - len(padding))
+
+
+def _rows_fit(bucket: Bucket, rows: int, tokens: int) -> bool:
+    """Whether `_row_padding` can bring the rows to the bucket, without making the padding."""
+    spare, room = bucket.row_tokens - tokens, bucket.rows - rows
+    if bucket.single:
+        return rows == 1 and spare >= 0
+    return spare >= 0 and -(-spare // ROW_TOKENS) < room
 
 
 def _pieces(spare: int) -> list[int]:
@@ -184,18 +193,20 @@ def batch_shape(batch: Batch) -> Shape:
 def fits(shape: Shape, bucket: Bucket) -> bool:
     """Whether a batch of `shape` can be padded to `bucket` (`pad_to_bucket`)."""
     long_rows = shape.longest_row > ROW_TOKENS
-    return (shape.candidates <= CANDIDATES and bucket.long_rows == long_rows
+    return (shape.row_tokens <= bucket.row_tokens and shape.candidates <= CANDIDATES and bucket.long_rows == long_rows
             and not (bucket.single and shape.prefixes)
             and shape.prefix_tokens <= bucket.prefix_tokens and shape.prefixes <= bucket.prefixes - 2
-            and shape.longest_row <= bucket.longest_row
-            and _row_padding(bucket, shape.rows, shape.row_tokens) is not None)
+            and shape.longest_row <= bucket.longest_row and _rows_fit(bucket, shape.rows, shape.row_tokens))
 
 
 def smallest_fit(shape: Shape, buckets) -> Bucket | None:
     """The smallest of `buckets` a batch of `shape` fits (a one-row bucket before another of its
     size), or None."""
-    return min((bucket for bucket in buckets if fits(shape, bucket)),
-               key=lambda bucket: (bucket.tokens, not bucket.single), default=None)
+    best, rank = None, None
+    for bucket in buckets:  # in any order; smallest first (as `all_buckets`), the rest are skipped
+        if (best is None or (bucket.tokens, not bucket.single) < rank) and fits(shape, bucket):
+            best, rank = bucket, (bucket.tokens, not bucket.single)
+    return best
 
 
 def bucket_for(batch: Batch, buckets) -> Bucket | None:
