@@ -26,7 +26,7 @@ import torch
 
 from ..inputs.batch import SHARED_MIN, Batch, EncodedImage, Row, pack_rows
 from ..inputs.pixels import PixelSettings
-from .buckets import Shape, smallest_fit
+from .buckets import Shape, bucket_for, smallest_fit
 from .cuda_graphs import GraphedScores
 from .vision_graphs import vision_buckets
 
@@ -214,11 +214,17 @@ class Engine:
     def warm_up(self) -> int:
         """Run the eager forward once on each of `warm_up_batches`, so the kernel variants a
         request met for the first time can reach are compiled at load, not on the request (a
-        bucket's graph covers only the shapes it fixes). Returns the batches run."""
+        bucket's graph covers only the shapes it fixes); then those of one row through their
+        buckets' graphs from the host, as a first sight runs. Returns the batches run eagerly."""
         batches = warm_up_batches(self.image_pad_id)
         for batch in batches:
             moved = batch.to(self.model.device)
             self.model.scores(self.model.embeddings(moved), moved)
+        # The host's side of a first sight too: padding to a bucket, pinned copies, the replay
+        # (a short row's bucket and a one-row bucket's).
+        for batch in batches:
+            if len(batch.markers) == 1 and bucket_for(batch, self.scores.buckets) is not None:
+                self.scores(batch)
         return len(batches)
 
     @property
