@@ -143,6 +143,22 @@ class Batch:
     def pin_memory(self) -> Batch:
         return self.map_tensors(torch.Tensor.pin_memory)
 
+    def moved(self, device: torch.device) -> Batch:
+        """The host batch on the CUDA `device` in one copy (`move_packed` into a device buffer of
+        its own, which its tensors view) when its tensors are contiguous and together at most
+        PACKED_BYTES; else from pinned memory tensor by tensor. Neither blocks the host. (A
+        bucket's padded batch of a 1,287-token question, eleven tensors, took 0.54 ms of host
+        time pinned and moved one by one on the H200's host.)"""
+        tensors = self.device_tensors()
+        offsets, total = packed_layout(tensors)
+        if total > PACKED_BYTES or not all(tensor.is_contiguous() for tensor in tensors):
+            return self.pin_memory().to(device)
+        buffer = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
+        move_packed(tensors, buffer, offsets, total)
+        placed = iter([buffer[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
+                       .view(tensor.shape) for tensor, offset in zip(tensors, offsets)])
+        return self.map_tensors(lambda tensor: next(placed))
+
     def device_tensors(self) -> list[torch.Tensor]:
         """The tensors `to` moves."""
         found = []

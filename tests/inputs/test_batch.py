@@ -304,3 +304,55 @@ def test_a_request_batch_moves_in_one_packed_copy_bitwise(tiny):
             arrived = target[offset:offset + size].view(tensor.dtype).view(tensor.shape)
             assert torch.equal(arrived.cpu(), tensor)
         assert (target[-64:] == 7).all()  # nothing written past the layout
+
+
+@pytest.mark.gpu
+def test_a_moved_batch_equals_the_batch_moved_tensor_by_tensor(tiny):
+    """`Batch.moved`: every device tensor (the fork's too) equals `to`'s, bitwise, with its shape
+    and dtype, the host plans untouched; a batch over PACKED_BYTES moves tensor by tensor."""
+    from helpers import batch_of, questions, square_image
+
+    from dohnuts.inputs import batch as batches
+
+    template = tiny.template()
+    host = batch_of(template, [({"image": square_image("red"), "note": "two rows share this"}, questions(3)),
+                               ("a text request", questions(2))])
+    assert host.fork is not None
+    moved, plain = host.moved(torch.device("cuda")), host.to("cuda")
+    for ours, theirs in zip(moved.device_tensors(), plain.device_tensors(), strict=True):
+        assert ours.is_cuda and ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    assert moved.fork.plan() == host.fork.plan() and moved.cu_seqlens_cpu is host.cu_seqlens_cpu
+    limit = batches.PACKED_BYTES
+    try:
+        batches.PACKED_BYTES = 64
+        one_by_one = host.moved(torch.device("cuda"))
+    finally:
+        batches.PACKED_BYTES = limit
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(one_by_one.device_tensors(), plain.device_tensors()))
+
+
+def test_a_moved_batch_views_its_buffer_as_each_tensor(tiny, monkeypatch):
+    """`Batch.moved`'s layout on the CPU (its one copy, `move_packed`, stood in for by a copy of
+    the same bytes): each tensor, the fork's and the pixels' too, comes back equal, with its shape
+    and dtype, as a view of one buffer; the host plans stay the batch's own."""
+    from helpers import LAYOUTS, batch_of
+
+    from dohnuts.inputs import batch as batches
+
+    def copy_bytes(tensors, target, offsets, total):
+        for tensor, offset in zip(tensors, offsets, strict=True):
+            if tensor.numel():  # as move_packed
+                raw = tensor.view(torch.uint8).reshape(-1)
+                target[offset:offset + raw.numel()] = raw
+
+    monkeypatch.setattr(batches, "move_packed", copy_bytes)
+    template = tiny.template()
+    hosts = [batch_of(template, requests) for requests in LAYOUTS.values()]
+    assert any(host.fork is not None for host in hosts) and any(host.pixel_values is not None for host in hosts)
+    for host in hosts:
+        moved = host.moved(torch.device("cpu"))
+        assert len({tensor.untyped_storage().data_ptr() for tensor in moved.device_tensors()}) == 1
+        for ours, theirs in zip(moved.device_tensors(), host.device_tensors(), strict=True):
+            assert ours.dtype == theirs.dtype and ours.shape == theirs.shape and torch.equal(ours, theirs)
+        assert (moved.fork is None) == (host.fork is None) and moved.cu_seqlens_cpu is host.cu_seqlens_cpu
+        assert moved.fork is None or moved.fork.plan() == host.fork.plan()
