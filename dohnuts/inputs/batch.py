@@ -155,8 +155,7 @@ class Batch:
             return self.pin_memory().to(device)
         buffer = torch.empty(max(total, 1), dtype=torch.uint8, device=device)
         move_packed(tensors, buffer, offsets, total)
-        placed = iter([buffer[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
-                       .view(tensor.shape) for tensor, offset in zip(tensors, offsets)])
+        placed = iter(packed_views(buffer, tensors, offsets))
         return self.map_tensors(lambda tensor: next(placed))
 
     def device_tensors(self) -> list[torch.Tensor]:
@@ -194,6 +193,13 @@ def packed_layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
         offsets.append(at)
         at += -(-tensor.numel() * tensor.element_size() // PACKED_ALIGN) * PACKED_ALIGN
     return offsets, at
+
+
+def packed_views(buffer: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
+    """Views of the uint8 `buffer` at `offsets` (`packed_layout`) with the shapes and dtypes of
+    `tensors`."""
+    return [buffer[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
+            for tensor, offset in zip(tensors, offsets)]
 
 
 def move_packed(tensors: list[torch.Tensor], target: torch.Tensor, offsets: list[int], total: int) -> None:

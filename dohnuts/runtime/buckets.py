@@ -132,19 +132,19 @@ def sequence_lengths(cu_seqlens_cpu: torch.Tensor) -> list[int]:
 def _row_padding(bucket: Bucket, rows: int, tokens: int) -> list[int] | None:
     """The padding rows' lengths that bring `rows` rows of `tokens` tokens to the bucket, or
     None when they cannot."""
-    spare, room = bucket.row_tokens - tokens, bucket.rows - rows
+    if not _rows_fit(bucket, rows, tokens):
+        return None
+    spare = bucket.row_tokens - tokens
     if bucket.single:
-        return [spare, 0] if rows == 1 and spare >= 0 else None
-    if spare < 0 or room < 1:
-        return None
+        return [spare, 0]
     padding = _pieces(spare)
-    if len(padding) >= room:  # the last row stays empty: the padded chunk plan names it
-        return None
-    return padding + [0] * (room - len(padding))
+    return padding + [0] * (bucket.rows - rows - len(padding))
 
 
 def _rows_fit(bucket: Bucket, rows: int, tokens: int) -> bool:
-    """Whether `_row_padding` can bring the rows to the bucket, without making the padding."""
+    """Whether padding rows can bring `rows` rows of `tokens` tokens to the bucket: a one-row
+    bucket's one row; else padding rows of at most 64 tokens each, with the last row left
+    empty (the padded chunk plan names it)."""
     spare, room = bucket.row_tokens - tokens, bucket.rows - rows
     if bucket.single:
         return rows == 1 and spare >= 0

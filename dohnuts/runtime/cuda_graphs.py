@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import torch
 
-from ..inputs.batch import PACKED_BYTES, Batch, move_packed, packed_layout
+from ..inputs.batch import PACKED_BYTES, Batch, move_packed, packed_layout, packed_views
 from ..model.decision import plan_segments
 from ..model.decoder import (
     Prefixes,
@@ -86,8 +86,8 @@ class _Graph:
         self.shapes = [(tensor.shape, tensor.dtype) for tensor in tensors]
         self.offsets, self.bytes = packed_layout(tensors)
         self.buffer = torch.empty(max(self.bytes, 1), dtype=torch.uint8, device=embeds.device)
-        self.tensors = [self.buffer[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype)
-                        .view(tensor.shape).copy_(tensor) for tensor, offset in zip(tensors, self.offsets)]
+        self.tensors = [view.copy_(tensor) for view, tensor in zip(packed_views(self.buffer, tensors, self.offsets),
+                                                                   tensors)]
         self.batch = self._own(batch)  # the *_cpu plan is shared and constant
         side = torch.cuda.Stream(embeds.device)
         side.wait_stream(torch.cuda.current_stream())
@@ -211,9 +211,9 @@ class _BucketGraph:
                 with torch.cuda.graph(graph, pool=pool):
                     self.outputs.append(self._piece(index))
                 self.graphs.append(graph)
-        # A graph's first launch uploads it to the device: here, not on a request.
+        # A graph's first launch uploads it to the device: here, not on a request (`prepare`
+        # waits for the device after the last bucket).
         self.replay(self.embeds, self.static)
-        torch.cuda.current_stream().synchronize()
 
     def _forward(self, fork) -> None:
         """Every piece in turn, attending between them through `fork`: `outputs` made anew."""
