@@ -128,7 +128,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     """Time `delta_rule.scan.delta_rule_scan` on prefixes from zero states keeping their final
     states (a prefix's layer in a bucket), each replayed from a CUDA graph: each count of
     `together` sequences of each of `lengths` tokens, by each of its paths (the parts solved
-    apart, then walked with blocks of 32 or 64 values; the one-kernel walk), whatever the
+    apart, 1, 2 or 4 a program, then walked with blocks of 16, 32 or 64 values; the one-kernel walk), whatever the
     count would choose (`PARTS_BELOW`). Shape: the Qwen3.5-0.8B delta-rule layer (16 key and 16
     value heads of width 128), bf16. Prints microseconds a layer and tokens a microsecond, marks
     the path the runtime takes, and gives each path's largest output difference from the first's.
@@ -144,8 +144,10 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     def rand(*shape):
         return torch.randn(*shape, generator=generator, device="cuda")
 
-    paths = (("parts, walk values 32", 32, 2**31), ("parts, walk values 64", 64, 2**31), ("one kernel", 64, 0))
-    defaults = ops.WALK_VALUES, ops.PARTS_BELOW
+    # (name, walk values, PARTS_BELOW, parts a program)
+    paths = [(f"parts {split} a program, walk values {values}", values, 2**31, split)
+             for split, values in ((1, 16), (1, 32), (2, 32), (4, 32), (1, 64))] + [("one kernel", 64, 0, 1)]
+    defaults = ops.WALK_VALUES, ops.PARTS_BELOW, ops.PARTS_A_PROGRAM
     print(f"# {heads} heads of width {width}, bf16, from zero states, final states kept; CUDA graph replays; "
           f"the runtime takes the one-kernel walk from {ops.PARTS_BELOW} sequences (in a bucket, from "
           f"{ops.PARTS_BELOW} sequences over 64 tokens, counted on the device)")
@@ -161,8 +163,8 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
             # read the bounds back to the host, which a graph capture cannot do.
             plan = chunk_plan([length] * count).cuda()
             first = None
-            for name, values, parts_below in paths:
-                ops.WALK_VALUES, ops.PARTS_BELOW = values, parts_below
+            for name, values, parts_below, split in paths:
+                ops.WALK_VALUES, ops.PARTS_BELOW, ops.PARTS_A_PROGRAM = values, parts_below, split
 
                 def scan(arguments=(q, k, v, g, beta, None, None, bounds, True, A_log, dt_bias), plan=plan):
                     out, final = ops.delta_rule_scan(*arguments, chunks=plan)
@@ -172,9 +174,10 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 first = out if first is None else first
                 gap = ((out - first).abs().max() / first.abs().max()).item()
                 one_kernel = count >= defaults[1]
-                taken = (parts_below == 0) if one_kernel else (parts_below != 0 and values == defaults[0])
-                print(f"{count} x {length:5d} tokens, {name:22s}: {ms * 1e3:8.1f} us a layer, "
+                taken = (parts_below == 0) if one_kernel else (parts_below != 0 and (values, split) == (defaults[0],
+                                                                                                       defaults[2]))
+                print(f"{count} x {length:5d} tokens, {name:36s}: {ms * 1e3:8.1f} us a layer, "
                       f"{total / (ms * 1e3):7.1f} tokens/us, max difference {gap:.1e}{' (taken)' if taken else ''}",
                       flush=True)
     finally:
-        ops.WALK_VALUES, ops.PARTS_BELOW = defaults
+        ops.WALK_VALUES, ops.PARTS_BELOW, ops.PARTS_A_PROGRAM = defaults

@@ -36,9 +36,9 @@ from .parts import (
 # `delta_rule_scan` runs a sequence in 16-token parts, each the chunk form of
 # `naive.gated_delta_rule_chunked` at chunk size 16 (the same products as a part of
 # `delta_rule_rows`), in two launches a layer whatever the number of sequences:
-# - `_delta_scan_parts`, one program per 64-token chunk of the chunk plan and value head, all at
-#   once: what of its four parts does not depend on the state entering them. With
-#   A = (I + beta exp(G_i - G_j) k_i . k_j)^-1 over a part (strictly lower), its pseudo-values
+# - `_delta_scan_parts`, one program per part (PARTS_A_PROGRAM) of each 64-token chunk of the
+#   chunk plan and value head, all at once: what of a part does not depend on the state entering
+#   it. With A = (I + beta exp(G_i - G_j) k_i . k_j)^-1 over a part (strictly lower), its pseudo-values
 #   are U = U0 - W S for the entering state S, U0 = A beta v and W = A beta exp(G) k; and
 #   P = exp(G_i - G_j) q_i . k_j (lower) gives its outputs o = scale (P U + exp(G) q S).
 # - `_delta_scan_walk`, one program per sequence, value head and block of values, walking the
@@ -66,6 +66,12 @@ FORWARD_TOKENS: int | None = None
 # from zero states, `bench.short_rows.delta_rule_prefixes`, 2026-12-04) 32 against 64: 1 x 1,024
 # tokens 97 against 102 us a layer, 1 x 2,816 255 against 274, 2 x 2,816 350 against 370.
 WALK_VALUES = 32
+# Parts of a 64-token chunk one `_delta_scan_parts` program solves, one after another (1, 2 or 4).
+# One: four times the programs, each solving one part, where a long sequence alone left most of
+# the device waiting on programs solving four in turn. On the H200 (as WALK_VALUES, 2026-12-04),
+# parts and walk of 1 x 1,408 tokens 123 us a layer against 145 at four a program, 1 x 2,816 239
+# against 258, 2 x 2,816 325 against 355.
+PARTS_A_PROGRAM = 1
 PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
 
 
@@ -85,12 +91,12 @@ def _delta_scan_parts(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunks, W, U, P
                       H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                       BVA: tl.constexpr, BC: tl.constexpr, SPLIT: tl.constexpr, SIGMOID: tl.constexpr,
                       ROUTED: tl.constexpr):
-    """The SPLIT parts of the 64-token chunk named by entry program 0 of the chunk plan
-    `chunks` [C, 2] (sequence, chunk), of value head program 1: W [T, HV, K] (q's dtype), U0
+    """SPLIT parts of the 64-token chunk named by entry program 0 of the chunk plan `chunks` [C,
+    2] (sequence, chunk), the program 2-th SPLIT of them, of value head program 1: W [T, HV, K] (q's dtype), U0
     [T, HV, V], P [T, HV, BC] and the part's cumulative log decay Gc [T, HV] (float32). Parts
     past the sequence's end (a padded plan's entries name an empty sequence) are skipped, and
     every part when ROUTED and `route` [1] says the one-kernel walk runs (`_scan_route`)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_h, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // H)
     o_k, o_v, o_c = tl.arange(0, BK), tl.arange(0, BVA), tl.arange(0, BC)
     n = tl.load(chunks + 2 * i_c).to(tl.int64)
@@ -102,7 +108,7 @@ def _delta_scan_parts(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunks, W, U, P
     log_a = tl.load(A_log + i_h).to(tl.float32)
     bias = tl.load(dt_bias + i_h).to(tl.float32)
     for split in tl.static_range(SPLIT):
-        part = chunk * SPLIT + split
+        part = (chunk * tl.num_programs(2) + i_s) * SPLIT + split
         if bos + part * BC < eos:
             q_i, k_i, v_i, g_i, b_i = _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v,
                                                 sa, sb, H, K, HV, V, BC, SIGMOID)
@@ -275,10 +281,10 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         chunks = chunk_plan([end - begin for begin, end in zip(bounds[:-1], bounds[1:])]).to(q.device)
     with _on(q.device):
         if chunks.shape[0]:
-            _delta_scan_parts[(chunks.shape[0], value_heads)](
+            _delta_scan_parts[(chunks.shape[0], value_heads, CHUNK // PART // PARTS_A_PROGRAM)](
                 q, k, v, g, beta, A_log, dt_bias, cu_seqlens, chunks, w, u, p, decays, gate_stride, beta_stride, route,
                 heads, key_dim, value_heads, value_dim, block_k, max(16, triton.next_power_of_2(value_dim)), PART,
-                CHUNK // PART, beta_logits, routed, num_warps=ROW_WARPS)
+                PARTS_A_PROGRAM, beta_logits, routed, num_warps=ROW_WARPS)
         _delta_scan_walk[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
             q, k, w, u, p, decays, initial, parents, o, final, cu_seqlens, G, scale, route, heads, key_dim,
             value_heads, value_dim, block_k, block_v, PART, states is not None, output_final_state, routed,
