@@ -12,8 +12,8 @@ depends on, and `pad_to_bucket` brings any batch under it there:
   `prefix_chunks` (a prefix's last chunk may be partial, so the count varies);
 - the rows' part holds `row_tokens` (S*) tokens in `rows` (N*) sequences: the real rows, then
   padding rows of the remaining tokens (at most 64 tokens each), then empty ones; its chunk plan
-  is padded with entries of an empty row to `row_chunks`; a one-row bucket (`single`) holds one
-  row that continues no prefix, then its padding as one sequence, then an empty row;
+  is padded with entries of an empty row to `row_chunks`; a one-row bucket (`single`) has no
+  prefix part and holds one row, then its padding as one sequence, then an empty row;
 - markers and the candidate mask are [rows, candidates]; padding rows have no candidate.
 
 Padding sequences are short so that they never outlast the real ones in the delta rule's walk,
@@ -52,11 +52,14 @@ PREFIX_LADDER = (64, 128, 256, 512, 1024, 2048, 4096)
 ROW_LADDER = (128, 256, 512, 1024, 2048, 4096)
 LONG_ROW_LADDER = (128, 256, 512, 1024, 2048, 4096, 8192)
 # One-row buckets (`Bucket.single`), for one long row and no shared prefix: a one-question
-# request of a long state. Their padding is one sequence, shorter than the row (each step is at
-# most half again the one before), so the walk is the row's alone, planned on the host: a
-# 1,287-token question in a long-row bucket of 2,048 tokens (64% more, 193 row sequences, the
-# walk routed on the device) took 14.2 ms on the H200, against 7.8 for its own graph.
-ONE_ROW_LADDER = (512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+# request of a long state. Their padding is one sequence, shorter than the row, so the walk is
+# the row's alone, planned on the host: a 1,287-token question in a long-row bucket of 2,048
+# tokens (64% more, 193 row sequences, the walk routed on the device) took 14.2 ms on the H200,
+# against 7.8 for its own graph. Such a request is alone in its batch, so its bucket's padding is
+# all it computes beyond its own: steps of 128 tokens up to 2,048, then 256 up to 4,096, then
+# 512 (at most 25%, 12% past 1,024 tokens and 6% past 2,048; the step before a graph's memory
+# was freed after its capture, 2026-12-04, was half again the bucket below).
+ONE_ROW_LADDER = (*range(512, 2048, 128), *range(2048, 4096, 256), *range(4096, 8193, 512))
 SHORT_ROW_TOKENS = 6144  # the most tokens of a short-row bucket
 CANDIDATES = 64  # candidates a bucket's row may have
 ROW_TOKENS = 64  # the longest short row (`ops.delta_rule.rows.ROW_TOKENS`)
@@ -73,22 +76,23 @@ class Bucket:
     single: bool = False  # one row, its padding one sequence after it (`ONE_ROW_LADDER`)
 
     def __post_init__(self):
-        if self.prefix_tokens < CHUNK or self.prefix_tokens % CHUNK or self.row_tokens < 1:
+        if self.single:
+            if not self.long_rows or self.prefix_tokens or self.row_tokens <= ROW_TOKENS:
+                raise ValueError(f"a one-row bucket holds one long row and no prefix: got {self}")
+        elif self.prefix_tokens < CHUNK or self.prefix_tokens % CHUNK or self.row_tokens < 1:
             raise ValueError(f"a bucket needs prefix tokens a positive multiple of {CHUNK} and row tokens: got {self}")
-        if self.single and (not self.long_rows or self.prefix_tokens != CHUNK):
-            raise ValueError(f"a one-row bucket holds one long row and {CHUNK} prefix tokens of padding: got {self}")
 
     @functools.cached_property
     def prefixes(self) -> int:
         # A real prefix has at least SHARED_MIN (64) tokens, a padding one at most 64 (one of them
-        # partial); then an empty one.
-        return self.prefix_tokens // SHARED_MIN + 2
+        # partial); then an empty one. A one-row bucket has none.
+        return 0 if self.single else self.prefix_tokens // SHARED_MIN + 2
 
     @functools.cached_property
     def prefix_chunks(self) -> int:
         """Chunks of any prefix layout: each real prefix and the partial padding one add at most
         one partial chunk to the prefix tokens' whole ones."""
-        return self.prefix_tokens // CHUNK + self.prefix_tokens // SHARED_MIN + 1
+        return 0 if self.single else self.prefix_tokens // CHUNK + self.prefix_tokens // SHARED_MIN + 1
 
     @functools.cached_property
     def rows(self) -> int:
@@ -119,7 +123,7 @@ def all_buckets() -> list[Bucket]:
     """The buckets captured at load, smallest first."""
     buckets = [Bucket(p, s, False) for p in PREFIX_LADDER for s in ROW_LADDER if p + s <= SHORT_ROW_TOKENS]
     buckets += [Bucket(p, s, True) for p in PREFIX_LADDER for s in LONG_ROW_LADDER]
-    buckets += [Bucket(PREFIX_LADDER[0], s, True, single=True) for s in ONE_ROW_LADDER]
+    buckets += [Bucket(0, s, True, single=True) for s in ONE_ROW_LADDER]
     return sorted(buckets, key=lambda bucket: bucket.tokens)
 
 
@@ -194,8 +198,8 @@ def fits(shape: Shape, bucket: Bucket) -> bool:
     """Whether a batch of `shape` can be padded to `bucket` (`pad_to_bucket`)."""
     long_rows = shape.longest_row > ROW_TOKENS
     return (shape.row_tokens <= bucket.row_tokens and shape.candidates <= CANDIDATES and bucket.long_rows == long_rows
-            and not (bucket.single and shape.prefixes)
-            and shape.prefix_tokens <= bucket.prefix_tokens and shape.prefixes <= bucket.prefixes - 2
+            and shape.prefix_tokens <= bucket.prefix_tokens
+            and (shape.prefixes == 0 if bucket.single else shape.prefixes <= bucket.prefixes - 2)
             and shape.longest_row <= bucket.longest_row and _rows_fit(bucket, shape.rows, shape.row_tokens))
 
 
@@ -224,21 +228,24 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
     prefix_lengths, row_lengths = sequence_lengths(batch.prefix_cu_seqlens_cpu), sequence_lengths(batch.cu_seqlens_cpu)
     row_padding = _row_padding(bucket, len(row_lengths), sum(row_lengths))
     spare = bucket.prefix_tokens - batch.prefix_tokens
-    if (row_padding is None or spare < 0 or len(prefix_lengths) > bucket.prefixes - 2
-            or (bucket.single and prefix_lengths) or batch.markers.shape[1] > CANDIDATES
+    if (row_padding is None or spare < 0 or batch.markers.shape[1] > CANDIDATES
+            or (prefix_lengths and (bucket.single or len(prefix_lengths) > bucket.prefixes - 2))
             or (max(row_lengths) > ROW_TOKENS) != bucket.long_rows):
         raise ValueError(f"a batch of {batch.prefix_tokens} prefix tokens in {len(prefix_lengths)} prefixes and "
                          f"{len(row_lengths)} rows of {sum(row_lengths)} tokens does not fit {bucket}")
     if max(row_lengths) > bucket.longest_row:
         raise ValueError(f"a row of {max(row_lengths)} tokens does not fit {bucket}")
-    padding = _pieces(spare)
-    if len(prefix_lengths) + len(padding) >= bucket.prefixes:
-        raise ValueError(f"{len(prefix_lengths)} prefixes and {len(padding)} padding ones leave no empty prefix "
-                         f"in {bucket}")
-    prefixes = prefix_lengths + padding + [0] * (bucket.prefixes - len(prefix_lengths) - len(padding))
     rows = row_lengths + row_padding
-    parents = (batch.fork.parents.tolist() if batch.fork is not None else [-1] * len(row_lengths))
-    parents += [-1] * len(row_padding)
+    prefixes, prefix_plan, fork = [], chunk_plan([]), None  # a one-row bucket's: its row runs alone
+    if not bucket.single:
+        padding = _pieces(spare)
+        if len(prefix_lengths) + len(padding) >= bucket.prefixes:
+            raise ValueError(f"{len(prefix_lengths)} prefixes and {len(padding)} padding ones leave no empty prefix "
+                             f"in {bucket}")
+        prefixes = prefix_lengths + padding + [0] * (bucket.prefixes - len(prefix_lengths) - len(padding))
+        parents = (batch.fork.parents.tolist() if batch.fork is not None else [-1] * len(row_lengths))
+        prefix_plan, fork = padded_plan(prefixes, bucket.prefix_chunks), plan_fork(prefixes, rows,
+                                                                                   parents + [-1] * len(row_padding))
     P, S = batch.prefix_tokens, batch.computed_tokens - batch.prefix_tokens
 
     def spread(values: torch.Tensor, fill: int) -> torch.Tensor:
@@ -258,8 +265,8 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
     return dataclasses.replace(
         batch, input_ids=spread(batch.input_ids, pad_id), position_ids=spread(batch.position_ids, 0),
         prefix_tokens=bucket.prefix_tokens, prefix_cu_seqlens=prefix_cu, prefix_cu_seqlens_cpu=prefix_cu,
-        cu_seqlens=row_cu, cu_seqlens_cpu=row_cu, prefix_chunk_indices=padded_plan(prefixes, bucket.prefix_chunks),
-        chunk_indices=padded_plan(rows, bucket.row_chunks), fork=plan_fork(prefixes, rows, parents), markers=markers,
+        cu_seqlens=row_cu, cu_seqlens_cpu=row_cu, prefix_chunk_indices=prefix_plan,
+        chunk_indices=padded_plan(rows, bucket.row_chunks), fork=fork, markers=markers,
         candidate_mask=mask, image_slots=slots, rows_bound=bucket.longest_row)
 
 

@@ -160,13 +160,14 @@ class _BucketGraph:
     last piece ends with the final norm and the head at the markers. Each piece's outputs stay
     alive for the next, in a memory pool the bucket graphs share.
 
-    A one-row bucket's graph is `whole`: none of its sequences continues a prefix, so each one's
-    keys are its own tokens, the fork's tensors keep their shapes, and attention is captured
-    too, planned for sequences of up to the bucket's row tokens (flash attention skips the
-    blocks past a sequence's end): the forward is one graph, the fork copied in with the rest,
+    A one-row bucket's graph is `whole`: it has no prefix, so each sequence's keys are its own
+    tokens, and attention is captured too, planned for sequences of up to the bucket's row
+    tokens (flash attention skips the blocks past a sequence's end): the forward is one graph,
     one launch where the pieces take thirteen. The device is the bound there, not the host: on
     the H200 a 1,287-token question took 9.79 ms (p50) whole against 9.91 in pieces, 2,787
-    tokens 15.94 against 16.05 (alternated in one process, docs/changelog.md)."""
+    tokens 15.94 against 16.05 (alternated in one process, docs/changelog.md). Only its logits
+    outlive the capture: what the forward made on the way goes back to the pool the bucket
+    graphs share, for the next capture (replays run one at a time, each read before the next)."""
 
     FIELDS = ("position_ids", "prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices", "chunk_indices", "markers",
               "candidate_mask")
@@ -178,32 +179,29 @@ class _BucketGraph:
         self.attention = [index for index, kind in enumerate(self.config.layer_types) if kind == "full_attention"]
         static = {name: getattr(batch, name).clone() for name in self.FIELDS}
         self.whole = bucket.single
-        fork = batch.fork
-        if self.whole:
-            bound = max(bucket.row_tokens, bucket.prefix_tokens)
-            self.fork = dataclasses.replace(fork, parents=fork.parents.clone(), cu_seqlens_q=fork.cu_seqlens_q.clone(),
-                                            key_index=fork.key_index.clone(), cu_seqlens_k=fork.cu_seqlens_k.clone(),
-                                            max_seqlen_q=bound, max_seqlen_k=bound)
-        else:
-            self.fork = dataclasses.replace(fork, parents=fork.parents.clone())
+        self.fork = None if self.whole else dataclasses.replace(batch.fork, parents=batch.fork.parents.clone())
         self.static = dataclasses.replace(batch, **static, fork=self.fork)
         self.embeds = torch.zeros(bucket.tokens, self.config.hidden_size, device=batch.input_ids.device,
                                   dtype=language.get_input_embeddings().weight.dtype)
         self.rows, self.prefixes = plan_segments(self.static)
         heads, head_dim = self.config.num_attention_heads, self.config.head_dim
-        self.attended = [torch.zeros(bucket.tokens, heads, head_dim, dtype=self.embeds.dtype, device=self.embeds.device)
-                         for _ in self.attention]  # each attention core's output, copied in
+        # Each attention core's output: copied into its own tensor between pieces, made in the graph
+        # when whole.
+        self.attended = [None if self.whole else
+                         torch.zeros(bucket.tokens, heads, head_dim, dtype=self.embeds.dtype, device=self.embeds.device)
+                         for _ in self.attention]
         self.outputs: list = []
         side = torch.cuda.Stream(self.embeds.device)
         side.wait_stream(torch.cuda.current_stream())
         with kernels.uncached_plans(), torch.cuda.stream(side):
             for _ in range(2):  # kernels compile and autotune, cuBLAS plans, outside the capture
-                self._forward(self.fork if self.whole else batch.fork)
+                self._forward(batch.fork)
         torch.cuda.current_stream().wait_stream(side)
         if self.whole:
             self.graphs = [torch.cuda.CUDAGraph()]
             with torch.cuda.graph(self.graphs[0], pool=pool):
-                self._forward(self.fork)
+                self._forward(None)
+            self.outputs, self.attended = self.outputs[-1:], [None] * len(self.attention)  # the logits alone
         else:
             self.graphs, self.outputs = [], []
             for index in range(len(self.attention) + 1):
@@ -250,8 +248,12 @@ class _BucketGraph:
 
     def _attend(self, index: int, fork) -> None:
         _, query, key, value, _, _, _ = self.outputs[index]
-        prefixes = Prefixes(self.static.prefix_tokens, self.prefixes.segments, fork)
-        self.attended[index].copy_(attention_core(self.config, query, key, value, self.rows, prefixes))
+        prefixes = Prefixes(self.static.prefix_tokens, self.prefixes.segments, fork) if fork is not None else None
+        out = attention_core(self.config, query, key, value, self.rows, prefixes)
+        if self.whole:
+            self.attended[index] = out
+        else:
+            self.attended[index].copy_(out)
 
     def replay(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Logits [rows, candidates] of a padded batch of this bucket (on the device)."""
@@ -259,8 +261,6 @@ class _BucketGraph:
         for name in self.FIELDS:
             getattr(self.static, name).copy_(getattr(batch, name))
         if self.whole:
-            for static, value in zip(self.fork.tensors(), batch.fork.tensors()):
-                static.copy_(value)
             self.graphs[0].replay()
             return self.outputs[-1].clone()
         self.fork.parents.copy_(batch.fork.parents)

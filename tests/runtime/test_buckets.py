@@ -46,9 +46,16 @@ def test_a_padded_batch_gives_its_rows_the_logits_of_the_batch_alone(parts, name
     assert not inside[rows:].any() and not inside[:, candidates:].any()  # padding has no candidate
 
 
+def layout(batch):
+    """The shapes of a padded batch's device tensors (the fork's parents, when it has one)."""
+    return [tuple(getattr(batch, name).shape) for name in
+            ("input_ids", "position_ids", "prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices", "chunk_indices",
+             "markers", "candidate_mask")] + ([tuple(batch.fork.parents.shape)] if batch.fork is not None else [])
+
+
 def test_padding_keeps_the_shapes_the_bucket_fixes(parts):
     template, _ = parts
-    for bucket in (Bucket(128, 256, False), Bucket(256, 512, True), Bucket(64, 768, True, single=True)):
+    for bucket in (Bucket(128, 256, False), Bucket(256, 512, True), Bucket(0, 768, True, single=True)):
         shapes = []
         for requests in LAYOUTS.values():
             batch = batch_of(template, requests)
@@ -58,15 +65,13 @@ def test_padding_keeps_the_shapes_the_bucket_fixes(parts):
             lengths = padded.cu_seqlens_cpu.diff()
             assert lengths.max() <= bucket.longest_row and lengths[-1] == 0  # an empty row for the plan's padding
             prefixes = padded.prefix_cu_seqlens_cpu.diff()
-            assert prefixes[-1] == 0 and prefixes.sum() == bucket.prefix_tokens  # an empty prefix for the plan
-            assert padded.fork.parents[len(batch.markers):].eq(-1).all()
-            shapes.append([tuple(getattr(padded, name).shape) for name in
-                           ("input_ids", "position_ids", "prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices",
-                            "chunk_indices", "markers", "candidate_mask")] + [tuple(padded.fork.parents.shape)])
-        empty = empty_batch(bucket, template.pad_id)
-        shapes.append([tuple(getattr(empty, name).shape) for name in
-                       ("input_ids", "position_ids", "prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices",
-                        "chunk_indices", "markers", "candidate_mask")] + [tuple(empty.fork.parents.shape)])
+            if bucket.single:  # no prefix part: its row runs alone
+                assert padded.prefix_tokens == 0 and padded.fork is None and len(prefixes) == 0
+            else:
+                assert prefixes[-1] == 0 and prefixes.sum() == bucket.prefix_tokens  # an empty prefix for the plan
+                assert padded.fork.parents[len(batch.markers):].eq(-1).all()
+            shapes.append(layout(padded))
+        shapes.append(layout(empty_batch(bucket, template.pad_id)))
         assert len(shapes) >= 2 and all(shape == shapes[0] for shape in shapes), bucket
         assert shapes[0][0] == (bucket.tokens,) and shapes[0][5] == (bucket.row_chunks, 2)
         assert shapes[0][4] == (bucket.prefix_chunks, 2)
@@ -126,21 +131,23 @@ def test_the_last_row_of_a_padded_batch_is_always_empty_and_buckets_stay_within_
     assert _row_padding(full, 15, 65 + 14 * 3)[-1] == 0
     assert scan.FORWARD_TOKENS is None
     assert Bucket(64, 4096, True).longest_row == 4096 and Bucket(64, 4096, False).longest_row == ROW_TOKENS
-    # One long row (a one-question request): a one-row bucket at most half again its size, up
-    # to 8,192 tokens, its padding one sequence shorter than the row; two rows never fit one.
+    # One long row (a one-question request): a one-row bucket of no prefix, at most a step of the
+    # ladder (128 tokens to 2,048, 256 to 4,096, then 512) beyond it, up to 8,192 tokens, its
+    # padding one sequence shorter than the row; two rows never fit one.
     from dohnuts.runtime.buckets import Shape, smallest_fit
 
-    for tokens, row_tokens in ((300, 512), (1287, 1536), (1600, 2048), (2787, 3072), (3500, 4096), (5000, 6144),
-                               (7979, 8192)):
+    for tokens, row_tokens in ((300, 512), (513, 640), (1287, 1408), (1600, 1664), (2047, 2048),
+                               (2787, 2816), (3500, 3584), (4097, 4608), (5000, 5120), (7979, 8192)):
         bucket = smallest_fit(Shape(0, 0, tokens, 1, tokens, 2), all_buckets())
-        assert bucket == Bucket(64, row_tokens, True, single=True)
+        assert bucket == Bucket(0, row_tokens, True, single=True)
         assert _row_padding(bucket, 1, tokens) == [row_tokens - tokens, 0] and row_tokens - tokens < tokens
     assert not smallest_fit(Shape(0, 0, 1300, 2, 1287, 2), all_buckets()).single
     # A row that continues a prefix never takes one: its keys are then more than the bucket's tokens.
     assert not smallest_fit(Shape(64, 1, 1287, 1, 1287, 2), all_buckets()).single
     assert smallest_fit(Shape(0, 0, 10000, 1, 10000, 2), all_buckets()) is None
-    with pytest.raises(ValueError, match="one-row bucket"):
-        Bucket(128, 1024, True, single=True)
+    for bad in ((64, 1024, True), (0, 1024, False), (0, 64, True)):
+        with pytest.raises(ValueError, match="one-row bucket"):
+            Bucket(*bad, single=True)
     for bad in ((100, 128, False), (0, 128, False), (64, 0, True)):
         with pytest.raises(ValueError, match="a bucket needs"):
             Bucket(*bad)
