@@ -315,7 +315,8 @@ def test_a_moved_batch_equals_the_batch_moved_tensor_by_tensor(tiny):
     from dohnuts.inputs import batch as batches
 
     template = tiny.template()
-    host = batch_of(template, [({"image": square_image("red"), "note": "two rows share this"}, questions(3)),
+    host = batch_of(template, [({"image": square_image("red"), "note": "three rows share this note " * 12},
+                                questions(3)),
                                ("a text request", questions(2))])
     assert host.fork is not None
     moved, plain = host.moved(torch.device("cuda")), host.to("cuda")
