@@ -39,28 +39,30 @@ def long_request(tokenizer, tokens: int, max_tokens: int) -> tuple[dict, dict]:
 def long_context_record(predictor, lengths: tuple[int, ...]) -> dict:
     """Each of `lengths` as a `long_request`: first-sight and second-call milliseconds, computed
     tokens a second (second call), the peak device memory the call added (CUDA), and what ran
-    (eager or graphs); a request over the model's budgets is recorded as refused, with why."""
+    (eager or graphs); a request over the model's budgets is recorded as refused, with why. The
+    first sight tokenises the request's text (the template keeps recent pieces' ids: the second
+    call finds them)."""
     device, config = predictor.model.device, predictor.config
     results = []
     for tokens in lengths:
         state, questions = long_request(predictor.template.tokenizer, tokens, config.max_tokens)
-        try:
-            batch, _ = predictor.encode(state, questions)
-        except OverBudget as error:
-            results.append({"target_tokens": tokens, "refused": str(error)})
-            continue
         stats = predictor.scores.stats
         before = dict(stats)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         calls = []
-        for _ in range(2):
-            synchronize(device)
-            start = time.perf_counter()
-            answer = predictor.predict(state, questions)
-            synchronize(device)
-            calls.append((time.perf_counter() - start) * 1000.0)
+        try:
+            for _ in range(2):
+                synchronize(device)
+                start = time.perf_counter()
+                answer = predictor.predict(state, questions)
+                synchronize(device)
+                calls.append((time.perf_counter() - start) * 1000.0)
+        except OverBudget as error:
+            results.append({"target_tokens": tokens, "refused": str(error)})
+            continue
+        batch, _ = predictor.encode(state, questions)
         peak = torch.cuda.max_memory_allocated(device) - resident if device.type == "cuda" else None
         results.append({
             "target_tokens": tokens, "input_tokens": answer["usage"]["input_tokens"],
