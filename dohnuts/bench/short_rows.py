@@ -128,7 +128,8 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     """Time `delta_rule.scan.delta_rule_scan` on prefixes from zero states keeping their final
     states (a prefix's layer in a bucket), each replayed from a CUDA graph: each count of
     `together` sequences of each of `lengths` tokens, by each of its paths (the parts solved
-    apart, 1, 2 or 4 a program, then walked with blocks of 16, 32 or 64 values; the one-kernel walk), whatever the
+    apart, 1 or 4 a program, then walked with blocks of 16, 32 or 64 values, pipelined in 1 to 3
+    stages, with 2 or 4 warps; the one-kernel walk), whatever the
     count would choose (`PARTS_BELOW`). Shape: the Qwen3.5-0.8B delta-rule layer (16 key and 16
     value heads of width 128), bf16. Prints microseconds a layer and tokens a microsecond, marks
     the path the runtime takes, and gives each path's largest output difference from the first's.
@@ -144,10 +145,16 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     def rand(*shape):
         return torch.randn(*shape, generator=generator, device="cuda")
 
-    # (name, walk values, PARTS_BELOW, parts a program)
-    paths = [(f"parts {split} a program, walk values {values}", values, 2**31, split)
-             for split, values in ((1, 16), (1, 32), (2, 32), (4, 32), (1, 64))] + [("one kernel", 64, 0, 1)]
-    defaults = ops.WALK_VALUES, ops.PARTS_BELOW, ops.PARTS_A_PROGRAM
+    # (name, {setting of `scan`: value}): the parts solved apart, then walked, and the one-kernel walk
+    names = ("WALK_VALUES", "PARTS_BELOW", "PARTS_A_PROGRAM", "WALK_STAGES", "WALK_WARPS")
+    defaults = {name: getattr(ops, name) for name in names}
+    paths = [(f"parts {split} a program, walk values {values}, stages {stages}, warps {warps}",
+              {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "PARTS_A_PROGRAM": split,
+               "WALK_STAGES": stages, "WALK_WARPS": warps})
+             for split, values, stages, warps in ((1, 32, None, 4), (4, 32, None, 4), (1, 64, None, 4),
+                                                  (1, 32, 1, 4), (1, 32, 2, 4), (1, 32, 3, 4), (1, 32, None, 2),
+                                                  (1, 32, 2, 2), (1, 16, 2, 2))]
+    paths.append(("one kernel", {**defaults, "WALK_VALUES": 64, "PARTS_BELOW": 0}))
     print(f"# {heads} heads of width {width}, bf16, from zero states, final states kept; CUDA graph replays; "
           f"the runtime takes the one-kernel walk from {ops.PARTS_BELOW} sequences (in a bucket, from "
           f"{ops.PARTS_BELOW} sequences over 64 tokens, counted on the device)")
@@ -163,8 +170,9 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
             # read the bounds back to the host, which a graph capture cannot do.
             plan = chunk_plan([length] * count).cuda()
             first = None
-            for name, values, parts_below, split in paths:
-                ops.WALK_VALUES, ops.PARTS_BELOW, ops.PARTS_A_PROGRAM = values, parts_below, split
+            for name, settings in paths:
+                for setting, value in settings.items():
+                    setattr(ops, setting, value)
 
                 def scan(arguments=(q, k, v, g, beta, None, None, bounds, True, A_log, dt_bias), plan=plan):
                     out, final = ops.delta_rule_scan(*arguments, chunks=plan)
@@ -173,11 +181,11 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 ms, out = graphed(scan, replays=50)
                 first = out if first is None else first
                 gap = ((out - first).abs().max() / first.abs().max()).item()
-                one_kernel = count >= defaults[1]
-                taken = (parts_below == 0) if one_kernel else (parts_below != 0 and (values, split) == (defaults[0],
-                                                                                                       defaults[2]))
-                print(f"{count} x {length:5d} tokens, {name:36s}: {ms * 1e3:8.1f} us a layer, "
+                one_kernel = count >= defaults["PARTS_BELOW"]
+                taken = (settings["PARTS_BELOW"] == 0) if one_kernel else settings == {**defaults, "PARTS_BELOW": 2**31}
+                print(f"{count} x {length:5d} tokens, {name:58s}: {ms * 1e3:8.1f} us a layer, "
                       f"{total / (ms * 1e3):7.1f} tokens/us, max difference {gap:.1e}{' (taken)' if taken else ''}",
                       flush=True)
     finally:
-        ops.WALK_VALUES, ops.PARTS_BELOW, ops.PARTS_A_PROGRAM = defaults
+        for setting, value in defaults.items():
+            setattr(ops, setting, value)

@@ -66,6 +66,10 @@ FORWARD_TOKENS: int | None = None
 # from zero states, `bench.short_rows.delta_rule_prefixes`, 2026-12-04) 32 against 64: 1 x 1,024
 # tokens 97 against 102 us a layer, 1 x 2,816 255 against 274, 2 x 2,816 350 against 370.
 WALK_VALUES = 32
+# The walk's software pipeline (stages of its loop's loads in flight; None: Triton's default) and
+# warps a program.
+WALK_STAGES: int | None = None
+WALK_WARPS = ROW_WARPS
 # Parts of a 64-token chunk one `_delta_scan_parts` program solves, one after another (1, 2 or 4).
 # One: four times the programs, each solving one part, where a long sequence alone left most of
 # the device waiting on programs solving four in turn. On the H200 (as WALK_VALUES, 2026-12-04),
@@ -130,7 +134,8 @@ def _delta_scan_parts(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunks, W, U, P
 @triton.jit(do_not_specialize=REQUEST_STATES)
 def _delta_scan_walk(q, k, W, U, P, Gc, states, parents, o, final, cu_seqlens, G, scale, route, H: tl.constexpr,
                      K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                     BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr, ROUTED: tl.constexpr):
+                     BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr, ROUTED: tl.constexpr,
+                     STAGES: tl.constexpr):
     n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     if ROUTED:
@@ -140,7 +145,7 @@ def _delta_scan_walk(q, k, W, U, P, Gc, states, parents, o, final, cu_seqlens, G
     h = tl.zeros([BK, BV], dtype=tl.float32)
     if INITIAL:
         h = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK)
-    for part in range(0, tl.cdiv(eos - bos, BC)):
+    for part in tl.range(0, tl.cdiv(eos - bos, BC), num_stages=STAGES):
         o_t = bos + part * BC + o_c
         m_t = o_t < eos
         row = o_t[:, None] * HV + i_h
@@ -288,5 +293,5 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         _delta_scan_walk[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
             q, k, w, u, p, decays, initial, parents, o, final, cu_seqlens, G, scale, route, heads, key_dim,
             value_heads, value_dim, block_k, block_v, PART, states is not None, output_final_state, routed,
-            num_warps=ROW_WARPS)
+            WALK_STAGES, num_warps=WALK_WARPS)
     return o, final if output_final_state else None
