@@ -208,7 +208,7 @@ def move_packed(tensors: list[torch.Tensor], target: torch.Tensor, offsets: list
     laid out first in a pinned buffer of this thread, which waits for its last copy to be read."""
     staging = _STAGING
     if staging.array is None or staging.array.nbytes < total:
-        staging.tensor = torch.empty(max(total, 64 << 10), dtype=torch.uint8).pin_memory()
+        staging.tensor = torch.empty(max(total, PACKED_BYTES), dtype=torch.uint8).pin_memory()  # once a thread
         staging.array = staging.tensor.numpy()
         staging.done = None
     elif staging.done is not None:
