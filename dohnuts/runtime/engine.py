@@ -14,6 +14,7 @@ stream, read once its event has passed.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import time
@@ -59,6 +60,18 @@ class EncodedRequest(NamedTuple):
 # The longest sequence of the warm-up: past the gradient bound of the delta rule's walk
 # (`scan.SCAN_TOKENS`) and the longest prefix a bucket holds, as the longest requests run.
 WARM_UP_TOKENS = 4200
+
+
+def settle_heap() -> None:
+    """Collect garbage, then move every object alive into the collector's permanent generation
+    (`gc.freeze`), once loading is done: a full collection traverses every tracked object, about
+    410,000 after loading the Qwen3.5-0.8B shape, and stopped the process for about 90 ms on the
+    H200's host (200 ms on this project's CPU) on whichever request it fell; what loading made
+    lives as long as the process, so no collection need look at it again. For a process that
+    serves, not one that loads and drops models in turn: cycles among frozen objects are never
+    collected."""
+    gc.collect()
+    gc.freeze()
 
 
 def warm_up_batches(image_pad_id: int) -> list[Batch]:

@@ -24,7 +24,7 @@ import torch
 
 from ..inputs.batch import Row
 from .checkpoint import load_engine
-from .engine import MAX_WAIT, Closed, EncodedRequest, Engine, EngineLoop, Expired, Overloaded
+from .engine import MAX_WAIT, Closed, EncodedRequest, Engine, EngineLoop, Expired, Overloaded, settle_heap
 from .messages import pack_error, pack_logits, unpack_cancel, unpack_request
 from .metrics import Counting, metrics
 
@@ -71,6 +71,7 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
     engine = Engine(model, pad_id=pad_id, image_pad_id=model.backbone.config.image_token_id)
     engine.prepare(pixels)
     warm_up(engine)
+    settle_heap()
     replies: queue.SimpleQueue = queue.SimpleQueue()
     context = zmq.Context.instance()
     wake_address = f"inproc://replies-{os.getpid()}"

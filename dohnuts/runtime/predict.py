@@ -18,9 +18,14 @@ from ..schema import Request, answer, parse_request
 from ..scoring.calibrator import Calibrator
 from ..scoring.metrics import normalised_entropy_confidence
 from .checkpoint import load_merged
-from .engine import EncodedRequest, Engine, Piece, request_shape
+from .engine import EncodedRequest, Engine, Piece, request_shape, settle_heap
 
 BATCHED_CONFIDENCE = 8  # rows from which the answers' confidences are computed together
+# Requests `prepare_graphs` answers after the engine's own warm-up: the template, the answers and
+# a one-question request of a long state's bucket, as a user's first request runs them.
+WARM_UP = (("a short state", {"q": {"type": "choice", "instructions": "Which?", "options": ["a", "b", "c"]}}),
+           ({"document": "a long state of plain words " * 200},
+            {"q": {"type": "noul", "instructions": "Does the document mention a refund?"}}))
 
 
 class Predictor:
@@ -61,10 +66,16 @@ class Predictor:
         """Capture the CUDA graphs of the shape buckets (`dohnuts.model.buckets`; all by
         default) and of the vision tower's patch buckets (`vision_graphs.vision_buckets`, for
         the template's pixel policy), so that requests and image sizes met for the first time
-        replay one: a few seconds, once, on a CUDA device; nothing on the CPU. Returns how many
-        of the language model's buckets are ready."""
+        replay one: a few seconds, once, on a CUDA device; nothing on the CPU. On CUDA, then
+        answer two requests of our own, a short one and a long one (`WARM_UP`), so the first
+        user's finds every step of `predict` warm, and freeze the heap (`engine.settle_heap`).
+        Returns how many of the language model's buckets are ready."""
         with self.lock:
-            return self.engine.prepare(self.template.pixels, buckets)
+            ready = self.engine.prepare(self.template.pixels, buckets)
+            if self.model.device.type == "cuda":
+                self.predict_many(WARM_UP, errors="return")  # a budget too small for one is no error
+                settle_heap()
+            return ready
 
     def encode(self, state, questions):
         """Validate and encode a request into a batch. Returns (batch, request)."""

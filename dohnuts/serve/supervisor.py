@@ -78,11 +78,13 @@ def front_main(settings: ServeSettings, listening: socket.socket, addresses: lis
     _orphan_guard()
 
     from ..runtime.checkpoint import load_front
+    from ..runtime.engine import settle_heap
     from .app import Front, front_app
     from .engines import RemoteEngines
 
     template, model_config, calibrator = load_front(Path(settings.checkpoint))
     front = Front(template, model_config, calibrator, None)
+    settle_heap()  # a full collection would stop the event loop: what loading made is never looked at again
 
     def start():
         front.engines = RemoteEngines(addresses, states, settings.deadline)
