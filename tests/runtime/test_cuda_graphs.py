@@ -249,3 +249,29 @@ def test_bucket_graphs_are_captured_again_after_the_model_changes(tiny):
         truth = copy.deepcopy(model).double().cpu()(batch)
     assert errs_like(ours, eager, truth) and not torch.equal(ours, before)  # the new weights, not the old
     assert graphed.stats["bucket_replays"] == 2 and len(graphed.buckets) == 2
+
+
+@pytest.mark.gpu
+def test_a_layout_a_bucket_serves_is_never_captured_on_a_request(tiny):
+    """A host batch that recurs past `capture_at` while a bucket fits it replays the bucket each
+    time (its logits the same): no capture stalls it. Deferred, as the server runs, the layout
+    waits for `capture_pending` instead."""
+    from dohnuts.runtime.buckets import all_buckets
+
+    template, model, graphed = _on_cuda(tiny, torch.bfloat16)
+    graphed.pad_id = template.pad_id
+    graphed.prepare([bucket for bucket in all_buckets() if bucket.tokens <= 512])
+    host = _batch(template, (220, 20, 20))
+    with torch.no_grad():
+        first = graphed(host)
+        for _ in range(graphed.capture_at + 1):
+            assert torch.equal(graphed(host), first)
+        assert graphed.stats["captures"] == 0 and graphed.stats["bucket_replays"] == graphed.capture_at + 2
+        graphed.deferred = True
+        for _ in range(graphed.capture_at):
+            graphed(host)
+        assert len(graphed.pending) == 1 and graphed.stats["captures"] == 0
+        assert graphed.capture_pending() and graphed.stats["idle_captures"] == 1
+        # The layout's own graph, unpadded: the eager forward's logits.
+        torch.testing.assert_close(graphed(host), model(host.to("cuda")), rtol=1e-5, atol=1e-6)
+        assert graphed.stats["replays"] == 1
