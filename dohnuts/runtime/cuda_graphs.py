@@ -11,7 +11,6 @@ layout: a replay copies the new embeddings and index tensors into the graph's in
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import operator
 import time
@@ -70,6 +69,55 @@ CAPTURE_AT = 3  # the sighting of a layout that captures its graph
 BUCKET_MEMORY = 0.4  # the share of the device's memory the bucket graphs may hold
 
 
+class _PackedInputs:
+    """A graph's device inputs: every tensor of the batch it was captured on (`device_tensors`,
+    the fork's too) in one byte buffer (`packed_layout`), so a host batch of the same shapes
+    moves straight into them in one copy (`load`) and a replay copies nothing more."""
+
+    def __init__(self, batch: Batch, device: torch.device):
+        tensors = batch.device_tensors()
+        self.shapes = [(tensor.shape, tensor.dtype) for tensor in tensors]
+        self.offsets, self.bytes = packed_layout(tensors)
+        self.buffer = torch.empty(max(self.bytes, 1), dtype=torch.uint8, device=device)
+        self.tensors = [view.copy_(tensor) for view, tensor in zip(packed_views(self.buffer, tensors, self.offsets),
+                                                                   tensors)]
+        self.batch = self.own(batch)  # the *_cpu plan is shared and constant
+
+    def load(self, batch: Batch) -> Batch | None:
+        """A host batch of these shapes moved straight into the inputs (one copy, `move_packed`):
+        the batch on the device, its tensors the inputs. None when a tensor's shape or dtype
+        differs (an image of another size) or the batch is large or not contiguous: it then moves
+        as usual."""
+        if self.bytes > PACKED_BYTES:
+            return None
+        tensors = []
+        owned = self.own(batch, tensors)  # one walk over the fields: their tensors, and the batch on ours
+        if ([(tensor.shape, tensor.dtype) for tensor in tensors] != self.shapes
+                or not all(tensor.is_contiguous() for tensor in tensors)):
+            return None
+        move_packed(tensors, self.buffer, self.offsets, self.bytes)
+        return owned
+
+    def own(self, batch: Batch, found: list | None = None) -> Batch:
+        """`batch` with the input tensors in place of its tensors, in order (each of its own
+        appended to `found`)."""
+        placed = iter(self.tensors)
+
+        def swap(tensor):
+            if found is not None:
+                found.append(tensor)
+            return next(placed, tensor)
+
+        return batch.map_tensors(swap)
+
+
+def _copy_in(statics, values) -> None:
+    """Each value into its static tensor, but where it is that tensor (loaded into the inputs)."""
+    for static, value in zip(statics, values):
+        if static.data_ptr() != value.data_ptr():
+            static.copy_(value)
+
+
 class _Graph:
     """One captured `scores` call with its static inputs and output."""
 
@@ -79,16 +127,10 @@ class _Graph:
         # come in: their image features are the cache's, found on the host.
         self.text = not batch.image_keys
         self.embeds = None if self.text else embeds.clone()
-        # Every tensor of the batch gets a place in one byte buffer (`packed_layout`): a host
-        # batch of the same shapes then moves straight into the graph's inputs in one copy
+        # A host batch of the same shapes moves straight into the graph's inputs in one copy
         # (`load`), and the replay copies only the embeddings.
-        tensors = batch.device_tensors()
-        self.shapes = [(tensor.shape, tensor.dtype) for tensor in tensors]
-        self.offsets, self.bytes = packed_layout(tensors)
-        self.buffer = torch.empty(max(self.bytes, 1), dtype=torch.uint8, device=embeds.device)
-        self.tensors = [view.copy_(tensor) for view, tensor in zip(packed_views(self.buffer, tensors, self.offsets),
-                                                                   tensors)]
-        self.batch = self._own(batch)  # the *_cpu plan is shared and constant
+        self.inputs = _PackedInputs(batch, embeds.device)
+        self.batch = self.inputs.batch
         side = torch.cuda.Stream(embeds.device)
         side.wait_stream(torch.cuda.current_stream())
         # FLA memoises plans derived from a cu_seqlens tensor (chunk offsets and the like) by
@@ -111,40 +153,19 @@ class _Graph:
         embeds = model.embeddings(self.batch) if self.text else self.embeds
         return model.scores(embeds, self.batch)
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return self.inputs.tensors
+
     def load(self, batch: Batch) -> Batch | None:
-        """A host batch of this graph's layout moved straight into the graph's inputs (one copy,
-        `move_packed`): the batch on the device, its tensors the graph's own. None when a tensor's
-        shape or dtype differs from the captured batch's (an image of another size) or the batch
-        is large or not contiguous: it then moves as usual."""
-        if self.bytes > PACKED_BYTES:
-            return None
-        tensors = []
-        owned = self._own(batch, tensors)  # one walk over the fields: their tensors, and the batch on ours
-        if ([(tensor.shape, tensor.dtype) for tensor in tensors] != self.shapes
-                or not all(tensor.is_contiguous() for tensor in tensors)):
-            return None
-        move_packed(tensors, self.buffer, self.offsets, self.bytes)
-        return owned
-
-    def _own(self, batch: Batch, found: list | None = None) -> Batch:
-        """`batch` with the graph's own input tensors in place of its tensors, in order (each of
-        its own appended to `found`)."""
-        placed = iter(self.tensors)
-
-        def swap(tensor):
-            if found is not None:
-                found.append(tensor)
-            return next(placed, tensor)
-
-        return batch.map_tensors(swap)
+        """A host batch of this graph's layout moved straight into its inputs (`_PackedInputs.load`)."""
+        return self.inputs.load(batch)
 
     def replay(self, embeds: torch.Tensor | None, batch: Batch) -> torch.Tensor:
         """Logits of `batch`, whose `embeds` a text graph ignores (None will do)."""
         if self.text:
             embeds = None
-        for static, value in zip(_inputs(self.embeds, self.batch), _inputs(embeds, batch)):
-            if static.data_ptr() != value.data_ptr():  # moved into `inputs`: already in place
-                static.copy_(value)
+        _copy_in(_inputs(self.embeds, self.batch), _inputs(embeds, batch))
         self.graph.replay()
         return self.output.clone()  # graphs share a memory pool: the next replay may reuse it
 
@@ -177,10 +198,11 @@ class _BucketGraph:
         self.model, self.bucket, self.config = model, bucket, language.config
         self.layers = language.layers
         self.attention = [index for index, kind in enumerate(self.config.layer_types) if kind == "full_attention"]
-        static = {name: getattr(batch, name).clone() for name in self.FIELDS}
         self.whole = bucket.single
-        self.fork = None if self.whole else dataclasses.replace(batch.fork, parents=batch.fork.parents.clone())
-        self.static = dataclasses.replace(batch, **static, fork=self.fork)
+        # Every padded batch of the bucket has these shapes: a text one moves straight in (`load`).
+        self.inputs = _PackedInputs(batch, batch.input_ids.device)
+        self.static = self.inputs.batch
+        self.fork = self.static.fork
         self.embeds = torch.zeros(bucket.tokens, self.config.hidden_size, device=batch.input_ids.device,
                                   dtype=language.get_input_embeddings().weight.dtype)
         self.rows, self.prefixes = plan_segments(self.static)
@@ -255,15 +277,19 @@ class _BucketGraph:
         else:
             self.attended[index].copy_(out)
 
+    def load(self, batch: Batch) -> Batch | None:
+        """A padded host batch moved straight into the graph's inputs (`_PackedInputs.load`)."""
+        return self.inputs.load(batch)
+
     def replay(self, embeds: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Logits [rows, candidates] of a padded batch of this bucket (on the device)."""
         self.embeds.copy_(embeds)
-        for name in self.FIELDS:
-            getattr(self.static, name).copy_(getattr(batch, name))
+        fields = [getattr(self.static, name) for name in self.FIELDS], [getattr(batch, name) for name in self.FIELDS]
+        _copy_in(*fields)
         if self.whole:
             self.graphs[0].replay()
             return self.outputs[-1].clone()
-        self.fork.parents.copy_(batch.fork.parents)
+        _copy_in([self.fork.parents], [batch.fork.parents])
         for index, graph in enumerate(self.graphs):
             graph.replay()
             if index < len(self.attention):
@@ -425,10 +451,12 @@ class GraphedScores:
         if bucket is not None:  # padded on the host, then moved in one copy from pinned memory
             # From pageable memory a copy first waits for the stream: for the invocation running
             # before this one, which the engine means to overlap (`engine.Engine.launch`).
-            padded = pad_to_bucket(batch, bucket, self.pad_id).moved(device)
+            graphs = self.buckets[bucket]
+            padded = pad_to_bucket(batch, bucket, self.pad_id)
+            padded = graphs.load(padded) or padded.moved(device)
             self.stats["bucket_replays"] += 1
             self.stats["padding_tokens"] += padding_tokens(batch, bucket)
-            logits = self.buckets[bucket].replay(model.embeddings(padded), padded)
+            logits = graphs.replay(model.embeddings(padded), padded)
             return logits[: batch.markers.shape[0], : batch.markers.shape[1]]
         moved = batch.to(device) if on_host else batch
         embeds = model.embeddings(moved)

@@ -213,7 +213,7 @@ def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtyp
     in bf16 (padding changes the matrix products' shapes) each held to the model in float64,
     the replay erring at most twice what the eager forward errs plus 1% of the largest logit
     (the two differed by 2.75% of the largest logit of this tiny model on the H200)."""
-    from dohnuts.runtime.buckets import all_buckets, bucket_for
+    from dohnuts.runtime.buckets import all_buckets, bucket_for, pad_to_bucket
 
     template, model, graphed = _on_cuda(tiny, dtype)
     exact = copy.deepcopy(model).double().cpu()
@@ -232,6 +232,11 @@ def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtyp
                 assert errs_like(ours, eager, exact(batch))
     assert graphed.stats["bucket_replays"] == len(batches)
     assert graphed.stats["captures"] == graphed.stats["eager"] == 0 and graphed.stats["padding_tokens"] > 0
+    # A padded text batch moves straight into its bucket's inputs: the replay copies nothing more.
+    text = next(batch for batch in batches if not batch.image_keys and bucket_for(batch, graphed.buckets).single)
+    graphs = graphed.buckets[bucket_for(text, graphed.buckets)]
+    loaded = graphs.load(pad_to_bucket(text, graphs.bucket, template.pad_id))
+    assert loaded is not None and all(a is b for a, b in zip(loaded.device_tensors(), graphs.inputs.tensors))
 
 
 @pytest.mark.gpu
