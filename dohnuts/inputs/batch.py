@@ -347,7 +347,7 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     prefix_cu, row_cu = cumulative(prefix_lengths), cumulative(own_lengths)
     grid = torch.cat([image.grid_thw for image in images]) if images else None
     return Batch(
-        input_ids=_longs(ids),
+        input_ids=torch.from_numpy(np.fromiter(ids, dtype=np.int64, count=len(ids))),  # twice np.asarray's speed
         position_ids=_text_positions(shifts, spans, len(ids)) if text_only else _positions(pieces),
         prefix_tokens=prefix_tokens,
         # The *_cpu fields are the same host tensors: `to` moves the others, never these.

@@ -53,9 +53,10 @@ class Fork:
         return Fork(*(move(tensor) for tensor in self.tensors()), *self.plan())
 
 
-# Up to this many sequences given as a list, the plans below are built in plain Python: numpy's
-# half a dozen calls cost a request of one or two sequences twice as much host time (8 against
-# 4 us for a chunk plan on this project's CPU, about three times that on the H200's host).
+# Up to this many sequences given as a list, the plans below are built in plain Python, then one
+# numpy array: numpy's half a dozen calls cost a request of one or two sequences twice as much
+# host time (8 against 4 us for a chunk plan on this project's CPU, three to five times that on
+# the H200's hosts), and torch.tensor of a list half again numpy's.
 FEW_SEQUENCES = 4
 
 
@@ -63,9 +64,9 @@ def chunk_plan(lengths, chunk_size: int = CHUNK) -> torch.Tensor:
     """[chunks, 2] int32 (sequence, chunk within it) of every chunk of packed sequences: the
     plan flash-linear-attention's varlen kernels walk."""
     if isinstance(lengths, list) and len(lengths) <= FEW_SEQUENCES:
-        pairs = [(sequence, chunk) for sequence, length in enumerate(lengths)
-                 for chunk in range(-(-int(length) // chunk_size))]
-        return torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2)
+        pairs = [value for sequence, length in enumerate(lengths)
+                 for chunk in range(-(-int(length) // chunk_size)) for value in (sequence, chunk)]
+        return torch.from_numpy(np.array(pairs, dtype=np.int32).reshape(-1, 2))
     counts = -(-np.asarray(lengths, dtype=np.int64).reshape(-1) // chunk_size)
     firsts = np.cumsum(counts) - counts  # each sequence's first row in the plan
     plan = np.empty((int(counts.sum()), 2), dtype=np.int32)
@@ -93,7 +94,7 @@ def padded_plan(lengths: list[int], chunks: int) -> torch.Tensor:
 def cumulative(lengths) -> torch.Tensor:
     """[N + 1] int32 cumulative sums of `lengths`, from 0."""
     if isinstance(lengths, list) and len(lengths) <= FEW_SEQUENCES:
-        return torch.tensor([0, *itertools.accumulate(int(length) for length in lengths)], dtype=torch.int32)
+        return torch.from_numpy(np.array([0, *itertools.accumulate(int(length) for length in lengths)], dtype=np.int32))
     bounds = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=bounds[1:])
     return torch.from_numpy(bounds)

@@ -37,6 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..inputs.batch import SHARED_MIN, Batch
@@ -248,19 +249,25 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
                                                                                    parents + [-1] * len(row_padding))
     P, S = batch.prefix_tokens, batch.computed_tokens - batch.prefix_tokens
 
+    # In numpy: a torch operation on the host costs several times a numpy one.
     def spread(values: torch.Tensor, fill: int) -> torch.Tensor:
         """values [..., P + S] -> [..., P* + S*]: the padding prefixes' tokens after the prefixes,
         the padding rows' after the rows."""
-        out = values.new_full((*values.shape[:-1], bucket.tokens), fill)
-        out[..., :P] = values[..., :P]
-        out[..., bucket.prefix_tokens:bucket.prefix_tokens + S] = values[..., P:]
-        return out
+        source = values.numpy()
+        out = np.full((*source.shape[:-1], bucket.tokens), fill, dtype=source.dtype)
+        out[..., :P] = source[..., :P]
+        out[..., bucket.prefix_tokens:bucket.prefix_tokens + S] = source[..., P:]
+        return torch.from_numpy(out)
 
-    markers = torch.zeros(bucket.rows, CANDIDATES, dtype=batch.markers.dtype)
-    markers[:batch.markers.shape[0], :batch.markers.shape[1]] = batch.markers
-    mask = torch.zeros(bucket.rows, CANDIDATES, dtype=torch.bool)
-    mask[:batch.candidate_mask.shape[0], :batch.candidate_mask.shape[1]] = batch.candidate_mask
-    slots = batch.image_slots + torch.where(batch.image_slots >= P, spare, 0)
+    def placed(values: torch.Tensor) -> torch.Tensor:
+        """values [B, K] in the top left corner of zeros [rows, CANDIDATES]."""
+        out = np.zeros((bucket.rows, CANDIDATES), dtype=values.numpy().dtype)
+        out[:values.shape[0], :values.shape[1]] = values.numpy()
+        return torch.from_numpy(out)
+
+    slots = batch.image_slots.numpy()
+    slots = torch.from_numpy(slots + np.where(slots >= P, spare, 0))
+    markers, mask = placed(batch.markers), placed(batch.candidate_mask)
     prefix_cu, row_cu = cumulative(prefixes), cumulative(rows)
     return dataclasses.replace(
         batch, input_ids=spread(batch.input_ids, pad_id), position_ids=spread(batch.position_ids, 0),
