@@ -159,7 +159,7 @@ def tiktoken_encoder(tokenizer) -> Callable[[str], list[int]] | None:
     Qwen3.5's tokenizer spends most of its time splitting words with its regular expression:
     on this project's CPU a state of 1,287 tokens took 2.7 ms to tokenise (2.0 of them in the
     split), against 0.3 ms for tiktoken with the same vocabulary, and a long request is
-    tokenised on its first sight (docs/changelog.md). Building the encoder takes about 0.5 s.
+    tokenised on its first sight (docs/changelog.md). Building the encoder takes under a second.
     """
     try:
         import tiktoken

@@ -67,9 +67,9 @@ def settle_heap() -> None:
     (`gc.freeze`), once loading is done: a full collection traverses every tracked object, about
     410,000 after loading the Qwen3.5-0.8B shape, and stopped the process for about 90 ms on the
     H200's host (200 ms on this project's CPU) on whichever request it fell; what loading made
-    lives as long as the process, so no collection need look at it again. For a process that
-    serves, not one that loads and drops models in turn: cycles among frozen objects are never
-    collected."""
+    lives as long as the process, so no collection need look at it again. Cycles among frozen
+    objects are never collected; a predictor dropped later is still freed, by reference counts
+    (its model is in no cycle: held on the H200, 2026-12-04)."""
     gc.collect()
     gc.freeze()
 
