@@ -227,16 +227,12 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
         ValueError: the batch does not fit the bucket.
     """
     prefix_lengths, row_lengths = sequence_lengths(batch.prefix_cu_seqlens_cpu), sequence_lengths(batch.cu_seqlens_cpu)
-    row_padding = _row_padding(bucket, len(row_lengths), sum(row_lengths))
-    spare = bucket.prefix_tokens - batch.prefix_tokens
-    if (row_padding is None or spare < 0 or batch.markers.shape[1] > CANDIDATES
-            or (prefix_lengths and (bucket.single or len(prefix_lengths) > bucket.prefixes - 2))
-            or (max(row_lengths) > ROW_TOKENS) != bucket.long_rows):
+    if not fits(batch_shape(batch), bucket):  # the one rule `bucket_for` chose by
         raise ValueError(f"a batch of {batch.prefix_tokens} prefix tokens in {len(prefix_lengths)} prefixes and "
-                         f"{len(row_lengths)} rows of {sum(row_lengths)} tokens does not fit {bucket}")
-    if max(row_lengths) > bucket.longest_row:
-        raise ValueError(f"a row of {max(row_lengths)} tokens does not fit {bucket}")
-    rows = row_lengths + row_padding
+                         f"{len(row_lengths)} rows of {sum(row_lengths)} tokens (the longest {max(row_lengths)}) "
+                         f"does not fit {bucket}")
+    spare = bucket.prefix_tokens - batch.prefix_tokens
+    rows = row_lengths + _row_padding(bucket, len(row_lengths), sum(row_lengths))
     prefixes, prefix_plan, fork = [], chunk_plan([]), None  # a one-row bucket's: its row runs alone
     if not bucket.single:
         padding = _pieces(spare)
@@ -245,8 +241,8 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
                              f"in {bucket}")
         prefixes = prefix_lengths + padding + [0] * (bucket.prefixes - len(prefix_lengths) - len(padding))
         parents = (batch.fork.parents.tolist() if batch.fork is not None else [-1] * len(row_lengths))
-        prefix_plan, fork = padded_plan(prefixes, bucket.prefix_chunks), plan_fork(prefixes, rows,
-                                                                                   parents + [-1] * len(row_padding))
+        parents += [-1] * (len(rows) - len(row_lengths))  # the padding rows'
+        prefix_plan, fork = padded_plan(prefixes, bucket.prefix_chunks), plan_fork(prefixes, rows, parents)
     P, S = batch.prefix_tokens, batch.computed_tokens - batch.prefix_tokens
 
     # In numpy: a torch operation on the host costs several times a numpy one.

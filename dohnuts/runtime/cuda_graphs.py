@@ -446,9 +446,7 @@ class GraphedScores:
             self.seen.move_to_end(key)
             if len(self.seen) > self.remembered:
                 self.seen.popitem(last=False)
-        else:
-            bucket = None
-        if bucket is not None:  # padded on the host, then moved in one copy from pinned memory
+        if bucket is not None:  # padded on the host, then moved in one copy (never with `captures`)
             # From pageable memory a copy first waits for the stream: for the invocation running
             # before this one, which the engine means to overlap (`engine.Engine.launch`).
             graphs = self.buckets[bucket]
