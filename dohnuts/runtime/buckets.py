@@ -45,7 +45,7 @@ from ..ops.plan import CHUNK, chunk_plan, cumulative, padded_plan, plan_fork
 
 # The sizes captured at load: prefix tokens, and the rows' tokens for short rows (at most 64
 # own tokens, `delta_rule_rows`) and for long ones (`delta_rule_scan`). Each is twice the one
-# before, so padding adds less than the batch itself. The serving mix (`bench.traffic`) has long
+# before, so padding adds less than the batch itself (finer below FINE_TOKENS). The serving mix (`bench.traffic`) has long
 # rows (choices of up to 40 options) and prefixes of up to about 1,500 tokens, and a server fills
 # a bucket with several requests: the long-row ladder reaches 8,192 tokens and the prefixes
 # 4,096; the short-row buckets, met by short questions, stop at prefixes of 2,048.
@@ -58,9 +58,17 @@ LONG_ROW_LADDER = (128, 256, 512, 1024, 2048, 4096, 8192)
 # tokens (64% more, 193 row sequences, the walk routed on the device) took 14.2 ms on the H200,
 # against 7.8 for its own graph. Such a request is alone in its batch, so its bucket's padding is
 # all it computes beyond its own: steps of 128 tokens up to 2,048, then 256 up to 4,096, then
-# 512 (at most 25%, 12% past 1,024 tokens and 6% past 2,048; the step before a graph's memory
-# was freed after its capture, 2026-12-04, was half again the bucket below).
-ONE_ROW_LADDER = (*range(512, 2048, 128), *range(2048, 4096, 256), *range(4096, 8193, 512))
+# 512 (at most 25% past 512 tokens, 12% past 1,024 and 6% past 2,048; the step before a graph's
+# memory was freed after its capture, 2026-12-04, was half again the bucket below).
+ONE_ROW_LADDER = (*range(128, 2048, 128), *range(2048, 4096, 256), *range(4096, 8193, 512))
+# Long-row buckets of at most FINE_TOKENS step finer: one request of the niche's real traffic
+# (`bench.traffic.real_traffic`: a state of up to about 1,500 words, up to 20 questions of up to
+# 40 options) is alone in its batch when it comes alone, and on the doubling ladders its padding
+# was 48% of its tokens (the 80 requests of the benchmark's record); on these, 15%. A bucket's
+# pieces share their buffers (`cuda_graphs._Arena`), so it holds little memory of its own.
+FINE_PREFIX_LADDER = (64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 2048)
+FINE_ROW_LADDER = (128, 256, 384, 512, 640, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096)
+FINE_TOKENS = 4096
 SHORT_ROW_TOKENS = 6144  # the most tokens of a short-row bucket
 CANDIDATES = 64  # candidates a bucket's row may have
 ROW_TOKENS = 64  # the longest short row (`ops.delta_rule.rows.ROW_TOKENS`)
@@ -123,7 +131,9 @@ class Bucket:
 def all_buckets() -> list[Bucket]:
     """The buckets captured at load, smallest first."""
     buckets = [Bucket(p, s, False) for p in PREFIX_LADDER for s in ROW_LADDER if p + s <= SHORT_ROW_TOKENS]
-    buckets += [Bucket(p, s, True) for p in PREFIX_LADDER for s in LONG_ROW_LADDER]
+    long = {(p, s) for p in PREFIX_LADDER for s in LONG_ROW_LADDER}
+    long |= {(p, s) for p in FINE_PREFIX_LADDER for s in FINE_ROW_LADDER if p + s <= FINE_TOKENS}
+    buckets += [Bucket(p, s, True) for p, s in long]
     buckets += [Bucket(0, s, True, single=True) for s in ONE_ROW_LADDER]
     return sorted(buckets, key=lambda bucket: bucket.tokens)
 

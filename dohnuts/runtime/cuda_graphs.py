@@ -111,6 +111,35 @@ class _PackedInputs:
         return batch.map_tensors(swap)
 
 
+class _Arena:
+    """Device buffers the bucket graphs share: what a bucket's pieces pass between them (each
+    piece's outputs, the attention cores' outputs) and its embeddings. Only one bucket replays
+    at a time, on one stream, and these live from one piece to the next within a replay, so one
+    buffer a role (`take`'s key) serves every bucket: a bucket's views are the first of its
+    elements. Kept a bucket each, they held most of the bucket graphs' memory: about 150 KB a
+    token of the Qwen3.5-0.8B shape, 38.7 GiB for the 119 buckets of 2026-12-04.
+
+    `tokens` bounds the buckets it serves at first; a larger one gets a buffer of its own size
+    (the smaller buffer stays with the graphs that read it)."""
+
+    def __init__(self, device: torch.device, tokens: int):
+        self.device, self.tokens = device, tokens
+        self.buffers: dict = {}
+
+    def take(self, key, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed view of `shape` ([tokens, ...]) at the start of the buffer of `key`. Call it
+        outside a capture: a buffer made in one would be the capture's pool's."""
+        per_token = 1
+        for size in shape[1:]:
+            per_token *= size
+        numel = shape[0] * per_token
+        buffer = self.buffers.get((key, dtype))
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(max(self.tokens, shape[0]) * per_token, dtype=dtype, device=self.device)
+            self.buffers[(key, dtype)] = buffer
+        return buffer[:numel].view(shape).zero_()
+
+
 def _copy_in(statics, values) -> None:
     """Each value into its static tensor, but where it is that tensor (loaded into the inputs)."""
     for static, value in zip(statics, values):
@@ -178,8 +207,9 @@ class _BucketGraph:
 
     Piece j replays the output side of attention layer j - 1 (its gate, projection and MLP),
     the delta-rule layers up to attention layer j, and that layer's norm and projections; the
-    last piece ends with the final norm and the head at the markers. Each piece's outputs stay
-    alive for the next, in a memory pool the bucket graphs share.
+    last piece ends with the final norm and the head at the markers. Each piece's outputs pass
+    to the next through buffers every bucket shares (`_Arena`); what a piece makes on the way
+    goes back to the memory pool the bucket graphs share.
 
     A one-row bucket's graph is `whole`: it has no prefix, so each sequence's keys are its own
     tokens, and attention is captured too, planned for sequences of up to the bucket's row
@@ -193,7 +223,7 @@ class _BucketGraph:
     FIELDS = ("position_ids", "prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices", "chunk_indices", "markers",
               "candidate_mask")
 
-    def __init__(self, model, bucket, batch: Batch, pool):
+    def __init__(self, model, bucket, batch: Batch, pool, arena: _Arena):
         language = model.backbone.language_model
         self.model, self.bucket, self.config = model, bucket, language.config
         self.layers = language.layers
@@ -203,15 +233,15 @@ class _BucketGraph:
         self.inputs = _PackedInputs(batch, batch.input_ids.device)
         self.static = self.inputs.batch
         self.fork = self.static.fork
-        self.embeds = torch.zeros(bucket.tokens, self.config.hidden_size, device=batch.input_ids.device,
-                                  dtype=language.get_input_embeddings().weight.dtype)
+        self.embeds = arena.take("embeds", (bucket.tokens, self.config.hidden_size),
+                                 language.get_input_embeddings().weight.dtype)
         self.rows, self.prefixes = plan_segments(self.static)
         heads, head_dim = self.config.num_attention_heads, self.config.head_dim
-        # Each attention core's output: copied into its own tensor between pieces, made in the graph
+        # Each attention core's output: copied into the arena between pieces, made in the graph
         # when whole.
-        self.attended = [None if self.whole else
-                         torch.zeros(bucket.tokens, heads, head_dim, dtype=self.embeds.dtype, device=self.embeds.device)
-                         for _ in self.attention]
+        self.attended = [None if self.whole else arena.take(("attended", index), (bucket.tokens, heads, head_dim),
+                                                            self.embeds.dtype)
+                         for index in range(len(self.attention))]
         self.outputs: list = []
         side = torch.cuda.Stream(self.embeds.device)
         side.wait_stream(torch.cuda.current_stream())
@@ -225,11 +255,15 @@ class _BucketGraph:
                 self._forward(None)
             self.outputs, self.attended = self.outputs[-1:], [None] * len(self.attention)  # the logits alone
         else:
+            # Each piece's outputs pass through the arena, so what the graph makes on the way
+            # (those outputs included) goes back to the pool, for the next capture.
+            passed = [[arena.take((index, slot), tensor.shape, tensor.dtype) for slot, tensor in enumerate(outputs)]
+                      for index, outputs in enumerate(self.outputs[:-1])]
             self.graphs, self.outputs = [], []
             for index in range(len(self.attention) + 1):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs.append(self._piece(index))
+                    self.outputs.append(self._piece(index, passed[index] if index < len(passed) else None))
                 self.graphs.append(graph)
         # A graph's first launch uploads it to the device: here, not on a request (`prepare`
         # waits for the device after the last bucket).
@@ -243,9 +277,10 @@ class _BucketGraph:
             if index < len(self.attention):
                 self._attend(index, fork)
 
-    def _piece(self, index: int):
+    def _piece(self, index: int, into: list[torch.Tensor] | None = None):
         """Piece `index` over the static inputs and the previous piece's outputs: (hidden, q, k,
-        v, gate, cos, sin) before attention layer `index`, or the logits after the last."""
+        v, gate, cos, sin) before attention layer `index` (copied `into` those tensors if given),
+        or the logits after the last."""
         config, layers, attention = self.config, self.layers, self.attention
         if index == 0:
             cos, sin = rotary_tables(config, self.static.position_ids, self.embeds.dtype)
@@ -266,7 +301,12 @@ class _BucketGraph:
             return self.model.logits(rows[self.static.markers.flatten()], self.static.candidate_mask)
         layer = layers[last]
         hidden, normed = input_norm(layer, config, hidden, branch)
-        return (hidden, *attention_inputs(layer.self_attn, config, normed, cos, sin), cos, sin)
+        outputs = (hidden, *attention_inputs(layer.self_attn, config, normed, cos, sin), cos, sin)
+        if into is None:
+            return outputs
+        for kept, made in zip(into, outputs, strict=True):
+            kept.copy_(made)
+        return tuple(into)
 
     def _attend(self, index: int, fork) -> None:
         _, query, key, value, _, _, _ = self.outputs[index]
@@ -335,6 +375,7 @@ class GraphedScores:
         self.failed: set[tuple] = set()
         self.pool = None
         self.buckets: dict = {}  # Bucket -> _BucketGraph, made by `prepare`
+        self.arena: _Arena | None = None  # what their pieces pass between them
         self.wanted: tuple = ()  # the buckets `prepare` was asked for, made again after a change
         self.stale = False  # the model changed since they were
         self.generation, self.parameters, self.versions = None, [], None
@@ -359,8 +400,9 @@ class GraphedScores:
         model, so first-seen layouts replay one: at load or warm-up, never on a request.
 
         Smallest first, while the graphs hold at most `memory_fraction` of the device's memory
-        (each keeps its layers' outputs between pieces: 9.3 GiB for the 50 buckets of the
-        Qwen3.5-0.8B shape the ladders had before 2026-12-03, captured in 14 to 17 s; with 90 the
+        (each kept its layers' outputs between pieces before they shared `_Arena`'s: 9.3 GiB for
+        the 50 buckets of the Qwen3.5-0.8B shape the ladders had before 2026-12-03, captured in
+        14 to 17 s; with 90 the
         split server was ready 35 and 59 s after its start on two H200s, loading included,
         docs/figures.md; the 99 of 2026-12-04, one-row buckets added, took 37 s to prepare on a
         fresh H200); larger batches then run eagerly, and the stop is logged once.
@@ -373,6 +415,8 @@ class GraphedScores:
         self.stale = False
         self.wanted = tuple(sorted(all_buckets() if buckets is None else buckets, key=lambda bucket: bucket.tokens))
         pool = torch.cuda.graph_pool_handle()
+        if self.arena is None:
+            self.arena = _Arena(model.device, max((bucket.tokens for bucket in self.wanted), default=0))
         start = time.perf_counter()
         budget = memory_fraction * torch.cuda.get_device_properties(model.device).total_memory
         held = torch.cuda.memory_reserved(model.device)
@@ -386,7 +430,7 @@ class GraphedScores:
                     break
                 try:
                     batch = empty_batch(bucket, self.pad_id).to(model.device)
-                    self.buckets[bucket] = _BucketGraph(model, bucket, batch, pool)
+                    self.buckets[bucket] = _BucketGraph(model, bucket, batch, pool, self.arena)
                 except Exception as error:  # noqa: BLE001 - a failed bucket leaves its batches eager
                     self.stats["failed"] += 1
                     kernels.slow_path(f"bucket-capture-{bucket}", f"the CUDA graphs of {bucket} failed to capture, "
@@ -411,6 +455,7 @@ class GraphedScores:
         self.failed.clear()
         self.stale = bool(self.buckets)
         self.buckets.clear()
+        self.arena = None
         self.versions = versions
 
     def __call__(self, batch: Batch) -> torch.Tensor:

@@ -136,7 +136,7 @@ def test_the_last_row_of_a_padded_batch_is_always_empty_and_buckets_stay_within_
     # padding one sequence shorter than the row; two rows never fit one.
     from dohnuts.runtime.buckets import Shape, smallest_fit
 
-    for tokens, row_tokens in ((300, 512), (513, 640), (1287, 1408), (1600, 1664), (2047, 2048),
+    for tokens, row_tokens in ((100, 128), (300, 384), (513, 640), (1287, 1408), (1600, 1664), (2047, 2048),
                                (2787, 2816), (3500, 3584), (4097, 4608), (5000, 5120), (7979, 8192)):
         bucket = smallest_fit(Shape(0, 0, tokens, 1, tokens, 2), all_buckets())
         assert bucket == Bucket(0, row_tokens, True, single=True)
