@@ -105,3 +105,38 @@ def test_a_template_tokenises_through_tiktoken_only_where_it_gives_the_same_ids(
     with caplog.at_level("WARNING"):
         assert vocabulary.tiktoken_encoder(Shifted()) is None
     assert "tiktoken tokenises" in caplog.text
+
+
+def test_a_tokenizer_loaded_from_its_folder_keeps_whole_pieces_and_the_tiktoken_path(tokenizers, tmp_path):
+    """Saved and loaded again through transformers (as a checkpoint's tokenizer is), the Qwen3.5
+    tokenizer gets back the `ignore_merges` its tokenizer.json states, so the template takes the
+    tiktoken path, with the saved tokenizer's ids; a tokenizer.json without it changes nothing."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from dohnuts.model.base import keep_whole_pieces
+
+    ours, _ = tokenizers
+    ours.save_pretrained(tmp_path)
+    # A checkpoint's config names the model type: transformers then builds its Qwen3.5 tokenizer
+    # class, whose BPE is made from the vocabulary and merges without the file's setting.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5"}))
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert type(loaded).__name__ == "Qwen3_5Tokenizer" and not loaded.backend_tokenizer.model.ignore_merges
+    assert vocabulary.tiktoken_encoder(loaded) is None
+    keep_whole_pieces(loaded, tmp_path / "tokenizer.json")
+    assert loaded.backend_tokenizer.model.ignore_merges
+    fast = vocabulary.tiktoken_encoder(loaded)
+    assert fast is not None
+    texts = HARD_TEXTS + _random_texts(4, 300, 60)
+    expected = ours(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert loaded(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"] == expected
+    assert [fast(text) for text in texts] == expected
+    stated = json.loads((tmp_path / "tokenizer.json").read_text())
+    stated["model"]["ignore_merges"] = False
+    (tmp_path / "tokenizer.json").write_text(json.dumps(stated))
+    again = AutoTokenizer.from_pretrained(tmp_path)
+    merges = again.backend_tokenizer.model.ignore_merges
+    keep_whole_pieces(again, tmp_path / "tokenizer.json")
+    assert again.backend_tokenizer.model.ignore_merges == merges
