@@ -45,10 +45,11 @@ from ..ops.plan import CHUNK, chunk_plan, cumulative, padded_plan, plan_fork
 
 # The sizes captured at load: prefix tokens, and the rows' tokens for short rows (at most 64
 # own tokens, `delta_rule_rows`) and for long ones (`delta_rule_scan`). Each is twice the one
-# before, so padding adds less than the batch itself (finer below FINE_TOKENS). The serving mix (`bench.traffic`) has long
-# rows (choices of up to 40 options) and prefixes of up to about 1,500 tokens, and a server fills
-# a bucket with several requests: the long-row ladder reaches 8,192 tokens and the prefixes
-# 4,096; the short-row buckets, met by short questions, stop at prefixes of 2,048.
+# before, so padding adds less than the batch itself (finer below FINE_TOKENS). The serving mix
+# (`bench.traffic`) has long rows (choices of up to 40 options) and prefixes of up to about
+# 1,500 tokens, and a server fills a bucket with several requests: the long-row ladder reaches
+# 8,192 tokens and the prefixes 4,096; the short-row buckets, met by short questions, stop at
+# prefixes of 2,048.
 PREFIX_LADDER = (64, 128, 256, 512, 1024, 2048, 4096)
 ROW_LADDER = (128, 256, 512, 1024, 2048, 4096)
 LONG_ROW_LADDER = (128, 256, 512, 1024, 2048, 4096, 8192)
