@@ -129,7 +129,8 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     states (a prefix's layer in a bucket), each replayed from a CUDA graph: each count of
     `together` sequences of each of `lengths` tokens, by each of its paths (the parts solved
     apart, 1 or 4 a program, then walked with blocks of 16, 32 or 64 values, pipelined in 1 to 3
-    stages, with 2 or 4 warps; the one-kernel walk), whatever the
+    stages, with 2 or 4 warps; 64-token chunks solved whole and walked, `WALK_CHUNK`; the
+    one-kernel walk), whatever the
     count would choose (`PARTS_BELOW`). Shape: the Qwen3.5-0.8B delta-rule layer (16 key and 16
     value heads of width 128), bf16. Prints microseconds a layer and tokens a microsecond, marks
     the path the runtime takes, and gives each path's largest output difference from the first's.
@@ -146,7 +147,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
         return torch.randn(*shape, generator=generator, device="cuda")
 
     # (name, {setting of `scan`: value}): the parts solved apart, then walked, and the one-kernel walk
-    names = ("WALK_VALUES", "PARTS_BELOW", "PARTS_A_PROGRAM", "WALK_STAGES", "WALK_WARPS")
+    names = ("WALK_VALUES", "PARTS_BELOW", "PARTS_A_PROGRAM", "WALK_STAGES", "WALK_WARPS", "WALK_CHUNK", "SOLVE_WARPS")
     defaults = {name: getattr(ops, name) for name in names}
     paths = [(f"parts {split} a program, walk values {values}, stages {stages}, warps {warps}",
               {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "PARTS_A_PROGRAM": split,
@@ -154,6 +155,10 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
              for split, values, stages, warps in ((1, 32, None, 4), (4, 32, None, 4), (1, 64, None, 4),
                                                   (1, 32, 1, 4), (1, 32, 2, 4), (1, 32, 3, 4), (1, 32, None, 2),
                                                   (1, 32, 2, 2), (1, 16, 2, 2))]
+    paths += [(f"64-token chunks solved whole ({solve} warps), walk values {values}, warps {warps}",
+               {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "WALK_CHUNK": 64, "SOLVE_WARPS": solve,
+                "WALK_WARPS": warps})
+              for solve, values, warps in ((4, 32, 4), (2, 32, 4), (4, 16, 4), (4, 64, 8))]
     paths.append(("one kernel", {**defaults, "WALK_VALUES": 64, "PARTS_BELOW": 0}))
     print(f"# {heads} heads of width {width}, bf16, from zero states, final states kept; CUDA graph replays; "
           f"the runtime takes the one-kernel walk from {ops.PARTS_BELOW} sequences (in a bucket, from "

@@ -261,14 +261,16 @@ def check_delta_rule_scan():
     within one part's tokens), from zero states keeping the final states (prefixes) and from
     forked states (long rows, some without a parent), grouped heads and value blocks of 16 with
     a partial last one; each path chosen on the host and routed on the device."""
-    default = delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW
+    default = delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK
     generator = torch.Generator().manual_seed(9)
     heads, key_dim, value_heads = 2, 8, 4
     try:
         # Each path whatever the count: the parts solved apart and walked (with value blocks of
-        # 16 and the default), and the one-kernel walk.
-        for value_dim, values, parts_below in ((6, default[0], 2**31), (40, 16, 2**31), (40, 16, 0), (6, 64, 0)):
-            delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW = values, parts_below
+        # 16 and the default), at 16- and 64-token steps, and the one-kernel walk.
+        for value_dim, values, parts_below, step in ((6, default[0], 2**31, 16), (40, 16, 2**31, 16),
+                                                     (6, default[0], 2**31, 64), (40, 16, 2**31, 64),
+                                                     (40, 16, 0, 16), (6, 64, 0, 16)):
+            delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK = values, parts_below, step
             for lengths in ([1, 15, 16, 17, 33, 64, 65, 130], [5], [97, 2], [3, 0, 2, 1, 0, 4, 40, 0]):
                 total = sum(lengths)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
@@ -279,7 +281,8 @@ def check_delta_rule_scan():
                 beta = torch.rand(total, value_heads)
                 A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
                 log_decay = decay(gate, A_log, dt_bias)
-                case = f"delta_rule_scan lengths={lengths} V={value_dim} block={values} parts below {parts_below}"
+                case = (f"delta_rule_scan lengths={lengths} V={value_dim} block={values} parts below {parts_below} "
+                        f"steps of {step}")
                 ours, final = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias)
                 reference, reference_final = gated_delta_rule_reference(
                     q[None], k[None], v[None], log_decay[None], beta[None], None, True, cu.long(), normalise=False)
@@ -329,8 +332,13 @@ def check_delta_rule_scan():
                 close(f"{case} from beta's input", from_raw, expected)
                 close(f"{case} final states from beta's input", raw_final, expected_final)
     finally:
-        delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW = default
-    check_routes_on_the_device()
+        delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK = default
+    for step, last in ((16, "_delta_scan_walk"), (64, "_chunk_output")):
+        delta_scan.WALK_CHUNK = step
+        try:
+            check_routes_on_the_device(last)
+        finally:
+            delta_scan.WALK_CHUNK = default[2]
 
 
 class _Idle:
@@ -340,7 +348,7 @@ class _Idle:
         return lambda *args, **options: None
 
 
-def check_routes_on_the_device():
+def check_routes_on_the_device(last: str):
     """Routed, the path the device picks does all the work and the other none: with one path's
     last kernel idle, the output (and the final states) are the reference where the other path
     was picked (fewer than PARTS_BELOW sequences over 64 tokens: the parts and the walk; more:
@@ -363,7 +371,7 @@ def check_routes_on_the_device():
             reference, reference_final = gated_delta_rule_reference(
                 q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None], beta[None], initial, forked, cu.long(),
                 normalise=False)
-            for idle in (None, "_delta_scan_walk", "_delta_scan_fwd"):  # None: both run, as routed
+            for idle in (None, last, "_delta_scan_fwd"):  # None: both run, as routed; `last`: the parts path's
                 kernel = getattr(delta_scan, idle or "_scan_route")
                 if idle:
                     setattr(delta_scan, idle, _Idle())

@@ -76,6 +76,14 @@ WALK_WARPS = ROW_WARPS
 # parts and walk of 1 x 1,408 tokens 123 us a layer against 145 at four a program, 1 x 2,816 239
 # against 258, 2 x 2,816 325 against 355.
 PARTS_A_PROGRAM = 1
+# Tokens a step of the walk: 16 (`_delta_scan_parts`, `_delta_scan_walk`) or 64 (CHUNK: the
+# chunk solved whole, `_chunk_inverse` and `_chunk_wu`, then `_chunk_walk` and `_chunk_output`), and
+# warps a chunk's inverse. On the H200 (as WALK_VALUES, 2026-12-04; 64-token steps with 16 walk
+# values against 16-token ones) 1 x 1,408 tokens 113 against 122 us a layer, 1 x 2,816 200 against
+# 236, but 2 x 1,408 192 against 167 and 2 x 2,816 374 against 322: its four launches cost more
+# than the shorter walk saves once two sequences walk, so 16 stays the default.
+WALK_CHUNK = 16
+SOLVE_WARPS = 4
 PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
 
 
@@ -165,6 +173,214 @@ def _delta_scan_walk(q, k, W, U, P, Gc, states, parents, o, final, cu_seqlens, G
         h = h * tl.exp(last) + tl.dot(tl.trans(k_i), (u_i * tl.exp(last - g_i)[:, None]).to(k_i.dtype))
     if FINAL:
         tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
+
+
+@triton.jit
+def _lower_block(k_i, k_j, b_i, g_i, g_j):
+    """beta_i exp(G_i - G_j) (k_i . k_j) [16, 16], part i after part j (every entry kept)."""
+    return b_i[:, None] * _decayed(tl.dot(k_i, tl.trans(k_j)), g_i, g_j, False, False, 16)
+
+
+@triton.jit
+def _ieee(x, y):
+    return tl.dot(x, y, input_precision="ieee")
+
+
+@triton.jit
+def _chunk_inverse(k, a, b, A_log, dt_bias, cu_seqlens, chunks, X, Gc, sa, sb, route, H: tl.constexpr, K: tl.constexpr,
+                   HV: tl.constexpr, BK: tl.constexpr, SIGMOID: tl.constexpr, ROUTED: tl.constexpr):
+    """(I + A)^-1 of the 64-token chunk named by entry program 0 of the chunk plan, value head
+    program 1, with A_ij = beta_i exp(G_i - G_j) k_i . k_j (i > j): X [T, HV, 64] float32 (a
+    token's row), and the cumulative log decay from the chunk's start Gc [T, HV]. The chunk's
+    four 16-token parts are blocks: each diagonal one inverted apart (`_unit_lower_inverse`),
+    those below by block forward substitution, X_ij = -X_ii sum_{j <= m < i} A_im X_mj."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i_hk = i_h // (HV // H)
+    o_k, o_c = tl.arange(0, BK), tl.arange(0, 16)
+    n = tl.load(chunks + 2 * i_c).to(tl.int64)
+    chunk = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    if ROUTED:
+        eos, _ = _turn(route, True, bos, eos)
+    start = bos + chunk * 64
+    if start < eos:
+        log_a = tl.load(A_log + i_h).to(tl.float32)
+        bias = tl.load(dt_bias + i_h).to(tl.float32)
+        k0, g0, b0 = _key_part(k, a, b, start, eos, 0, i_hk, i_h, log_a, bias, o_k, sa, sb, H, K, HV, SIGMOID)
+        k1, g1, b1 = _key_part(k, a, b, start, eos, 1, i_hk, i_h, log_a, bias, o_k, sa, sb, H, K, HV, SIGMOID)
+        k2, g2, b2 = _key_part(k, a, b, start, eos, 2, i_hk, i_h, log_a, bias, o_k, sa, sb, H, K, HV, SIGMOID)
+        k3, g3, b3 = _key_part(k, a, b, start, eos, 3, i_hk, i_h, log_a, bias, o_k, sa, sb, H, K, HV, SIGMOID)
+        # Cumulative log decays from the chunk's start (0 added past the sequence's end).
+        g0 = tl.cumsum(g0, 0)
+        g1 = tl.cumsum(g1, 0) + _last(g0, 16)
+        g2 = tl.cumsum(g2, 0) + _last(g1, 16)
+        g3 = tl.cumsum(g3, 0) + _last(g2, 16)
+        x00 = _unit_lower_inverse(b0[:, None] * _decayed(tl.dot(k0, tl.trans(k0)), g0, g0, True, True, 16), 16)
+        x11 = _unit_lower_inverse(b1[:, None] * _decayed(tl.dot(k1, tl.trans(k1)), g1, g1, True, True, 16), 16)
+        x22 = _unit_lower_inverse(b2[:, None] * _decayed(tl.dot(k2, tl.trans(k2)), g2, g2, True, True, 16), 16)
+        x33 = _unit_lower_inverse(b3[:, None] * _decayed(tl.dot(k3, tl.trans(k3)), g3, g3, True, True, 16), 16)
+        a10 = _lower_block(k1, k0, b1, g1, g0)
+        a20, a21 = _lower_block(k2, k0, b2, g2, g0), _lower_block(k2, k1, b2, g2, g1)
+        a30, a31 = _lower_block(k3, k0, b3, g3, g0), _lower_block(k3, k1, b3, g3, g1)
+        a32 = _lower_block(k3, k2, b3, g3, g2)
+        x10 = -_ieee(x11, _ieee(a10, x00))
+        x21 = -_ieee(x22, _ieee(a21, x11))
+        x20 = -_ieee(x22, _ieee(a20, x00) + _ieee(a21, x10))
+        x32 = -_ieee(x33, _ieee(a32, x22))
+        x31 = -_ieee(x33, _ieee(a31, x11) + _ieee(a32, x21))
+        x30 = -_ieee(x33, _ieee(a30, x00) + _ieee(a31, x10) + _ieee(a32, x20))
+        zero = tl.zeros([16, 16], dtype=tl.float32)
+        _store_inverse_rows(X, Gc, start, eos, 0, i_h, o_c, HV, x00, zero, zero, zero, g0)
+        _store_inverse_rows(X, Gc, start, eos, 1, i_h, o_c, HV, x10, x11, zero, zero, g1)
+        _store_inverse_rows(X, Gc, start, eos, 2, i_h, o_c, HV, x20, x21, x22, zero, g2)
+        _store_inverse_rows(X, Gc, start, eos, 3, i_h, o_c, HV, x30, x31, x32, x33, g3)
+
+
+@triton.jit
+def _key_part(k, a, b, start, eos, part: tl.constexpr, i_hk, i_h, log_a, bias, o_k, sa, sb, H: tl.constexpr,
+              K: tl.constexpr, HV: tl.constexpr, SIGMOID: tl.constexpr):
+    """Part `part` of the chunk from `start`: k [16, BK], the log decay g [16] and beta [16],
+    float32 and 0 past the sequence's end (as `parts._row_part`, without q and v)."""
+    o_t = start + part * 16 + tl.arange(0, 16)
+    m_t = o_t < eos
+    b_k = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
+    x = tl.load(a + o_t * sa + i_h, mask=m_t, other=0.0).to(tl.float32) + bias
+    g = tl.where(m_t, -tl.exp(log_a) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))), 0.0)
+    beta = tl.load(b + o_t * sb + i_h, mask=m_t, other=0.0).to(tl.float32)
+    if SIGMOID:
+        beta = tl.where(m_t, tl.sigmoid(beta), 0.0)
+    return b_k, g, beta
+
+
+@triton.jit
+def _store_inverse_rows(X, Gc, start, eos, part: tl.constexpr, i_h, o_c, HV: tl.constexpr, x0, x1, x2, x3, g):
+    """Part `part`'s rows of the chunk's inverse (x_j: its block against part j) and of Gc."""
+    o_t = start + part * 16 + o_c
+    m_t = o_t < eos
+    row = (o_t[:, None] * HV + i_h) * 64
+    tl.store(X + row + o_c[None, :], x0, mask=m_t[:, None])
+    tl.store(X + row + 16 + o_c[None, :], x1, mask=m_t[:, None])
+    tl.store(X + row + 32 + o_c[None, :], x2, mask=m_t[:, None])
+    tl.store(X + row + 48 + o_c[None, :], x3, mask=m_t[:, None])
+    tl.store(Gc + o_t * HV + i_h, g, mask=m_t)
+
+
+@triton.jit
+def _chunk_wu(k, v, b, X, Gc, cu_seqlens, chunks, W, U, sb, route, H: tl.constexpr, K: tl.constexpr,
+              HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SIGMOID: tl.constexpr,
+              ROUTED: tl.constexpr):
+    """The chunk's W = X beta exp(G) k [T, HV, K] (k's dtype) and U0 = X beta v [T, HV, V]
+    float32 (value block program 2), from `_chunk_inverse`'s X and Gc."""
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (HV // H)
+    n = tl.load(chunks + 2 * i_c).to(tl.int64)
+    chunk = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    if ROUTED:
+        eos, _ = _turn(route, True, bos, eos)
+    if bos + chunk * 64 < eos:
+        o_k, o_v, o_c = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, 64)
+        o_t = bos + chunk * 64 + o_c
+        m_t = o_t < eos
+        row = o_t[:, None] * HV + i_h
+        x = tl.load(X + row * 64 + o_c[None, :], mask=m_t[:, None], other=0.0)
+        g = tl.load(Gc + o_t * HV + i_h, mask=m_t, other=0.0)
+        beta = tl.load(b + o_t * sb + i_h, mask=m_t, other=0.0).to(tl.float32)
+        if SIGMOID:
+            beta = tl.where(m_t, tl.sigmoid(beta), 0.0)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        v_i = tl.load(v + row * V + o_v[None, :], mask=m_tv, other=0.0)
+        tl.store(U + row * V + o_v[None, :], tl.dot(x, beta[:, None] * v_i.to(tl.float32)), mask=m_tv)
+        if i_v == 0:
+            m_tk = m_t[:, None] & (o_k < K)[None, :]
+            k_i = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
+            w = tl.dot(x, (beta * tl.exp(g))[:, None] * k_i.to(tl.float32))
+            tl.store(W + row * K + o_k[None, :], w.to(W.dtype.element_ty), mask=m_tk)
+
+
+@triton.jit
+def _first_chunk(cu_seqlens, n, BN: tl.constexpr):
+    """The chunk plan's first entry of sequence n: the 64-token chunks of the sequences before it."""
+    count = tl.zeros([BN], dtype=tl.int64)
+    for first in range(0, n, BN):
+        o_n = first + tl.arange(0, BN)
+        m_n = o_n < n
+        length = (tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0) - tl.load(cu_seqlens + o_n, mask=m_n, other=0))
+        count += ((length + 63) // 64).to(tl.int64)
+    return tl.sum(count, 0)
+
+
+@triton.jit(do_not_specialize=REQUEST_STATES)
+def _chunk_walk(k, W, U, Gc, Hs, states, parents, final, cu_seqlens, G, route, H: tl.constexpr, K: tl.constexpr,
+                HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, INITIAL: tl.constexpr,
+                FINAL: tl.constexpr, ROUTED: tl.constexpr, STAGES: tl.constexpr):
+    """The walk at 64-token steps: for each chunk of the sequence, the state entering it to Hs
+    [chunks, HV, K, V] (q's dtype, at its plan entry) and its pseudo-values U = U0 - W S in place
+    of U0; the final state to `final`. One product a step stands between one state and the next
+    (U from S), and one more (S from U): the outputs are `_chunk_output`'s, in parallel."""
+    n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    if ROUTED:
+        eos, go = _turn(route, True, bos, eos)
+        m_kv = m_kv & (tl.zeros([BK, BV], dtype=tl.int32) + go != 0)
+    entry = _first_chunk(cu_seqlens, n, 256)
+    o_c = tl.arange(0, 64)
+    h = tl.zeros([BK, BV], dtype=tl.float32)
+    if INITIAL:
+        h = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK)
+    for chunk in tl.range(0, tl.cdiv(eos - bos, 64), num_stages=STAGES):
+        o_t = bos + chunk * 64 + o_c
+        m_t = o_t < eos
+        row = o_t[:, None] * HV + i_h
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        k_i = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
+        w_i = tl.load(W + row * K + o_k[None, :], mask=m_tk, other=0.0)
+        u0 = tl.load(U + row * V + o_v[None, :], mask=m_tv, other=0.0)
+        g_i = tl.load(Gc + o_t * HV + i_h, mask=m_t, other=0.0)
+        last = tl.load(Gc + (tl.minimum(bos + chunk * 64 + 64, eos) - 1) * HV + i_h)  # the chunk's whole decay
+        h_in = h.to(k_i.dtype)
+        tl.store(Hs + (((entry + chunk) * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h_in, mask=m_kv)
+        u_i = u0 - tl.dot(w_i, h_in)  # 0 past the end
+        tl.store(U + row * V + o_v[None, :], u_i, mask=m_tv)
+        # S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T
+        h = h * tl.exp(last) + tl.dot(tl.trans(k_i), (u_i * tl.exp(last - g_i)[:, None]).to(k_i.dtype))
+    if FINAL:
+        tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
+
+
+@triton.jit
+def _chunk_output(q, k, U, Gc, Hs, o, cu_seqlens, chunks, scale, route, H: tl.constexpr, K: tl.constexpr,
+                  HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ROUTED: tl.constexpr):
+    """The outputs of the 64-token chunk of plan entry program 0, value head program 1 and value
+    block program 2: o = scale (P U + exp(G) q S) for the state S entering it (`_chunk_walk`)
+    and P = exp(G_i - G_j) q_i . k_j (i >= j)."""
+    i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_hk = i_h // (HV // H)
+    n = tl.load(chunks + 2 * i_c).to(tl.int64)
+    chunk = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    if ROUTED:
+        eos, _ = _turn(route, True, bos, eos)
+    if bos + chunk * 64 < eos:
+        o_k, o_v, o_c = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, 64)
+        o_t = bos + chunk * 64 + o_c
+        m_t = o_t < eos
+        row = o_t[:, None] * HV + i_h
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        q_i = tl.load(q + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
+        k_i = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
+        u_i = tl.load(U + row * V + o_v[None, :], mask=m_tv, other=0.0)
+        g_i = tl.load(Gc + o_t * HV + i_h, mask=m_t, other=0.0)
+        h_in = tl.load(Hs + ((i_c * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :],
+                       mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0)
+        p_i = _decayed(tl.dot(q_i, tl.trans(k_i)), g_i, g_i, True, False, 64)
+        o_i = tl.dot(p_i, u_i) + tl.exp(g_i)[:, None] * tl.dot(q_i, h_in)
+        tl.store(o + row * V + o_v[None, :], (o_i * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit(do_not_specialize=REQUEST_STATES)
@@ -276,14 +492,18 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         if not routed:
             return o, final if output_final_state else None
     block_v = max(16, min(WALK_VALUES, triton.next_power_of_2(value_dim)))
+    if chunks is None:
+        bounds = cu_seqlens.tolist()
+        chunks = chunk_plan([end - begin for begin, end in zip(bounds[:-1], bounds[1:])]).to(q.device)
+    if WALK_CHUNK == CHUNK:
+        return _chunk_path(q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu_seqlens, chunks, G, scale,
+                           gate_stride, beta_stride, route, routed, block_k, block_v, beta_logits, states is not None,
+                           output_final_state)
     # What the walk reads of each part (`_delta_scan_parts`); a bucket's graph keeps them in its pool.
     w = q.new_empty(total, value_heads, key_dim)
     u = q.new_empty(total, value_heads, value_dim, dtype=torch.float32)
     p = q.new_empty(total, value_heads, PART, dtype=torch.float32)
     decays = q.new_empty(total, value_heads, dtype=torch.float32)
-    if chunks is None:
-        bounds = cu_seqlens.tolist()
-        chunks = chunk_plan([end - begin for begin, end in zip(bounds[:-1], bounds[1:])]).to(q.device)
     with _on(q.device):
         if chunks.shape[0]:
             _delta_scan_parts[(chunks.shape[0], value_heads, CHUNK // PART // PARTS_A_PROGRAM)](
@@ -294,4 +514,36 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             q, k, w, u, p, decays, initial, parents, o, final, cu_seqlens, G, scale, route, heads, key_dim,
             value_heads, value_dim, block_k, block_v, PART, states is not None, output_final_state, routed,
             WALK_STAGES, num_warps=WALK_WARPS)
+    return o, final if output_final_state else None
+
+
+def _chunk_path(q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu_seqlens, chunks, G, scale,
+                gate_stride, beta_stride, route, routed, block_k, block_v, beta_logits, forked, output_final_state):
+    """`delta_rule_scan`'s parts-then-walk path at 64-token steps (WALK_CHUNK): each chunk
+    solved apart (`_chunk_inverse`, then `_chunk_wu`), the walk from chunk to chunk keeping each
+    one's entering state (`_chunk_walk`), then every chunk's outputs at once (`_chunk_output`)."""
+    total, heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[1:]
+    sequences, entries = cu_seqlens.shape[0] - 1, chunks.shape[0]
+    w = q.new_empty(total, value_heads, key_dim)
+    u = q.new_empty(total, value_heads, value_dim, dtype=torch.float32)
+    inverse = q.new_empty(total, value_heads, CHUNK, dtype=torch.float32)
+    decays = q.new_empty(total, value_heads, dtype=torch.float32)
+    entering = q.new_empty(max(entries, 1), value_heads, key_dim, value_dim)
+    out_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
+    with _on(q.device):
+        if entries:
+            _chunk_inverse[(entries, value_heads)](
+                k, g, beta, A_log, dt_bias, cu_seqlens, chunks, inverse, decays, gate_stride, beta_stride, route, heads,
+                key_dim, value_heads, block_k, beta_logits, routed, num_warps=SOLVE_WARPS)
+            _chunk_wu[(entries, value_heads, triton.cdiv(value_dim, out_v))](
+                k, v, beta, inverse, decays, cu_seqlens, chunks, w, u, beta_stride, route, heads, key_dim, value_heads,
+                value_dim, block_k, out_v, beta_logits, routed, num_warps=ROW_WARPS)
+        _chunk_walk[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
+            k, w, u, decays, entering, initial, parents, final, cu_seqlens, G, route, heads, key_dim, value_heads,
+            value_dim, block_k, block_v, forked, output_final_state, routed, WALK_STAGES, num_warps=WALK_WARPS)
+        if entries:
+            _chunk_output[(entries, value_heads, triton.cdiv(value_dim, out_v))](
+                q, k, u, decays, entering, o, cu_seqlens, chunks, scale, route, heads, key_dim, value_heads, value_dim,
+                block_k, out_v, routed, num_warps=ROW_WARPS)
     return o, final if output_final_state else None
