@@ -187,6 +187,18 @@ def _ieee(x, y):
 
 
 @triton.jit
+def _plan_entry(chunks, cu_seqlens, route, i_c, ROUTED: tl.constexpr):
+    """(start, eos) of the 64-token chunk at entry i_c of the chunk plan: its first token and its
+    sequence's end (the start itself when ROUTED to the one-kernel walk: nothing to do)."""
+    n = tl.load(chunks + 2 * i_c).to(tl.int64)
+    start = tl.load(cu_seqlens + n).to(tl.int64)
+    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    if ROUTED:
+        eos, _ = _turn(route, True, start, eos)
+    return start + tl.load(chunks + 2 * i_c + 1).to(tl.int64) * 64, eos
+
+
+@triton.jit
 def _chunk_inverse(k, a, b, A_log, dt_bias, cu_seqlens, chunks, X, Gc, sa, sb, route, H: tl.constexpr, K: tl.constexpr,
                    HV: tl.constexpr, BK: tl.constexpr, SIGMOID: tl.constexpr, ROUTED: tl.constexpr):
     """(I + A)^-1 of the 64-token chunk named by entry program 0 of the chunk plan, value head
@@ -197,13 +209,7 @@ def _chunk_inverse(k, a, b, A_log, dt_bias, cu_seqlens, chunks, X, Gc, sa, sb, r
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // H)
     o_k, o_c = tl.arange(0, BK), tl.arange(0, 16)
-    n = tl.load(chunks + 2 * i_c).to(tl.int64)
-    chunk = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + n).to(tl.int64)
-    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-    if ROUTED:
-        eos, _ = _turn(route, True, bos, eos)
-    start = bos + chunk * 64
+    start, eos = _plan_entry(chunks, cu_seqlens, route, i_c, ROUTED)
     if start < eos:
         log_a = tl.load(A_log + i_h).to(tl.float32)
         bias = tl.load(dt_bias + i_h).to(tl.float32)
@@ -274,15 +280,10 @@ def _chunk_wu(k, v, b, X, Gc, cu_seqlens, chunks, W, U, sb, route, H: tl.constex
     float32 (value block program 2), from `_chunk_inverse`'s X and Gc."""
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // H)
-    n = tl.load(chunks + 2 * i_c).to(tl.int64)
-    chunk = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + n).to(tl.int64)
-    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-    if ROUTED:
-        eos, _ = _turn(route, True, bos, eos)
-    if bos + chunk * 64 < eos:
+    start, eos = _plan_entry(chunks, cu_seqlens, route, i_c, ROUTED)
+    if start < eos:
         o_k, o_v, o_c = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, 64)
-        o_t = bos + chunk * 64 + o_c
+        o_t = start + o_c
         m_t = o_t < eos
         row = o_t[:, None] * HV + i_h
         x = tl.load(X + row * 64 + o_c[None, :], mask=m_t[:, None], other=0.0)
@@ -359,15 +360,10 @@ def _chunk_output(q, k, U, Gc, Hs, o, cu_seqlens, chunks, scale, route, H: tl.co
     and P = exp(G_i - G_j) q_i . k_j (i >= j)."""
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // H)
-    n = tl.load(chunks + 2 * i_c).to(tl.int64)
-    chunk = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + n).to(tl.int64)
-    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-    if ROUTED:
-        eos, _ = _turn(route, True, bos, eos)
-    if bos + chunk * 64 < eos:
+    start, eos = _plan_entry(chunks, cu_seqlens, route, i_c, ROUTED)
+    if start < eos:
         o_k, o_v, o_c = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, 64)
-        o_t = bos + chunk * 64 + o_c
+        o_t = start + o_c
         m_t = o_t < eos
         row = o_t[:, None] * HV + i_h
         m_tk = m_t[:, None] & (o_k < K)[None, :]
