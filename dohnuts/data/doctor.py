@@ -30,11 +30,11 @@ def token_lengths(template: Template, states) -> dict[tuple[str, str], tuple[int
     """(state tokens, row tokens) of every (state_id, qid), as the template renders them."""
     lengths, encoded = {}, {}
 
-    def grid_only(image, key):
+    def grid_only(image, key, data):
         # A public source shows one image in many rows (CLEVR: 10 questions a scene): preprocess
         # it once, and keep only its grid (all the token count needs).
         if key not in encoded:
-            encoded[key] = EncodedImage(None, template.encode_image(image, key).grid_thw, key)
+            encoded[key] = EncodedImage(None, template.encode_image(image, key, data).grid_thw, key)
         return encoded[key]
 
     for state in states:

@@ -265,6 +265,15 @@ def _image_tokens(row: Row, blocks: list[tuple[int, int, int]], begin: int, end:
     return _joined(places), _joined(sources)
 
 
+def _joined_pixels(carried: list[torch.Tensor], raw: bool) -> torch.Tensor | None:
+    """The images' pixels, one after another: raw bytes flattened, patches stacked; one image's
+    as they are (a new image of a request alone: its megabytes not copied again)."""
+    if not carried:
+        return None
+    parts = [pixels.reshape(-1) for pixels in carried] if raw else carried
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def _joined(parts: list[np.ndarray]) -> np.ndarray:
     """int64 arrays end to end (an empty one for none)."""
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
@@ -356,7 +365,7 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         fork=plan_fork(prefix_lengths, own_lengths, parents) if groups else None,
         markers=markers, candidate_mask=candidate_mask, image_slots=torch.from_numpy(_joined(slot_positions)),
         image_sources=torch.from_numpy(_joined(slot_sources)),
-        pixel_values=torch.cat([pixels.reshape(-1) if raw else pixels for pixels in carried]) if carried else None,
+        pixel_values=_joined_pixels(carried, raw),
         image_grid_thw_cpu=grid,
         image_keys=tuple(image.key for image in images),
         image_has_pixels=tuple(image.pixel_values is not None for image in images),

@@ -34,10 +34,18 @@ BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
 
 def image_key(image) -> str:
     """SHA-256 of a decoded image's RGB content and dimensions (the cache key)."""
+    return content(image)[0]
+
+
+def content(image) -> tuple[str, bytes]:
+    """(`image_key`, its RGB bytes) of a decoded image from one read of its pixels: a new image's
+    tensor is made of the bytes its key was (`rgb_bytes`), where reading them again cost as much
+    as hashing them."""
     converted = rgb(image)
+    data = converted.tobytes()
     digest = hashlib.sha256(f"{converted.width}x{converted.height}:".encode())
-    digest.update(converted.tobytes())
-    return digest.hexdigest()
+    digest.update(data)
+    return digest.hexdigest(), data
 
 
 @dataclass(frozen=True)
@@ -125,9 +133,15 @@ def _constants(mean: tuple, std: tuple, device: torch.device) -> tuple[torch.Ten
     return tuple(torch.tensor(values, dtype=torch.float32, device=device)[:, None, None] for values in (mean, std))
 
 
-def rgb_bytes(image) -> torch.Tensor:
-    """A PIL image's RGB bytes [H, W, 3] uint8 (a writable copy)."""
-    return torch.from_numpy(np.array(rgb(image)))
+def rgb_bytes(image, data: bytes | None = None) -> torch.Tensor:
+    """A PIL image's RGB bytes [H, W, 3] uint8 (a writable copy), of `data` (its RGB bytes, as
+    `content` gives them) when given."""
+    if data is None:
+        return torch.from_numpy(np.array(rgb(image)))
+    width, height = image.size
+    if len(data) != width * height * 3:
+        raise ValueError(f"{len(data)} bytes are not the RGB bytes of a {width} x {height} image")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(height, width, 3)
 
 
 def qwen_pixels(image, processor) -> tuple[torch.Tensor, torch.Tensor]:

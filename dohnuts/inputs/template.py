@@ -10,7 +10,7 @@ from functools import lru_cache
 from ..config import ModelConfig
 from ..schema import MAX_IMAGES, Question, Request
 from .batch import Batch, EncodedImage, Row, pack_rows
-from .pixels import PixelSettings, image_key, qwen_pixels, rgb_bytes
+from .pixels import PixelSettings, content, qwen_pixels, rgb_bytes
 from .tokens import SPATIAL_MERGE, special_tokens
 from .vocabulary import tiktoken_encoder
 
@@ -140,13 +140,15 @@ class Template:
         patch = getattr(processor, "patch_size", 16) * getattr(processor, "merge_size", SPATIAL_MERGE)
         return pixels // patch**2 + 2 + (0 if self.inline else len(self.newline_ids))
 
-    def encode_image(self, image, key: str | None = None) -> EncodedImage:
-        """Pixels and patch grid of a decoded image; `key` is its `image_key` when known."""
-        key = key or image_key(image)
+    def encode_image(self, image, key: str | None = None, data: bytes | None = None) -> EncodedImage:
+        """Pixels and patch grid of a decoded image; `key` is its `image_key` and `data` its RGB
+        bytes when known (`pixels.content`)."""
+        if key is None:
+            key, data = content(image)
         if self.pixels is None:  # a processor `pixels` does not know: it runs itself, here
             pixel_values, grid = qwen_pixels(image, self.image_processor)
             return EncodedImage(pixel_values, grid, key)
-        rgb = rgb_bytes(image)  # the patches are made on the model's device (`Batch.patches`)
+        rgb = rgb_bytes(image, data)  # the patches are made on the model's device (`Batch.patches`)
         return EncodedImage(rgb, self.pixels.grid(*rgb.shape[:2]), key, self.pixels)
 
     def encode_images(self, request: Request, images: list[EncodedImage] | None = None,
@@ -156,7 +158,8 @@ class Template:
         Args:
             images, seen: a list of encoded images and {image key: its index there} to extend (an
                 image already there is not encoded again); new ones when None.
-            encode: `encode(image, key)` -> EncodedImage, `encode_image` by default.
+            encode: `encode(image, key, data)` -> EncodedImage (data: the image's RGB bytes,
+                `pixels.content`), `encode_image` by default.
 
         Returns:
             Per image of the request, in order, the index of its encoding in `images`.
@@ -166,10 +169,10 @@ class Template:
         encode = encode or self.encode_image
         indices = []
         for image in request.images:
-            key = image_key(image)
+            key, data = content(image)
             if key not in seen:
                 seen[key] = len(images)
-                images.append(encode(image, key))
+                images.append(encode(image, key, data))
             indices.append(seen[key])
         return tuple(indices)
 

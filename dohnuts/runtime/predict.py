@@ -185,9 +185,9 @@ def encode_request(template, config: ModelConfig, request: Request, cached_grid=
         OverBudget: a row over `config.max_tokens`, or the request's computed tokens (its shared
             beginning once, then each row's own) over `config.max_request_tokens`.
     """
-    def encode(image, key):
+    def encode(image, key, data):
         grid = cached_grid(key) if cached_grid is not None else None
-        return EncodedImage(None, grid, key) if grid is not None else template.encode_image(image, key)
+        return EncodedImage(None, grid, key) if grid is not None else template.encode_image(image, key, data)
 
     images = []
     indices = template.encode_images(request, images, encode=encode)  # the same image twice: encoded once

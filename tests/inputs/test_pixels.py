@@ -71,3 +71,23 @@ def test_a_processor_of_another_resize_filter_keeps_its_own_host_path():
     processor = new_image_processor(16, 64 * 64)
     processor.resample = Image.Resampling.BILINEAR
     assert PixelSettings.of(processor) is None  # the device path reproduces bicubic only
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L", "RGBA", "P"])
+def test_an_images_key_and_tensor_come_from_one_read_of_its_pixels(mode):
+    """`content` gives the image's key and the RGB bytes its tensor is made of: the same key as
+    `image_key`, the same [H, W, 3] bytes as reading the image again, writable and not the
+    bytes' own memory; bytes of another size are refused."""
+    from dohnuts.inputs.pixels import content, image_key, rgb_bytes
+
+    generator = np.random.default_rng(3)
+    image = Image.fromarray(generator.integers(0, 256, (37, 53, 3), dtype=np.uint8)).convert(mode)
+    key, data = content(image)
+    assert key == image_key(image)
+    made = rgb_bytes(image, data)
+    assert made.shape == (37, 53, 3) and made.dtype == torch.uint8
+    assert torch.equal(made, rgb_bytes(image))
+    made[0, 0, 0] += 1  # writable, and a copy: the bytes stay as they were
+    assert content(image) == (key, data)
+    with pytest.raises(ValueError, match="not the RGB bytes of a 53 x 37 image"):
+        rgb_bytes(image, data[:-3])
