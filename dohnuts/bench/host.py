@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import cProfile
 import io
+import json
 import pstats
 import statistics
 import time
@@ -25,7 +26,7 @@ from ..scoring.calibrator import Calibrator
 from .protocol import workloads as benchmark_workloads
 from .shapes import shape_only_predictor
 from .telemetry import Telemetry
-from .traffic import percentile
+from .traffic import percentile, real_traffic
 
 SHAPE = "qwen3_5-0.8b"  # the shape every measurement here times, as the benchmark stage does
 UNCALIBRATED = Calibrator()
@@ -138,6 +139,37 @@ def encode_host(workload: str = "distinct_text_50q", blocks: int = 5, calls: int
     print(f"## {workload}: {len(rows)} rows, {batch.computed_tokens} computed tokens; us per call")
     for step, values in medians.items():
         print(f"{step:20s} median {statistics.median(values):8.1f}  smallest block {min(values):8.1f}")
+
+
+def encode_first_sight(count: int = 60, seed: int = 37, rounds: int = 3) -> None:
+    """The host's part of real-traffic requests on their first sight, no device involved:
+    validation, tokenising (the template's piece cache emptied before each request), every
+    image's cache key and pixels (all new) and the packing into a batch; Qwen3.5's real
+    tokenizer, the shape-only predictor's pixel policy. `count` requests of
+    `traffic.real_traffic` (a third with an image of 160 to 1,200 px a side), `rounds` times.
+
+        python benchmarks/run.py encode_first_sight --count 60
+
+    Prints one JSON line: milliseconds a request with an image and without, p50 and mean.
+    """
+    config = ModelConfig(base="shape-only", revision="random-weights", dtype="bfloat16")
+    template = Template.of(qwen3_5_tokenizer(), new_image_processor(16, config.image_pixels), config)
+    requests = real_traffic(count, seed)
+    samples: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(rounds):
+        for state, questions in requests:
+            template.pieces.clear()
+            template.piece_chars = 0
+            start = time.perf_counter()
+            request = parse_request(state, questions, template.reserved, template.max_images)
+            images = []
+            indices = template.encode_images(request, images)
+            template.collate(template.encode(request, config.max_tokens, indices, images), images)
+            samples[bool(request.images)].append((time.perf_counter() - start) * 1000.0)
+    print(json.dumps({"workload": "encode_first_sight", "requests": count, "rounds": rounds,
+                      **{f"{kind}_{name}_ms": round(value(samples[images]), 3)
+                         for kind, images in (("image", True), ("text", False))
+                         for name, value in (("p50", statistics.median), ("mean", statistics.fmean))}}))
 
 
 STEPS = ("encode", "collate", "layout key", "load into the graph", "embeddings", "replay launch", "version check",
