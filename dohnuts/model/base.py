@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -188,9 +189,25 @@ def keep_whole_pieces(tokenizer, path: Path) -> None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or type(backend.model).__name__ != "BPE" or backend.model.ignore_merges or not path.is_file():
         return
-    model = json.loads(path.read_text(encoding="utf-8")).get("model", {})
-    if model.get("type") == "BPE" and model.get("ignore_merges"):
+    if _states_ignore_merges(path.read_text(encoding="utf-8")):
         backend.model.ignore_merges = True
+
+
+_IGNORE_MERGES = '"ignore_merges"'
+_BOOLEAN = re.compile(r"\s*:\s*(true|false)")
+
+
+def _states_ignore_merges(text: str) -> bool:
+    """Whether a tokenizer.json's text states a BPE model with `ignore_merges`. Where the key
+    occurs once, with a boolean value, that is the model's (inside a string its quotes would be
+    escaped; a vocabulary entry's value is an id): read there, since parsing the Qwen3.5 file's
+    33 MB took 0.7 s of every load. Else from the parsed file."""
+    if text.count(_IGNORE_MERGES) == 1:
+        value = _BOOLEAN.match(text, text.index(_IGNORE_MERGES) + len(_IGNORE_MERGES))
+        if value is not None:
+            return value[1] == "true"
+    model = json.loads(text).get("model", {})
+    return model.get("type") == "BPE" and bool(model.get("ignore_merges"))
 
 
 def load_image_processor(folder: Path, config: ModelConfig):
