@@ -97,6 +97,13 @@ def block_median(call, calls: int = 300) -> float:
     return 1e6 * statistics.median(samples)
 
 
+def _host_template() -> tuple[ModelConfig, Template]:
+    """(config, template) of the shape-only model with Qwen3.5's real tokenizer and a pixel
+    policy of 512 x 512, for the host's measurements: no model, no device."""
+    config = ModelConfig(base="shape-only", revision="random-weights", dtype="bfloat16", image_pixels=512 * 512)
+    return config, Template.of(qwen3_5_tokenizer(), new_image_processor(16, config.image_pixels), config)
+
+
 def encode_host(workload: str = "distinct_text_50q", blocks: int = 5, calls: int = 300) -> None:
     """The host's part of a request with no device involved: validation, its images' cache keys,
     the template, the packing into a batch and the answers from given logits, for one benchmark
@@ -109,8 +116,7 @@ def encode_host(workload: str = "distinct_text_50q", blocks: int = 5, calls: int
     median (the host is noisy: compare two commits by running it alternately under each).
     """
     state, questions = chosen_workloads([workload])[workload]
-    config = ModelConfig(base="shape-only", revision="random-weights", dtype="bfloat16", image_pixels=512 * 512)
-    template = Template.of(qwen3_5_tokenizer(), new_image_processor(16, 512 * 512), config)
+    config, template = _host_template()
     request = parse_request(state, questions, template.reserved)
     images = []
     indices = template.encode_images(request, images)
@@ -145,15 +151,14 @@ def encode_first_sight(count: int = 60, seed: int = 37, rounds: int = 3) -> None
     """The host's part of real-traffic requests on their first sight, no device involved:
     validation, tokenising (the template's piece cache emptied before each request), every
     image's cache key and pixels (all new) and the packing into a batch; Qwen3.5's real
-    tokenizer, the shape-only predictor's pixel policy. `count` requests of
+    tokenizer, a pixel policy of 512 x 512 (`_host_template`). `count` requests of
     `traffic.real_traffic` (a third with an image of 160 to 1,200 px a side), `rounds` times.
 
         python benchmarks/run.py encode_first_sight --count 60
 
     Prints one JSON line: milliseconds a request with an image and without, p50 and mean.
     """
-    config = ModelConfig(base="shape-only", revision="random-weights", dtype="bfloat16")
-    template = Template.of(qwen3_5_tokenizer(), new_image_processor(16, config.image_pixels), config)
+    config, template = _host_template()
     requests = real_traffic(count, seed)
     samples: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(rounds):
