@@ -34,14 +34,29 @@ def _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, A_log, dt_bias, o_k, o_v
     b_k = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_qk, other=0.0)
     b_v = tl.load(v + (o_t[:, None] * HV + i_h) * V + o_v[None, :], mask=m_t[:, None] & (o_v < V)[None, :],
                   other=0.0)
+    g, beta = _gates(a, b, o_t, m_t, i_h, A_log, dt_bias, sa, sb, SIGMOID)
+    return b_q, b_k, b_v, g, beta
+
+
+@triton.jit
+def _gates(a, b, o_t, m_t, i_h, A_log, dt_bias, sa, sb, SIGMOID: tl.constexpr):
+    """The log decay g and beta of tokens o_t of value head i_h, float32, 0 where not m_t (as
+    `_row_part` reads them)."""
     # Qwen3.5's decay from the raw gate input: -exp(A_log) softplus(a + dt_bias) (softplus as
     # PyTorch's, linear past 20).
     x = tl.load(a + o_t * sa + i_h, mask=m_t, other=0.0).to(tl.float32) + dt_bias
     g = tl.where(m_t, -tl.exp(A_log) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))), 0.0)
+    return g, _beta(b, o_t, m_t, i_h, sb, SIGMOID)
+
+
+@triton.jit
+def _beta(b, o_t, m_t, i_h, sb, SIGMOID: tl.constexpr):
+    """beta of tokens o_t of value head i_h, float32, 0 where not m_t: b itself, or with SIGMOID
+    the sigmoid of b."""
     beta = tl.load(b + o_t * sb + i_h, mask=m_t, other=0.0).to(tl.float32)
     if SIGMOID:
         beta = tl.where(m_t, tl.sigmoid(beta), 0.0)
-    return b_q, b_k, b_v, g, beta
+    return beta
 
 
 @triton.jit

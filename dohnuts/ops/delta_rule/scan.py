@@ -16,7 +16,9 @@ from .parts import (
     PART,
     ROW_WARPS,
     VALUES,
+    _beta,
     _decayed,
+    _gates,
     _last,
     _output,
     _parent_state,
@@ -199,6 +201,16 @@ def _plan_entry(chunks, cu_seqlens, route, i_c, ROUTED: tl.constexpr):
 
 
 @triton.jit
+def _chunk_rows(start, eos, i_h, i_v, HV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Offsets of a 64-token chunk from `start` for value head i_h and value block i_v: keys [BK],
+    values [BV], the chunk's positions [64], its tokens o_t and which are the sequence's (m_t),
+    and their rows [64, 1] of a [T, HV, ...] tensor."""
+    o_c = tl.arange(0, 64)
+    o_t = start + o_c
+    return tl.arange(0, BK), i_v * BV + tl.arange(0, BV), o_c, o_t, o_t < eos, o_t[:, None] * HV + i_h
+
+
+@triton.jit
 def _chunk_inverse(k, a, b, A_log, dt_bias, cu_seqlens, chunks, X, Gc, sa, sb, route, H: tl.constexpr, K: tl.constexpr,
                    HV: tl.constexpr, BK: tl.constexpr, SIGMOID: tl.constexpr, ROUTED: tl.constexpr):
     """(I + A)^-1 of the 64-token chunk named by entry program 0 of the chunk plan, value head
@@ -251,11 +263,7 @@ def _key_part(k, a, b, start, eos, part: tl.constexpr, i_hk, i_h, log_a, bias, o
     o_t = start + part * 16 + tl.arange(0, 16)
     m_t = o_t < eos
     b_k = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
-    x = tl.load(a + o_t * sa + i_h, mask=m_t, other=0.0).to(tl.float32) + bias
-    g = tl.where(m_t, -tl.exp(log_a) * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))), 0.0)
-    beta = tl.load(b + o_t * sb + i_h, mask=m_t, other=0.0).to(tl.float32)
-    if SIGMOID:
-        beta = tl.where(m_t, tl.sigmoid(beta), 0.0)
+    g, beta = _gates(a, b, o_t, m_t, i_h, log_a, bias, sa, sb, SIGMOID)
     return b_k, g, beta
 
 
@@ -282,15 +290,10 @@ def _chunk_wu(k, v, b, X, Gc, cu_seqlens, chunks, W, U, sb, route, H: tl.constex
     i_hk = i_h // (HV // H)
     start, eos = _plan_entry(chunks, cu_seqlens, route, i_c, ROUTED)
     if start < eos:
-        o_k, o_v, o_c = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, 64)
-        o_t = start + o_c
-        m_t = o_t < eos
-        row = o_t[:, None] * HV + i_h
+        o_k, o_v, o_c, o_t, m_t, row = _chunk_rows(start, eos, i_h, i_v, HV, BK, BV)
         x = tl.load(X + row * 64 + o_c[None, :], mask=m_t[:, None], other=0.0)
         g = tl.load(Gc + o_t * HV + i_h, mask=m_t, other=0.0)
-        beta = tl.load(b + o_t * sb + i_h, mask=m_t, other=0.0).to(tl.float32)
-        if SIGMOID:
-            beta = tl.where(m_t, tl.sigmoid(beta), 0.0)
+        beta = _beta(b, o_t, m_t, i_h, sb, SIGMOID)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         v_i = tl.load(v + row * V + o_v[None, :], mask=m_tv, other=0.0)
         tl.store(U + row * V + o_v[None, :], tl.dot(x, beta[:, None] * v_i.to(tl.float32)), mask=m_tv)
@@ -362,10 +365,7 @@ def _chunk_output(q, k, U, Gc, Hs, o, cu_seqlens, chunks, scale, route, H: tl.co
     i_hk = i_h // (HV // H)
     start, eos = _plan_entry(chunks, cu_seqlens, route, i_c, ROUTED)
     if start < eos:
-        o_k, o_v, o_c = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, 64)
-        o_t = start + o_c
-        m_t = o_t < eos
-        row = o_t[:, None] * HV + i_h
+        o_k, o_v, o_c, o_t, m_t, row = _chunk_rows(start, eos, i_h, i_v, HV, BK, BV)
         m_tk = m_t[:, None] & (o_k < K)[None, :]
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         q_i = tl.load(q + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
