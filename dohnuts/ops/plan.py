@@ -83,12 +83,19 @@ def padded_plan(lengths: list[int], chunks: int) -> torch.Tensor:
     Raises:
         ValueError: the last sequence holds tokens, or the plan needs more than `chunks`.
     """
-    plan = chunk_plan(lengths)
-    if not lengths or lengths[-1] != 0 or len(plan) > chunks:
+    counts = -(-np.asarray(lengths, dtype=np.int64) // CHUNK)
+    used = int(counts.sum())
+    if not lengths or lengths[-1] != 0 or used > chunks:
         raise ValueError(f"a plan padded to {chunks} chunks needs an empty last sequence and at most that many "
-                         f"chunks: {len(lengths)} sequences make {len(plan)}")
-    padding = torch.tensor([[len(lengths) - 1, 0]], dtype=plan.dtype).expand(chunks - len(plan), 2)
-    return torch.cat([plan, padding])
+                         f"chunks: {len(lengths)} sequences make {used}")
+    # Built in place (a bucket's plan is on a new request's critical path): each chunk's
+    # sequence, then its place in it, the padding naming the last sequence's chunk 0.
+    plan = np.empty((chunks, 2), dtype=np.int32)
+    plan[:used, 0] = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+    plan[used:, 0] = len(lengths) - 1
+    plan[:used, 1] = np.arange(used, dtype=np.int32) - np.repeat(np.cumsum(counts) - counts, counts)
+    plan[used:, 1] = 0
+    return torch.from_numpy(plan)
 
 
 def cumulative(lengths) -> torch.Tensor:
@@ -102,21 +109,33 @@ def cumulative(lengths) -> torch.Tensor:
 
 def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[int]) -> Fork:
     """The `Fork` of rows (own lengths `row_lengths`) continuing prefixes of `prefix_lengths`."""
-    prefix_lengths, row_lengths = np.asarray(prefix_lengths, dtype=np.int64), np.asarray(row_lengths, dtype=np.int64)
+    groups, rows = len(prefix_lengths), len(row_lengths)
     parent_of = np.asarray(parents, dtype=np.int64).reshape(-1)
-    prefix_starts = np.concatenate([[0], np.cumsum(prefix_lengths)])
-    row_starts = prefix_starts[-1] + np.concatenate([[0], np.cumsum(row_lengths)[:-1]])
+    # One array of every sequence's length, prefixes then rows, and its cumulative sums: the
+    # query counts, and where each prefix's and each row's own tokens start on the token axis.
+    query_counts = np.empty(groups + rows, dtype=np.int64)
+    query_counts[:groups], query_counts[groups:] = prefix_lengths, row_lengths
+    query_cu = np.zeros(groups + rows + 1, dtype=np.int64)
+    np.cumsum(query_counts, out=query_cu[1:])
     # A row without a prefix (parent -1) inherits an empty one: index G, of length 0.
-    lookup = np.where(parent_of >= 0, parent_of, len(prefix_lengths))
-    inherited = np.append(prefix_lengths, 0)[lookup]
+    lookup = np.where(parent_of >= 0, parent_of, groups)
+    inherited = query_counts[:groups + 1].copy() if rows else np.zeros(groups + 1, dtype=np.int64)
+    inherited[groups] = 0
+    inherited = inherited[lookup]
     # The key segments in order: each prefix's tokens, then per row its prefix's tokens and its own.
-    segment_starts = np.concatenate([prefix_starts[:-1], np.stack([prefix_starts[lookup], row_starts], 1).ravel()])
-    segment_lengths = np.concatenate([prefix_lengths, np.stack([inherited, row_lengths], 1).ravel()])
+    segment_starts = np.empty(groups + 2 * rows, dtype=np.int64)
+    segment_lengths = np.empty(groups + 2 * rows, dtype=np.int64)
+    segment_starts[:groups], segment_lengths[:groups] = query_cu[:groups], query_counts[:groups]
+    segment_starts[groups::2], segment_lengths[groups::2] = query_cu[lookup], inherited
+    segment_starts[groups + 1::2], segment_lengths[groups + 1::2] = query_cu[groups:-1], query_counts[groups:]
     # Entry i of a segment placed at offset o that starts at token s is token s + (i - o).
-    offsets = np.concatenate([[0], np.cumsum(segment_lengths)[:-1]])
-    key_index = np.arange(segment_lengths.sum(), dtype=np.int64) + np.repeat(segment_starts - offsets, segment_lengths)
-    query_counts = np.concatenate([prefix_lengths, row_lengths])
-    key_counts = np.concatenate([prefix_lengths, inherited + row_lengths])
-    return Fork(torch.from_numpy(parent_of.copy()), cumulative(query_counts), torch.from_numpy(key_index),
-                cumulative(key_counts), int(query_counts.max(initial=0)), int(key_counts.max(initial=0)),
-                bool((parent_of < 0).any()))
+    ends = np.cumsum(segment_lengths)
+    key_index = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(
+        segment_starts - ends + segment_lengths, segment_lengths)
+    key_counts = query_counts.copy()
+    key_counts[groups:] += inherited
+    key_cu = np.zeros(groups + rows + 1, dtype=np.int32)
+    np.cumsum(key_counts, out=key_cu[1:])
+    return Fork(torch.from_numpy(parent_of.copy()), torch.from_numpy(query_cu.astype(np.int32)),
+                torch.from_numpy(key_index), torch.from_numpy(key_cu), int(query_counts.max(initial=0)),
+                int(key_counts.max(initial=0)), bool((parent_of < 0).any()))

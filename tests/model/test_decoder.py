@@ -469,3 +469,33 @@ def test_plan_fork_lays_out_each_rows_keys_as_its_prefix_then_its_own_tokens():
     assert fork.parents.tolist() == [1, -1, 0] and fork.plan() == (3, 5, True)
     assert fork.key_index.dtype == torch.long and fork.cu_seqlens_k.dtype == torch.int32
     assert plan_fork([4], [1, 2], [0, 0]).plan() == (4, 6, False)
+
+
+def test_plan_fork_equals_a_plain_layout_of_every_sequences_keys():
+    """Random prefixes (empty ones too, as a bucket's padding has), rows of any length and
+    parents: the keys, counts and plan `plan_fork` makes in numpy equal those laid out one
+    sequence at a time."""
+    import random
+
+    generator = random.Random(5)
+    for _ in range(300):
+        prefixes = [generator.choice((0, 0, 1, 64, 200)) for _ in range(generator.choice((0, 1, 3, 9)))]
+        rows = [generator.choice((0, 1, 30, 64, 65)) for _ in range(generator.choice((1, 2, 7, 40)))]
+        parents = [generator.randrange(-1, len(prefixes)) for _ in rows]
+        starts = [sum(prefixes[:index]) for index in range(len(prefixes) + 1)]
+        keys, key_counts = [], []
+        for start, length in zip(starts, prefixes):
+            keys += range(start, start + length)
+            key_counts.append(length)
+        at = starts[-1]
+        for parent, length in zip(parents, rows):
+            inherited = range(starts[parent], starts[parent] + prefixes[parent]) if parent >= 0 else range(0)
+            keys += [*inherited, *range(at, at + length)]
+            key_counts.append(len(inherited) + length)
+            at += length
+        queries = prefixes + rows
+        fork = plan_fork(prefixes, rows, parents)
+        assert fork.key_index.tolist() == keys and fork.parents.tolist() == parents
+        assert fork.cu_seqlens_q.tolist() == [sum(queries[:index]) for index in range(len(queries) + 1)]
+        assert fork.cu_seqlens_k.tolist() == [sum(key_counts[:index]) for index in range(len(key_counts) + 1)]
+        assert fork.plan() == (max(queries), max(key_counts), -1 in parents)
