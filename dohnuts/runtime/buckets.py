@@ -31,6 +31,7 @@ forward is one graph, attention planned for sequences of up to the bucket's row 
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from collections.abc import Iterable
@@ -215,13 +216,42 @@ def fits(shape: Shape, bucket: Bucket) -> bool:
             and shape.longest_row <= bucket.longest_row and _rows_fit(bucket, shape.rows, shape.row_tokens))
 
 
+def rank(bucket: Bucket) -> tuple:
+    """A bucket's place among others: fewer tokens first, a one-row bucket before another of its
+    size, then fewer prefix tokens (a total order: the smallest fit does not depend on the order
+    buckets are given in)."""
+    return bucket.tokens, not bucket.single, bucket.prefix_tokens, bucket.long_rows
+
+
+class Ladder:
+    """Buckets in `rank` order with their token counts: a shape's smallest fit is the first that
+    fits from the first bucket of at least its tokens (none with fewer can hold it), found by
+    bisection. `smallest_fit` over every bucket read each of the 223 buckets of 2026-12-04 for
+    every shape, 45 us on this project's CPU, twice a waiting request in the engine's batching."""
+
+    def __init__(self, buckets):
+        self.buckets = tuple(sorted(buckets, key=rank))
+        self.tokens = [bucket.tokens for bucket in self.buckets]
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    def smallest_fit(self, shape: Shape) -> Bucket | None:
+        for index in range(bisect.bisect_left(self.tokens, shape.tokens), len(self.buckets)):
+            if fits(shape, self.buckets[index]):
+                return self.buckets[index]
+        return None
+
+
 def smallest_fit(shape: Shape, buckets) -> Bucket | None:
-    """The smallest of `buckets` a batch of `shape` fits (a one-row bucket before another of its
-    size), or None."""
-    best, rank = None, None
-    for bucket in buckets:  # in any order; smallest first (as `all_buckets`), the rest are skipped
-        if (best is None or (bucket.tokens, not bucket.single) < rank) and fits(shape, bucket):
-            best, rank = bucket, (bucket.tokens, not bucket.single)
+    """The smallest of `buckets` (a `Ladder`, or any collection) a batch of `shape` fits (a
+    one-row bucket before another of its size), or None."""
+    if isinstance(buckets, Ladder):
+        return buckets.smallest_fit(shape)
+    best = None
+    for bucket in buckets:
+        if (best is None or rank(bucket) < rank(best)) and fits(shape, bucket):
+            best = bucket
     return best
 
 

@@ -32,7 +32,7 @@ from ..model.decoder import (
     rotary_tables,
 )
 from ..ops import kernels
-from .buckets import all_buckets, bucket_for, empty_batch, pad_to_bucket, padding_tokens
+from .buckets import Ladder, all_buckets, bucket_for, empty_batch, pad_to_bucket, padding_tokens
 
 # The batch fields `DecisionModel.scores` reads on the device (plus the fork); the others
 # (token ids, pixels, image slots) only feed the eager embeddings. The plan fields hold values
@@ -375,6 +375,7 @@ class GraphedScores:
         self.failed: set[tuple] = set()
         self.pool = None
         self.buckets: dict = {}  # Bucket -> _BucketGraph, made by `prepare`
+        self.ladder = Ladder(())  # the same buckets, to find a batch's (`buckets.Ladder`)
         self.arena: _Arena | None = None  # what their pieces pass between them
         self.wanted: tuple = ()  # the buckets `prepare` was asked for, made again after a change
         self.stale = False  # the model changed since they were
@@ -438,6 +439,7 @@ class GraphedScores:
                                                                   f"{type(error).__name__}: {error}")
                     torch.cuda.synchronize()
         torch.cuda.synchronize()
+        self.ladder = Ladder(self.buckets)
         self.stats["prepare_seconds"] += time.perf_counter() - start
         return len(self.buckets)
 
@@ -455,6 +457,7 @@ class GraphedScores:
         self.failed.clear()
         self.stale = bool(self.buckets)
         self.buckets.clear()
+        self.ladder = Ladder(())
         self.arena = None
         self.versions = versions
 
@@ -477,7 +480,7 @@ class GraphedScores:
         if self.stale:
             self.prepare(self.wanted)  # the model changed: its buckets are captured again
         captures = self.seen.get(key, 0) + 1 >= self.capture_at and key not in self.failed
-        bucket = bucket_for(batch, self.buckets) if on_host and self.buckets else None
+        bucket = bucket_for(batch, self.ladder) if on_host and self.buckets else None
         if captures and bucket is not None and not self.deferred:
             captures = False  # its bucket serves it: a capture would stall this request (140 ms on the H200)
         if captures and self.deferred and on_host:  # captured later (`capture_pending`), not on this request

@@ -236,7 +236,7 @@ class Engine:
         # The host's side of a first sight too: padding to a bucket, pinned copies, the replay
         # (a short row's bucket and a one-row bucket's).
         for batch in batches:
-            if len(batch.markers) == 1 and bucket_for(batch, self.scores.buckets) is not None:
+            if len(batch.markers) == 1 and bucket_for(batch, self.scores.ladder) is not None:
                 self.scores(batch)
         return len(batches)
 
@@ -247,7 +247,7 @@ class Engine:
 
     def graphed(self, shape: Shape) -> bool:
         """Whether a batch of `shape` fits a captured bucket (and so replays its graphs)."""
-        return bool(self.scores.buckets) and smallest_fit(shape, self.scores.buckets) is not None
+        return bool(self.scores.buckets) and smallest_fit(shape, self.scores.ladder) is not None
 
     def admits(self, first: Shape, joined: Shape) -> bool:
         """Whether an invocation whose first request has shape `first` may grow to `joined`: while

@@ -94,10 +94,11 @@ def test_bucket_for_picks_the_smallest_that_fits_or_none(parts):
 
 def test_the_fit_test_agrees_with_the_padding_and_any_order_of_buckets():
     """`fits` decides without making the padding (`_rows_fit`) as the padding would, and
-    `smallest_fit` finds the same bucket whatever the order it is given them in."""
+    `smallest_fit` finds the same bucket whatever the order it is given them in, and through a
+    `Ladder` of them (bisected by tokens)."""
     import random
 
-    from dohnuts.runtime.buckets import Shape, _row_padding, _rows_fit, smallest_fit
+    from dohnuts.runtime.buckets import Ladder, Shape, _row_padding, _rows_fit, rank, smallest_fit
 
     buckets = all_buckets()
     for bucket in buckets:
@@ -107,15 +108,17 @@ def test_the_fit_test_agrees_with_the_padding_and_any_order_of_buckets():
                 assert _rows_fit(bucket, rows, tokens) == (_row_padding(bucket, rows, tokens) is not None)
     generator = random.Random(3)
     shuffled = buckets[:]
-    for _ in range(200):
+    ladder = Ladder(reversed(buckets))
+    for _ in range(2000):
         rows = generator.choice((1, 1, 2, 5, 40))
         longest = generator.choice((20, 64, 65, 300, 1287, 5000))
         shape = Shape(generator.choice((0, 64, 700, 3000)), generator.choice((0, 1, 3)), longest * rows, rows,
                       longest, generator.choice((2, 40, 65)))
         shape = shape if shape.prefix_tokens else shape._replace(prefixes=0)
         generator.shuffle(shuffled)
-        expected = min((b for b in buckets if fits(shape, b)), key=lambda b: (b.tokens, not b.single), default=None)
+        expected = min((b for b in buckets if fits(shape, b)), key=rank, default=None)
         assert smallest_fit(shape, buckets) == smallest_fit(shape, shuffled) == expected
+        assert smallest_fit(shape, ladder) == expected
 
 
 def test_the_last_row_of_a_padded_batch_is_always_empty_and_buckets_stay_within_the_scan():
