@@ -71,6 +71,10 @@ MEASUREMENTS: dict[str, Measurement] = {
         host.encode_first_sight, "host steps of real-traffic requests on first sight, images new: image vs text",
         "any", (Argument("count", int, 60, "real-traffic requests"), Argument("seed", int, 37, "their seed"),
                 Argument("rounds", int, 3, "passes over them"))),
+    "host_first_sight": Measurement(
+        host.host_first_sight, "host steps of real-traffic requests on first sight as a bucket serves them", "any",
+        (Argument("count", int, 80, "real-traffic requests"), Argument("seed", int, 37, "their seed"),
+         Argument("rounds", int, 3, "passes over them"))),
     "host_steps": Measurement(
         host.host_steps, "host time of each step of a graph-replayed predict", "cuda",
         (workloads("distinct_text_1q", "vision_protocol_image_1q"),)),

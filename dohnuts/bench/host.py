@@ -14,13 +14,15 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
+from ..inputs.batch import PACKED_BYTES, lay_out, packed_layout
 from ..inputs.pixels import image_key
 from ..inputs.template import Template
 from ..inputs.vocabulary import qwen3_5_tokenizer
 from ..model.base import new_image_processor
+from ..runtime.buckets import Ladder, all_buckets, bucket_for, pad_to_bucket
 from ..runtime.cuda_graphs import layout_key
 from ..runtime.engine import Piece
-from ..runtime.predict import answers_of, candidate_mask
+from ..runtime.predict import answers_of, candidate_mask, encode_request
 from ..schema import parse_request
 from ..scoring.calibrator import Calibrator
 from .protocol import workloads as benchmark_workloads
@@ -158,23 +160,84 @@ def encode_first_sight(count: int = 60, seed: int = 37, rounds: int = 3) -> None
 
     Prints one JSON line: milliseconds a request with an image and without, p50 and mean.
     """
-    config, template = _host_template()
-    requests = real_traffic(count, seed)
     samples: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(rounds):
-        for state, questions in requests:
-            template.pieces.clear()
-            template.piece_chars = 0
-            start = time.perf_counter()
-            request = parse_request(state, questions, template.reserved, template.max_images)
-            images = []
-            indices = template.encode_images(request, images)
-            template.collate(template.encode(request, config.max_tokens, indices, images), images)
-            samples[bool(request.images)].append((time.perf_counter() - start) * 1000.0)
+    for images, steps in _first_sight_steps(count, seed, rounds, FIRST_SIGHT_STEPS[:2]):
+        samples[images].append(steps["encode"] + steps["collate"])
     print(json.dumps({"workload": "encode_first_sight", "requests": count, "rounds": rounds,
                       **{f"{kind}_{name}_ms": round(value(samples[images]), 3)
                          for kind, images in (("image", True), ("text", False))
                          for name, value in (("p50", statistics.median), ("mean", statistics.fmean))}}))
+
+
+# The host's steps of a new request whose batch a bucket's graph serves, in the order
+# `Predictor.predict_many` runs them on CUDA (`GraphedScores.__call__`), up to the replay's launch,
+# and the answers after it.
+FIRST_SIGHT_STEPS = ("encode", "collate", "layout key", "bucket", "pad", "stage", "answers")
+
+
+def _first_sight_steps(count: int, seed: int, rounds: int, steps: tuple[str, ...] = FIRST_SIGHT_STEPS):
+    """(whether the request has an image, {step: milliseconds}) of each of `count` real-traffic
+    requests, `rounds` times, each on first sight (the template's piece cache emptied, images
+    new), through the first of `FIRST_SIGHT_STEPS` named by `steps` (a prefix of them)."""
+    config, template = _host_template()
+    buckets = Ladder(all_buckets())  # as a predictor's `GraphedScores.ladder`
+    staging = np.empty(PACKED_BYTES, dtype=np.uint8)
+    requests = real_traffic(count, seed)
+    rng = np.random.default_rng(seed)
+    for _ in range(rounds):
+        for state, questions in requests:
+            template.pieces.clear()
+            template.piece_chars = 0
+            marks = [time.perf_counter()]
+            request = parse_request(state, questions, template.reserved, template.max_images)
+            encoded = encode_request(template, config, request)
+            marks.append(time.perf_counter())
+            batch = template.collate(list(encoded.rows), list(encoded.images))
+            marks.append(time.perf_counter())
+            if len(steps) > 2:
+                layout_key(batch)
+                marks.append(time.perf_counter())
+                bucket = bucket_for(batch, buckets)
+                marks.append(time.perf_counter())
+                padded = pad_to_bucket(batch, bucket, 0) if bucket is not None else batch
+                marks.append(time.perf_counter())
+                tensors = padded.device_tensors()
+                offsets, total = packed_layout(tensors)
+                if total <= PACKED_BYTES:
+                    lay_out(tensors, staging, offsets)
+                marks.append(time.perf_counter())
+                logits = rng.standard_normal(tuple(batch.markers.shape)).astype(np.float32)
+                answers_of(logits, candidate_mask([request]), [request], [batch.input_tokens], UNCALIBRATED)
+                marks.append(time.perf_counter())
+            yield bool(request.images), {step: (after - before) * 1e3
+                                         for step, before, after in zip(steps, marks, marks[1:])}
+
+
+def host_first_sight(count: int = 80, seed: int = 37, rounds: int = 3) -> None:
+    """The host's steps of real-traffic requests on their first sight, as a predictor on CUDA
+    runs them for a batch its bucket graphs serve (`FIRST_SIGHT_STEPS`), without the device:
+    encode (validation, tokenising with the piece cache emptied, new images' keys and pixels,
+    the template), collate (the packed batch), the layout key of an exact graph, the bucket's
+    choice, the padding to it, the staging of its tensors' bytes for their one copy (the pinned
+    buffer's part of `move_packed`) and the answers from random logits. Qwen3.5's real tokenizer,
+    a pixel policy of 512 x 512 (`_host_template`); `count` requests of `traffic.real_traffic`,
+    `rounds` times.
+
+        python benchmarks/run.py host_first_sight --count 80
+
+    Prints one JSON line: milliseconds of each step and of all, p50 and mean, for requests with
+    an image and without.
+    """
+    samples: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    for images, steps in _first_sight_steps(count, seed, rounds):
+        samples[images].append(steps)
+    figures = {}
+    for kind, images in (("image", True), ("text", False)):
+        for step in (*FIRST_SIGHT_STEPS, "all"):
+            values = [sum(steps.values()) if step == "all" else steps[step] for steps in samples[images]]
+            for name, value in (("p50", statistics.median), ("mean", statistics.fmean)):
+                figures[f"{kind}_{step.replace(' ', '_')}_{name}_ms"] = round(value(values), 4)
+    print(json.dumps({"workload": "host_first_sight", "requests": count, "rounds": rounds, **figures}))
 
 
 STEPS = ("encode", "collate", "layout key", "load into the graph", "embeddings", "replay launch", "version check",

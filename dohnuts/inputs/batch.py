@@ -195,6 +195,14 @@ def packed_layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, at
 
 
+def lay_out(tensors: list[torch.Tensor], array: np.ndarray, offsets: list[int]) -> None:
+    """The bytes of contiguous host tensors into the uint8 `array` at `offsets` (`packed_layout`)."""
+    for tensor, offset in zip(tensors, offsets):
+        if tensor.numel():
+            raw = tensor.view(torch.uint8).numpy().reshape(-1)  # bytes of any dtype (bf16 too)
+            array[offset:offset + raw.size] = raw
+
+
 def packed_views(buffer: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
     """Views of the uint8 `buffer` at `offsets` (`packed_layout`) with the shapes and dtypes of
     `tensors`."""
@@ -213,11 +221,7 @@ def move_packed(tensors: list[torch.Tensor], target: torch.Tensor, offsets: list
         staging.done = None
     elif staging.done is not None:
         staging.done.synchronize()
-    array = staging.array
-    for tensor, offset in zip(tensors, offsets):
-        if tensor.numel():
-            raw = tensor.view(torch.uint8).numpy().reshape(-1)  # bytes of any dtype (bf16 too)
-            array[offset:offset + raw.size] = raw
+    lay_out(tensors, staging.array, offsets)
     target[:total].copy_(staging.tensor[:total], non_blocking=True)
     staging.done = torch.cuda.Event()
     staging.done.record(torch.cuda.current_stream(target.device))  # the stream the copy went on

@@ -36,7 +36,7 @@ def run_script(*arguments: str, cuda: bool = True) -> subprocess.CompletedProces
 
 def test_every_measurement_accepts_its_declared_arguments_with_the_functions_defaults(runner):
     registry = sys.modules["registry"]
-    assert len(registry.MEASUREMENTS) == 22
+    assert len(registry.MEASUREMENTS) == 23
     for name, measurement in registry.MEASUREMENTS.items():
         assert callable(measurement.run) and measurement.needs in ("cuda", "any"), name
         assert measurement.summary and inspect.getdoc(measurement.function), name
@@ -117,6 +117,19 @@ def test_encode_host_takes_a_workload_of_several_images(runner, capsys):
     header, *steps = capsys.readouterr().out.splitlines()
     assert re.fullmatch(r"## vision_protocol_images_4q: 3 rows, \d+ computed tokens; us per call", header)
     assert [line.split("  ")[0].strip() for line in steps][1] == "image keys"
+
+
+def test_host_first_sight_times_each_step_of_new_requests_on_the_cpu(runner, capsys):
+    """Real-traffic requests on first sight through the host's steps of a bucket-served batch:
+    every step timed for requests with an image and without, the whole their sum."""
+    assert runner.main(["host_first_sight", "--count", "6", "--rounds", "1"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["workload"] == "host_first_sight" and found["requests"] == 6
+    steps = ("encode", "collate", "layout_key", "bucket", "pad", "stage", "answers")
+    for kind in ("image", "text"):
+        means = [found[f"{kind}_{step}_mean_ms"] for step in steps]
+        assert all(value > 0 for value in means), (kind, means)
+        assert found[f"{kind}_all_mean_ms"] == pytest.approx(sum(means), rel=1e-3, abs=1e-3)
 
 
 def test_the_serving_ceiling_runs_anywhere_and_scales_with_the_matrix_rate():
