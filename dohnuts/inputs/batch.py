@@ -297,50 +297,38 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
         for index in members:
             parents[index], splits[index] = group, split
 
-    # Plain lists, one tensor per field at the end: per-row tensors cost more than the rows. When
-    # every row is text, the three M-RoPE axes are equal and each piece's positions continue its
-    # row's count: one line built at the end from each piece's shift (its first position less its
-    # place on the token axis) and length. Otherwise they come in numpy pieces [3, n].
+    # Plain lists, one tensor per field at the end: per-row tensors cost more than the rows. Text
+    # advances the three M-RoPE axes together, so the positions are one line built at the end from
+    # each piece's shift (its first position less its place on the token axis) and length; a
+    # piece holding image tokens has its own [3, n] positions laid over the line.
     ids: list[int] = []
-    pieces: list[np.ndarray] = []
     shifts: list[int] = []
     spans: list[int] = []
+    explicit: list[tuple[int, np.ndarray]] = []  # (place, positions [3, n]) of pieces with images
     slot_positions: list[np.ndarray] = []
     slot_sources: list[np.ndarray] = []
-
-    text_only = all(not row.image_grids for row in rows)
-
-    def add(row: Row, begin: int, end: int) -> None:  # a piece of a batch with images
-        offset = len(ids)
-        ids.extend(row.input_ids[begin:end])
-        shift = 0
-        if row.image_grids:
-            blocks = image_blocks(row, image_pad_id)
-            start, height, width = blocks[-1]
-            if begin < start + height * width:
-                pieces.append(_mrope(blocks, len(row.input_ids))[:, begin:end])
-                places, sources = _image_tokens(row, blocks, begin, end, feature_offsets)
-                slot_positions.append(places + offset)
-                slot_sources.append(sources)
-                return
-            # All after the images: shifted as each leaves the positions after it.
-            shift = sum(max(height, width) - height * width for _, height, width in blocks)
-        pieces.append(np.broadcast_to(np.arange(begin + shift, end + shift), (3, end - begin)))
-
     prefix_lengths = [split for split, _ in groups]
     prefix_tokens = sum(prefix_lengths)
     lengths = [len(row.input_ids) for row in rows]
     own_lengths = [length - split for length, split in zip(lengths, splits)]
     # The pieces in order: each prefix once (from its first row), then each row past its split.
     segments = [(rows[members[0]], 0, split) for split, members in groups] + list(zip(rows, splits, lengths))
-    if text_only:  # inline, no call a piece: a request's rows are most of its host time
-        for row, begin, end in segments:
-            shifts.append(begin - len(ids))
-            spans.append(end - begin)
-            ids.extend(row.input_ids[begin:end])
-    else:
-        for row, begin, end in segments:
-            add(row, begin, end)
+    for row, begin, end in segments:  # inline, no call a piece: a request's rows are most of its host time
+        offset = len(ids)
+        ids.extend(row.input_ids[begin:end])
+        shift = begin - offset
+        if row.image_grids:
+            if end == len(row.input_ids) and image_pad_id not in row.input_ids[begin:end]:
+                # All after the images: each leaves max(h, w) positions where it holds h w tokens.
+                shift += sum(max(height, width) - height * width for height, width in row.image_grids)
+            else:
+                blocks = image_blocks(row, image_pad_id)
+                explicit.append((offset, _mrope(blocks, len(row.input_ids))[:, begin:end]))
+                places, sources = _image_tokens(row, blocks, begin, end, feature_offsets)
+                slot_positions.append(places + offset)
+                slot_sources.append(sources)
+        shifts.append(shift)
+        spans.append(end - begin)
     # Each row's markers move by its start on the rows' axis less its split, laid out [B, K] by
     # one boolean assignment (row-major, as they are listed), zero where a row has fewer.
     counts = np.fromiter(map(len, (row.markers for row in rows)), dtype=np.int64, count=len(rows))
@@ -361,7 +349,7 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     grid = torch.cat([image.grid_thw for image in images]) if images else None
     return Batch(
         input_ids=torch.from_numpy(np.fromiter(ids, dtype=np.int64, count=len(ids))),  # twice np.asarray's speed
-        position_ids=_text_positions(shifts, spans, len(ids)) if text_only else _positions(pieces),
+        position_ids=_positions(shifts, spans, len(ids), explicit),
         prefix_tokens=prefix_tokens,
         # The *_cpu fields are the same host tensors: `to` moves the others, never these.
         prefix_cu_seqlens=prefix_cu, prefix_cu_seqlens_cpu=prefix_cu, cu_seqlens=row_cu, cu_seqlens_cpu=row_cu,
@@ -380,16 +368,16 @@ def pack_rows(rows: list[Row], images: list[EncodedImage], image_pad_id: int) ->
     )
 
 
-def _text_positions(shifts: list[int], spans: list[int], tokens: int) -> torch.Tensor:
-    """[3, tokens] int64 positions of text pieces: token i of the axis has position i plus its
-    piece's shift (`pack_rows`)."""
+def _positions(shifts: list[int], spans: list[int], tokens: int, explicit: list[tuple[int, np.ndarray]]
+               ) -> torch.Tensor:
+    """[3, tokens] int64 positions of `pack_rows`' pieces: token i of the axis has position i plus
+    its piece's shift, except in the pieces with images, whose own positions are given at their
+    place."""
     line = np.arange(tokens, dtype=np.int64) + np.repeat(np.asarray(shifts, dtype=np.int64), spans)
-    return torch.from_numpy(np.broadcast_to(line, (3, tokens)).copy())
-
-
-def _positions(pieces: list[np.ndarray]) -> torch.Tensor:
-    """[3, tokens] int64 positions from `pack_rows`' pieces."""
-    return torch.from_numpy(np.concatenate(pieces, axis=1))
+    positions = np.broadcast_to(line, (3, tokens)).copy()
+    for place, given in explicit:
+        positions[:, place:place + given.shape[1]] = given
+    return torch.from_numpy(positions)
 
 
 def _longs(values: list) -> torch.Tensor:
