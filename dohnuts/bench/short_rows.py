@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import kernels
-from ..ops.plan import chunk_plan, cumulative
+from ..ops.plan import CHUNK, chunk_plan, cumulative
 from .host import require_cuda, warmed_predictor
 
 
@@ -124,10 +124,12 @@ def delta_rule_short_rows(*, fused_recurrent) -> None:
 
 
 @torch.no_grad()
-def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: tuple[int, ...] = (1, 2, 4, 8)) -> None:
+def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: tuple[int, ...] = (1, 2, 4, 8),
+                        sets: tuple[str, ...] = ()) -> None:
     """Time `delta_rule.scan.delta_rule_scan` on prefixes from zero states keeping their final
     states (a prefix's layer in a bucket), each replayed from a CUDA graph: each count of
-    `together` sequences of each of `lengths` tokens, by each of its paths (the parts solved
+    `together` sequences of each of `lengths` tokens, then each of `sets` (sequences of unequal
+    lengths run together, "700,200,90": a request's long rows), by each of its paths (the parts solved
     apart, 1 or 4 a program, then walked with blocks of 16, 32 or 64 values, pipelined in 1 to 3
     stages, with 2 or 4 warps; 64-token chunks solved whole and walked, `WALK_CHUNK`; the
     one-kernel walk), whatever the
@@ -135,8 +137,17 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     value heads of width 128), bf16. Prints microseconds a layer and tokens a microsecond, marks
     the path the runtime takes, and gives each path's largest output difference from the first's.
 
-        python benchmarks/run.py delta_rule_prefixes --lengths 1024 2048 --together 1 2 4 8
+        python benchmarks/run.py delta_rule_prefixes --lengths 1024 2048 --together 1 2 4 8 --sets 700,200,90
+
+    Raises:
+        ValueError: a set that is not lengths joined by commas.
     """
+    packs = [[length] * count for count in together for length in lengths]
+    for given in sets:
+        try:
+            packs.append([int(length) for length in given.split(",")])
+        except ValueError:
+            raise ValueError(f"a set is lengths joined by commas, like 700,200,90: got {given!r}") from None
     require_cuda()
     from ..ops.delta_rule import scan as ops
 
@@ -164,16 +175,17 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
           f"the runtime takes the one-kernel walk from {ops.PARTS_BELOW} sequences (in a bucket, from "
           f"{ops.PARTS_BELOW} sequences over 64 tokens, counted on the device)")
     try:
-        for count, length in [(count, length) for count in together for length in lengths]:
-            total = count * length
+        for pack in packs:
+            count, total = len(pack), sum(pack)
+            label = f"{count} x {pack[0]:5d} tokens" if len(set(pack)) == 1 else f"{'+'.join(map(str, pack))} tokens"
             q, k = (F.normalize(rand(total, heads, width), dim=-1).bfloat16() for _ in range(2))
             v = rand(total, heads, width).bfloat16()
             g, beta = rand(total, heads).bfloat16(), torch.sigmoid(rand(total, heads)).bfloat16()
             A_log, dt_bias = rand(heads).float() * 0.5, rand(heads).float() * 0.5
-            bounds = cumulative([length] * count).cuda()
+            bounds = cumulative(pack).cuda()
             # The chunk plan made ahead, as inference batches carry it: the scan would otherwise
             # read the bounds back to the host, which a graph capture cannot do.
-            plan = chunk_plan([length] * count).cuda()
+            plan = chunk_plan(pack).cuda()
             first = None
             for name, settings in paths:
                 for setting, value in settings.items():
@@ -186,9 +198,10 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 ms, out = graphed(scan, replays=50)
                 first = out if first is None else first
                 gap = ((out - first).abs().max() / first.abs().max()).item()
-                one_kernel = count >= defaults["PARTS_BELOW"]
+                # In a bucket the route counts the sequences over 64 tokens (`_scan_route`).
+                one_kernel = sum(length > CHUNK for length in pack) >= defaults["PARTS_BELOW"]
                 taken = (settings["PARTS_BELOW"] == 0) if one_kernel else settings == {**defaults, "PARTS_BELOW": 2**31}
-                print(f"{count} x {length:5d} tokens, {name:58s}: {ms * 1e3:8.1f} us a layer, "
+                print(f"{label}, {name:58s}: {ms * 1e3:8.1f} us a layer, "
                       f"{total / (ms * 1e3):7.1f} tokens/us, max difference {gap:.1e}{' (taken)' if taken else ''}",
                       flush=True)
     finally:

@@ -132,6 +132,13 @@ def test_host_first_sight_times_each_step_of_new_requests_on_the_cpu(runner, cap
         assert found[f"{kind}_all_mean_ms"] == pytest.approx(sum(means), rel=1e-3, abs=1e-3)
 
 
+def test_delta_rule_prefixes_refuses_a_set_that_is_not_lengths_before_it_needs_cuda():
+    from dohnuts.bench.short_rows import delta_rule_prefixes
+
+    with pytest.raises(ValueError, match="lengths joined by commas, like 700,200,90: got '700,x'"):
+        delta_rule_prefixes(sets=("700,200", "700,x"))
+
+
 def test_the_serving_ceiling_runs_anywhere_and_scales_with_the_matrix_rate():
     """The mix's roofline ceiling encodes only (no device): twice the matrix rate, at most twice
     the decisions a second (the memory term may bind), and never fewer."""
