@@ -375,7 +375,7 @@ class GraphedScores:
         self.failed: set[tuple] = set()
         self.pool = None
         self.buckets: dict = {}  # Bucket -> _BucketGraph, made by `prepare`
-        self.ladder = Ladder(())  # the same buckets, to find a batch's (`buckets.Ladder`)
+        self._ladder, self._ladder_of = Ladder(()), None  # `ladder` and what it was made of
         self.arena: _Arena | None = None  # what their pieces pass between them
         self.wanted: tuple = ()  # the buckets `prepare` was asked for, made again after a change
         self.stale = False  # the model changed since they were
@@ -439,9 +439,16 @@ class GraphedScores:
                                                                   f"{type(error).__name__}: {error}")
                     torch.cuda.synchronize()
         torch.cuda.synchronize()
-        self.ladder = Ladder(self.buckets)
         self.stats["prepare_seconds"] += time.perf_counter() - start
         return len(self.buckets)
+
+    @property
+    def ladder(self) -> Ladder:
+        """`buckets` as a `buckets.Ladder` (to find a batch's), made again when they change."""
+        source, count = self._ladder_of or (None, 0)
+        if source is not self.buckets or count != len(self.buckets):
+            self._ladder, self._ladder_of = Ladder(self.buckets), (self.buckets, len(self.buckets))
+        return self._ladder
 
     def _check_versions(self) -> None:
         """Drop every graph when the model changed (see the class docstring)."""
@@ -457,7 +464,6 @@ class GraphedScores:
         self.failed.clear()
         self.stale = bool(self.buckets)
         self.buckets.clear()
-        self.ladder = Ladder(())
         self.arena = None
         self.versions = versions
 

@@ -27,6 +27,25 @@ def _batch(template, colour, note="a square on a page, drawn for the test " * 4)
     return template.collate(*encoded(template, request))
 
 
+def test_the_ladder_finds_buckets_as_they_are_made_replaced_and_dropped():
+    """`GraphedScores.ladder` follows `buckets` (filled at prepare, cleared with the graphs, or
+    a new dict given in their place), so a batch's bucket is found among those captured."""
+    from dohnuts.runtime.buckets import Bucket, Shape
+
+    graphed = GraphedScores(None)  # no model is read: the ladder only orders the buckets
+    shape = Shape(64, 1, 100, 1, 100, 2)
+    small, large = Bucket(128, 128, True), Bucket(256, 256, True)
+    assert graphed.ladder.smallest_fit(shape) is None
+    graphed.buckets[large] = None
+    assert graphed.ladder.smallest_fit(shape) == large
+    graphed.buckets[small] = None
+    assert graphed.ladder.smallest_fit(shape) == small
+    graphed.buckets = {large: None}
+    assert graphed.ladder.smallest_fit(shape) == large
+    graphed.buckets.clear()
+    assert graphed.ladder.smallest_fit(shape) is None
+
+
 def test_layout_key_ignores_contents_but_not_the_plan(tiny):
     template = tiny.template()
     red, green = _batch(template, (220, 20, 20)), _batch(template, (20, 220, 20))

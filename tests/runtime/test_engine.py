@@ -9,7 +9,7 @@ import pytest
 from helpers import square_image, state_of_tokens
 
 from dohnuts import Predictor
-from dohnuts.runtime.buckets import Bucket, Ladder, batch_shape, fits, joined
+from dohnuts.runtime.buckets import Bucket, batch_shape, fits, joined
 from dohnuts.runtime.engine import (
     Closed,
     EngineLoop,
@@ -82,16 +82,15 @@ def test_an_invocation_grows_within_a_bucket_when_its_first_request_fits_one_els
     small, large = request_shape(one), request_shape(three)
     bucket = Bucket(64, 128, True)  # one short request's row, not two
     assert fits(small, bucket) and not fits(small.join(small), bucket) and not fits(large, bucket)
-    real = engine.scores.buckets, engine.scores.ladder
-    engine.scores.buckets = {bucket: None}  # as if captured: only the planning reads them here
-    engine.scores.ladder = Ladder([bucket])
+    real = engine.scores.buckets
+    engine.scores.buckets = {bucket: None}  # as if captured: only the planning reads it here
     try:
         assert engine.graphed(small) and not engine.graphed(large)
         assert not engine.admits(small, small.join(small))  # a graphed invocation stays in its bucket
         assert engine.admits(large, large.join(small).join(small))  # an eager one grows to the budget
         assert [len(pieces) for pieces in plan([one, one, three, one, one], engine.admits)] == [1, 1, 3]
     finally:
-        engine.scores.buckets, engine.scores.ladder = real
+        engine.scores.buckets = real
 
 
 def test_a_request_split_over_invocations_gets_the_logits_it_gets_whole(predictor):
