@@ -173,3 +173,32 @@ def test_front_ends_read_which_engines_refuse_from_the_shared_states(tmp_path):
         assert not engines.refusing and engines._choose(text) == 0
     finally:
         engines.close()
+
+
+def test_a_cpu_engine_loads_in_a_thread_that_ends_and_its_errors_reach_the_caller(deployable, monkeypatch):
+    """On the CPU the engine process loads, prepares and warms up in a thread of its own, over
+    before the loop's starts (so the loop's OpenMP team is the only one: `_loaded`); what fails
+    there is raised in the caller as it was."""
+    import threading
+
+    import torch
+
+    from dohnuts.io import IntegrityError
+    from dohnuts.runtime import engine_process
+
+    root, _ = deployable
+    seen = []
+    real = engine_process.load_engine
+
+    def recording(*args, **kwargs):
+        seen.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_process, "load_engine", recording)
+    settings = engine_process.EngineSettings(str(root / "checkpoint"), "cpu", "ipc:///unused")
+    engine, _ = engine_process._loaded(settings, torch.device("cpu"))
+    assert engine.stats["requests"] == 1  # warmed up
+    assert len(seen) == 1 and seen[0] is not threading.main_thread() and not seen[0].is_alive()
+    with pytest.raises(IntegrityError, match="no manifest.json"):
+        engine_process._loaded(engine_process.EngineSettings("/nonexistent", "cpu", "ipc:///unused"),
+                               torch.device("cpu"))
