@@ -119,8 +119,8 @@ def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[i
     np.cumsum(query_counts, out=query_cu[1:])
     # A row without a prefix (parent -1) inherits an empty one: index G, of length 0.
     lookup = np.where(parent_of >= 0, parent_of, groups)
-    inherited = query_counts[:groups + 1].copy() if rows else np.zeros(groups + 1, dtype=np.int64)
-    inherited[groups] = 0
+    inherited = np.zeros(groups + 1, dtype=np.int64)
+    inherited[:groups] = query_counts[:groups]
     inherited = inherited[lookup]
     # The key segments in order: each prefix's tokens, then per row its prefix's tokens and its own.
     segment_starts = np.empty(groups + 2 * rows, dtype=np.int64)

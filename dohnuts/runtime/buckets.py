@@ -233,9 +233,6 @@ class Ladder:
         self.buckets = tuple(sorted(buckets, key=rank))
         self.tokens = [bucket.tokens for bucket in self.buckets]
 
-    def __len__(self) -> int:
-        return len(self.buckets)
-
     def smallest_fit(self, shape: Shape) -> Bucket | None:
         for index in range(bisect.bisect_left(self.tokens, shape.tokens), len(self.buckets)):
             if fits(shape, self.buckets[index]):
