@@ -79,7 +79,7 @@ ROW_TOKENS = 64  # the longest short row (`ops.delta_rule.rows.ROW_TOKENS`)
 @dataclass(frozen=True)
 class Bucket:
     """Every shape a bucket's graph fixes (see the module's docstring). Its derived sizes are
-    computed once: a request's `smallest_fit` reads them for each of the ~100 buckets."""
+    computed once: finding a batch's bucket reads them for several buckets (`Ladder`)."""
 
     prefix_tokens: int
     row_tokens: int

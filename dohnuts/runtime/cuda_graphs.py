@@ -439,12 +439,14 @@ class GraphedScores:
                                                                   f"{type(error).__name__}: {error}")
                     torch.cuda.synchronize()
         torch.cuda.synchronize()
+        self._ladder_of = None  # the buckets changed: `ladder` is made again
         self.stats["prepare_seconds"] += time.perf_counter() - start
         return len(self.buckets)
 
     @property
     def ladder(self) -> Ladder:
-        """`buckets` as a `buckets.Ladder` (to find a batch's), made again when they change."""
+        """`buckets` as a `buckets.Ladder` (to find a batch's), made again after `prepare` or a
+        model change, or when `buckets` is another dict or holds another count."""
         source, count = self._ladder_of or (None, 0)
         if source is not self.buckets or count != len(self.buckets):
             self._ladder, self._ladder_of = Ladder(self.buckets), (self.buckets, len(self.buckets))
@@ -464,6 +466,7 @@ class GraphedScores:
         self.failed.clear()
         self.stale = bool(self.buckets)
         self.buckets.clear()
+        self._ladder_of = None
         self.arena = None
         self.versions = versions
 

@@ -44,6 +44,14 @@ def test_the_ladder_finds_buckets_as_they_are_made_replaced_and_dropped():
     assert graphed.ladder.smallest_fit(shape) == large
     graphed.buckets.clear()
     assert graphed.ladder.smallest_fit(shape) is None
+    # A model change empties the same dict and `prepare` fills it again, as many as before.
+    graphed.buckets[small] = None
+    assert graphed.ladder.smallest_fit(shape) == small
+    graphed.model = type("Changed", (), {"generation": 1, "parameters": lambda self: [torch.zeros(1)]})()
+    graphed._check_versions()  # a model of another generation: every graph and bucket dropped
+    assert not graphed.buckets
+    graphed.buckets[large] = None  # as `prepare` would after it
+    assert graphed.ladder.smallest_fit(shape) == large
 
 
 def test_layout_key_ignores_contents_but_not_the_plan(tiny):
