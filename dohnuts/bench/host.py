@@ -161,7 +161,7 @@ def encode_first_sight(count: int = 60, seed: int = 37, rounds: int = 3) -> None
     Prints one JSON line: milliseconds a request with an image and without, p50 and mean.
     """
     samples: dict[bool, list[float]] = {True: [], False: []}
-    for images, steps in _first_sight_steps(count, seed, rounds, FIRST_SIGHT_STEPS[:2]):
+    for images, steps in _first_sight_steps(count, seed, rounds):
         samples[images].append(steps["encode"] + steps["collate"])
     print(json.dumps({"workload": "encode_first_sight", "requests": count, "rounds": rounds,
                       **{f"{kind}_{name}_ms": round(value(samples[images]), 3)
@@ -175,10 +175,10 @@ def encode_first_sight(count: int = 60, seed: int = 37, rounds: int = 3) -> None
 FIRST_SIGHT_STEPS = ("encode", "collate", "layout key", "bucket", "pad", "stage", "answers")
 
 
-def _first_sight_steps(count: int, seed: int, rounds: int, steps: tuple[str, ...] = FIRST_SIGHT_STEPS):
-    """(whether the request has an image, {step: milliseconds}) of each of `count` real-traffic
-    requests, `rounds` times, each on first sight (the template's piece cache emptied, images
-    new), through the first of `FIRST_SIGHT_STEPS` named by `steps` (a prefix of them)."""
+def _first_sight_steps(count: int, seed: int, rounds: int):
+    """(whether the request has an image, {step of `FIRST_SIGHT_STEPS`: milliseconds}) of each
+    of `count` real-traffic requests, `rounds` times, each on first sight (the template's piece
+    cache emptied, images new)."""
     config, template = _host_template()
     buckets = Ladder(all_buckets())  # as a predictor's `GraphedScores.ladder`
     staging = np.empty(PACKED_BYTES, dtype=np.uint8)
@@ -194,23 +194,22 @@ def _first_sight_steps(count: int, seed: int, rounds: int, steps: tuple[str, ...
             marks.append(time.perf_counter())
             batch = template.collate(list(encoded.rows), list(encoded.images))
             marks.append(time.perf_counter())
-            if len(steps) > 2:
-                layout_key(batch)
-                marks.append(time.perf_counter())
-                bucket = bucket_for(batch, buckets)
-                marks.append(time.perf_counter())
-                padded = pad_to_bucket(batch, bucket, 0) if bucket is not None else batch
-                marks.append(time.perf_counter())
-                tensors = padded.device_tensors()
-                offsets, total = packed_layout(tensors)
-                if total <= PACKED_BYTES:
-                    lay_out(tensors, staging, offsets)
-                marks.append(time.perf_counter())
-                logits = rng.standard_normal(tuple(batch.markers.shape)).astype(np.float32)
-                answers_of(logits, candidate_mask([request]), [request], [batch.input_tokens], UNCALIBRATED)
-                marks.append(time.perf_counter())
+            layout_key(batch)
+            marks.append(time.perf_counter())
+            bucket = bucket_for(batch, buckets)
+            marks.append(time.perf_counter())
+            padded = pad_to_bucket(batch, bucket, 0) if bucket is not None else batch
+            marks.append(time.perf_counter())
+            tensors = padded.device_tensors()
+            offsets, total = packed_layout(tensors)
+            if total <= PACKED_BYTES:
+                lay_out(tensors, staging, offsets)
+            marks.append(time.perf_counter())
+            logits = rng.standard_normal(tuple(batch.markers.shape)).astype(np.float32)
+            answers_of(logits, candidate_mask([request]), [request], [batch.input_tokens], UNCALIBRATED)
+            marks.append(time.perf_counter())
             yield bool(request.images), {step: (after - before) * 1e3
-                                         for step, before, after in zip(steps, marks, marks[1:])}
+                                         for step, before, after in zip(FIRST_SIGHT_STEPS, marks, marks[1:])}
 
 
 def host_first_sight(count: int = 80, seed: int = 37, rounds: int = 3) -> None:
