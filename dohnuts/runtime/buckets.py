@@ -131,13 +131,13 @@ class Bucket:
 
 
 def all_buckets() -> list[Bucket]:
-    """The buckets captured at load, smallest first."""
+    """The buckets captured at load, smallest first (`rank`)."""
     buckets = [Bucket(p, s, False) for p in PREFIX_LADDER for s in ROW_LADDER if p + s <= SHORT_ROW_TOKENS]
     long = {(p, s) for p in PREFIX_LADDER for s in LONG_ROW_LADDER}
     long |= {(p, s) for p in FINE_PREFIX_LADDER for s in FINE_ROW_LADDER if p + s <= FINE_TOKENS}
     buckets += [Bucket(p, s, True) for p, s in long]
     buckets += [Bucket(0, s, True, single=True) for s in ONE_ROW_LADDER]
-    return sorted(buckets, key=lambda bucket: bucket.tokens)
+    return sorted(buckets, key=rank)
 
 
 def sequence_lengths(cu_seqlens_cpu: torch.Tensor) -> list[int]:

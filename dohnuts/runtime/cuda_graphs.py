@@ -32,7 +32,7 @@ from ..model.decoder import (
     rotary_tables,
 )
 from ..ops import kernels
-from .buckets import Ladder, all_buckets, bucket_for, empty_batch, pad_to_bucket, padding_tokens
+from .buckets import Ladder, all_buckets, bucket_for, empty_batch, pad_to_bucket, padding_tokens, rank
 
 # The batch fields `DecisionModel.scores` reads on the device (plus the fork); the others
 # (token ids, pixels, image slots) only feed the eager embeddings. The plan fields hold values
@@ -414,7 +414,7 @@ class GraphedScores:
             return 0
         self._check_versions()
         self.stale = False
-        self.wanted = tuple(sorted(all_buckets() if buckets is None else buckets, key=lambda bucket: bucket.tokens))
+        self.wanted = tuple(sorted(all_buckets() if buckets is None else buckets, key=rank))
         pool = torch.cuda.graph_pool_handle()
         if self.arena is None:
             self.arena = _Arena(model.device, max((bucket.tokens for bucket in self.wanted), default=0))
