@@ -96,6 +96,10 @@ MEASUREMENTS: dict[str, Measurement] = {
     "kernel_profile": Measurement(
         device.kernel_profile, "the kernels a workload's graph replays, by device time", "cuda",
         (workloads("distinct_text_50q", "distinct_text_1q", "vision_protocol_image_1q"),)),
+    "real_traffic_profile": Measurement(
+        device.real_traffic_profile, "real-traffic first sights under the profiler: wall vs device busy, kernels",
+        "cuda", (Argument("count", int, 80, "timed requests (10 others warm up first)"),
+                 Argument("seed", int, 37, "the generator's seed"), Argument("top", int, 30, "kernels listed"))),
     "copy_trace": Measurement(
         device.copy_trace, "every tensor copy of one eager forward, and the line that asked for it", "cuda",
         (workload("distinct_text_1q"),)),

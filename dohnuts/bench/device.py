@@ -17,6 +17,7 @@ from ..runtime.cuda_graphs import layout_key
 from .host import SHAPE, chosen_workloads, timed_samples, warm_up, warmed_predictor
 from .shapes import shape_only_predictor
 from .telemetry import Telemetry
+from .traffic import percentile, real_traffic
 
 
 def profile_predict(workload: str = "distinct_text_50q", calls: int = 20, profiled: int = 3, rows: int = 45) -> None:
@@ -199,3 +200,48 @@ def copy_trace(workload: str = "distinct_text_1q") -> None:
         predictor.model.scores(embeds, moved)
     for (op, shapes, where), count in mode.seen.most_common():
         print(f"{count:4d}  {op:28s} {where:60s} {shapes}")
+
+
+@torch.no_grad()
+def real_traffic_profile(count: int = 80, seed: int = 37, top: int = 30) -> None:
+    """Where a real-traffic request's first sight goes on the GPU (issue 37): the workload of
+    `real_traffic` on the shape-only Qwen3.5-0.8B predictor (graphs prepared as a server loads,
+    10 warm-up requests), each timed request once under the profiler (device kernels only).
+
+        python benchmarks/run.py real_traffic_profile --count 80
+
+    Prints the p50 of each request's wall time, its kernels' device time as their union (busy)
+    and the rest (host, launches, waits), by text and image requests; then the kernels by device
+    time a request, summed over the requests. The profiler slows the host a little: the wall
+    times here are above `real_traffic`'s."""
+    predictor = shape_only_predictor(SHAPE)
+    requests = real_traffic(10 + count, seed)
+    for state, questions in requests[:10]:
+        predictor.predict(state, questions)
+    rows, by_name = [], defaultdict(lambda: [0, 0.0])
+    for state, questions in requests[10:]:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            predictor.predict(state, questions)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) * 1e3
+        kernels = _kernels(prof)
+        for kernel, begin, end in kernels:
+            by_name[kernel][0] += 1
+            by_name[kernel][1] += end - begin
+        batch, _ = predictor.encode(state, questions)
+        rows.append(("image" if "image" in state else "text", wall, _busy(kernels) / 1e3, batch.computed_tokens))
+    for kind in ("all", "text", "image"):
+        chosen = [row for row in rows if kind in ("all", row[0])]
+        if not chosen:
+            continue
+        walls, busy = [row[1] for row in chosen], [row[2] for row in chosen]
+        rest = [wall - device for wall, device in zip(walls, busy)]
+        print(f"{kind:5} {len(chosen):3d} requests: wall p50 {percentile(walls, 0.5):.2f} ms, device busy p50 "
+              f"{percentile(busy, 0.5):.2f} ms, the rest p50 {percentile(rest, 0.5):.2f} ms; "
+              f"computed tokens p50 {percentile([row[3] for row in chosen], 0.5):.0f}", flush=True)
+    print(f"\n{'us a request':>12} {'calls':>6} {'us each':>8}  kernel")
+    for kernel, (calls, total) in sorted(by_name.items(), key=lambda item: -item[1][1])[:top]:
+        print(f"{total / len(rows):12.1f} {calls / len(rows):6.1f} {total / calls:8.2f}  {kernel[:110]}")
+    print(flush=True)
