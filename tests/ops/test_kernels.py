@@ -462,6 +462,33 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width, pa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("segments", [1, 4, 8])
+def test_delta_rule_segmented_matches_the_reference(segments):
+    """The walk in segments (bf16, the Qwen3.5-0.8B widths, sequences of 1 to 2,816 tokens cut
+    into 1, 4 or 8 runs): from zero states keeping the final states and from forked states,
+    against the float32 recurrence within the scan's own tolerance."""
+    from dohnuts.ops.delta_rule.segments import delta_rule_segmented, segment_plan
+
+    lengths = [2816, 1, 130, 700, 44]
+    q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, 16, 16, 128, 5)
+    plan = segment_plan(lengths, segments, "cuda")
+    log_decay = decay(gate, A_log, dt_bias)
+    forked = kernels.fork_states(states, parents, True)
+    with torch.no_grad():
+        fresh, final = delta_rule_segmented(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log,
+                                            dt_bias, plan)
+        continued, _ = delta_rule_segmented(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log,
+                                            dt_bias, plan)
+    reference, reference_final = gated_delta_rule_reference(q, k, v, log_decay, beta, None, True, cu.long(),
+                                                            normalise=False)
+    reference_continued, _ = gated_delta_rule_reference(q, k, v, log_decay, beta, forked, False, cu.long(),
+                                                        normalise=False)
+    assert _relative_error(fresh[None], reference) < 1e-2
+    assert _relative_error(final, reference_final) < 1e-2
+    assert _relative_error(continued[None], reference_continued) < 1e-2
+
+
+@pytest.mark.gpu
 def test_inference_walks_sequences_past_the_gradient_bound_and_never_calls_fla(monkeypatch):
     """Forward only, `kernels.delta_rule` sends sequences of any length to the scan (here a
     prefix of 5,000 tokens, past `SCAN_TOKENS`, beside short ones): FLA, which tunes its kernels
@@ -528,9 +555,9 @@ def test_triton_kernels_match_references_under_triton_interpreter():
     """Our Triton kernels on the CPU through Triton's interpreter (tests/ops/triton_interpreted.py):
     conv_split_heads, the norms, the norm fused with the rotary embedding and SwiGLU (also reading
     column blocks of a packed projection's output in place) against their references, outputs and
-    every gradient, on
-    packed sequences of 1 to 130 tokens with and without carried and final states; delta_rule_rows
-    against the recurrence on forked states (also on badly conditioned blocks, against float64);
+    every gradient, on packed sequences of 1 to 130 tokens with and without carried and final
+    states; delta_rule_rows against the recurrence on forked states (also on badly conditioned
+    blocks, against float64); the scan and the scan walked in segments against the recurrence;
     and the decoder with them (its CUDA path) against its CPU path, with prefixes forked to rows,
     short rows taking delta_rule_rows only without gradients."""
     pytest.importorskip("triton")

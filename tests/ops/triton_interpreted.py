@@ -1,5 +1,6 @@
 """Our Triton kernels (the `fused` module of each family in dohnuts.ops, and the delta rule's
-`rows`, `scan` and `backward`) against their references, run on the CPU by Triton's interpreter.
+`rows`, `scan`, `segments` and `backward`) against their references, run on the CPU by Triton's
+interpreter.
 `test_kernels.py` runs this file in a subprocess with TRITON_INTERPRET=1, which Triton reads
 when the kernels are defined. Exits non-zero on the first mismatch."""
 
@@ -17,6 +18,7 @@ from dohnuts.ops.conv.naive import conv_split_heads_reference
 from dohnuts.ops.delta_rule import backward as delta_backward
 from dohnuts.ops.delta_rule import rows as delta_rows
 from dohnuts.ops.delta_rule import scan as delta_scan
+from dohnuts.ops.delta_rule import segments as delta_segments
 from dohnuts.ops.delta_rule.naive import decay, gated_delta_rule_reference
 from dohnuts.ops.norm import fused as norm_fused
 from dohnuts.ops.norm.naive import norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
@@ -348,6 +350,43 @@ class _Idle:
         return lambda *args, **options: None
 
 
+def check_delta_rule_segmented():
+    """delta_rule_segmented against the token-by-token reference: sequences of 0 to 300 tokens
+    walked in 1 to 5 runs each (more runs than a sequence has chunks among them, so some empty),
+    from zero states keeping the final states and from forked states (some rows without a
+    parent), grouped heads, values narrower and wider than the keys."""
+    generator = torch.Generator().manual_seed(11)
+    heads, key_dim, value_heads = 2, 8, 4
+    for value_dim in (6, 20):
+        for lengths in ([300, 5, 0, 130, 64, 257], [200]):
+            total = sum(lengths)
+            cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+            q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
+            v = torch.randn(total, value_heads, value_dim, generator=generator)
+            gate = torch.randn(total, value_heads + 3, generator=generator)[:, 1:-2]
+            beta = torch.rand(total, value_heads, generator=generator)
+            A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
+            log_decay = decay(gate, A_log, dt_bias)
+            states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
+            parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])
+            reference, reference_final = gated_delta_rule_reference(
+                q[None], k[None], v[None], log_decay[None], beta[None], None, True, cu.long(), normalise=False)
+            forked, forked_final = gated_delta_rule_reference(
+                q[None], k[None], v[None], log_decay[None], beta[None], kernels.fork_states(states, parents, True),
+                True, cu.long(), normalise=False)
+            for segments in (1, 2, 3, 5):
+                case = f"delta_rule_segmented lengths={lengths} V={value_dim} segments={segments}"
+                plan = delta_segments.segment_plan(lengths, segments, "cpu")
+                ours, final = delta_segments.delta_rule_segmented(q, k, v, gate, beta, None, None, cu, True, A_log,
+                                                                  dt_bias, plan)
+                close(f"{case} from zero", ours, reference[0])
+                close(f"{case} final states", final, reference_final)
+                ours, final = delta_segments.delta_rule_segmented(q, k, v, gate, beta, states, parents, cu, True,
+                                                                  A_log, dt_bias, plan)
+                close(f"{case} forked", ours, forked[0])
+                close(f"{case} forked final states", final, forked_final)
+
+
 def check_routes_on_the_device(last: str):
     """Routed, the path the device picks does all the work and the other none: with one path's
     last kernel idle, the output (and the final states) are the reference where the other path
@@ -629,6 +668,7 @@ if __name__ == "__main__":
     check_conv_split_heads()
     check_delta_rule_rows()
     check_delta_rule_scan()
+    check_delta_rule_segmented()
     check_delta_rule_grad()
     check_norms_and_swiglu()
     check_norm_rotate()
