@@ -125,7 +125,7 @@ def delta_rule_short_rows(*, fused_recurrent) -> None:
 
 @torch.no_grad()
 def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: tuple[int, ...] = (1, 2, 4, 8),
-                        sets: tuple[str, ...] = ()) -> None:
+                        sets: tuple[str, ...] = (), segments: tuple[int, ...] = ()) -> None:
     """Time `delta_rule.scan.delta_rule_scan` on prefixes from zero states keeping their final
     states (a prefix's layer in a bucket), each replayed from a CUDA graph: each count of
     `together` sequences of each of `lengths` tokens, then each of `sets` (sequences of unequal
@@ -136,8 +136,10 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     count would choose (`PARTS_BELOW`). Shape: the Qwen3.5-0.8B delta-rule layer (16 key and 16
     value heads of width 128), bf16. Prints microseconds a layer and tokens a microsecond, marks
     the path the runtime takes, and gives each path's largest output difference from the first's.
+    Each of `segments` adds `delta_rule.segments.delta_rule_segmented` in that many runs a sequence.
 
         python benchmarks/run.py delta_rule_prefixes --lengths 1024 2048 --together 1 2 4 8 --sets 700,200,90
+        python benchmarks/run.py delta_rule_prefixes --lengths 1408 2816 --together 1 2 --segments 2 4 8
 
     Raises:
         ValueError: a set that is not lengths joined by commas.
@@ -150,6 +152,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
             raise ValueError(f"a set is lengths joined by commas, like 700,200,90: got {given!r}") from None
     require_cuda()
     from ..ops.delta_rule import scan as ops
+    from ..ops.delta_rule.segments import delta_rule_segmented, segment_plan
 
     heads, width = 16, 128
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -171,6 +174,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 "WALK_WARPS": warps})
               for solve, values, warps in ((4, 32, 4), (2, 32, 4), (4, 16, 4), (4, 64, 8))]
     paths.append(("one kernel", {**defaults, "WALK_VALUES": 64, "PARTS_BELOW": 0}))
+    paths += [(f"in {runs} runs a sequence (64-token chunks)", {**defaults, "segments": runs}) for runs in segments]
     print(f"# {heads} heads of width {width}, bf16, from zero states, final states kept; CUDA graph replays; "
           f"the runtime takes the one-kernel walk from {ops.PARTS_BELOW} sequences (in a bucket, from "
           f"{ops.PARTS_BELOW} sequences over 64 tokens, counted on the device)")
@@ -189,10 +193,15 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
             first = None
             for name, settings in paths:
                 for setting, value in settings.items():
-                    setattr(ops, setting, value)
+                    if setting != "segments":
+                        setattr(ops, setting, value)
+                runs = segment_plan(pack, settings["segments"], "cuda") if "segments" in settings else None
 
-                def scan(arguments=(q, k, v, g, beta, None, None, bounds, True, A_log, dt_bias), plan=plan):
-                    out, final = ops.delta_rule_scan(*arguments, chunks=plan)
+                def scan(arguments=(q, k, v, g, beta, None, None, bounds, True, A_log, dt_bias), plan=plan, runs=runs):
+                    if runs is None:
+                        out, final = ops.delta_rule_scan(*arguments, chunks=plan)
+                    else:
+                        out, final = delta_rule_segmented(*arguments, runs)
                     return torch.cat([out.flatten().float(), final.flatten()])
 
                 ms, out = graphed(scan, replays=50)
