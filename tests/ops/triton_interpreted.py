@@ -354,7 +354,8 @@ def check_delta_rule_segmented():
     """delta_rule_segmented against the token-by-token reference: sequences of 0 to 300 tokens
     walked in 1 to 5 runs each (more runs than a sequence has chunks among them, so some empty),
     from zero states keeping the final states and from forked states (some rows without a
-    parent), grouped heads, values narrower and wider than the keys."""
+    parent), also planned as a bucket's graph would plan them, grouped heads, values narrower
+    and wider than the keys."""
     generator = torch.Generator().manual_seed(11)
     heads, key_dim, value_heads = 2, 8, 4
     for value_dim in (6, 20):
@@ -385,6 +386,16 @@ def check_delta_rule_segmented():
                                                                   A_log, dt_bias, plan)
                 close(f"{case} forked", ours, forked[0])
                 close(f"{case} forked final states", final, forked_final)
+                # As a bucket's graph would plan it: a padded chunk plan naming a last, empty
+                # sequence, and a bound on lengths above the longest.
+                padded_cu = torch.cat([cu, cu[-1:]])
+                bucket = delta_segments.runs_of(padded_cu, padded_plan(lengths + [0], len(chunk_plan(lengths)) + 3),
+                                                segments, longest=512, total=total)
+                padded, padded_final = delta_segments.delta_rule_segmented(
+                    q, k, v, gate, beta, states, torch.cat([parents, parents[:1]]), padded_cu, True, A_log, dt_bias,
+                    bucket)
+                close(f"{case} on a bucket's plan", padded, forked[0])
+                close(f"{case} final states on a bucket's plan", padded_final[:-1], forked_final)
 
 
 def check_routes_on_the_device(last: str):

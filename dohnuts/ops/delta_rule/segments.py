@@ -1,5 +1,5 @@
 """The delta rule of a few long sequences, each walked in segments at once (an experiment of
-issue 37, not yet on any path of the model).
+issue 37).
 
 A long sequence alone keeps few of the device's programs busy: `delta_rule_scan` walks its 64-token
 chunks one after another (one program per value head and block of values), so its latency is
@@ -15,10 +15,10 @@ fixed at once (H + M E_j, U_H + U_M E_j), and the outputs are `_chunk_output`'s 
 `delta_rule_scan`. The walk's serial steps fall from a sequence's chunks to a segment's, for twice
 the columns a step and the fixes.
 
-The runs are planned on the host from the sequences' lengths (`segment_plan`), once for a shape,
-so a call can be captured in a CUDA graph; for timing and checking the idea
-(`bench.short_rows.delta_rule_prefixes --segments`), not yet for a bucket, whose lengths vary
-under one graph.
+The runs are planned by tensor ops on the device (`runs_of`, from cu_seqlens and the chunk plan;
+`segment_plan` from lengths on the host), so a CUDA graph can hold a call, a bucket's too, whose
+lengths vary under one graph. It is on no path of the model yet: `bench.short_rows.
+delta_rule_prefixes --segments` times it beside the scan's paths.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from .parts import ROW_WARPS, VALUES, _output
 
 def segment_lengths(lengths: list[int], segments: int) -> list[int]:
     """Each sequence's `segments` runs of whole 64-token chunks (its last the rest; empty runs
-    where it has fewer chunks), in order: [sequence 0's runs, sequence 1's, ...]."""
+    where it has fewer chunks), in order: [sequence 0's runs, sequence 1's, ...]. The reference
+    of `runs_of`."""
     runs = []
     for length in lengths:
         step = CHUNK * max(1, -(-length // (CHUNK * segments)))
@@ -46,49 +47,61 @@ def segment_lengths(lengths: list[int], segments: int) -> list[int]:
 
 @dataclass(frozen=True)
 class SegmentPlan:
-    """The runs of packed sequences walked in segments (`segment_plan`).
+    """The runs of packed sequences walked in segments (`runs_of`), on the device.
 
-    lengths: each sequence's tokens; segments: runs a sequence.
-    runs: each run's tokens (`segment_lengths`); bounds: their cumulative tokens [runs + 1].
-    firsts: each run's first entry in the chunk plan [runs + 1].
-    run_cu: bounds as int32 on the device (the walk's sequences); chunks: the sequences' own
-        chunk plan on the device (the same chunks as the runs', in order).
+    sequences: the sequences; segments: runs a sequence.
+    run_cu: [sequences * segments + 1] int32 the runs' cumulative tokens (the walk's sequences).
+    chunks: the sequences' own chunk plan (a bucket's padded one too): the runs' chunks are its
+        entries, in order.
     tokens: [R, L] each later run's tokens (every run but a sequence's first, sequence by
-        sequence), padded with the count of tokens (a spare row); entries: [R, C] their chunk
-        plan entries, padded with the count of entries. On the device.
+        sequence), padded with the tokens' count (a spare row); entries: [R, C] their chunk plan
+        entries, padded with the plan's count of entries (a spare entry).
     """
 
-    lengths: tuple[int, ...]
+    sequences: int
     segments: int
-    runs: tuple[int, ...]
-    bounds: tuple[int, ...]
-    firsts: tuple[int, ...]
     run_cu: torch.Tensor
     chunks: torch.Tensor
     tokens: torch.Tensor
     entries: torch.Tensor
 
 
-def segment_plan(lengths: list[int], segments: int, device: torch.device | str) -> SegmentPlan:
-    """The plan of `delta_rule_segmented` for sequences of `lengths` tokens in `segments` runs."""
+def runs_of(cu_seqlens: torch.Tensor, chunks: torch.Tensor, segments: int, longest: int, total: int) -> SegmentPlan:
+    """The plan of `delta_rule_segmented` made on cu_seqlens' device, reading nothing back, so a
+    CUDA graph can hold it: a bucket's sequences vary in length under one graph, and its
+    `longest` (a bound on any sequence's tokens) and `total` tokens (the buffers' rows) fix the
+    plan's shapes.
+
+    Raises:
+        ValueError: fewer than one segment.
+    """
     if segments < 1:
-        raise ValueError(f"segment_plan: segments must be at least 1, not {segments}")
-    runs = segment_lengths(list(lengths), segments)
-    bounds = [0]
-    firsts = [0]
-    for run in runs:
-        bounds.append(bounds[-1] + run)
-        firsts.append(firsts[-1] + -(-run // CHUNK))
-    later = [run for run in range(len(runs)) if run % segments]
-    width = max([runs[run] for run in later], default=0)
-    tokens = torch.full((len(later), max(width, 1)), bounds[-1], dtype=torch.int64)
-    entries = torch.full((len(later), max(-(-width // CHUNK), 1)), firsts[-1], dtype=torch.int64)
-    for row, run in enumerate(later):
-        tokens[row, :runs[run]] = torch.arange(bounds[run], bounds[run + 1])
-        entries[row, :firsts[run + 1] - firsts[run]] = torch.arange(firsts[run], firsts[run + 1])
-    return SegmentPlan(tuple(lengths), segments, tuple(runs), tuple(bounds), tuple(firsts),
-                       torch.tensor(bounds, dtype=torch.int32, device=device), chunk_plan(list(lengths)).to(device),
-                       tokens.to(device), entries.to(device))
+        raise ValueError(f"runs_of: segments must be at least 1, not {segments}")
+    bounds = cu_seqlens.to(torch.int64)
+    lengths = (bounds[1:] - bounds[:-1])[:, None]
+    steps = CHUNK * torch.clamp((lengths + CHUNK * segments - 1) // (CHUNK * segments), min=1)
+    index = torch.arange(segments + 1, device=bounds.device)[None]
+    edges = torch.minimum(index * steps, lengths)  # [N, segments + 1] each run's start in its sequence
+    sizes = edges[:, 1:] - edges[:, :-1]
+    starts = bounds[:-1, None] + edges[:, :-1]
+    run_cu = torch.cat([starts.reshape(-1), bounds[-1:]]).to(torch.int32)
+    counts = (sizes + CHUNK - 1) // CHUNK
+    firsts = (torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)).view_as(counts)
+    width = CHUNK * max(1, -(-longest // (CHUNK * segments)))
+    later = (slice(None), slice(1, None))
+    offsets = torch.arange(width, device=bounds.device)
+    tokens = torch.where(offsets < sizes[later].reshape(-1, 1), starts[later].reshape(-1, 1) + offsets, total)
+    offsets = torch.arange(width // CHUNK, device=bounds.device)
+    entries = torch.where(offsets < counts[later].reshape(-1, 1), firsts[later].reshape(-1, 1) + offsets,
+                          chunks.shape[0])
+    return SegmentPlan(lengths.shape[0], segments, run_cu, chunks, tokens, entries)
+
+
+def segment_plan(lengths: list[int], segments: int, device: torch.device | str) -> SegmentPlan:
+    """`runs_of` for sequences of `lengths` tokens in `segments` runs, from their chunk plan."""
+    bounds = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+    return runs_of(bounds.to(device), chunk_plan(list(lengths)).to(device), segments, max(lengths, default=0),
+                   sum(lengths))
 
 
 def delta_rule_segmented(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -98,7 +111,7 @@ def delta_rule_segmented(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`scan.delta_rule_scan`'s result (its arguments, forward only) with each sequence walked
     in runs at once (the module's docstring), as `plan` (`segment_plan` of the lengths that
-    cu_seqlens holds) cuts them. Nothing is read back from the device."""
+    cu_seqlens holds, or `runs_of` them) cuts them. Nothing is read back from the device."""
     total, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[1:]
     if value_heads % heads or k.shape != q.shape or g.shape != (total, value_heads) or beta.shape != g.shape:
@@ -106,7 +119,7 @@ def delta_rule_segmented(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          f"g {tuple(g.shape)} and beta {tuple(beta.shape)} do not fit together")
     if (states is None) != (parents is None):
         raise ValueError("delta_rule_segmented: states and parents come together")
-    sequences, segments, device = len(plan.lengths), plan.segments, q.device
+    sequences, segments, device = plan.sequences, plan.segments, q.device
     if cu_seqlens.shape != (sequences + 1,):
         raise ValueError(f"delta_rule_segmented: cu_seqlens {tuple(cu_seqlens.shape)} for a plan of {sequences} "
                          "sequences")
@@ -163,7 +176,7 @@ def delta_rule_segmented(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         entered.append(torch.baddbmm(final[:, index, ..., :value_dim].reshape(*flat, value_dim),
                                      final[:, index, ..., value_dim:].reshape(*flat, key_dim), entered[-1]))
     entered = [state.view(sequences, value_heads, key_dim, value_dim) for state in entered]
-    if segments > 1 and plan.tokens.numel():
+    if segments > 1 and sequences:
         states_in = torch.stack(entered[:-1], 1).view(sequences * (segments - 1), value_heads, key_dim, value_dim)
         states_in = states_in.to(q.dtype)  # the fixes' products in q's dtype
         values, transitions = u_wide[..., :value_dim], u_wide[..., value_dim:]
