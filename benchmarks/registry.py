@@ -111,11 +111,13 @@ MEASUREMENTS: dict[str, Measurement] = {
         first_sight.real_traffic_measurement, "real-traffic requests on first sight: p50/p99/max, compiles, HF", "any",
         (Argument("count", int, 80, "timed requests (10 others warm up first)"),
          Argument("seed", int, 37, "the generator's seed"),
-         Argument("out", str, None, "a file for the record (JSON)"))),
+         Argument("out", str, None, "a file for the record (JSON)"),
+         Argument("segments", int, 0, "the delta rule's walk in that many runs where it applies (0: off)"))),
     "long_context": Measurement(
         first_sight.long_context_measurement, "8k to 64k-token requests: latency, tokens/s, peak memory", "any",
         (Argument("lengths", int, (8192, 32768, 65536), "input tokens of each request", many=True),
-         Argument("out", str, None, "a file for the record (JSON)"))),
+         Argument("out", str, None, "a file for the record (JSON)"),
+         Argument("segments", int, 0, "the delta rule's walk in that many runs where it applies (0: off)"))),
     "delta_rule_short_rows": Measurement(
         functools.partial(short_rows.delta_rule_short_rows, fused_recurrent=fla_fused_recurrent),
         "the 50q request's short rows' delta rule: FLA chunked, recurrent, ours", "cuda"),

@@ -136,15 +136,25 @@ def first_sight(count: int = 80) -> None:
     traffic_and_evaluation(predictor)
 
 
-def real_traffic_measurement(count: int = 80, seed: int = 37, out: str | None = None) -> None:
+def _walk_in_segments(segments: int) -> None:
+    """Have the model walk a few long sequences' delta rule in `segments` runs (0: never), before
+    a predictor captures its graphs (`ops.delta_rule.segments.SEGMENTS`)."""
+    from ..ops.delta_rule import segments as module
+
+    module.SEGMENTS = segments
+
+
+def real_traffic_measurement(count: int = 80, seed: int = 37, out: str | None = None, segments: int = 0) -> None:
     """The real-traffic workload on the shape-only Qwen3.5-0.8B predictor (graphs captured, the
     warm-up run, as a server loads): first-sight p50/p99/max, text and image p50, Triton's
     compiles and autotunes on the timed requests, Hugging Face on the same; the record as JSON
-    to `out`.
+    to `out`. `segments`: the delta rule's walk in that many runs where it applies (0: off).
 
         python benchmarks/run.py real_traffic --count 80 --out real.json
     """
+    _walk_in_segments(segments)
     record = real_traffic_record(shape_only_predictor(SHAPE), count, seed)
+    record["delta_rule_segments"] = segments
     part = record["first_sight"]
     print(f"real traffic, {record['requests']} requests ({record['image_requests']} with an image) on first sight: "
           f"p50 {part['p50_ms']:.2f} p99 {part['p99_ms']:.2f} max {part['max_ms']:.2f} ms; text p50 "
@@ -155,13 +165,17 @@ def real_traffic_measurement(count: int = 80, seed: int = 37, out: str | None = 
         write_json(Path(out), record)
 
 
-def long_context_measurement(lengths: tuple[int, ...] = (8192, 32768, 65536), out: str | None = None) -> None:
+def long_context_measurement(lengths: tuple[int, ...] = (8192, 32768, 65536), out: str | None = None,
+                             segments: int = 0) -> None:
     """The long-context workload on the shape-only Qwen3.5-0.8B predictor (graphs captured, the
     warm-up run, as a server loads): a line per request, and the record as JSON to `out`.
+    `segments` as `real_traffic_measurement`'s.
 
         python benchmarks/run.py long_context --lengths 8192 32768 65536 --out long.json
     """
+    _walk_in_segments(segments)
     record = long_context_record(shape_only_predictor(SHAPE), lengths)
+    record["delta_rule_segments"] = segments
     for request in record["requests"]:
         if "refused" in request:
             print(f"{request['target_tokens']:6d} tokens: refused: {request['refused']}", flush=True)

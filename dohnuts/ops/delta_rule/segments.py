@@ -17,8 +17,8 @@ the columns a step and the fixes.
 
 The runs are planned by tensor ops on the device (`runs_of`, from cu_seqlens and the chunk plan;
 `segment_plan` from lengths on the host), so a CUDA graph can hold a call, a bucket's too, whose
-lengths vary under one graph. It is on no path of the model yet: `bench.short_rows.
-delta_rule_prefixes --segments` times it beside the scan's paths.
+lengths vary under one graph. `bench.short_rows.delta_rule_prefixes --segments` times it beside
+the scan's paths; the model takes it only where SEGMENTS asks (off until a GPU has timed it).
 """
 
 from __future__ import annotations
@@ -32,6 +32,12 @@ from ..plan import CHUNK, chunk_plan
 from ..triton_common import _even_rows, _on
 from . import scan
 from .parts import ROW_WARPS, VALUES, _output
+
+# Runs a sequence of `kernels.delta_rule`'s forward-only scan is walked in, where fewer than
+# `scan.PARTS_BELOW` sequences are not routed and the longest holds SEGMENT_FROM tokens or more
+# (a one-row bucket's long row, a long prefix alone); 0 or 1: never (the default, until timed).
+SEGMENTS = 0
+SEGMENT_FROM = 1024
 
 
 def segment_lengths(lengths: list[int], segments: int) -> list[int]:
@@ -107,11 +113,12 @@ def segment_plan(lengths: list[int], segments: int, device: torch.device | str) 
 def delta_rule_segmented(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          states: torch.Tensor | None, parents: torch.Tensor | None, cu_seqlens: torch.Tensor,
                          output_final_state: bool, A_log: torch.Tensor, dt_bias: torch.Tensor, plan: SegmentPlan,
-                         scale: float | None = None, beta_logits: bool = False
+                         scale: float | None = None, out: torch.Tensor | None = None, beta_logits: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`scan.delta_rule_scan`'s result (its arguments, forward only) with each sequence walked
     in runs at once (the module's docstring), as `plan` (`segment_plan` of the lengths that
-    cu_seqlens holds, or `runs_of` them) cuts them. Nothing is read back from the device."""
+    cu_seqlens holds, or `runs_of` them) cuts them; `out` as there. Nothing is read back from the
+    device."""
     total, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[1:]
     if value_heads % heads or k.shape != q.shape or g.shape != (total, value_heads) or beta.shape != g.shape:
@@ -126,7 +133,7 @@ def delta_rule_segmented(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     run_cu, chunks = plan.run_cu, plan.chunks
     q, k, v = (x.contiguous() for x in (q, k, v))
     (g, gate_stride), (beta, beta_stride) = _even_rows(g), _even_rows(beta)
-    o = _output(v, None, "delta_rule_segmented")
+    o = _output(v, out, "delta_rule_segmented")
     scale = key_dim**-0.5 if scale is None else scale
     block_k = max(16, triton.next_power_of_2(key_dim))
     wide = value_dim + key_dim  # the values' columns, then the transition's
