@@ -237,7 +237,8 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
             return ours.rows.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias,
                                              out=out, beta_logits=beta_logits), None
         segments = ours.segments.SEGMENTS
-        if (segments > 1 and not routed and longest >= ours.segments.SEGMENT_FROM
+        # Fewer sequences than PARTS_BELOW: the scan would not route them either (a one-row bucket).
+        if (segments > 1 and longest >= ours.segments.SEGMENT_FROM
                 and cu_seqlens.shape[0] - 1 < ours.scan.PARTS_BELOW):
             if chunk_indices is None:
                 chunk_indices = chunk_plan(torch.diff(cu_seqlens_cpu).tolist()).to(q.device)

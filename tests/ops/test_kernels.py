@@ -462,30 +462,35 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width, pa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("weak", [False, True], ids=["decay", "weak decay"])
 @pytest.mark.parametrize("segments", [1, 4, 8])
-def test_delta_rule_segmented_matches_the_reference(segments):
+def test_delta_rule_segmented_matches_the_reference(segments, weak):
     """The walk in segments (bf16, the Qwen3.5-0.8B widths, sequences of 1 to 2,816 tokens cut
-    into 1, 4 or 8 runs): from zero states keeping the final states and from forked states,
-    against the float32 recurrence within the scan's own tolerance."""
+    into 1, 4 or 8 runs): from zero states and from forked states, keeping the final states,
+    against the float32 recurrence within the scan's own tolerance; also with decays of about
+    -0.01 a token, under which each run's entering state weighs on all of it."""
     from dohnuts.ops.delta_rule.segments import delta_rule_segmented, segment_plan
 
     lengths = [2816, 1, 130, 700, 44]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, 16, 16, 128, 5)
+    if weak:
+        A_log = torch.full_like(A_log, -4.0)
     plan = segment_plan(lengths, segments, "cuda")
     log_decay = decay(gate, A_log, dt_bias)
     forked = kernels.fork_states(states, parents, True)
     with torch.no_grad():
         fresh, final = delta_rule_segmented(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log,
                                             dt_bias, plan)
-        continued, _ = delta_rule_segmented(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log,
-                                            dt_bias, plan)
+        continued, continued_final = delta_rule_segmented(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu,
+                                                          True, A_log, dt_bias, plan)
     reference, reference_final = gated_delta_rule_reference(q, k, v, log_decay, beta, None, True, cu.long(),
                                                             normalise=False)
-    reference_continued, _ = gated_delta_rule_reference(q, k, v, log_decay, beta, forked, False, cu.long(),
-                                                        normalise=False)
+    reference_continued, reference_continued_final = gated_delta_rule_reference(
+        q, k, v, log_decay, beta, forked, True, cu.long(), normalise=False)
     assert _relative_error(fresh[None], reference) < 1e-2
     assert _relative_error(final, reference_final) < 1e-2
     assert _relative_error(continued[None], reference_continued) < 1e-2
+    assert _relative_error(continued_final, reference_continued_final) < 1e-2
 
 
 @pytest.mark.gpu

@@ -25,7 +25,24 @@ def _expected(lengths, segments):
 
 
 def _rows(table, sentinel):
-    return [[value for value in row if value != sentinel] for row in table.tolist()]
+    """Each row's values before its padding, which must fill the rest of the row."""
+    rows = []
+    for row in table.tolist():
+        kept = [value for value in row if value != sentinel]
+        assert row == kept + [sentinel] * (len(row) - len(kept)), row
+        rows.append(kept)
+    return rows
+
+
+def _names_its_own_chunks(plan, lengths, segments):
+    """Each later run's entries name, in the sequences' own chunk plan, its sequence and the
+    chunks from its start on."""
+    table = chunk_plan(lengths).tolist()
+    rows = _rows(plan.entries, len(table))
+    starts = (plan.run_cu[:-1].view(len(lengths), segments) - plan.run_cu[:-1].view(len(lengths), segments)[:, :1])
+    for row, (sequence, index) in zip(rows, [(n, j) for n in range(len(lengths)) for j in range(1, segments)]):
+        first = int(starts[sequence, index]) // CHUNK
+        assert [table[entry] for entry in row] == [[sequence, first + chunk] for chunk in range(len(row))]
 
 
 @pytest.mark.parametrize("segments", [1, 2, 3, 8])
@@ -43,6 +60,7 @@ def test_runs_of_lays_out_whole_chunks_and_the_fixes_indices_as_a_plain_layout(s
             assert all(sum(own[:index]) % CHUNK == 0 for index, size in enumerate(own) if size)
         assert _rows(plan.tokens, total) == tokens and _rows(plan.entries, entries) == chunks
         assert plan.tokens.shape[0] == plan.entries.shape[0] == len(lengths) * (segments - 1)
+        _names_its_own_chunks(plan, lengths, segments)
 
 
 def test_a_buckets_plan_pads_with_its_own_shapes():

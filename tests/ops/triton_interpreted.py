@@ -355,47 +355,51 @@ def check_delta_rule_segmented():
     walked in 1 to 5 runs each (more runs than a sequence has chunks among them, so some empty),
     from zero states keeping the final states and from forked states (some rows without a
     parent), also planned as a bucket's graph would plan them, grouped heads, values narrower
-    and wider than the keys."""
+    and wider than the keys; with decays of about -0.8 a token, and of about -0.01, under which a
+    run's entering state and a chunk's transition weigh on every token after them."""
     generator = torch.Generator().manual_seed(11)
     heads, key_dim, value_heads = 2, 8, 4
-    for value_dim in (6, 20):
-        for lengths in ([300, 5, 0, 130, 64, 257], [200]):
-            total = sum(lengths)
-            cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-            q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
-            v = torch.randn(total, value_heads, value_dim, generator=generator)
-            gate = torch.randn(total, value_heads + 3, generator=generator)[:, 1:-2]
-            beta = torch.rand(total, value_heads, generator=generator)
-            A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
-            log_decay = decay(gate, A_log, dt_bias)
-            states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
-            parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])
-            reference, reference_final = gated_delta_rule_reference(
-                q[None], k[None], v[None], log_decay[None], beta[None], None, True, cu.long(), normalise=False)
-            forked, forked_final = gated_delta_rule_reference(
-                q[None], k[None], v[None], log_decay[None], beta[None], kernels.fork_states(states, parents, True),
-                True, cu.long(), normalise=False)
-            for segments in (1, 2, 3, 5):
-                case = f"delta_rule_segmented lengths={lengths} V={value_dim} segments={segments}"
-                plan = delta_segments.segment_plan(lengths, segments, "cpu")
-                ours, final = delta_segments.delta_rule_segmented(q, k, v, gate, beta, None, None, cu, True, A_log,
-                                                                  dt_bias, plan)
-                close(f"{case} from zero", ours, reference[0])
-                close(f"{case} final states", final, reference_final)
-                ours, final = delta_segments.delta_rule_segmented(q, k, v, gate, beta, states, parents, cu, True,
-                                                                  A_log, dt_bias, plan)
-                close(f"{case} forked", ours, forked[0])
-                close(f"{case} forked final states", final, forked_final)
-                # As a bucket's graph would plan it: a padded chunk plan naming a last, empty
-                # sequence, and a bound on lengths above the longest.
-                padded_cu = torch.cat([cu, cu[-1:]])
-                bucket = delta_segments.runs_of(padded_cu, padded_plan(lengths + [0], len(chunk_plan(lengths)) + 3),
-                                                segments, longest=512, total=total)
-                padded, padded_final = delta_segments.delta_rule_segmented(
-                    q, k, v, gate, beta, states, torch.cat([parents, parents[:1]]), padded_cu, True, A_log, dt_bias,
-                    bucket)
-                close(f"{case} on a bucket's plan", padded, forked[0])
-                close(f"{case} final states on a bucket's plan", padded_final[:-1], forked_final)
+    cases = [(value_dim, False, lengths) for value_dim in (6, 20) for lengths in ([300, 5, 0, 130, 64, 257], [200])]
+    cases += [(value_dim, True, [300, 5, 0, 130, 64, 257]) for value_dim in (6, 20)]
+    for value_dim, weak, lengths in cases:
+        total = sum(lengths)
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
+        v = torch.randn(total, value_heads, value_dim, generator=generator)
+        gate = torch.randn(total, value_heads + 3, generator=generator)[:, 1:-2]
+        beta = torch.rand(total, value_heads, generator=generator)
+        A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
+        if weak:
+            A_log = torch.full_like(A_log, -4.0)  # exp(-4) softplus(...): about -0.01 a token
+        log_decay = decay(gate, A_log, dt_bias)
+        states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
+        parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])
+        reference, reference_final = gated_delta_rule_reference(
+            q[None], k[None], v[None], log_decay[None], beta[None], None, True, cu.long(), normalise=False)
+        forked, forked_final = gated_delta_rule_reference(
+            q[None], k[None], v[None], log_decay[None], beta[None], kernels.fork_states(states, parents, True),
+            True, cu.long(), normalise=False)
+        for segments in (1, 2, 3, 5):
+            case = f"delta_rule_segmented lengths={lengths} V={value_dim} weak decay {weak} segments={segments}"
+            plan = delta_segments.segment_plan(lengths, segments, "cpu")
+            ours, final = delta_segments.delta_rule_segmented(q, k, v, gate, beta, None, None, cu, True, A_log,
+                                                              dt_bias, plan)
+            close(f"{case} from zero", ours, reference[0])
+            close(f"{case} final states", final, reference_final)
+            ours, final = delta_segments.delta_rule_segmented(q, k, v, gate, beta, states, parents, cu, True,
+                                                              A_log, dt_bias, plan)
+            close(f"{case} forked", ours, forked[0])
+            close(f"{case} forked final states", final, forked_final)
+            # As a bucket's graph would plan it: a padded chunk plan naming a last, empty
+            # sequence, and a bound on lengths above the longest.
+            padded_cu = torch.cat([cu, cu[-1:]])
+            bucket = delta_segments.runs_of(padded_cu, padded_plan(lengths + [0], len(chunk_plan(lengths)) + 3),
+                                            segments, longest=512, total=total)
+            padded, padded_final = delta_segments.delta_rule_segmented(
+                q, k, v, gate, beta, states, torch.cat([parents, parents[:1]]), padded_cu, True, A_log, dt_bias,
+                bucket)
+            close(f"{case} on a bucket's plan", padded, forked[0])
+            close(f"{case} final states on a bucket's plan", padded_final[:-1], forked_final)
 
 
 def check_routes_on_the_device(last: str):

@@ -270,21 +270,34 @@ def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtyp
 def test_the_walk_in_segments_gives_the_scans_logits_eager_and_in_bucket_graphs(tiny, monkeypatch):
     """With the delta rule's long sequences walked in 4 runs (from 64 tokens on, so the tiny
     model's requests take it), the eager forward and the bucket graphs captured with it give
-    the logits of the plain scan's eager forward, to 1e-4 in float32."""
+    the logits of the plain scan's eager forward, to 1e-4 in float32; the walk in segments ran
+    in both (counted)."""
     from dohnuts.ops.delta_rule import segments
     from dohnuts.runtime.buckets import all_buckets
 
     template, model, graphed = _on_cuda(tiny, torch.float32)
     batches = _varied(template)
+    walks = []
+    segmented = segments.delta_rule_segmented
+
+    def counted(*args, **kwargs):
+        walks.append(args[7].shape)  # each call's cu_seqlens
+        return segmented(*args, **kwargs)
+
     with torch.no_grad():
         plain = [model(batch.to("cuda")) for batch in batches]
         monkeypatch.setattr(segments, "SEGMENTS", 4)
         monkeypatch.setattr(segments, "SEGMENT_FROM", 64)
+        monkeypatch.setattr(segments, "delta_rule_segmented", counted)
+        eager = [model(batch.to("cuda")) for batch in batches]
+        assert walks, "no eager forward walked in segments: the test would compare the scan with itself"
+        walks.clear()
         graphed.pad_id = template.pad_id
         buckets = [bucket for bucket in all_buckets() if bucket.tokens <= 1536]
         assert graphed.prepare(buckets) == len(buckets)
-        for batch, expected in zip(batches, plain):
-            torch.testing.assert_close(model(batch.to("cuda")), expected, rtol=1e-4, atol=1e-4)
+        assert walks, "no bucket graph captured the walk in segments"
+        for batch, expected, ours in zip(batches, plain, eager):
+            torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(graphed(batch), expected, rtol=1e-4, atol=1e-4)
     assert graphed.stats["bucket_replays"] == len(batches)
 

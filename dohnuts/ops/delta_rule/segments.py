@@ -33,9 +33,10 @@ from ..triton_common import _even_rows, _on
 from . import scan
 from .parts import ROW_WARPS, VALUES, _output
 
-# Runs a sequence of `kernels.delta_rule`'s forward-only scan is walked in, where fewer than
-# `scan.PARTS_BELOW` sequences are not routed and the longest holds SEGMENT_FROM tokens or more
-# (a one-row bucket's long row, a long prefix alone); 0 or 1: never (the default, until timed).
+# Runs a sequence of `kernels.delta_rule`'s forward-only scan is walked in, for fewer than
+# `scan.PARTS_BELOW` sequences (which the scan never routes) the longest of which holds
+# SEGMENT_FROM tokens or more (a one-row bucket's long row, a long prefix alone); 0 or 1: never
+# (the default, until timed).
 SEGMENTS = 0
 SEGMENT_FROM = 1024
 
@@ -130,6 +131,9 @@ def delta_rule_segmented(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     if cu_seqlens.shape != (sequences + 1,):
         raise ValueError(f"delta_rule_segmented: cu_seqlens {tuple(cu_seqlens.shape)} for a plan of {sequences} "
                          "sequences")
+    if states is not None and (parents.shape != (sequences,) or states.shape[1:] != (value_heads, key_dim, value_dim)):
+        raise ValueError(f"delta_rule_segmented: {sequences} sequences, parents {tuple(parents.shape)}, states "
+                         f"{tuple(states.shape)}, for {value_heads} heads of {key_dim} x {value_dim}")
     run_cu, chunks = plan.run_cu, plan.chunks
     q, k, v = (x.contiguous() for x in (q, k, v))
     (g, gate_stride), (beta, beta_stride) = _even_rows(g), _even_rows(beta)
