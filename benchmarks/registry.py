@@ -112,12 +112,14 @@ MEASUREMENTS: dict[str, Measurement] = {
         (Argument("count", int, 80, "timed requests (10 others warm up first)"),
          Argument("seed", int, 37, "the generator's seed"),
          Argument("out", str, None, "a file for the record (JSON)"),
-         Argument("segments", int, 0, "the delta rule's walk in that many runs where it applies (0: off)"))),
+         Argument("alone_from", int, None, "one long sequence walks in 64-token steps from these tokens on (0: "
+                  "never; default: the runtime's)"))),
     "long_context": Measurement(
         first_sight.long_context_measurement, "8k to 64k-token requests: latency, tokens/s, peak memory", "any",
         (Argument("lengths", int, (8192, 32768, 65536), "input tokens of each request", many=True),
          Argument("out", str, None, "a file for the record (JSON)"),
-         Argument("segments", int, 0, "the delta rule's walk in that many runs where it applies (0: off)"))),
+         Argument("alone_from", int, None, "one long sequence walks in 64-token steps from these tokens on (0: "
+                  "never; default: the runtime's)"))),
     "delta_rule_short_rows": Measurement(
         functools.partial(short_rows.delta_rule_short_rows, fused_recurrent=fla_fused_recurrent),
         "the 50q request's short rows' delta rule: FLA chunked, recurrent, ours", "cuda"),
@@ -125,8 +127,7 @@ MEASUREMENTS: dict[str, Measurement] = {
         short_rows.delta_rule_prefixes, "the whole-sequence scan on prefixes alone and together, by path",
         "cuda", (Argument("lengths", int, (256, 1024, 2048), "prefix lengths", many=True),
                  Argument("together", int, (1, 2, 4, 8), "counts of prefixes run together", many=True),
-                 Argument("sets", str, (), "sequences of unequal lengths run together, as 700,200,90", many=True),
-                 Argument("segments", int, (), "runs a sequence of the segmented walk, timed too", many=True))),
+                 Argument("sets", str, (), "sequences of unequal lengths run together, as 700,200,90", many=True))),
     "evaluation_profile": Measurement(
         loops.evaluation_profile, "evaluation: plan, each batch's build, copy, forward; whole passes", "cuda"),
     "training_graphs": Measurement(

@@ -125,7 +125,7 @@ def delta_rule_short_rows(*, fused_recurrent) -> None:
 
 @torch.no_grad()
 def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: tuple[int, ...] = (1, 2, 4, 8),
-                        sets: tuple[str, ...] = (), segments: tuple[int, ...] = ()) -> None:
+                        sets: tuple[str, ...] = ()) -> None:
     """Time `delta_rule.scan.delta_rule_scan` on prefixes from zero states keeping their final
     states (a prefix's layer in a bucket), each replayed from a CUDA graph: each count of
     `together` sequences of each of `lengths` tokens, then each of `sets` (sequences of unequal
@@ -135,11 +135,11 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     one-kernel walk), whatever the
     count would choose (`PARTS_BELOW`). Shape: the Qwen3.5-0.8B delta-rule layer (16 key and 16
     value heads of width 128), bf16. Prints microseconds a layer and tokens a microsecond, marks
-    the path the runtime takes, and gives each path's largest output difference from the first's.
-    Each of `segments` adds `delta_rule.segments.delta_rule_segmented` in that many runs a sequence.
+    the path the runtime takes (one sequence of at least `ALONE_FROM` tokens: 64-token steps of
+    `ALONE_VALUES` values, `one_long`), and gives each path's largest output difference from the
+    first's.
 
         python benchmarks/run.py delta_rule_prefixes --lengths 1024 2048 --together 1 2 4 8 --sets 700,200,90
-        python benchmarks/run.py delta_rule_prefixes --lengths 1408 2816 --together 1 2 --segments 2 4 8
 
     Raises:
         ValueError: a set that is not lengths joined by commas.
@@ -152,7 +152,6 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
             raise ValueError(f"a set is lengths joined by commas, like 700,200,90: got {given!r}") from None
     require_cuda()
     from ..ops.delta_rule import scan as ops
-    from ..ops.delta_rule.segments import delta_rule_segmented, segment_plan
 
     heads, width = 16, 128
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -174,7 +173,6 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 "WALK_WARPS": warps})
               for solve, values, warps in ((4, 32, 4), (2, 32, 4), (4, 16, 4), (4, 64, 8))]
     paths.append(("one kernel", {**defaults, "WALK_VALUES": 64, "PARTS_BELOW": 0}))
-    paths += [(f"in {runs} runs a sequence (64-token chunks)", {**defaults, "segments": runs}) for runs in segments]
     print(f"# {heads} heads of width {width}, bf16, from zero states, final states kept; CUDA graph replays; "
           f"the runtime takes the one-kernel walk from {ops.PARTS_BELOW} sequences (in a bucket, from "
           f"{ops.PARTS_BELOW} sequences over 64 tokens, counted on the device)")
@@ -193,15 +191,10 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
             first = None
             for name, settings in paths:
                 for setting, value in settings.items():
-                    if setting != "segments":
-                        setattr(ops, setting, value)
-                runs = segment_plan(pack, settings["segments"], "cuda") if "segments" in settings else None
+                    setattr(ops, setting, value)
 
-                def scan(arguments=(q, k, v, g, beta, None, None, bounds, True, A_log, dt_bias), plan=plan, runs=runs):
-                    if runs is None:
-                        out, final = ops.delta_rule_scan(*arguments, chunks=plan)
-                    else:
-                        out, final = delta_rule_segmented(*arguments, runs)
+                def scan(arguments=(q, k, v, g, beta, None, None, bounds, True, A_log, dt_bias), plan=plan):
+                    out, final = ops.delta_rule_scan(*arguments, chunks=plan)
                     return torch.cat([out.flatten().float(), final.flatten()])
 
                 ms, out = graphed(scan, replays=50)
@@ -209,7 +202,13 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 gap = ((out - first).abs().max() / first.abs().max()).item()
                 # In a bucket the route counts the sequences over 64 tokens (`_scan_route`).
                 one_kernel = sum(length > CHUNK for length in pack) >= defaults["PARTS_BELOW"]
-                taken = (settings["PARTS_BELOW"] == 0) if one_kernel else settings == {**defaults, "PARTS_BELOW": 2**31}
+                if one_kernel:
+                    taken = settings["PARTS_BELOW"] == 0
+                elif count == 1 and ops.ALONE_FROM is not None and total >= ops.ALONE_FROM:  # `one_long`
+                    taken = settings == {**defaults, "PARTS_BELOW": 2**31, "WALK_CHUNK": CHUNK,
+                                         "WALK_VALUES": ops.ALONE_VALUES}
+                else:
+                    taken = settings == {**defaults, "PARTS_BELOW": 2**31}
                 print(f"{label}, {name:58s}: {ms * 1e3:8.1f} us a layer, "
                       f"{total / (ms * 1e3):7.1f} tokens/us, max difference {gap:.1e}{' (taken)' if taken else ''}",
                       flush=True)

@@ -23,7 +23,6 @@ from .delta_rule.naive import decay, gated_delta_rule_chunked
 from .derived_cache import derived, holding_derived
 from .norm.naive import add_rms_norm_reference, norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
 from .plain import fork_states
-from .plan import chunk_plan
 from .swiglu.naive import swiglu_reference
 
 # What the rest of dohnuts calls: the ops, and the runtime's switches and records they share.
@@ -218,8 +217,8 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     On CUDA, with A_log and dt_bias frozen: without autograd, rows that continue states, need no
     final states and hold at most 64 tokens run `delta_rule.rows.delta_rule_rows`; the rest
     `delta_rule.scan.delta_rule_scan` (reading each state in place), at any length
-    (`scan.FORWARD_TOKENS`), so inference never tunes a kernel on a request, or, where
-    `segments.SEGMENTS` asks, a few long sequences walked in segments; with autograd, the
+    (`scan.FORWARD_TOKENS`), so inference never tunes a kernel on a request (one long sequence
+    alone, or a one-row bucket's row, in 64-token steps: `scan.ALONE_FROM`); with autograd, the
     scan with `delta_rule.backward`'s gradient for sequences of at most `scan.SCAN_TOKENS`.
     Otherwise FLA's chunked kernels, or the plain-PyTorch chunked reference off CUDA.
 
@@ -236,19 +235,14 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         if states is not None and not output_final_state and longest <= ours.rows.ROW_TOKENS:
             return ours.rows.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias,
                                              out=out, beta_logits=beta_logits), None
-        segments = ours.segments.SEGMENTS
-        # Fewer sequences than PARTS_BELOW: the scan would not route them either (a one-row bucket).
-        if (segments > 1 and longest >= ours.segments.SEGMENT_FROM
-                and cu_seqlens.shape[0] - 1 < ours.scan.PARTS_BELOW):
-            if chunk_indices is None:
-                chunk_indices = chunk_plan(torch.diff(cu_seqlens_cpu).tolist()).to(q.device)
-            plan = ours.segments.runs_of(cu_seqlens, chunk_indices, segments, longest, q.shape[0])
-            return ours.segments.delta_rule_segmented(q, k, v, g, beta, states, parents, cu_seqlens,
-                                                      output_final_state, A_log, dt_bias, plan, out=out,
-                                                      beta_logits=beta_logits)
-        return ours.scan.delta_rule_scan(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
-                                         dt_bias, out=out, beta_logits=beta_logits, chunks=chunk_indices,
-                                         routed=routed)
+        scan, sequences = ours.scan, cu_seqlens.shape[0] - 1
+        # One long sequence: alone, or a one-row bucket's row before its shorter padding (routed,
+        # as a bucket is, but with too few sequences to route).
+        one_long = ((sequences == 1 or (routed and sequences < scan.PARTS_BELOW))
+                    and scan.ALONE_FROM is not None and longest >= scan.ALONE_FROM)
+        return scan.delta_rule_scan(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
+                                    dt_bias, out=out, beta_logits=beta_logits, chunks=chunk_indices, routed=routed,
+                                    one_long=one_long)
     if beta_logits:
         beta = torch.sigmoid(beta)
     if frozen and longest <= ours.scan.SCAN_TOKENS:

@@ -463,26 +463,26 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width, pa
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("weak", [False, True], ids=["decay", "weak decay"])
-@pytest.mark.parametrize("segments", [1, 4, 8])
-def test_delta_rule_segmented_matches_the_reference(segments, weak):
-    """The walk in segments (bf16, the Qwen3.5-0.8B widths, sequences of 1 to 2,816 tokens cut
-    into 1, 4 or 8 runs): from zero states and from forked states, keeping the final states,
-    against the float32 recurrence within the scan's own tolerance; also with decays of about
-    -0.01 a token, under which each run's entering state weighs on all of it."""
-    from dohnuts.ops.delta_rule.segments import delta_rule_segmented, segment_plan
+def test_one_long_sequence_walked_in_64_token_steps_matches_the_reference(weak):
+    """One long sequence walked as `kernels.delta_rule` walks it alone or in a one-row bucket
+    (`scan.delta_rule_scan`'s `one_long`: 64-token steps, ALONE_VALUES values a program; bf16,
+    the Qwen3.5-0.8B widths, 2,816 tokens then padding of 300 and an empty sequence): from zero
+    and from forked states, keeping the final states, against the float32 recurrence within the
+    scan's own tolerance; also with decays of about -0.01 a token, under which the state entering
+    each step weighs on all of it."""
+    from dohnuts.ops.delta_rule import scan
 
-    lengths = [2816, 1, 130, 700, 44]
+    lengths = [2816, 300, 0]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, 16, 16, 128, 5)
     if weak:
         A_log = torch.full_like(A_log, -4.0)
-    plan = segment_plan(lengths, segments, "cuda")
     log_decay = decay(gate, A_log, dt_bias)
     forked = kernels.fork_states(states, parents, True)
     with torch.no_grad():
-        fresh, final = delta_rule_segmented(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log,
-                                            dt_bias, plan)
-        continued, continued_final = delta_rule_segmented(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu,
-                                                          True, A_log, dt_bias, plan)
+        fresh, final = scan.delta_rule_scan(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias,
+                                            one_long=True)
+        continued, continued_final = scan.delta_rule_scan(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu,
+                                                          True, A_log, dt_bias, one_long=True)
     reference, reference_final = gated_delta_rule_reference(q, k, v, log_decay, beta, None, True, cu.long(),
                                                             normalise=False)
     reference_continued, reference_continued_final = gated_delta_rule_reference(
@@ -562,7 +562,7 @@ def test_triton_kernels_match_references_under_triton_interpreter():
     column blocks of a packed projection's output in place) against their references, outputs and
     every gradient, on packed sequences of 1 to 130 tokens with and without carried and final
     states; delta_rule_rows against the recurrence on forked states (also on badly conditioned
-    blocks, against float64); the scan and the scan walked in segments against the recurrence;
+    blocks, against float64); the scan (also as one long sequence, `one_long`) against the recurrence;
     and the decoder with them (its CUDA path) against its CPU path, with prefixes forked to rows,
     short rows taking delta_rule_rows only without gradients."""
     pytest.importorskip("triton")

@@ -1,5 +1,5 @@
 """Our Triton kernels (the `fused` module of each family in dohnuts.ops, and the delta rule's
-`rows`, `scan`, `segments` and `backward`) against their references, run on the CPU by Triton's
+`rows`, `scan` and `backward`) against their references, run on the CPU by Triton's
 interpreter.
 `test_kernels.py` runs this file in a subprocess with TRITON_INTERPRET=1, which Triton reads
 when the kernels are defined. Exits non-zero on the first mismatch."""
@@ -18,7 +18,6 @@ from dohnuts.ops.conv.naive import conv_split_heads_reference
 from dohnuts.ops.delta_rule import backward as delta_backward
 from dohnuts.ops.delta_rule import rows as delta_rows
 from dohnuts.ops.delta_rule import scan as delta_scan
-from dohnuts.ops.delta_rule import segments as delta_segments
 from dohnuts.ops.delta_rule.naive import decay, gated_delta_rule_reference
 from dohnuts.ops.norm import fused as norm_fused
 from dohnuts.ops.norm.naive import norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
@@ -350,17 +349,18 @@ class _Idle:
         return lambda *args, **options: None
 
 
-def check_delta_rule_segmented():
-    """delta_rule_segmented against the token-by-token reference: sequences of 0 to 300 tokens
-    walked in 1 to 5 runs each (more runs than a sequence has chunks among them, so some empty),
-    from zero states keeping the final states and from forked states (some rows without a
-    parent), also planned as a bucket's graph would plan them, grouped heads, values narrower
-    and wider than the keys; with decays of about -0.8 a token, and of about -0.01, under which a
-    run's entering state and a chunk's transition weigh on every token after them."""
+def check_one_long_sequence():
+    """delta_rule_scan's `one_long` path (64-token steps, ALONE_VALUES values a program: one long
+    sequence alone or with shorter padding after it, as a one-row bucket holds) against the
+    token-by-token reference: from zero states keeping the final states and from forked states
+    (the long one without a parent where padding follows), on the sequences' own chunk plan and on a bucket's padded
+    one, grouped heads, values narrower and wider than a program's block; with decays of about
+    -0.8 a token, and of about -0.01, under which each step's entering state weighs on every
+    token after it."""
     generator = torch.Generator().manual_seed(11)
     heads, key_dim, value_heads = 2, 8, 4
-    cases = [(value_dim, False, lengths) for value_dim in (6, 20) for lengths in ([300, 5, 0, 130, 64, 257], [200])]
-    cases += [(value_dim, True, [300, 5, 0, 130, 64, 257]) for value_dim in (6, 20)]
+    cases = [(value_dim, weak, lengths) for value_dim in (6, 20) for weak in (False, True)
+             for lengths in ([300, 37, 0], [200])]
     for value_dim, weak, lengths in cases:
         total = sum(lengths)
         cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
@@ -373,33 +373,27 @@ def check_delta_rule_segmented():
             A_log = torch.full_like(A_log, -4.0)  # exp(-4) softplus(...): about -0.01 a token
         log_decay = decay(gate, A_log, dt_bias)
         states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
-        parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])
+        parents = torch.tensor([n % 3 - (len(lengths) > 1) for n in range(len(lengths))])  # -1, 0, 1 or 0
         reference, reference_final = gated_delta_rule_reference(
             q[None], k[None], v[None], log_decay[None], beta[None], None, True, cu.long(), normalise=False)
         forked, forked_final = gated_delta_rule_reference(
             q[None], k[None], v[None], log_decay[None], beta[None], kernels.fork_states(states, parents, True),
             True, cu.long(), normalise=False)
-        for segments in (1, 2, 3, 5):
-            case = f"delta_rule_segmented lengths={lengths} V={value_dim} weak decay {weak} segments={segments}"
-            plan = delta_segments.segment_plan(lengths, segments, "cpu")
-            ours, final = delta_segments.delta_rule_segmented(q, k, v, gate, beta, None, None, cu, True, A_log,
-                                                              dt_bias, plan)
-            close(f"{case} from zero", ours, reference[0])
-            close(f"{case} final states", final, reference_final)
-            ours, final = delta_segments.delta_rule_segmented(q, k, v, gate, beta, states, parents, cu, True,
-                                                              A_log, dt_bias, plan)
-            close(f"{case} forked", ours, forked[0])
-            close(f"{case} forked final states", final, forked_final)
-            # As a bucket's graph would plan it: a padded chunk plan naming a last, empty
-            # sequence, and a bound on lengths above the longest.
-            padded_cu = torch.cat([cu, cu[-1:]])
-            bucket = delta_segments.runs_of(padded_cu, padded_plan(lengths + [0], len(chunk_plan(lengths)) + 3),
-                                            segments, longest=512, total=total)
-            padded, padded_final = delta_segments.delta_rule_segmented(
-                q, k, v, gate, beta, states, torch.cat([parents, parents[:1]]), padded_cu, True, A_log, dt_bias,
-                bucket)
-            close(f"{case} on a bucket's plan", padded, forked[0])
-            close(f"{case} final states on a bucket's plan", padded_final[:-1], forked_final)
+        case = f"delta_rule_scan one_long lengths={lengths} V={value_dim} weak decay {weak}"
+        ours, final = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias,
+                                                 one_long=True)
+        close(f"{case} from zero", ours, reference[0])
+        close(f"{case} final states", final, reference_final)
+        ours, final = delta_scan.delta_rule_scan(q, k, v, gate, beta, states, parents, cu, True, A_log, dt_bias,
+                                                 one_long=True)
+        close(f"{case} forked", ours, forked[0])
+        close(f"{case} forked final states", final, forked_final)
+        if lengths[-1]:
+            continue
+        plan = padded_plan(lengths, len(chunk_plan(lengths)) + 3)  # a bucket's: entries of an empty sequence
+        ours, _ = delta_scan.delta_rule_scan(q, k, v, gate, beta, states, parents, cu, False, A_log, dt_bias,
+                                             chunks=plan, one_long=True)
+        close(f"{case} forked on a padded plan", ours, forked[0])
 
 
 def check_routes_on_the_device(last: str):
@@ -683,7 +677,7 @@ if __name__ == "__main__":
     check_conv_split_heads()
     check_delta_rule_rows()
     check_delta_rule_scan()
-    check_delta_rule_segmented()
+    check_one_long_sequence()
     check_delta_rule_grad()
     check_norms_and_swiglu()
     check_norm_rotate()

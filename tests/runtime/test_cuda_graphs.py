@@ -267,35 +267,38 @@ def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtyp
 
 
 @pytest.mark.gpu
-def test_the_walk_in_segments_gives_the_scans_logits_eager_and_in_bucket_graphs(tiny, monkeypatch):
-    """With the delta rule's long sequences walked in 4 runs (from 64 tokens on, so the tiny
-    model's requests take it), the eager forward and the bucket graphs captured with it give
-    the logits of the plain scan's eager forward, to 1e-4 in float32; the walk in segments ran
-    in both (counted)."""
-    from dohnuts.ops.delta_rule import segments
-    from dohnuts.runtime.buckets import all_buckets
+def test_one_long_sequence_in_64_token_steps_gives_the_scans_logits_eager_and_in_bucket_graphs(tiny, monkeypatch):
+    """With one long sequence walked in 64-token steps from 64 tokens on (`scan.ALONE_FROM`, so
+    the tiny model's prefixes alone and its one-question request's one-row bucket take it), the
+    eager forward and the bucket graphs captured with it give the logits of the eager forward
+    without it, to 1e-4 in float32; the path ran in both (counted), and the one-row bucket
+    served its request."""
+    from dohnuts.ops.delta_rule import scan
+    from dohnuts.runtime.buckets import all_buckets, bucket_for
 
     template, model, graphed = _on_cuda(tiny, torch.float32)
     batches = _varied(template)
     walks = []
-    segmented = segments.delta_rule_segmented
+    chunk_path = scan._chunk_path
 
     def counted(*args, **kwargs):
-        walks.append(args[7].shape)  # each call's cu_seqlens
-        return segmented(*args, **kwargs)
+        walks.append(args[11].shape)  # each call's cu_seqlens
+        return chunk_path(*args, **kwargs)
 
+    monkeypatch.setattr(scan, "_chunk_path", counted)
     with torch.no_grad():
+        monkeypatch.setattr(scan, "ALONE_FROM", None)
         plain = [model(batch.to("cuda")) for batch in batches]
-        monkeypatch.setattr(segments, "SEGMENTS", 4)
-        monkeypatch.setattr(segments, "SEGMENT_FROM", 64)
-        monkeypatch.setattr(segments, "delta_rule_segmented", counted)
+        assert not walks, "the 64-token steps ran with ALONE_FROM None: the test would compare them with themselves"
+        monkeypatch.setattr(scan, "ALONE_FROM", 64)
         eager = [model(batch.to("cuda")) for batch in batches]
-        assert walks, "no eager forward walked in segments: the test would compare the scan with itself"
+        assert walks, "no eager forward walked one long sequence in 64-token steps"
         walks.clear()
         graphed.pad_id = template.pad_id
         buckets = [bucket for bucket in all_buckets() if bucket.tokens <= 1536]
         assert graphed.prepare(buckets) == len(buckets)
-        assert walks, "no bucket graph captured the walk in segments"
+        assert walks, "no bucket graph captured the 64-token steps"
+        assert any(bucket_for(batch, graphed.buckets).single for batch in batches), "no batch took a one-row bucket"
         for batch, expected, ours in zip(batches, plain, eager):
             torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(graphed(batch), expected, rtol=1e-4, atol=1e-4)

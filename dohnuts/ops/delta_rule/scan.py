@@ -86,6 +86,13 @@ PARTS_A_PROGRAM = 1
 # than the shorter walk saves once two sequences walk, so 16 stays the default.
 WALK_CHUNK = 16
 SOLVE_WARPS = 4
+# One long sequence walks alone (a call of one sequence, or a one-row bucket's row with its shorter
+# padding and an empty row: `delta_rule_scan`'s `one_long`): there its 64-token steps with
+# ALONE_VALUES values a program pay from ALONE_FROM tokens (None: never). On the H200 (as
+# WALK_VALUES, 2026-12-05, run 2026-12-05-8cab2b5-segments-prefixes) 1 x 1,408 tokens 113 against
+# 122 us a layer, 1 x 2,816 199 against 235.
+ALONE_FROM: int | None = 1024
+ALONE_VALUES = 16
 PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
 
 
@@ -426,7 +433,7 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                     states: torch.Tensor | None, parents: torch.Tensor | None, cu_seqlens: torch.Tensor,
                     output_final_state: bool, A_log: torch.Tensor, dt_bias: torch.Tensor,
                     scale: float | None = None, out: torch.Tensor | None = None, beta_logits: bool = False,
-                    chunks: torch.Tensor | None = None, routed: bool = False
+                    chunks: torch.Tensor | None = None, routed: bool = False, one_long: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gated delta rule's output for packed sequences of any length, sequence n starting
     from states[parents[n]] (zero where parents[n] < 0, or everywhere without `states`);
@@ -448,6 +455,10 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             than PARTS_BELOW sequences over 64 tokens, else the one-kernel walk), launching both
             with the other skipping its work: for a bucket's graph, whose count of sequences
             is the padding's, not the request's. Otherwise the count of sequences chooses.
+        one_long: the first sequence is the longest and the others (fewer than PARTS_BELOW)
+            are shorter padding, as in a one-row bucket, or there is one sequence: the parts
+            then the walk, in 64-token steps of ALONE_VALUES values a program (the caller
+            checks ALONE_FROM).
 
     Returns:
         (o [T, HV, V] in v's dtype, final states or None)
@@ -491,7 +502,9 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if chunks is None:
         bounds = cu_seqlens.tolist()
         chunks = chunk_plan([end - begin for begin, end in zip(bounds[:-1], bounds[1:])]).to(q.device)
-    if WALK_CHUNK == CHUNK:
+    if one_long and not routed:
+        block_v = max(16, min(ALONE_VALUES, triton.next_power_of_2(value_dim)))
+    if WALK_CHUNK == CHUNK or (one_long and not routed):
         return _chunk_path(q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu_seqlens, chunks, G, scale,
                            gate_stride, beta_stride, route, routed, block_k, block_v, beta_logits, states is not None,
                            output_final_state)
