@@ -163,7 +163,9 @@ def real_traffic_measurement(count: int = 80, seed: int = 37, out: str | None = 
     part = record["first_sight"]
     print(f"real traffic, {record['requests']} requests ({record['image_requests']} with an image) on first sight: "
           f"p50 {part['p50_ms']:.2f} p99 {part['p99_ms']:.2f} max {part['max_ms']:.2f} ms; text p50 "
-          f"{part['text_p50_ms']:.2f}, image p50 {part['image_p50_ms']:.2f}; {part['timed_calls']}; Hugging Face "
+          f"{part['text_p50_ms']:.2f}, image p50 {part['image_p50_ms']:.2f}; engine stages p50 "
+          f"{ {stage: round(ms, 2) for stage, ms in part['engine_stages_p50_ms'].items()} }; "
+          f"{part['timed_calls']}; Hugging Face "
           f"p50 {record['hugging_face_p50_ms']:.2f} p99 {record['hugging_face_p99_ms']:.2f} max "
           f"{record['hugging_face_max_ms']:.2f}", flush=True)
     if out is not None:

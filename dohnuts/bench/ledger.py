@@ -159,6 +159,9 @@ def _real_traffic(record: dict) -> tuple[dict, dict]:
     figures = _pick(record, ("requests", "image_requests", "hugging_face_p50_ms", "hugging_face_p99_ms",
                              "hugging_face_max_ms"))
     figures |= _pick(part, _PASS, "first_sight_") | _pick(part.get("timed_calls"), _PASS_CALLS, "first_sight_")
+    stages = part.get("engine_stages_p50_ms") or {}
+    figures |= {f"first_sight_engine_{stage}_p50_ms": stages[stage] for stage in ("prepare", "run", "finish")
+                if _number(stages.get(stage))}
     samples = _series(record, hugging_face_ms="hugging_face_samples_ms")
     return figures, samples | _series(part, first_sight_ms="samples_ms")
 

@@ -41,9 +41,15 @@ def _timed_pass(predictor, requests) -> dict:
                (vision, "vision_captures", "captures"), (vision, "vision_bucket_replays", "bucket_replays"),
                (vision, "vision_eager", "eager"), (vision, "vision_padding_patches", "padding_patches")]
     samples, calls = [], {name: 0 for _, name, _ in counted}
+    # The engine's stages of each call (`Engine.stage_seconds`): prepare (the host's packing,
+    # copies and launches), run (on CUDA the device's time from the invocation's first launch to
+    # its logits, gaps included) and finish (the wait for the logits, then their copy).
+    engine_stages = predictor.engine.stage_seconds
+    stages = {stage: [] for stage in engine_stages}
     compiled = kernel_variants()
     for state, questions in requests:
         before = [source[counter] for source, _, counter in counted]
+        staged = dict(engine_stages)
         synchronize(device)
         start = time.perf_counter()
         predictor.predict(state, questions)
@@ -51,6 +57,8 @@ def _timed_pass(predictor, requests) -> dict:
         samples.append((time.perf_counter() - start) * 1000.0)
         for (source, name, counter), value in zip(counted, before):
             calls[name] += source[counter] - value
+        for stage, seconds in staged.items():
+            stages[stage].append((engine_stages[stage] - seconds) * 1000.0)
     now = kernel_variants()  # Triton's compiles and autotunes on the timed requests: none is the aim
     calls["triton_compiles"], calls["triton_autotunes"] = (now[key] - compiled[key] for key in ("compiled", "tuned"))
     images = [ms for ms, (state, _) in zip(samples, requests) if "image" in state]
@@ -60,6 +68,7 @@ def _timed_pass(predictor, requests) -> dict:
             "text_p50_ms": percentile(texts, 0.5) if texts else None,
             "image_p50_ms": percentile(images, 0.5) if images else None,
             "decisions_per_second": 1000.0 * sum(len(q) for _, q in requests) / sum(samples),
+            "engine_stages_p50_ms": {stage: percentile(values, 0.5) for stage, values in stages.items()},
             "timed_calls": calls, "samples_ms": samples}
 
 def varied_traffic_record(predictor, count: int, seed: int = 0, warmup: int = 8) -> dict:

@@ -185,6 +185,9 @@ def test_real_traffic_times_each_request_once_and_counts_compiles(deployable):
     assert part["timed_calls"]["triton_compiles"] == part["timed_calls"]["triton_autotunes"] == 0  # the CPU
     assert part["timed_calls"]["eager"] == 4 and record["image_requests"] == len(record["image_sides"]) >= 1
     assert record["hugging_face_max_ms"] >= record["hugging_face_p50_ms"] > 0
+    # The engine's stages of each call: on the CPU `prepare` packs and `run` is the forward itself.
+    stages = part["engine_stages_p50_ms"]
+    assert 0 < stages["prepare"] < part["max_ms"] and stages["run"] > 0 and stages["queue"] == 0
 
 
 def test_long_requests_meet_the_budgets_they_aim_at_and_past_them_are_refused(deployable):
