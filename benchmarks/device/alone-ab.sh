@@ -17,7 +17,7 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_kernels.py t
   -k "one_long or bucket or scan" 2>&1 | tail -5 | tee "$OUT/tests.txt"
 run 90 prefixes delta_rule_prefixes --lengths 1408 2816 --together 1 2
 for from in 0 1024; do
-  run 100 long-$from long_context --lengths 1500 3000 1490 2990 --alone-from $from --out "$OUT/long-$from.json"
+  run 100 long-$from long_context --lengths 1500 3000 1490 2990 1510 3010 1480 2980 --alone-from $from --out "$OUT/long-$from.json"
 done
 run 150 real real_traffic --count 80 --out "$OUT/real.json"
 run 100 invocations invocation_profile --batch 8 --groups 4 --top 30
