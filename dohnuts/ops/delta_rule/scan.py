@@ -90,7 +90,9 @@ SOLVE_WARPS = 4
 # padding and an empty row: `delta_rule_scan`'s `one_long`): there its 64-token steps with
 # ALONE_VALUES values a program pay from ALONE_FROM tokens (None: never). On the H200 (as
 # WALK_VALUES, 2026-12-05, run 2026-12-05-8cab2b5-segments-prefixes) 1 x 1,408 tokens 113 against
-# 122 us a layer, 1 x 2,816 199 against 235.
+# 122 us a layer, 1 x 2,816 199 against 235; in the model, one-question requests of 2,980 to
+# 3,010 tokens on first sight 14.95 against 16.95 ms, of 1,480 to 1,510 9.65 against 9.85 (the
+# medians of four, runs 2026-12-05-be076d3-long-alone-1024 and -0).
 ALONE_FROM: int | None = 1024
 ALONE_VALUES = 16
 PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
