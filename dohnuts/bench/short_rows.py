@@ -135,9 +135,10 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     one-kernel walk), whatever the
     count would choose (`PARTS_BELOW`). Shape: the Qwen3.5-0.8B delta-rule layer (16 key and 16
     value heads of width 128), bf16. Prints microseconds a layer and tokens a microsecond, marks
-    the path the runtime takes (one sequence of at least `ALONE_FROM` tokens: 64-token steps of
-    `ALONE_VALUES` values, `one_long`), and gives each path's largest output difference from the
-    first's.
+    the path the runtime takes (one sequence of `ALONE_FROM` to `ALONE_TO` tokens: 64-token
+    steps of `ALONE_VALUES` values, `one_long`, as it runs eagerly or in a one-row bucket; a
+    prefix in a routed bucket keeps the 16-token walk), and gives each path's largest output
+    difference from the first's.
 
         python benchmarks/run.py delta_rule_prefixes --lengths 1024 2048 --together 1 2 4 8 --sets 700,200,90
 
@@ -204,7 +205,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 one_kernel = sum(length > CHUNK for length in pack) >= defaults["PARTS_BELOW"]
                 if one_kernel:
                     taken = settings["PARTS_BELOW"] == 0
-                elif count == 1 and ops.ALONE_FROM is not None and total >= ops.ALONE_FROM:  # `one_long`
+                elif count == 1 and ops.ALONE_FROM is not None and ops.ALONE_FROM <= total <= ops.ALONE_TO:
                     taken = settings == {**defaults, "PARTS_BELOW": 2**31, "WALK_CHUNK": CHUNK,
                                          "WALK_VALUES": ops.ALONE_VALUES}
                 else:

@@ -60,6 +60,9 @@ class EncodedRequest(NamedTuple):
 # The longest sequence of the warm-up: past the gradient bound of the delta rule's walk
 # (`scan.SCAN_TOKENS`) and the longest prefix a bucket holds, as the longest requests run.
 WARM_UP_TOKENS = 4200
+# A long shared prefix of the warm-up: one sequence alone in 64-token steps, keeping its final
+# state (`scan.ALONE_FROM` to `ALONE_TO`), as an eager request's long state runs.
+WARM_UP_PREFIX = 1600
 
 
 def settle_heap() -> None:
@@ -80,7 +83,8 @@ def warm_up_batches(image_pad_id: int) -> list[Batch]:
     rule's rows kernel, compiled for each count of 16-token parts it unrolls), or into a longer
     row too (the scan from forked states, parts then walk); four prefixes, each forked into a
     short and a long row (the scan's one-kernel walk, from zero and from forked states); rows
-    run whole, one and five of them (both scan paths from zero states); one long sequence.
+    run whole, one and five of them (both scan paths from zero states); one long sequence; one
+    long prefix alone (walked in 64-token steps, keeping its final state).
     Markers: 1, 2 and several a row. The token ids are arbitrary (prefixes differ by their
     start): only the shapes and routes matter."""
     def ids(count: int, start: int = 1) -> tuple[int, ...]:  # ids below 100: in any vocabulary
@@ -101,6 +105,7 @@ def warm_up_batches(image_pad_id: int) -> list[Batch]:
         [row(300, 3)],
         [row(90 + 37 * index, 2) for index in range(5)],
         [row(WARM_UP_TOKENS, 2)],
+        [row(10, 2, ids(WARM_UP_PREFIX, 7)), row(20, 1, ids(WARM_UP_PREFIX, 7))],
     ]
     return [pack_rows(rows, [], image_pad_id) for rows in shapes]
 

@@ -277,7 +277,7 @@ def test_the_warm_up_batches_take_every_eager_route_of_the_forward(predictor):
     they run the eager forward (CUDA compiles their kernels there at load)."""
     from dohnuts.ops.delta_rule.parts import PART
     from dohnuts.ops.delta_rule.rows import ROW_TOKENS
-    from dohnuts.ops.delta_rule.scan import PARTS_BELOW, SCAN_TOKENS
+    from dohnuts.ops.delta_rule.scan import ALONE_FROM, ALONE_TO, PARTS_BELOW, SCAN_TOKENS
     from dohnuts.runtime.engine import warm_up_batches
 
     batches = warm_up_batches(0)
@@ -297,6 +297,9 @@ def test_the_warm_up_batches_take_every_eager_route_of_the_forward(predictor):
                for batch in forked)
     assert {len(batch.cu_seqlens_cpu) - 1 >= PARTS_BELOW for batch in whole} == {True, False}
     assert max(batch.computed_tokens for batch in batches) > SCAN_TOKENS
+    # One long prefix alone: the 64-token steps keeping a final state (a long state's requests).
+    assert any(len(batch.prefix_cu_seqlens_cpu) == 2 and ALONE_FROM <= batch.prefix_tokens <= ALONE_TO
+               for batch in forked)
     assert {batch.markers.shape[1] for batch in batches} >= {1, 2, 3}
     assert predictor.engine.warm_up() == len(batches)
 
@@ -304,7 +307,7 @@ def test_the_warm_up_batches_take_every_eager_route_of_the_forward(predictor):
 @pytest.mark.gpu
 def test_after_load_no_request_compiles_or_tunes_a_kernel(deployable):
     """Load (graphs captured, the warm-up run), then requests of new shapes run eagerly and
-    through graphs: text of 1 to about 3,000 tokens, states shared or not, 1 to 40 candidates,
+    through graphs: text of 1 to about 5,000 tokens, states shared or not, 1 to 40 candidates,
     images. Triton compiles and tunes nothing on them (`ops.compiles.kernel_variants`)."""
     from dohnuts.ops.compiles import compiled_keys, kernel_variants
 
@@ -313,7 +316,7 @@ def test_after_load_no_request_compiles_or_tunes_a_kernel(deployable):
     before, keys = kernel_variants(), compiled_keys()
     assert before["kernels"] > 0 and before["compiled"] > 0
     sent = 0
-    for index, tokens in enumerate((3, 17, 64, 65, 130, 700, 1500, 2049, 3001)):
+    for index, tokens in enumerate((3, 17, 64, 65, 130, 700, 1500, 2049, 3001, 5000)):
         state = {"note": "ok " * tokens}
         if index % 4 == 1:
             state["image"] = square_image((30 * index % 256, 80, 120))

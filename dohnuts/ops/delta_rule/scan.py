@@ -88,12 +88,16 @@ WALK_CHUNK = 16
 SOLVE_WARPS = 4
 # One long sequence walks alone (a call of one sequence, or a one-row bucket's row with its shorter
 # padding and an empty row: `delta_rule_scan`'s `one_long`): there its 64-token steps with
-# ALONE_VALUES values a program pay from ALONE_FROM tokens (None: never). On the H200 (as
+# ALONE_VALUES values a program pay, from ALONE_FROM tokens (None: never) up to ALONE_TO. In a
+# one-row bucket the bound is the bucket's, so its shortest rows take them too. Their buffers hold
+# about 25 kB a token (the 16-token walk's 13 kB), freed each layer; ALONE_TO keeps longer
+# sequences, whose memory the long_context figures measured, on the 16-token walk. On the H200 (as
 # WALK_VALUES, 2026-12-05, run 2026-12-05-8cab2b5-segments-prefixes) 1 x 1,408 tokens 113 against
 # 122 us a layer, 1 x 2,816 199 against 235; in the model, one-question requests of 2,980 to
 # 3,010 tokens on first sight 14.95 against 16.95 ms, of 1,480 to 1,510 9.65 against 9.85 (the
 # medians of four, runs 2026-12-05-be076d3-long-alone-1024 and -0).
-ALONE_FROM: int | None = 1024
+ALONE_FROM: int | None = 1408  # the shortest length timed
+ALONE_TO = 8192  # the longest one-row bucket
 ALONE_VALUES = 16
 PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
 
@@ -460,7 +464,7 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         one_long: the first sequence is the longest and the others (fewer than PARTS_BELOW)
             are shorter padding, as in a one-row bucket, or there is one sequence: the parts
             then the walk, in 64-token steps of ALONE_VALUES values a program (the caller
-            checks ALONE_FROM).
+            checks ALONE_FROM and ALONE_TO).
 
     Returns:
         (o [T, HV, V] in v's dtype, final states or None)
