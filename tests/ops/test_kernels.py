@@ -467,13 +467,14 @@ def test_one_long_sequence_walked_in_64_token_steps_matches_the_reference(weak):
     """One long sequence walked as `kernels.delta_rule` walks it alone or in a one-row bucket
     (`scan.delta_rule_scan`'s `one_long`: 64-token steps, ALONE_VALUES values a program; bf16,
     the Qwen3.5-0.8B widths, 2,816 tokens then padding of 300 and an empty sequence): from zero
-    and from forked states, keeping the final states, against the float32 recurrence within the
-    scan's own tolerance; also with decays of about -0.01 a token, under which the state entering
-    each step weighs on all of it."""
+    and from forked states (the long one's among them), keeping the final states, against the
+    float32 recurrence within the scan's own tolerance; also with decays of about -0.01 a token,
+    under which the state entering each step weighs on all of it."""
     from dohnuts.ops.delta_rule import scan
 
     lengths = [2816, 300, 0]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, 16, 16, 128, 5)
+    parents = parents.flip(0)  # 1, 0, -1: the long sequence continues a state too
     if weak:
         A_log = torch.full_like(A_log, -4.0)
     log_decay = decay(gate, A_log, dt_bias)
