@@ -205,7 +205,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 one_kernel = sum(length > CHUNK for length in pack) >= defaults["PARTS_BELOW"]
                 if one_kernel:
                     taken = settings["PARTS_BELOW"] == 0
-                elif count == 1 and ops.ALONE_FROM is not None and ops.ALONE_FROM <= total <= ops.ALONE_TO:
+                elif ops.walks_alone(count, max(pack), routed=False):
                     taken = settings == {**defaults, "PARTS_BELOW": 2**31, "WALK_CHUNK": CHUNK,
                                          "WALK_VALUES": ops.ALONE_VALUES}
                 else:

@@ -218,7 +218,7 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     final states and hold at most 64 tokens run `delta_rule.rows.delta_rule_rows`; the rest
     `delta_rule.scan.delta_rule_scan` (reading each state in place), at any length
     (`scan.FORWARD_TOKENS`), so inference never tunes a kernel on a request (one long sequence
-    alone, or a one-row bucket's row, in 64-token steps: `scan.ALONE_FROM` and `ALONE_TO`);
+    alone, or a one-row bucket's row, in 64-token steps: `scan.walks_alone`);
     with autograd, the scan with `delta_rule.backward`'s gradient for sequences of at most
     `scan.SCAN_TOKENS`.
     Otherwise FLA's chunked kernels, or the plain-PyTorch chunked reference off CUDA.
@@ -236,14 +236,10 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         if states is not None and not output_final_state and longest <= ours.rows.ROW_TOKENS:
             return ours.rows.delta_rule_rows(q, k, v, g, beta, states, parents, cu_seqlens, longest, A_log, dt_bias,
                                              out=out, beta_logits=beta_logits), None
-        scan, sequences = ours.scan, cu_seqlens.shape[0] - 1
-        # One long sequence: alone, or a one-row bucket's row before its shorter padding (routed,
-        # as a bucket is, but with too few sequences to route).
-        one_long = ((sequences == 1 or (routed and sequences < scan.PARTS_BELOW))
-                    and scan.ALONE_FROM is not None and scan.ALONE_FROM <= longest <= scan.ALONE_TO)
+        scan = ours.scan
         return scan.delta_rule_scan(q, k, v, g, beta, states, parents, cu_seqlens, output_final_state, A_log,
                                     dt_bias, out=out, beta_logits=beta_logits, chunks=chunk_indices, routed=routed,
-                                    one_long=one_long)
+                                    one_long=scan.walks_alone(cu_seqlens.shape[0] - 1, longest, routed))
     if beta_logits:
         beta = torch.sigmoid(beta)
     if frozen and longest <= ours.scan.SCAN_TOKENS:

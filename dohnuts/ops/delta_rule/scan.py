@@ -102,6 +102,15 @@ ALONE_VALUES = 16
 PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
 
 
+def walks_alone(sequences: int, longest: int, routed: bool) -> bool:
+    """Whether a forward-only call of `sequences` sequences, the longest of `longest` tokens (or
+    a bound on it), is one long sequence for `delta_rule_scan`'s `one_long`: one sequence, or a
+    one-row bucket's row before its shorter padding (`routed`, as a bucket is, but with too few
+    sequences to route), of ALONE_FROM to ALONE_TO tokens."""
+    return ((sequences == 1 or (routed and sequences < PARTS_BELOW))
+            and ALONE_FROM is not None and ALONE_FROM <= longest <= ALONE_TO)
+
+
 @triton.jit
 def _turn(route, PARTS: tl.constexpr, bos, eos):
     """(eos, go) for a routed kernel (`_scan_route` wrote `route` [1]) of the parts path (PARTS)
@@ -463,8 +472,8 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             is the padding's, not the request's. Otherwise the count of sequences chooses.
         one_long: the first sequence is the longest and the others (fewer than PARTS_BELOW)
             are shorter padding, as in a one-row bucket, or there is one sequence: the parts
-            then the walk, in 64-token steps of ALONE_VALUES values a program (the caller
-            checks ALONE_FROM and ALONE_TO).
+            then the walk, in 64-token steps of ALONE_VALUES values a program (`walks_alone`
+            says when a call is).
 
     Returns:
         (o [T, HV, V] in v's dtype, final states or None)
