@@ -266,6 +266,26 @@ def test_triton_rms_norm_and_swiglu_gradients_match_references():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block", [512, 1024])
+def test_swiglu_by_rows_matches_the_reference_and_the_flat_programs(block, monkeypatch):
+    """SwiGLU with programs by rows (`swiglu.fused.BY_ROWS`) on column blocks of the MLP's packed
+    output at the Qwen3.5-0.8B width (3,584: with 1,024 columns a program, a partial last block)
+    and of 1,287 rows: against the reference within bf16's tolerance, and equal to the flat
+    programs' output bit for bit (the same float32 arithmetic an element)."""
+    from dohnuts.ops.swiglu import fused
+
+    assert backends._triton_kernels() is not None, "no Triton: the test would compare the reference with itself"
+    mlp = torch.randn(1287, 2 * 3584, device="cuda", dtype=torch.bfloat16)
+    gate, up = mlp[:, :3584], mlp[:, 3584:]
+    monkeypatch.setattr(fused, "BLOCK", block)
+    flat = kernels.swiglu(gate, up)
+    monkeypatch.setattr(fused, "BY_ROWS", True)
+    by_rows = kernels.swiglu(gate, up)
+    torch.testing.assert_close(by_rows, swiglu_reference(gate, up), **BF16)
+    assert torch.equal(by_rows, flat)
+
+
+@pytest.mark.gpu
 def test_packed_projection_kernels_match_references_on_cuda():
     """The kernels a packed projection's output feeds, in bf16 at the Qwen3.5-0.8B widths, against
     their references, outputs and gradients: the head norm fused with the rotary embedding on
@@ -462,16 +482,19 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width, pa
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("products", [2, 1], ids=["two products a step", "one product a step"])
 @pytest.mark.parametrize("weak", [False, True], ids=["decay", "weak decay"])
-def test_one_long_sequence_walked_in_64_token_steps_matches_the_reference(weak):
+def test_one_long_sequence_walked_in_64_token_steps_matches_the_reference(weak, products, monkeypatch):
     """One long sequence walked as `kernels.delta_rule` walks it alone or in a one-row bucket
     (`scan.delta_rule_scan`'s `one_long`: 64-token steps, ALONE_VALUES values a program; bf16,
     the Qwen3.5-0.8B widths, 2,816 tokens then padding of 300 and an empty sequence): from zero
     and from forked states (the long one's among them), keeping the final states, against the
     float32 recurrence within the scan's own tolerance; also with decays of about -0.01 a token,
-    under which the state entering each step weighs on all of it."""
+    under which the state entering each step weighs on all of it; the walk at two products a
+    step and at one (`scan.STEP_PRODUCTS`)."""
     from dohnuts.ops.delta_rule import scan
 
+    monkeypatch.setattr(scan, "STEP_PRODUCTS", products)
     lengths = [2816, 300, 0]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, 16, 16, 128, 5)
     parents = parents.flip(0)  # 1, 0, -1: the long sequence continues a state too

@@ -130,17 +130,26 @@ def check_norms_and_swiglu():
         for name, a, b in zip(["x", "gate", "weight"], grads([ours], [x, leaf, weight], 6),
                               grads([reference], [x, leaf, weight], 6)):
             close(f"rms_norm_gated {shape} block={block} grad {name}", a, b)
-    for block in (False, True):
-        # With `block`, gate and up are two column blocks of one projection output.
-        outputs = torch.randn(33, 3 + 70 + 70, generator=generator, requires_grad=True)
-        gate, up = ((outputs[:, 3:73], outputs[:, 73:]) if block else
-                    (torch.randn(33, 70, generator=generator, requires_grad=True),
-                     torch.randn(33, 70, generator=generator, requires_grad=True)))
-        leaves = [outputs] if block else [gate, up]
-        ours, reference = swiglu_fused.swiglu(gate, up), swiglu_reference(gate, up)
-        close(f"swiglu block={block}", ours, reference)
-        for name, a, b in zip(["gate", "up"], grads([ours], leaves, 5), grads([reference], leaves, 5)):
-            close(f"swiglu block={block} grad {name}", a, b)
+    default = swiglu_fused.BY_ROWS, swiglu_fused.BLOCK
+    try:
+        # Programs over runs of the flattened output, and over rows' column blocks (BY_ROWS; with
+        # a partial last block, and with one block a row).
+        for by_rows, elements, block in ((False, default[1], False), (False, default[1], True),
+                                         (True, 32, False), (True, 32, True), (True, 128, True)):
+            swiglu_fused.BY_ROWS, swiglu_fused.BLOCK = by_rows, elements
+            # With `block`, gate and up are two column blocks of one projection output.
+            outputs = torch.randn(33, 3 + 70 + 70, generator=generator, requires_grad=True)
+            gate, up = ((outputs[:, 3:73], outputs[:, 73:]) if block else
+                        (torch.randn(33, 70, generator=generator, requires_grad=True),
+                         torch.randn(33, 70, generator=generator, requires_grad=True)))
+            leaves = [outputs] if block else [gate, up]
+            ours, reference = swiglu_fused.swiglu(gate, up), swiglu_reference(gate, up)
+            case = f"swiglu block={block} by rows {by_rows} of {elements}"
+            close(case, ours, reference)
+            for name, a, b in zip(["gate", "up"], grads([ours], leaves, 5), grads([reference], leaves, 5)):
+                close(f"{case} grad {name}", a, b)
+    finally:
+        swiglu_fused.BY_ROWS, swiglu_fused.BLOCK = default
 
 
 def check_add_rms_norm():
@@ -262,16 +271,19 @@ def check_delta_rule_scan():
     within one part's tokens), from zero states keeping the final states (prefixes) and from
     forked states (long rows, some without a parent), grouped heads and value blocks of 16 with
     a partial last one; each path chosen on the host and routed on the device."""
-    default = delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK
+    default = delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK, delta_scan.STEP_PRODUCTS
     generator = torch.Generator().manual_seed(9)
     heads, key_dim, value_heads = 2, 8, 4
     try:
         # Each path whatever the count: the parts solved apart and walked (with value blocks of
-        # 16 and the default), at 16- and 64-token steps, and the one-kernel walk.
-        for value_dim, values, parts_below, step in ((6, default[0], 2**31, 16), (40, 16, 2**31, 16),
-                                                     (6, default[0], 2**31, 64), (40, 16, 2**31, 64),
-                                                     (40, 16, 0, 16), (6, 64, 0, 16)):
-            delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK = values, parts_below, step
+        # 16 and the default), at 16- and 64-token steps (these with two products a step or one),
+        # and the one-kernel walk.
+        for value_dim, values, parts_below, step, products in (
+                (6, default[0], 2**31, 16, 2), (40, 16, 2**31, 16, 2), (6, default[0], 2**31, 64, 2),
+                (40, 16, 2**31, 64, 2), (40, 16, 2**31, 64, 1), (40, 16, 0, 16, 2),
+                (6, 64, 0, 16, 2)):
+            (delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK,
+             delta_scan.STEP_PRODUCTS) = values, parts_below, step, products
             for lengths in ([1, 15, 16, 17, 33, 64, 65, 130], [5], [97, 2], [3, 0, 2, 1, 0, 4, 40, 0]):
                 total = sum(lengths)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
@@ -283,7 +295,7 @@ def check_delta_rule_scan():
                 A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
                 log_decay = decay(gate, A_log, dt_bias)
                 case = (f"delta_rule_scan lengths={lengths} V={value_dim} block={values} parts below {parts_below} "
-                        f"steps of {step}")
+                        f"steps of {step}, {products} products a step")
                 ours, final = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias)
                 reference, reference_final = gated_delta_rule_reference(
                     q[None], k[None], v[None], log_decay[None], beta[None], None, True, cu.long(), normalise=False)
@@ -333,13 +345,13 @@ def check_delta_rule_scan():
                 close(f"{case} from beta's input", from_raw, expected)
                 close(f"{case} final states from beta's input", raw_final, expected_final)
     finally:
-        delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK = default
-    for step, last in ((16, "_delta_scan_walk"), (64, "_chunk_output")):
-        delta_scan.WALK_CHUNK = step
+        delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK, delta_scan.STEP_PRODUCTS = default
+    for step, products, last in ((16, 2, "_delta_scan_walk"), (64, 2, "_chunk_output"), (64, 1, "_chunk_output")):
+        delta_scan.WALK_CHUNK, delta_scan.STEP_PRODUCTS = step, products
         try:
             check_routes_on_the_device(last)
         finally:
-            delta_scan.WALK_CHUNK = default[2]
+            delta_scan.WALK_CHUNK, delta_scan.STEP_PRODUCTS = default[2], default[3]
 
 
 class _Idle:
@@ -356,7 +368,17 @@ def check_one_long_sequence():
     (the long one without a parent where padding follows), on the sequences' own chunk plan and on a bucket's padded
     one, grouped heads, values narrower and wider than a program's block; with decays of about
     -0.8 a token, and of about -0.01, under which each step's entering state weighs on every
-    token after it."""
+    token after it; the walk at two products a step and at one (`STEP_PRODUCTS`)."""
+    default = delta_scan.STEP_PRODUCTS
+    try:
+        for products in (2, 1):
+            delta_scan.STEP_PRODUCTS = products
+            _one_long_sequences(f"{products} products a step")
+    finally:
+        delta_scan.STEP_PRODUCTS = default
+
+
+def _one_long_sequences(walk: str):
     generator = torch.Generator().manual_seed(11)
     heads, key_dim, value_heads = 2, 8, 4
     cases = [(value_dim, weak, lengths) for value_dim in (6, 20) for weak in (False, True)
@@ -379,7 +401,7 @@ def check_one_long_sequence():
         forked, forked_final = gated_delta_rule_reference(
             q[None], k[None], v[None], log_decay[None], beta[None], kernels.fork_states(states, parents, True),
             True, cu.long(), normalise=False)
-        case = f"delta_rule_scan one_long lengths={lengths} V={value_dim} weak decay {weak}"
+        case = f"delta_rule_scan one_long lengths={lengths} V={value_dim} weak decay {weak}, {walk}"
         ours, final = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias,
                                                  one_long=True)
         close(f"{case} from zero", ours, reference[0])

@@ -267,15 +267,18 @@ def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtyp
 
 
 @pytest.mark.gpu
-def test_one_long_sequence_in_64_token_steps_gives_the_scans_logits_eager_and_in_bucket_graphs(tiny, monkeypatch):
+@pytest.mark.parametrize("products", [2, 1], ids=["two products a step", "one product a step"])
+def test_one_long_sequence_in_64_token_steps_gives_the_scans_logits_eager_and_in_bucket_graphs(tiny, monkeypatch,
+                                                                                               products):
     """With one long sequence walked in 64-token steps from 64 tokens on (`scan.ALONE_FROM`, so
     the tiny model's prefixes alone and its one-question request's one-row bucket take it), the
     eager forward and the bucket graphs captured with it give the logits of the eager forward
     without it, to 1e-4 in float32; the path ran in both (counted), and the one-row bucket
-    served its request."""
+    served its request. Its walk at two products a step and at one (`scan.STEP_PRODUCTS`)."""
     from dohnuts.ops.delta_rule import scan
     from dohnuts.runtime.buckets import all_buckets, bucket_for
 
+    monkeypatch.setattr(scan, "STEP_PRODUCTS", products)
     template, model, graphed = _on_cuda(tiny, torch.float32)
     batches = _varied(template)
     walks = []

@@ -100,6 +100,14 @@ ALONE_FROM: int | None = 1408  # the shortest length timed
 ALONE_TO = 8192  # the longest one-row bucket
 ALONE_VALUES = 16
 PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
+# Products in series a 64-token step of the walk (`_chunk_walk`): 2, U = U0 - W S then S' from U;
+# or 1, through the chunk's transition made in parallel beforehand (`_chunk_wu`): S' = exp(G_last)
+# S - N S + B with N = k^T D W [K, K] and B = k^T D U0 [K, V], D = diag(exp(G_last - G_t)), the
+# pseudo-values U then made with the outputs (`_chunk_output`). One product a step halves the chain
+# between one state and the next, which is the walk's latency for a long sequence alone; N and B
+# add about 24 kB a token to the path's buffers (Qwen3.5-0.8B widths). Not timed yet: 2 stays the
+# default until the H200 says (`bench.short_rows.delta_rule_prefixes`).
+STEP_PRODUCTS = 2
 
 
 def walks_alone(sequences: int, longest: int, routed: bool) -> bool:
@@ -303,11 +311,13 @@ def _store_inverse_rows(X, Gc, start, eos, part: tl.constexpr, i_h, o_c, HV: tl.
 
 
 @triton.jit
-def _chunk_wu(k, v, b, X, Gc, cu_seqlens, chunks, W, U, sb, route, H: tl.constexpr, K: tl.constexpr,
+def _chunk_wu(k, v, b, X, Gc, cu_seqlens, chunks, W, U, N, B, sb, route, H: tl.constexpr, K: tl.constexpr,
               HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SIGMOID: tl.constexpr,
-              ROUTED: tl.constexpr):
+              ROUTED: tl.constexpr, TRANSITION: tl.constexpr):
     """The chunk's W = X beta exp(G) k [T, HV, K] (k's dtype) and U0 = X beta v [T, HV, V]
-    float32 (value block program 2), from `_chunk_inverse`'s X and Gc."""
+    float32 (value block program 2), from `_chunk_inverse`'s X and Gc; with TRANSITION, also its
+    transition (STEP_PRODUCTS 1) at its plan entry: N = k^T D W [entries, HV, K, K] (k's dtype)
+    and B = k^T D U0 [entries, HV, K, V] float32, D = diag(exp(G_last - G_t))."""
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // H)
     start, eos = _plan_entry(chunks, cu_seqlens, route, i_c, ROUTED)
@@ -317,10 +327,24 @@ def _chunk_wu(k, v, b, X, Gc, cu_seqlens, chunks, W, U, sb, route, H: tl.constex
         g = tl.load(Gc + o_t * HV + i_h, mask=m_t, other=0.0)
         beta = _beta(b, o_t, m_t, i_h, sb, SIGMOID)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
         v_i = tl.load(v + row * V + o_v[None, :], mask=m_tv, other=0.0)
-        tl.store(U + row * V + o_v[None, :], tl.dot(x, beta[:, None] * v_i.to(tl.float32)), mask=m_tv)
-        if i_v == 0:
-            m_tk = m_t[:, None] & (o_k < K)[None, :]
+        u0 = tl.dot(x, beta[:, None] * v_i.to(tl.float32))
+        tl.store(U + row * V + o_v[None, :], u0, mask=m_tv)
+        if TRANSITION:
+            k_i = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
+            # What each token's outer product weighs at the chunk's end (0 rows past the end: k is).
+            to_end = tl.exp(tl.load(Gc + (tl.minimum(start + 64, eos) - 1) * HV + i_h) - g)
+            at = (i_c * HV + i_h) * K + o_k[:, None]
+            m_k = (o_k < K)[:, None]
+            tl.store(B + at * V + o_v[None, :], tl.dot(tl.trans(k_i), (u0 * to_end[:, None]).to(k_i.dtype)),
+                     mask=m_k & (o_v < V)[None, :])
+            if i_v == 0:
+                w = tl.dot(x, (beta * tl.exp(g))[:, None] * k_i.to(tl.float32)).to(W.dtype.element_ty)
+                tl.store(W + row * K + o_k[None, :], w, mask=m_tk)
+                n_c = tl.dot(tl.trans(k_i), (w.to(tl.float32) * to_end[:, None]).to(k_i.dtype))
+                tl.store(N + at * K + o_k[None, :], n_c.to(N.dtype.element_ty), mask=m_k & (o_k < K)[None, :])
+        elif i_v == 0:
             k_i = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
             w = tl.dot(x, (beta * tl.exp(g))[:, None] * k_i.to(tl.float32))
             tl.store(W + row * K + o_k[None, :], w.to(W.dtype.element_ty), mask=m_tk)
@@ -339,13 +363,15 @@ def _first_chunk(cu_seqlens, n, BN: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=REQUEST_STATES)
-def _chunk_walk(k, W, U, Gc, Hs, states, parents, final, cu_seqlens, G, route, H: tl.constexpr, K: tl.constexpr,
-                HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, INITIAL: tl.constexpr,
-                FINAL: tl.constexpr, ROUTED: tl.constexpr, STAGES: tl.constexpr):
+def _chunk_walk(k, W, U, Gc, Hs, N, B, states, parents, final, cu_seqlens, G, route, H: tl.constexpr,
+                K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                INITIAL: tl.constexpr, FINAL: tl.constexpr, ROUTED: tl.constexpr, STAGES: tl.constexpr,
+                TRANSITION: tl.constexpr):
     """The walk at 64-token steps: for each chunk of the sequence, the state entering it to Hs
     [chunks, HV, K, V] (q's dtype, at its plan entry) and its pseudo-values U = U0 - W S in place
     of U0; the final state to `final`. One product a step stands between one state and the next
-    (U from S), and one more (S from U): the outputs are `_chunk_output`'s, in parallel."""
+    (U from S), and one more (S from U): the outputs are `_chunk_output`'s, in parallel. With
+    TRANSITION (STEP_PRODUCTS 1), one: S' = exp(G_last) S - N S + B (`_chunk_wu`), U left as U0."""
     n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     if ROUTED:
@@ -357,32 +383,42 @@ def _chunk_walk(k, W, U, Gc, Hs, states, parents, final, cu_seqlens, G, route, H
     if INITIAL:
         h = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK)
     for chunk in tl.range(0, tl.cdiv(eos - bos, 64), num_stages=STAGES):
-        o_t = bos + chunk * 64 + o_c
-        m_t = o_t < eos
-        row = o_t[:, None] * HV + i_h
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        k_i = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
-        w_i = tl.load(W + row * K + o_k[None, :], mask=m_tk, other=0.0)
-        u0 = tl.load(U + row * V + o_v[None, :], mask=m_tv, other=0.0)
-        g_i = tl.load(Gc + o_t * HV + i_h, mask=m_t, other=0.0)
+        at = ((entry + chunk) * HV + i_h) * K + o_k[:, None]  # the chunk's entering state in Hs (and N, B)
         last = tl.load(Gc + (tl.minimum(bos + chunk * 64 + 64, eos) - 1) * HV + i_h)  # the chunk's whole decay
-        h_in = h.to(k_i.dtype)
-        tl.store(Hs + (((entry + chunk) * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h_in, mask=m_kv)
-        u_i = u0 - tl.dot(w_i, h_in)  # 0 past the end
-        tl.store(U + row * V + o_v[None, :], u_i, mask=m_tv)
-        # S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T
-        h = h * tl.exp(last) + tl.dot(tl.trans(k_i), (u_i * tl.exp(last - g_i)[:, None]).to(k_i.dtype))
+        if TRANSITION:
+            n_c = tl.load(N + at * K + o_k[None, :], mask=(o_k < K)[:, None] & (o_k < K)[None, :], other=0.0)
+            b_c = tl.load(B + at * V + o_v[None, :], mask=m_kv, other=0.0)
+            h_in = h.to(n_c.dtype)
+            tl.store(Hs + at * V + o_v[None, :], h_in, mask=m_kv)
+            h = h * tl.exp(last) - tl.dot(n_c, h_in) + b_c
+        else:
+            o_t = bos + chunk * 64 + o_c
+            m_t = o_t < eos
+            row = o_t[:, None] * HV + i_h
+            m_tk = m_t[:, None] & (o_k < K)[None, :]
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            k_i = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
+            w_i = tl.load(W + row * K + o_k[None, :], mask=m_tk, other=0.0)
+            u0 = tl.load(U + row * V + o_v[None, :], mask=m_tv, other=0.0)
+            g_i = tl.load(Gc + o_t * HV + i_h, mask=m_t, other=0.0)
+            h_in = h.to(k_i.dtype)
+            tl.store(Hs + at * V + o_v[None, :], h_in, mask=m_kv)
+            u_i = u0 - tl.dot(w_i, h_in)  # 0 past the end
+            tl.store(U + row * V + o_v[None, :], u_i, mask=m_tv)
+            # S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T
+            h = h * tl.exp(last) + tl.dot(tl.trans(k_i), (u_i * tl.exp(last - g_i)[:, None]).to(k_i.dtype))
     if FINAL:
         tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
 
 
 @triton.jit
-def _chunk_output(q, k, U, Gc, Hs, o, cu_seqlens, chunks, scale, route, H: tl.constexpr, K: tl.constexpr,
-                  HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ROUTED: tl.constexpr):
+def _chunk_output(q, k, U, W, Gc, Hs, o, cu_seqlens, chunks, scale, route, H: tl.constexpr, K: tl.constexpr,
+                  HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ROUTED: tl.constexpr,
+                  TRANSITION: tl.constexpr):
     """The outputs of the 64-token chunk of plan entry program 0, value head program 1 and value
     block program 2: o = scale (P U + exp(G) q S) for the state S entering it (`_chunk_walk`)
-    and P = exp(G_i - G_j) q_i . k_j (i >= j)."""
+    and P = exp(G_i - G_j) q_i . k_j (i >= j). With TRANSITION the walk left U0 in U: U = U0 - W S
+    here."""
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // H)
     start, eos = _plan_entry(chunks, cu_seqlens, route, i_c, ROUTED)
@@ -396,6 +432,8 @@ def _chunk_output(q, k, U, Gc, Hs, o, cu_seqlens, chunks, scale, route, H: tl.co
         g_i = tl.load(Gc + o_t * HV + i_h, mask=m_t, other=0.0)
         h_in = tl.load(Hs + ((i_c * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :],
                        mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0)
+        if TRANSITION:
+            u_i = u_i - tl.dot(tl.load(W + row * K + o_k[None, :], mask=m_tk, other=0.0), h_in)
         p_i = _decayed(tl.dot(q_i, tl.trans(k_i)), g_i, g_i, True, False, 64)
         o_i = tl.dot(p_i, u_i) + tl.exp(g_i)[:, None] * tl.dot(q_i, h_in)
         tl.store(o + row * V + o_v[None, :], (o_i * scale).to(o.dtype.element_ty), mask=m_tv)
@@ -545,7 +583,9 @@ def _chunk_path(q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu
                 gate_stride, beta_stride, route, routed, block_k, block_v, beta_logits, forked, output_final_state):
     """`delta_rule_scan`'s parts-then-walk path at 64-token steps (WALK_CHUNK): each chunk
     solved apart (`_chunk_inverse`, then `_chunk_wu`), the walk from chunk to chunk keeping each
-    one's entering state (`_chunk_walk`), then every chunk's outputs at once (`_chunk_output`)."""
+    one's entering state (`_chunk_walk`), then every chunk's outputs at once (`_chunk_output`);
+    with STEP_PRODUCTS 1, each chunk's transition made with W and U0, and the walk one product a
+    step."""
     total, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[1:]
     sequences, entries = cu_seqlens.shape[0] - 1, chunks.shape[0]
@@ -554,6 +594,12 @@ def _chunk_path(q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu
     inverse = q.new_empty(total, value_heads, CHUNK, dtype=torch.float32)
     decays = q.new_empty(total, value_heads, dtype=torch.float32)
     entering = q.new_empty(max(entries, 1), value_heads, key_dim, value_dim)
+    transition = STEP_PRODUCTS == 1
+    if transition:  # N and B of each chunk (`_chunk_wu`)
+        n, b = (q.new_empty(max(entries, 1), value_heads, key_dim, width, dtype=dtype)
+                for width, dtype in ((key_dim, q.dtype), (value_dim, torch.float32)))
+    else:
+        n = b = u  # any pointer: unread
     out_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
     with _on(q.device):
         if entries:
@@ -561,13 +607,14 @@ def _chunk_path(q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu
                 k, g, beta, A_log, dt_bias, cu_seqlens, chunks, inverse, decays, gate_stride, beta_stride, route, heads,
                 key_dim, value_heads, block_k, beta_logits, routed, num_warps=SOLVE_WARPS)
             _chunk_wu[(entries, value_heads, triton.cdiv(value_dim, out_v))](
-                k, v, beta, inverse, decays, cu_seqlens, chunks, w, u, beta_stride, route, heads, key_dim, value_heads,
-                value_dim, block_k, out_v, beta_logits, routed, num_warps=ROW_WARPS)
+                k, v, beta, inverse, decays, cu_seqlens, chunks, w, u, n, b, beta_stride, route, heads, key_dim,
+                value_heads, value_dim, block_k, out_v, beta_logits, routed, transition, num_warps=ROW_WARPS)
         _chunk_walk[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
-            k, w, u, decays, entering, initial, parents, final, cu_seqlens, G, route, heads, key_dim, value_heads,
-            value_dim, block_k, block_v, forked, output_final_state, routed, WALK_STAGES, num_warps=WALK_WARPS)
+            k, w, u, decays, entering, n, b, initial, parents, final, cu_seqlens, G, route, heads, key_dim,
+            value_heads, value_dim, block_k, block_v, forked, output_final_state, routed, WALK_STAGES, transition,
+            num_warps=WALK_WARPS)
         if entries:
             _chunk_output[(entries, value_heads, triton.cdiv(value_dim, out_v))](
-                q, k, u, decays, entering, o, cu_seqlens, chunks, scale, route, heads, key_dim, value_heads, value_dim,
-                block_k, out_v, routed, num_warps=ROW_WARPS)
+                q, k, u, w, decays, entering, o, cu_seqlens, chunks, scale, route, heads, key_dim, value_heads,
+                value_dim, block_k, out_v, routed, transition, num_warps=ROW_WARPS)
     return o, final if output_final_state else None

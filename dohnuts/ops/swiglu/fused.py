@@ -15,6 +15,12 @@ from ..triton_common import REQUEST_ELEMENTS, _even_rows, _on
 # of a millisecond, of host time on each.
 
 BLOCK = 1024  # elements per SwiGLU program
+# Programs by rows (a row's block of BLOCK columns each) rather than by runs of BLOCK elements of
+# the flattened output: no element then finds its row and column by a 64-bit division, which the
+# GPU runs as a software routine of dozens of instructions an element (about as many as a
+# bandwidth-bound kernel has time for). Not timed yet: off until the H200 says
+# (`bench.kernel_sweep.elementwise_sweep`).
+BY_ROWS = False
 
 
 @triton.jit(do_not_specialize=REQUEST_ELEMENTS)
@@ -27,6 +33,17 @@ def _swiglu_fwd(gate, up, y, N, width, sg, su, BN: tl.constexpr):
     g = tl.load(gate + row * sg + col, mask=m, other=0.0).to(tl.float32)
     u = tl.load(up + row * su + col, mask=m, other=0.0).to(tl.float32)
     tl.store(y + offsets, (g * tl.sigmoid(g) * u).to(y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _swiglu_rows_fwd(gate, up, y, width, sg, su, BN: tl.constexpr):
+    # Program (r, c): row r, columns c * BN onwards, of the [rows, width] output (BY_ROWS).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    m = cols < width
+    g = tl.load(gate + row * sg + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(up + row * su + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(y + row * width + cols, (g * tl.sigmoid(g) * u).to(y.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize=REQUEST_ELEMENTS)
@@ -48,7 +65,12 @@ class SwiGLU(torch.autograd.Function):
         y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         count, width = gate.numel(), gate.shape[-1]
         with _on(gate.device):
-            _swiglu_fwd[(triton.cdiv(count, BLOCK),)](gate, up, y, count, width, gate_stride, up_stride, BLOCK)
+            if BY_ROWS:
+                if count:
+                    _swiglu_rows_fwd[(count // width, triton.cdiv(width, BLOCK))](gate, up, y, width, gate_stride,
+                                                                                   up_stride, BLOCK)
+            else:
+                _swiglu_fwd[(triton.cdiv(count, BLOCK),)](gate, up, y, count, width, gate_stride, up_stride, BLOCK)
         ctx.save_for_backward(gate, up)
         return y
 
