@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dohnuts.bench import batching, device, first_sight, host, loops, short_rows
+from dohnuts.bench import batching, device, first_sight, host, kernel_sweep, loops, short_rows
 
 WORKLOADS = "benchmark workloads (dohnuts.bench.protocol.workloads)"
 
@@ -112,17 +112,21 @@ MEASUREMENTS: dict[str, Measurement] = {
         (Argument("count", int, 80, "timed requests (10 others warm up first)"),
          Argument("seed", int, 37, "the generator's seed"),
          Argument("out", str, None, "a file for the record (JSON)"),
-         Argument("alone_from", int, None, "one long sequence walks in 64-token steps from these tokens on (0: "
-                  "never; default: the runtime's)"))),
+         Argument("settings", str, (), "runtime settings changed first, NAME=VALUE (bench.settings.KNOWN), as "
+                  "scan.STEP_PRODUCTS=1", many=True))),
     "long_context": Measurement(
         first_sight.long_context_measurement, "8k to 64k-token requests: latency, tokens/s, peak memory", "any",
         (Argument("lengths", int, (8192, 32768, 65536), "input tokens of each request", many=True),
          Argument("out", str, None, "a file for the record (JSON)"),
-         Argument("alone_from", int, None, "one long sequence walks in 64-token steps from these tokens on (0: "
-                  "never; default: the runtime's)"))),
+         Argument("settings", str, (), "runtime settings changed first, NAME=VALUE (bench.settings.KNOWN), as "
+                  "scan.STEP_PRODUCTS=1", many=True))),
     "delta_rule_short_rows": Measurement(
         functools.partial(short_rows.delta_rule_short_rows, fused_recurrent=fla_fused_recurrent),
         "the 50q request's short rows' delta rule: FLA chunked, recurrent, ours", "cuda"),
+    "elementwise_sweep": Measurement(
+        kernel_sweep.elementwise_sweep, "a long row's convolution and SwiGLU kernels by launch setting", "cuda",
+        (Argument("lengths", int, (1500, 3000), "tokens of the one sequence", many=True),
+         Argument("replays", int, 100, "graph replays timed a setting"))),
     "delta_rule_prefixes": Measurement(
         short_rows.delta_rule_prefixes, "the whole-sequence scan on prefixes alone and together, by path",
         "cuda", (Argument("lengths", int, (256, 1024, 2048), "prefix lengths", many=True),
@@ -147,7 +151,9 @@ MEASUREMENTS: dict[str, Measurement] = {
     "invocation_profile": Measurement(
         batching.invocation_profile, "the serving mix's requests alone and together: times, then top kernels", "cuda",
         (Argument("batch", int, 8, "requests an invocation"), Argument("groups", int, 4, "groups of each"),
-         Argument("top", int, 25, "kernels listed"))),
+         Argument("top", int, 25, "kernels listed"),
+         Argument("settings", str, (), "runtime settings changed first, NAME=VALUE (bench.settings.KNOWN)",
+                  many=True))),
     "serving_ceiling": Measurement(
         batching.serving_ceiling, "the serving mix's roofline ceiling on the H200 (encodes only) as JSON", "any",
         (Argument("requests", int, 512, "requests of the serving mix"),

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Issue 37's figures on the GPU machine in one call (about 5 minutes on a warm H200): the
 # real-traffic first sights, one-question requests of 1,500 and 3,000 tokens, and where a first
-# sight's time goes (the profile); ALONE_FROM=0 keeps one long sequence in 16-token steps (the
-# runtime's default otherwise, `scan.ALONE_FROM`). Each step is bounded; results land in $OUT.
+# sight's time goes (the profile); SETTINGS changes runtime settings for the first two
+# (`bench.settings`, space-separated NAME=VALUE: scan.ALONE_FROM=none keeps one long sequence in
+# 16-token steps). Each step is bounded; results land in $OUT, named after SUFFIX when given.
 # From the project root, with .gpusite and .whl carried (docs/design.md, "Running it on a GPU
 # machine"):
-#   bash benchmarks/device/first-sights.sh            # or ALONE_FROM=0 bash ...
+#   bash benchmarks/device/first-sights.sh     # or SETTINGS="swiglu.BY_ROWS=1" SUFFIX=-rows bash ...
 set -u
 cd "$(dirname "$0")/../.."
 . benchmarks/device/setup.sh
 export PYTHONUNBUFFERED=1
-alone=${ALONE_FROM:+--alone-from $ALONE_FROM}
-suffix=${ALONE_FROM:+-alone-$ALONE_FROM}
+settings=${SETTINGS:+--settings $SETTINGS}
+suffix=${SUFFIX:-}
 run() { local seconds=$1 name=$2; shift 2; stamp "$name"
   timeout "$seconds" python3 benchmarks/run.py "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.txt" | tail -40; }
-run 230 real-traffic$suffix real_traffic --count 80 $alone --out "$OUT/real$suffix.json"
-run 110 long-context$suffix long_context --lengths 1500 3000 1490 2990 $alone --out "$OUT/long$suffix.json"
+run 230 real-traffic$suffix real_traffic --count 80 $settings --out "$OUT/real$suffix.json"
+run 110 long-context$suffix long_context --lengths 1500 3000 1490 2990 $settings --out "$OUT/long$suffix.json"
 run 100 profile real_traffic_profile --count 40
 stamp "done"

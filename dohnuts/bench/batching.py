@@ -71,11 +71,13 @@ def serving_workload(requests: int = 512, rates: tuple[float, ...] = (), clients
     print(json.dumps(record))
 
 
-def invocation_profile(batch: int = 8, groups: int = 4, top: int = 25) -> None:
+def invocation_profile(batch: int = 8, groups: int = 4, top: int = 25, settings: tuple[str, ...] = ()) -> None:
     """Where an invocation's device time goes on the shape-only Qwen3.5-0.8B (bf16): text
     requests of the serving mix through the engine alone and `batch` at a time (`groups` of
     each), timed after a first sight, then profiled (the top kernels by device time). Only the
-    buckets they need are captured; a group that fits none is left out and said so.
+    buckets they need are captured; a group that fits none is left out and said so. `settings`
+    change the runtime's first (`bench.settings`, as "scan.LONG_APART=256"); the line before the
+    figures gives them all.
 
         python benchmarks/run.py invocation_profile --batch 8 --groups 4 --top 25 > profile.txt
     """
@@ -86,8 +88,11 @@ def invocation_profile(batch: int = 8, groups: int = 4, top: int = 25) -> None:
 
     from ..runtime.buckets import all_buckets, joined, smallest_fit
     from ..runtime.engine import request_shape
+    from . import settings as runtime_settings
 
+    chosen = runtime_settings.apply(settings)
     require_cuda()
+    print(f"# runtime settings {chosen}", flush=True)
     predictor = shape_only_predictor(SHAPE, graphs=False)
     mix = [pair for pair in serving_mix(4 * batch * groups, seed=11) if "image" not in pair[0]]
     sets = {"alone": [mix[index:index + 1] for index in range(groups)],

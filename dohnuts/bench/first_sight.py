@@ -12,6 +12,7 @@ import torch
 from ..inputs.pixels import image_key
 from ..io import write_json
 from ..model.vision import image_features
+from . import settings as runtime_settings
 from .evaluation import evaluation_throughput_record
 from .host import SHAPE, require_cuda, timed_samples
 from .long_context import long_context_record
@@ -136,30 +137,19 @@ def first_sight(count: int = 80) -> None:
     traffic_and_evaluation(predictor)
 
 
-def _alone_from(tokens: int | None) -> int | None:
-    """Have the model walk one long sequence in 64-token steps from `tokens` on (0: never; None:
-    the runtime's default), before a predictor captures its graphs (`ops.delta_rule.scan.
-    ALONE_FROM`). Returns the setting in force."""
-    from ..ops.delta_rule import scan
-
-    if tokens is not None:
-        scan.ALONE_FROM = tokens or None
-    return scan.ALONE_FROM
-
-
 def real_traffic_measurement(count: int = 80, seed: int = 37, out: str | None = None,
-                             alone_from: int | None = None) -> None:
+                             settings: tuple[str, ...] = ()) -> None:
     """The real-traffic workload on the shape-only Qwen3.5-0.8B predictor (graphs captured, the
     warm-up run, as a server loads): first-sight p50/p99/max, text and image p50, Triton's
     compiles and autotunes on the timed requests, Hugging Face on the same; the record as JSON
-    to `out`. `alone_from`: one long sequence walks in 64-token steps from that many tokens on
-    (0: never; the runtime's default unless given).
+    to `out`, with the runtime's settings (`bench.settings`: `settings` changes them first, as
+    "scan.STEP_PRODUCTS=1").
 
         python benchmarks/run.py real_traffic --count 80 --out real.json
     """
-    alone_from = _alone_from(alone_from)
+    chosen = runtime_settings.apply(settings)
     record = real_traffic_record(shape_only_predictor(SHAPE), count, seed)
-    record["delta_rule_alone_from"] = alone_from
+    record["settings"] = chosen
     part = record["first_sight"]
     print(f"real traffic, {record['requests']} requests ({record['image_requests']} with an image) on first sight: "
           f"p50 {part['p50_ms']:.2f} p99 {part['p99_ms']:.2f} max {part['max_ms']:.2f} ms; text p50 "
@@ -173,16 +163,16 @@ def real_traffic_measurement(count: int = 80, seed: int = 37, out: str | None = 
 
 
 def long_context_measurement(lengths: tuple[int, ...] = (8192, 32768, 65536), out: str | None = None,
-                             alone_from: int | None = None) -> None:
+                             settings: tuple[str, ...] = ()) -> None:
     """The long-context workload on the shape-only Qwen3.5-0.8B predictor (graphs captured, the
-    warm-up run, as a server loads): a line per request, and the record as JSON to `out`.
-    `alone_from` as `real_traffic_measurement`'s.
+    warm-up run, as a server loads): a line per request, and the record as JSON to `out`, with
+    the runtime's settings (`settings` as `real_traffic_measurement`'s).
 
         python benchmarks/run.py long_context --lengths 8192 32768 65536 --out long.json
     """
-    alone_from = _alone_from(alone_from)
+    chosen = runtime_settings.apply(settings)
     record = long_context_record(shape_only_predictor(SHAPE), lengths)
-    record["delta_rule_alone_from"] = alone_from
+    record["settings"] = chosen
     for request in record["requests"]:
         if "refused" in request:
             print(f"{request['target_tokens']:6d} tokens: refused: {request['refused']}", flush=True)

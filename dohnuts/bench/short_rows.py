@@ -131,8 +131,8 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     `together` sequences of each of `lengths` tokens, then each of `sets` (sequences of unequal
     lengths run together, "700,200,90": a request's long rows), by each of its paths (the parts solved
     apart, 1 or 4 a program, then walked with blocks of 16, 32 or 64 values, pipelined in 1 to 3
-    stages, with 2 or 4 warps; 64-token chunks solved whole and walked, `WALK_CHUNK`; the
-    one-kernel walk), whatever the
+    stages, with 2 or 4 warps; 64-token chunks solved whole and walked, `WALK_CHUNK`, at two
+    products a step or one, `STEP_PRODUCTS`; the one-kernel walk), whatever the
     count would choose (`PARTS_BELOW`). Shape: the Qwen3.5-0.8B delta-rule layer (16 key and 16
     value heads of width 128), bf16. Prints microseconds a layer and tokens a microsecond, marks
     the path the runtime takes (one sequence of `ALONE_FROM` to `ALONE_TO` tokens: 64-token
@@ -161,7 +161,8 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
         return torch.randn(*shape, generator=generator, device="cuda")
 
     # (name, {setting of `scan`: value}): the parts solved apart, then walked, and the one-kernel walk
-    names = ("WALK_VALUES", "PARTS_BELOW", "PARTS_A_PROGRAM", "WALK_STAGES", "WALK_WARPS", "WALK_CHUNK", "SOLVE_WARPS")
+    names = ("WALK_VALUES", "PARTS_BELOW", "PARTS_A_PROGRAM", "WALK_STAGES", "WALK_WARPS", "WALK_CHUNK", "SOLVE_WARPS",
+             "STEP_PRODUCTS")
     defaults = {name: getattr(ops, name) for name in names}
     paths = [(f"parts {split} a program, walk values {values}, stages {stages}, warps {warps}",
               {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "PARTS_A_PROGRAM": split,
@@ -173,6 +174,10 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "WALK_CHUNK": 64, "SOLVE_WARPS": solve,
                 "WALK_WARPS": warps})
               for solve, values, warps in ((4, 32, 4), (2, 32, 4), (4, 16, 4), (4, 64, 8))]
+    paths += [(f"64-token chunks, one product a step, walk values {values}, warps {warps}",
+               {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "WALK_CHUNK": 64, "STEP_PRODUCTS": 1,
+                "WALK_WARPS": warps})
+              for values, warps in ((16, 4), (32, 4), (64, 8))]
     paths.append(("one kernel", {**defaults, "WALK_VALUES": 64, "PARTS_BELOW": 0}))
     print(f"# {heads} heads of width {width}, bf16, from zero states, final states kept; CUDA graph replays; "
           f"the runtime takes the one-kernel walk from {ops.PARTS_BELOW} sequences (in a bucket, from "

@@ -461,6 +461,65 @@ def check_routes_on_the_device(last: str):
                     assert out.eq(5.0).all(), case
 
 
+def check_long_sequences_apart():
+    """With LONG_APART, a call routed to the one-kernel walk sends its sequences over that many
+    tokens to the parts then the walk, each sequence its own path (both launched): the same
+    outputs and final states as the recurrence from zero and from forked states, at 16- and
+    64-token steps; with either path idled, the tokens of its sequences are left untouched and
+    the others' are right (with fewer than PARTS_BELOW sequences over 64 tokens the parts path
+    takes them all). An unrouted call is routed too."""
+    generator = torch.Generator().manual_seed(13)
+    heads, key_dim, value_heads, value_dim = 1, 8, 2, 16
+    default = delta_scan.LONG_APART, delta_scan.WALK_CHUNK
+    assert delta_scan.PARTS_BELOW == 4
+    try:
+        delta_scan.LONG_APART = 100
+        for lengths, split in (([130, 2, 64, 0, 300, 70, 65], True), ([130, 2, 64, 0, 70], False)):
+            total = sum(lengths)
+            cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+            q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
+            v = torch.randn(total, value_heads, value_dim, generator=generator)
+            gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
+            A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
+            states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
+            parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
+            # Each token's path: the parts then the walk for its sequence if over 100 tokens (all
+            # without the split), else the one-kernel walk.
+            taken = [length > 100 or not split for length in lengths]  # each sequence's path
+            apart = torch.cat([torch.full((length,), path) for length, path in zip(lengths, taken)])
+            for forked, step, routed in ((False, 16, True), (True, 16, True), (True, 64, True), (True, 16, False)):
+                delta_scan.WALK_CHUNK = step
+                initial = kernels.fork_states(states, parents, True) if forked else None
+                reference, reference_final = gated_delta_rule_reference(
+                    q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None], beta[None], initial, True,
+                    cu.long(), normalise=False)
+                idled = (None, "_delta_scan_fwd", "_delta_scan_walk" if step == 16 else "_chunk_output")
+                for idle in idled if routed else (None,):
+                    kernel = getattr(delta_scan, idle) if idle else None
+                    if idle:
+                        setattr(delta_scan, idle, _Idle())
+                    try:
+                        out = torch.full((total, value_heads, value_dim), 5.0)
+                        _, final = delta_scan.delta_rule_scan(
+                            q, k, v, gate, beta, states if forked else None, parents if forked else None, cu, True,
+                            A_log, dt_bias, out=out, routed=routed)
+                    finally:
+                        if idle:
+                            setattr(delta_scan, idle, kernel)
+                    case = f"long apart lengths={lengths} forked={forked} steps {step} routed {routed}, {idle} idle"
+                    if idle is None:
+                        close(case, out, reference[0])
+                        close(f"{case}: final states", final, reference_final)
+                        continue
+                    idle_tokens = ~apart if idle == "_delta_scan_fwd" else apart
+                    assert out[idle_tokens].eq(5.0).all(), f"{case}: the idle path's sequences were written"
+                    close(case, out[~idle_tokens], reference[0][~idle_tokens])
+                    active = torch.tensor(taken) != (idle != "_delta_scan_fwd")  # the other path's sequences
+                    close(f"{case}: final states", final[active], reference_final[active])
+    finally:
+        delta_scan.LONG_APART, delta_scan.WALK_CHUNK = default
+
+
 def check_delta_rule_grad():
     """delta_backward.delta_rule's gradients against autograd through the token-by-token
     reference: q, k, v, the raw gate, beta and the forked prefix states (summed over each
@@ -700,6 +759,7 @@ if __name__ == "__main__":
     check_delta_rule_rows()
     check_delta_rule_scan()
     check_one_long_sequence()
+    check_long_sequences_apart()
     check_delta_rule_grad()
     check_norms_and_swiglu()
     check_norm_rotate()

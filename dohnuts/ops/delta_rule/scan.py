@@ -100,13 +100,26 @@ ALONE_FROM: int | None = 1408  # the shortest length timed
 ALONE_TO = 8192  # the longest one-row bucket
 ALONE_VALUES = 16
 PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
+# In a call routed to the one-kernel walk (PARTS_BELOW sequences or more over 64 tokens), the
+# sequences over LONG_APART tokens take the parts then the walk instead, each sequence its path
+# (`_turn`): the one-kernel walk is as long as its longest sequence, whose 16-token parts it
+# solves in the walk, a dozen products in series a part (8 requests of the serving mix on the
+# H200: 311 us a layer, the time of their longest row, 1,366 tokens; one sequence of 1,408 tokens
+# takes 122 us by parts then walk). None: one path for the whole call. Set, an unrouted inference
+# call of PARTS_BELOW sequences or more (which the count sends to the one-kernel walk) has its long
+# sequences taken apart too; training's calls are left as they are. Not timed yet: None until the
+# H200 says (`delta_rule_prefixes --sets`, `invocation_profile --settings`).
+LONG_APART: int | None = None
 # Products in series a 64-token step of the walk (`_chunk_walk`): 2, U = U0 - W S then S' from U;
 # or 1, through the chunk's transition made in parallel beforehand (`_chunk_wu`): S' = exp(G_last)
 # S - N S + B with N = k^T D W [K, K] and B = k^T D U0 [K, V], D = diag(exp(G_last - G_t)), the
 # pseudo-values U then made with the outputs (`_chunk_output`). One product a step halves the chain
-# between one state and the next, which is the walk's latency for a long sequence alone; N and B
-# add about 24 kB a token to the path's buffers (Qwen3.5-0.8B widths). Not timed yet: 2 stays the
-# default until the H200 says (`bench.short_rows.delta_rule_prefixes`).
+# between one state and the next, which is the walk's latency for a long sequence alone. N and B
+# are float32 (B made in float32 throughout, N S in tf32): where the state already predicts the
+# values, U0 and W S nearly cancel, and bf16 operands before that cancellation would weigh on the
+# state where the two-product step rounds only after it. They add about 32 kB a token to the
+# path's buffers (Qwen3.5-0.8B widths). Not timed yet: 2 stays the default until the H200 says
+# (`bench.short_rows.delta_rule_prefixes`).
 STEP_PRODUCTS = 2
 
 
@@ -121,12 +134,13 @@ def walks_alone(sequences: int, longest: int, routed: bool) -> bool:
 
 @triton.jit
 def _turn(route, PARTS: tl.constexpr, bos, eos):
-    """(eos, go) for a routed kernel (`_scan_route` wrote `route` [1]) of the parts path (PARTS)
-    or the one-kernel walk: its sequence's end, the start when the other path was chosen (so no
-    part is walked or stored), and go, 1 when this path was chosen, else 0 (masks its final
-    states)."""
-    taken = tl.load(route)
-    go = taken if PARTS else 1 - taken
+    """(eos, go) for a routed kernel of the parts path (PARTS) or the one-kernel walk: its
+    sequence's end, the start when the other path takes the sequence (so no part is walked or
+    stored), and go, 1 when this path takes it, else 0 (masks its final states). `_scan_route`
+    wrote `route` [1]: the parts path takes the sequences longer than it (-1: all)."""
+    go = (eos - bos > tl.load(route)).to(tl.int32)
+    if not PARTS:
+        go = 1 - go
     return tl.where(go != 0, eos, bos), go
 
 
@@ -316,8 +330,9 @@ def _chunk_wu(k, v, b, X, Gc, cu_seqlens, chunks, W, U, N, B, sb, route, H: tl.c
               ROUTED: tl.constexpr, TRANSITION: tl.constexpr):
     """The chunk's W = X beta exp(G) k [T, HV, K] (k's dtype) and U0 = X beta v [T, HV, V]
     float32 (value block program 2), from `_chunk_inverse`'s X and Gc; with TRANSITION, also its
-    transition (STEP_PRODUCTS 1) at its plan entry: N = k^T D W [entries, HV, K, K] (k's dtype)
-    and B = k^T D U0 [entries, HV, K, V] float32, D = diag(exp(G_last - G_t))."""
+    transition (STEP_PRODUCTS 1) at its plan entry: N = k^T D W [entries, HV, K, K] and B = k^T D
+    U0 [entries, HV, K, V], both float32, D = diag(exp(G_last - G_t)); then program 2 makes the
+    block of W's and N's columns (keys) of its block's offsets, as of U0's and B's (values)."""
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // H)
     start, eos = _plan_entry(chunks, cu_seqlens, route, i_c, ROUTED)
@@ -332,18 +347,20 @@ def _chunk_wu(k, v, b, X, Gc, cu_seqlens, chunks, W, U, N, B, sb, route, H: tl.c
         u0 = tl.dot(x, beta[:, None] * v_i.to(tl.float32))
         tl.store(U + row * V + o_v[None, :], u0, mask=m_tv)
         if TRANSITION:
-            k_i = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
-            # What each token's outer product weighs at the chunk's end (0 rows past the end: k is).
+            keys = tl.trans(tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
+                            .to(tl.float32))  # k^T [BK, 64], 0 past the end
+            # What each token's outer product weighs at the chunk's end.
             to_end = tl.exp(tl.load(Gc + (tl.minimum(start + 64, eos) - 1) * HV + i_h) - g)
             at = (i_c * HV + i_h) * K + o_k[:, None]
             m_k = (o_k < K)[:, None]
-            tl.store(B + at * V + o_v[None, :], tl.dot(tl.trans(k_i), (u0 * to_end[:, None]).to(k_i.dtype)),
-                     mask=m_k & (o_v < V)[None, :])
-            if i_v == 0:
-                w = tl.dot(x, (beta * tl.exp(g))[:, None] * k_i.to(tl.float32)).to(W.dtype.element_ty)
-                tl.store(W + row * K + o_k[None, :], w, mask=m_tk)
-                n_c = tl.dot(tl.trans(k_i), (w.to(tl.float32) * to_end[:, None]).to(k_i.dtype))
-                tl.store(N + at * K + o_k[None, :], n_c.to(N.dtype.element_ty), mask=m_k & (o_k < K)[None, :])
+            # B off the walk's chain: in float32 throughout, as the walk's S is.
+            tl.store(B + at * V + o_v[None, :], _ieee(keys, u0 * to_end[:, None]), mask=m_k & (o_v < V)[None, :])
+            m_tc = m_t[:, None] & (o_v < K)[None, :]  # this program's key columns of W and N
+            k_c = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_v[None, :], mask=m_tc, other=0.0)
+            w = tl.dot(x, (beta * tl.exp(g))[:, None] * k_c.to(tl.float32)).to(W.dtype.element_ty)
+            tl.store(W + row * K + o_v[None, :], w, mask=m_tc)
+            tl.store(N + at * K + o_v[None, :], tl.dot(keys, w.to(tl.float32) * to_end[:, None]),
+                     mask=m_k & (o_v < K)[None, :])
         elif i_v == 0:
             k_i = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
             w = tl.dot(x, (beta * tl.exp(g))[:, None] * k_i.to(tl.float32))
@@ -388,9 +405,8 @@ def _chunk_walk(k, W, U, Gc, Hs, N, B, states, parents, final, cu_seqlens, G, ro
         if TRANSITION:
             n_c = tl.load(N + at * K + o_k[None, :], mask=(o_k < K)[:, None] & (o_k < K)[None, :], other=0.0)
             b_c = tl.load(B + at * V + o_v[None, :], mask=m_kv, other=0.0)
-            h_in = h.to(n_c.dtype)
-            tl.store(Hs + at * V + o_v[None, :], h_in, mask=m_kv)
-            h = h * tl.exp(last) - tl.dot(n_c, h_in) + b_c
+            tl.store(Hs + at * V + o_v[None, :], h.to(Hs.dtype.element_ty), mask=m_kv)
+            h = h * tl.exp(last) - tl.dot(n_c, h) + b_c  # float32: N S rounds its operands to tf32
         else:
             o_t = bos + chunk * 64 + o_c
             m_t = o_t < eos
@@ -470,16 +486,18 @@ def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu
 
 
 @triton.jit(do_not_specialize=["N"])
-def _scan_route(cu_seqlens, route, N, LONG: tl.constexpr, FEW: tl.constexpr, BN: tl.constexpr):
-    """route [1] int32: 1 (solve the parts apart, then walk) when fewer than FEW of the N
-    sequences are longer than LONG tokens, else 0 (the one-kernel walk); one program."""
+def _scan_route(cu_seqlens, route, N, LONG: tl.constexpr, FEW: tl.constexpr, APART: tl.constexpr,
+                BN: tl.constexpr):
+    """route [1] int32, the length over which a sequence takes the parts then the walk (`_turn`):
+    -1 (all of them) when fewer than FEW of the N sequences are longer than LONG tokens, else
+    APART (LONG_APART; the longest int32: none, all take the one-kernel walk); one program."""
     count = tl.zeros([BN], dtype=tl.int32)
     for first in range(0, N, BN):
         o_n = first + tl.arange(0, BN)
         m_n = o_n < N
         length = tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0) - tl.load(cu_seqlens + o_n, mask=m_n, other=0)
         count += (length > LONG).to(tl.int32)
-    tl.store(route, (tl.sum(count, 0) < FEW).to(tl.int32))
+    tl.store(route, tl.where(tl.sum(count, 0) < FEW, -1, APART).to(tl.int32))
 
 
 def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -505,9 +523,10 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         chunks: the sequences' 64-token chunk plan on q's device (`plan.chunk_plan`, or a
             bucket's `plan.padded_plan`), or None to make it here (reading cu_seqlens back).
         routed: choose the path on the device (`_scan_route`: the parts then the walk for fewer
-            than PARTS_BELOW sequences over 64 tokens, else the one-kernel walk), launching both
-            with the other skipping its work: for a bucket's graph, whose count of sequences
-            is the padding's, not the request's. Otherwise the count of sequences chooses.
+            than PARTS_BELOW sequences over 64 tokens, else the one-kernel walk, but for the
+            sequences over LONG_APART tokens when it is set), launching both with the other
+            skipping its work: for a bucket's graph, whose count of sequences is the padding's,
+            not the request's. Otherwise the count of sequences chooses.
         one_long: the first sequence is the longest and the others (fewer than PARTS_BELOW)
             are shorter padding, as in a one-row bucket, or there is one sequence: the parts
             then the walk, in 64-token steps of ALONE_VALUES values a program (`walks_alone`
@@ -534,11 +553,17 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     initial = states.contiguous() if states is not None else o
     block_k = max(16, triton.next_power_of_2(key_dim))
     route = cu_seqlens  # any pointer: unread unless routed
-    routed = routed and sequences >= PARTS_BELOW  # else no count could pick the one-kernel walk
+    # Fewer sequences: no count could pick the one-kernel walk. With LONG_APART, an inference call
+    # (its chunk plan given: nothing read back) the count sends there has its long sequences taken
+    # apart, on the device whatever their count (`_scan_route` with FEW 0).
+    apart = (not routed and LONG_APART is not None and chunks is not None
+             and sequences >= PARTS_BELOW)
+    routed = (routed or apart) and sequences >= PARTS_BELOW
     if routed:
         route = torch.empty(1, dtype=torch.int32, device=q.device)
         with _on(q.device):
-            _scan_route[(1,)](cu_seqlens, route, sequences, CHUNK, PARTS_BELOW, 256)
+            _scan_route[(1,)](cu_seqlens, route, sequences, CHUNK, 0 if apart else PARTS_BELOW,
+                              2**31 - 1 if LONG_APART is None else LONG_APART, 256)
     G = 0 if states is None else states.shape[0]
     scale = key_dim**-0.5 if scale is None else scale
     parents = parents if parents is not None else cu_seqlens
@@ -595,18 +620,20 @@ def _chunk_path(q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu
     decays = q.new_empty(total, value_heads, dtype=torch.float32)
     entering = q.new_empty(max(entries, 1), value_heads, key_dim, value_dim)
     transition = STEP_PRODUCTS == 1
-    if transition:  # N and B of each chunk (`_chunk_wu`)
-        n, b = (q.new_empty(max(entries, 1), value_heads, key_dim, width, dtype=dtype)
-                for width, dtype in ((key_dim, q.dtype), (value_dim, torch.float32)))
+    out_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
+    blocks = triton.cdiv(value_dim, out_v)
+    if transition:  # N and B of each chunk (`_chunk_wu`), whose programs then cover K's columns too
+        n, b = (q.new_empty(max(entries, 1), value_heads, key_dim, width, dtype=torch.float32)
+                for width in (key_dim, value_dim))
+        blocks = triton.cdiv(max(key_dim, value_dim), out_v)
     else:
         n = b = u  # any pointer: unread
-    out_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
     with _on(q.device):
         if entries:
             _chunk_inverse[(entries, value_heads)](
                 k, g, beta, A_log, dt_bias, cu_seqlens, chunks, inverse, decays, gate_stride, beta_stride, route, heads,
                 key_dim, value_heads, block_k, beta_logits, routed, num_warps=SOLVE_WARPS)
-            _chunk_wu[(entries, value_heads, triton.cdiv(value_dim, out_v))](
+            _chunk_wu[(entries, value_heads, blocks)](
                 k, v, beta, inverse, decays, cu_seqlens, chunks, w, u, n, b, beta_stride, route, heads, key_dim,
                 value_heads, value_dim, block_k, out_v, beta_logits, routed, transition, num_warps=ROW_WARPS)
         _chunk_walk[(sequences, value_heads, triton.cdiv(value_dim, block_v))](

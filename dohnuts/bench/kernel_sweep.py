@@ -1,0 +1,94 @@
+"""The elementwise kernels of a long sequence by launch setting: where a one-question request of
+thousands of tokens spends its device time besides the matrix products and the delta rule, and
+what each setting of the convolution and SwiGLU kernels gives there. A measurement for choosing
+the next optimisation, not part of the runtime."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from ..ops import kernels
+from ..ops.conv import fused as conv
+from ..ops.plan import chunk_plan, cumulative
+from ..ops.swiglu import fused as swiglu
+from .host import require_cuda
+from .short_rows import graphed
+
+# The Qwen3.5-0.8B widths: the delta rule's packed projection (q, k, v, then z, b, a) and its
+# convolution's channels, 16 heads of 128 a kind; the MLP's intermediate width.
+HEADS, HEAD_DIM, CONV_WIDTH = 16, 128, 4
+MIXED = 2 * HEADS * HEAD_DIM + HEADS * HEAD_DIM
+PROJECTED = MIXED + HEADS * HEAD_DIM + 2 * HEADS
+INTERMEDIATE = 3584
+CONV_SETTINGS = [(tokens, warps) for tokens in (16, 32, 64) for warps in (2, 4, 8)]
+SWIGLU_SETTINGS = [(by_rows, block) for by_rows in (False, True) for block in (512, 1024, 2048, 4096)]
+
+
+@torch.no_grad()
+def elementwise_sweep(lengths: tuple[int, ...] = (1500, 3000), replays: int = 100) -> None:
+    """Time, on one sequence of each of `lengths` tokens (a one-question request's row, bf16, CUDA
+    graph replays): the delta rule's convolution and head split (`conv.fused`) at each count of
+    tokens and warps a program (`TOKENS`, `WARPS`), from zero states without final states as a
+    one-row bucket runs it, reading its input in place from the packed projection's output; and
+    SwiGLU (`swiglu.fused`) on the MLP's packed output by runs of the flattened output and by
+    rows (`BY_ROWS`), at each block (`BLOCK`). Prints one JSON line a setting: microseconds a
+    call, the bytes it must move a microsecond (GB/s; the H200 reads and writes about 4,800), the
+    largest difference from the runtime's setting (0 expected: every setting does the same
+    arithmetic an element), and whether it is the runtime's.
+
+        python benchmarks/run.py elementwise_sweep --lengths 1500 3000
+    """
+    require_cuda()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    defaults = {"conv": (conv.TOKENS, conv.WARPS), "swiglu": (swiglu.BY_ROWS, swiglu.BLOCK)}
+    try:
+        for tokens in lengths:
+            _convolution(tokens, generator, defaults["conv"], replays)
+            _swiglu(tokens, generator, defaults["swiglu"], replays)
+    finally:
+        _set(conv, TOKENS=defaults["conv"][0], WARPS=defaults["conv"][1])
+        _set(swiglu, BY_ROWS=defaults["swiglu"][0], BLOCK=defaults["swiglu"][1])
+
+
+def _convolution(tokens: int, generator: torch.Generator, default: tuple, replays: int) -> None:
+    projected = torch.randn(tokens, PROJECTED, device="cuda", generator=generator).bfloat16()
+    weight = (torch.randn(MIXED, CONV_WIDTH, device="cuda", generator=generator) * 0.5).bfloat16()
+    bounds = cumulative([tokens])
+    device_bounds, plan = bounds.cuda(), chunk_plan([tokens]).cuda()
+
+    def convolve():
+        q, k, v, _ = kernels.conv_split_heads(projected[:, :MIXED], weight, None, False, device_bounds, bounds, plan,
+                                              HEADS, HEAD_DIM, HEADS, HEAD_DIM)
+        return torch.cat([q.flatten(), k.flatten(), v.flatten()])
+
+    moved = tokens * MIXED * 2 * 2 + tokens * 2 * HEADS * 4  # x read, q k v written, the norms' rstd
+    _sweep("conv_split_heads", tokens, convolve, moved, CONV_SETTINGS, default, replays,
+           lambda setting: _set(conv, TOKENS=setting[0], WARPS=setting[1]))
+
+
+def _swiglu(tokens: int, generator: torch.Generator, default: tuple, replays: int) -> None:
+    mlp = torch.randn(tokens, 2 * INTERMEDIATE, device="cuda", generator=generator).bfloat16()
+    moved = tokens * INTERMEDIATE * 2 * 3  # gate and up read, the output written
+    _sweep("swiglu", tokens, lambda: kernels.swiglu(mlp[:, :INTERMEDIATE], mlp[:, INTERMEDIATE:]), moved,
+           SWIGLU_SETTINGS, default, replays, lambda setting: _set(swiglu, BY_ROWS=setting[0], BLOCK=setting[1]))
+
+
+def _set(module, **settings) -> None:
+    for name, value in settings.items():
+        setattr(module, name, value)
+
+
+def _sweep(kernel: str, tokens: int, call, moved: int, settings: list, default: tuple, replays: int, apply) -> None:
+    """One JSON line for each of `settings` (applied by `apply`) of `call`, the runtime's first."""
+    ordered = [default] + [setting for setting in settings if setting != default]
+    reference = None
+    for setting in ordered:
+        apply(setting)
+        ms, out = graphed(call, replays)
+        out = out.float()
+        reference = out if reference is None else reference
+        print(json.dumps({"kernel": kernel, "tokens": tokens, "setting": list(setting), "runtime": setting == default,
+                          "us": round(ms * 1e3, 2), "gb_per_s": round(moved / (ms * 1e-3) / 1e9, 1),
+                          "max_difference": (out - reference).abs().max().item()}), flush=True)

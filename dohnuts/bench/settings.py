@@ -1,0 +1,58 @@
+"""Runtime settings a measurement may change before its predictor loads, to compare a setting
+not yet on by default with the default in separate processes (`--settings NAME=VALUE`)."""
+
+from __future__ import annotations
+
+import importlib
+
+# name -> (module, attribute, the values it takes; None: any integer or none): the kernels' launch
+# and path settings worth timing in the model.
+KNOWN = {
+    "scan.ALONE_FROM": ("dohnuts.ops.delta_rule.scan", "ALONE_FROM", None),
+    "scan.STEP_PRODUCTS": ("dohnuts.ops.delta_rule.scan", "STEP_PRODUCTS", (1, 2)),
+    "scan.LONG_APART": ("dohnuts.ops.delta_rule.scan", "LONG_APART", None),
+    "swiglu.BY_ROWS": ("dohnuts.ops.swiglu.fused", "BY_ROWS", (False, True)),
+    "swiglu.BLOCK": ("dohnuts.ops.swiglu.fused", "BLOCK", (256, 512, 1024, 2048, 4096)),
+    "conv.TOKENS": ("dohnuts.ops.conv.fused", "TOKENS", (8, 16, 32, 64)),
+    "conv.WARPS": ("dohnuts.ops.conv.fused", "WARPS", (1, 2, 4, 8)),
+}
+
+
+def _place(name: str) -> tuple[object, str]:
+    module, attribute, _ = KNOWN[name]
+    return importlib.import_module(module), attribute
+
+
+def current() -> dict[str, object]:
+    """Every known setting's value now (what a record keeps beside its figures)."""
+    return {name: getattr(*_place(name)) for name in KNOWN}
+
+
+def apply(settings: tuple[str, ...]) -> dict[str, object]:
+    """Set each of `settings`, "NAME=VALUE" with NAME one of KNOWN and VALUE one it takes: an
+    integer, none where any is taken, 0 or 1 for a flag. Returns `current()`. Nothing is set
+    unless every item is valid.
+
+    Raises:
+        ValueError: an item without "=", an unknown name, or a value the setting does not take.
+    """
+    parsed = []
+    for item in settings:
+        name, equals, text = item.partition("=")
+        if not equals or name not in KNOWN:
+            raise ValueError(f"a setting is NAME=VALUE with NAME one of {', '.join(KNOWN)}: got {item!r}")
+        choices = KNOWN[name][2]
+        try:
+            value = None if choices is None and text.strip().lower() == "none" else int(text)
+        except ValueError:
+            value = text
+        if choices is not None and isinstance(choices[0], bool) and value in (0, 1):
+            value = bool(value)
+        if not (isinstance(value, int) or (value is None and choices is None)) or (
+                choices is not None and value not in choices):
+            taken = "an integer or none" if choices is None else ", ".join(str(int(choice)) for choice in choices)
+            raise ValueError(f"{name} takes {taken}: got {text!r}")
+        parsed.append((*_place(name), value))
+    for module, attribute, value in parsed:
+        setattr(module, attribute, value)
+    return current()

@@ -1,0 +1,36 @@
+"""The runtime settings a measurement may change (`dohnuts.bench.settings`)."""
+
+import pytest
+
+from dohnuts.bench import settings
+from dohnuts.ops.delta_rule import scan
+from dohnuts.ops.swiglu import fused as swiglu
+
+
+@pytest.fixture
+def restored():
+    """Every known setting as it was before the test."""
+    before = settings.current()
+    yield
+    for name, value in before.items():
+        module, attribute = settings._place(name)
+        setattr(module, attribute, value)
+
+
+def test_settings_change_the_modules_the_kernels_read(restored):
+    chosen = settings.apply(("scan.STEP_PRODUCTS=1", "swiglu.BY_ROWS=1", "scan.ALONE_FROM=none", "swiglu.BLOCK=512"))
+    assert scan.STEP_PRODUCTS == 1 and swiglu.BY_ROWS is True and scan.ALONE_FROM is None and swiglu.BLOCK == 512
+    assert chosen == settings.current() and chosen["scan.STEP_PRODUCTS"] == 1
+    settings.apply(("swiglu.BY_ROWS=0", "scan.ALONE_FROM=2048"))
+    assert swiglu.BY_ROWS is False and scan.ALONE_FROM == 2048
+
+
+@pytest.mark.parametrize("item, message", [
+    ("scan.STEP_PRODUCTS", "NAME=VALUE"), ("scan.WALK=1", "NAME=VALUE"), ("scan.STEP_PRODUCTS=3", "takes 1, 2"),
+    ("swiglu.BY_ROWS=2", "takes 0, 1"), ("conv.TOKENS=none", "takes 8, 16, 32, 64"),
+    ("scan.ALONE_FROM=soon", "an integer or none")])
+def test_a_bad_setting_is_refused_by_name_and_nothing_is_set(restored, item, message):
+    before = settings.current()
+    with pytest.raises(ValueError, match=message):
+        settings.apply(("scan.STEP_PRODUCTS=1", item))  # a good one first: not set either
+    assert settings.current() == before
