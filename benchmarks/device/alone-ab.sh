@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # One long sequence walked in 64-token steps (`scan.ALONE_FROM`, issue 37) on the GPU machine in
-# one call (about 7 minutes on a warm H200; its bounds add to 560 s): its GPU tests (no compile
+# one call (about 7 minutes on a warm H200; its bounds add to 510 s): its GPU tests (no compile
 # after load among them, the walk at two products a step and at one), the scan's paths on long
 # prefixes alone and in pairs, then one-question requests of 1,500 and 3,000 tokens with the
 # walk's 64-token steps at two products in series (the default) and at one (`scan.STEP_PRODUCTS`),
-# each in a process of its own; last, where a batch of the serving mix spends its device time
-# (real traffic: first-sights.sh). Results in $OUT:
+# each in a process of its own. Results in $OUT:
 #   bash benchmarks/device/alone-ab.sh
 set -u
 cd "$(dirname "$0")/../.."
@@ -14,12 +13,11 @@ export PYTHONUNBUFFERED=1
 run() { local seconds=$1 name=$2; shift 2; stamp "$name"
   timeout "$seconds" python3 benchmarks/run.py "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.txt" | tail -30; }
 stamp "tests"
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_kernels.py tests/runtime/test_cuda_graphs.py \
+timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_kernels.py tests/runtime/test_cuda_graphs.py \
   tests/runtime/test_engine.py -k "one_long or bucket_graphs_serve or no_request_compiles" 2>&1 | tail -5 | tee "$OUT/tests.txt"
 run 110 prefixes delta_rule_prefixes --lengths 1408 2816 --together 1 2
 for products in 2 1; do
   run 100 long-products-$products long_context --lengths 1500 3000 1490 2990 1510 3010 1480 2980 \
     --settings scan.STEP_PRODUCTS=$products --out "$OUT/long-products-$products.json"
 done
-run 100 invocations invocation_profile --batch 8 --groups 4 --top 30
 stamp "done"

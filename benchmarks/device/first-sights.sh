@@ -3,7 +3,8 @@
 # real-traffic first sights, one-question requests of 1,500 and 3,000 tokens, and where a first
 # sight's time goes (the profile); SETTINGS changes runtime settings for the first two
 # (`bench.settings`, space-separated NAME=VALUE: scan.ALONE_FROM=none keeps one long sequence in
-# 16-token steps). Each step is bounded; results land in $OUT, named after SUFFIX when given.
+# 16-token steps). Each step is bounded; results land in $OUT, named after SUFFIX (by default, after
+# SETTINGS).
 # From the project root, with .gpusite and .whl carried (docs/design.md, "Running it on a GPU
 # machine"):
 #   bash benchmarks/device/first-sights.sh     # or SETTINGS="swiglu.BY_ROWS=1" SUFFIX=-rows bash ...
@@ -12,7 +13,7 @@ cd "$(dirname "$0")/../.."
 . benchmarks/device/setup.sh
 export PYTHONUNBUFFERED=1
 settings=${SETTINGS:+--settings $SETTINGS}
-suffix=${SUFFIX:-}
+suffix=${SUFFIX:-${SETTINGS:+-$(echo "$SETTINGS" | tr ' =.' '_-_')}}  # files apart from the default's
 run() { local seconds=$1 name=$2; shift 2; stamp "$name"
   timeout "$seconds" python3 benchmarks/run.py "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.txt" | tail -40; }
 run 230 real-traffic$suffix real_traffic --count 80 $settings --out "$OUT/real$suffix.json"

@@ -10,9 +10,7 @@ import json
 import torch
 
 from ..ops import kernels
-from ..ops.conv import fused as conv
 from ..ops.plan import chunk_plan, cumulative
-from ..ops.swiglu import fused as swiglu
 from .host import require_cuda
 from .short_rows import graphed
 
@@ -41,18 +39,21 @@ def elementwise_sweep(lengths: tuple[int, ...] = (1500, 3000), replays: int = 10
         python benchmarks/run.py elementwise_sweep --lengths 1500 3000
     """
     require_cuda()
+    from ..ops.conv import fused as conv  # Triton's kernels: imported where a GPU runs them
+    from ..ops.swiglu import fused as swiglu
+
     generator = torch.Generator(device="cuda").manual_seed(0)
     defaults = {"conv": (conv.TOKENS, conv.WARPS), "swiglu": (swiglu.BY_ROWS, swiglu.BLOCK)}
     try:
         for tokens in lengths:
-            _convolution(tokens, generator, defaults["conv"], replays)
-            _swiglu(tokens, generator, defaults["swiglu"], replays)
+            _convolution(conv, tokens, generator, defaults["conv"], replays)
+            _swiglu(swiglu, tokens, generator, defaults["swiglu"], replays)
     finally:
         _set(conv, TOKENS=defaults["conv"][0], WARPS=defaults["conv"][1])
         _set(swiglu, BY_ROWS=defaults["swiglu"][0], BLOCK=defaults["swiglu"][1])
 
 
-def _convolution(tokens: int, generator: torch.Generator, default: tuple, replays: int) -> None:
+def _convolution(conv, tokens: int, generator: torch.Generator, default: tuple, replays: int) -> None:
     projected = torch.randn(tokens, PROJECTED, device="cuda", generator=generator).bfloat16()
     weight = (torch.randn(MIXED, CONV_WIDTH, device="cuda", generator=generator) * 0.5).bfloat16()
     bounds = cumulative([tokens])
@@ -68,7 +69,7 @@ def _convolution(tokens: int, generator: torch.Generator, default: tuple, replay
            lambda setting: _set(conv, TOKENS=setting[0], WARPS=setting[1]))
 
 
-def _swiglu(tokens: int, generator: torch.Generator, default: tuple, replays: int) -> None:
+def _swiglu(swiglu, tokens: int, generator: torch.Generator, default: tuple, replays: int) -> None:
     mlp = torch.randn(tokens, 2 * INTERMEDIATE, device="cuda", generator=generator).bfloat16()
     moved = tokens * INTERMEDIATE * 2 * 3  # gate and up read, the output written
     _sweep("swiglu", tokens, lambda: kernels.swiglu(mlp[:, :INTERMEDIATE], mlp[:, INTERMEDIATE:]), moved,

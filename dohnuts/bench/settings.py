@@ -24,8 +24,15 @@ def _place(name: str) -> tuple[object, str]:
 
 
 def current() -> dict[str, object]:
-    """Every known setting's value now (what a record keeps beside its figures)."""
-    return {name: getattr(*_place(name)) for name in KNOWN}
+    """Every known setting's value now (what a record keeps beside its figures), of the modules
+    that import here (the kernels' need Triton)."""
+    values = {}
+    for name in KNOWN:
+        try:
+            values[name] = getattr(*_place(name))
+        except ImportError:
+            continue
+    return values
 
 
 def apply(settings: tuple[str, ...]) -> dict[str, object]:

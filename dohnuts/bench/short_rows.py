@@ -132,7 +132,8 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     lengths run together, "700,200,90": a request's long rows), by each of its paths (the parts solved
     apart, 1 or 4 a program, then walked with blocks of 16, 32 or 64 values, pipelined in 1 to 3
     stages, with 2 or 4 warps; 64-token chunks solved whole and walked, `WALK_CHUNK`, at two
-    products a step or one, `STEP_PRODUCTS`; the one-kernel walk), whatever the
+    products a step or one, `STEP_PRODUCTS`; the one-kernel walk, alone and with the sequences
+    over 256, 512 or 1,024 tokens taken apart where it runs, `LONG_APART`), whatever the
     count would choose (`PARTS_BELOW`). Shape: the Qwen3.5-0.8B delta-rule layer (16 key and 16
     value heads of width 128), bf16. Prints microseconds a layer and tokens a microsecond, marks
     the path the runtime takes (one sequence of `ALONE_FROM` to `ALONE_TO` tokens: 64-token
@@ -162,7 +163,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
 
     # (name, {setting of `scan`: value}): the parts solved apart, then walked, and the one-kernel walk
     names = ("WALK_VALUES", "PARTS_BELOW", "PARTS_A_PROGRAM", "WALK_STAGES", "WALK_WARPS", "WALK_CHUNK", "SOLVE_WARPS",
-             "STEP_PRODUCTS")
+             "STEP_PRODUCTS", "LONG_APART")
     defaults = {name: getattr(ops, name) for name in names}
     paths = [(f"parts {split} a program, walk values {values}, stages {stages}, warps {warps}",
               {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "PARTS_A_PROGRAM": split,
@@ -179,6 +180,9 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 "WALK_WARPS": warps})
               for values, warps in ((16, 4), (32, 4), (64, 8))]
     paths.append(("one kernel", {**defaults, "WALK_VALUES": 64, "PARTS_BELOW": 0}))
+    # The one-kernel walk whatever the count, its sequences over `apart` tokens taken apart.
+    paths += [(f"one kernel, sequences over {apart} tokens apart",
+               {**defaults, "PARTS_BELOW": 0, "LONG_APART": apart}) for apart in (256, 512, 1024)]
     print(f"# {heads} heads of width {width}, bf16, from zero states, final states kept; CUDA graph replays; "
           f"the runtime takes the one-kernel walk from {ops.PARTS_BELOW} sequences (in a bucket, from "
           f"{ops.PARTS_BELOW} sequences over 64 tokens, counted on the device)")
