@@ -9,9 +9,6 @@
 set -u
 cd "$(dirname "$0")/../.."
 . benchmarks/device/setup.sh
-export PYTHONUNBUFFERED=1
-run() { local seconds=$1 name=$2; shift 2; stamp "$name"
-  timeout "$seconds" python3 benchmarks/run.py "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.txt" | tail -30; }
 stamp "tests"
 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_kernels.py tests/runtime/test_cuda_graphs.py \
   tests/runtime/test_engine.py -k "one_long or bucket_graphs_serve or no_request_compiles" 2>&1 | tail -5 | tee "$OUT/tests.txt"

@@ -8,9 +8,6 @@
 set -u
 cd "$(dirname "$0")/../.."
 . benchmarks/device/setup.sh
-export PYTHONUNBUFFERED=1
-run() { local seconds=$1 name=$2; shift 2; stamp "$name"
-  timeout "$seconds" python3 benchmarks/run.py "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.txt" | tail -40; }
 stamp "tests"
 timeout 90 python3 -m pytest -q -p no:cacheprovider tests/ops/test_kernels.py -k "apart" 2>&1 \
   | tail -5 | tee "$OUT/tests.txt"

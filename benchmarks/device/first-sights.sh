@@ -11,11 +11,8 @@
 set -u
 cd "$(dirname "$0")/../.."
 . benchmarks/device/setup.sh
-export PYTHONUNBUFFERED=1
 settings=${SETTINGS:+--settings $SETTINGS}
 suffix=${SUFFIX:-${SETTINGS:+-$(echo "$SETTINGS" | tr ' =.' '_-_')}}  # files apart from the default's
-run() { local seconds=$1 name=$2; shift 2; stamp "$name"
-  timeout "$seconds" python3 benchmarks/run.py "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.txt" | tail -40; }
 run 230 real-traffic$suffix real_traffic --count 80 $settings --out "$OUT/real$suffix.json"
 run 110 long-context$suffix long_context --lengths 1500 3000 1490 2990 $settings --out "$OUT/long$suffix.json"
 run 100 profile real_traffic_profile --count 40

@@ -1,13 +1,17 @@
 # Sourced at the start of a command on the GPU machine: unpack .gpusite and install .whl's wheels
 # under /tmp (once a machine), then the environment; `stamp TEXT` appends a timed line to
-# $OUT/timeline.txt. Run state that must outlive a call goes under /tmp, never in the working
-# tree: each call's copy of the tree removes what is not in it.
+# $OUT/timeline.txt; `run SECONDS NAME MEASUREMENT ARGS...` stamps NAME and runs the measurement
+# for at most SECONDS, its report in $OUT/NAME.txt and its last lines on the call's output. Run
+# state that must outlive a call goes under /tmp, never in the working tree: each call's copy of
+# the tree removes what is not in it.
 mkdir -p /tmp/gs /tmp/site
 [ -d /tmp/gs/site ] || tar -xJf .gpusite/site.tar.xz -C /tmp/gs
 [ -f /tmp/site/.done ] || { pip install -q --no-deps --no-index --target /tmp/site .whl/*.whl && touch /tmp/site/.done; }
 export PYTHONPATH=/tmp/gs/site:/tmp/site:$PWD LD_LIBRARY_PATH=/tmp/gs/site/z3/lib:${LD_LIBRARY_PATH:-}
-export PATH=/tmp/site/bin:$PATH
+export PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 t0=${t0:-$(date +%s)}
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/timeline.txt"; }
+run() { local seconds=$1 name=$2; shift 2; stamp "$name"
+  timeout "$seconds" python3 benchmarks/run.py "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.txt" | tail -40; }
 # The device tool brings back a few files only: pack $OUT into one archive before the command ends.
 pack_out() { (cd "$OUT" && tar czf /tmp/out.tgz . && rm -rf ./* && mv /tmp/out.tgz .); }

@@ -418,6 +418,22 @@ def _one_long_sequences(walk: str):
         close(f"{case} forked on a padded plan", ours, forked[0])
 
 
+def _routed_inputs(lengths, generator):
+    """(total, cu, q, k, v, gate, beta, A_log, dt_bias, states, parents) of packed sequences of
+    `lengths` at the routing checks' widths: one key head of 8, two value heads of 16, two prefix
+    states and each sequence's parent among them (-1, 0, 1, -1, ...)."""
+    heads, key_dim, value_heads, value_dim = 1, 8, 2, 16
+    total = sum(lengths)
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
+    v = torch.randn(total, value_heads, value_dim, generator=generator)
+    gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
+    A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
+    states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
+    parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])
+    return total, cu, q, k, v, gate, beta, A_log, dt_bias, states, parents
+
+
 def check_routes_on_the_device(last: str):
     """Routed, the path the device picks does all the work and the other none: with one path's
     last kernel idle, the output (and the final states) are the reference where the other path
@@ -425,17 +441,10 @@ def check_routes_on_the_device(last: str):
     the one-kernel walk), and the output untouched where the idle one was; from zero states
     without final states (a bucket's rows) and from forked states keeping them."""
     generator = torch.Generator().manual_seed(11)
-    heads, key_dim, value_heads, value_dim = 1, 8, 2, 16
     assert delta_scan.PARTS_BELOW == 4
     for lengths, parts in (([130, 2, 64, 0], True), ([65, 70, 66, 100, 65], False)):
-        total = sum(lengths)
-        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-        q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
-        v = torch.randn(total, value_heads, value_dim, generator=generator)
-        gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
-        A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
-        states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
-        parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
+        total, cu, q, k, v, gate, beta, A_log, dt_bias, states, parents = _routed_inputs(lengths, generator)
+        value_heads, value_dim = v.shape[1:]
         for forked in (False, True):
             initial = kernels.fork_states(states, parents, True) if forked else None
             reference, reference_final = gated_delta_rule_reference(
@@ -469,20 +478,13 @@ def check_long_sequences_apart():
     the others' are right (with fewer than PARTS_BELOW sequences over 64 tokens the parts path
     takes them all). An unrouted call is routed too."""
     generator = torch.Generator().manual_seed(13)
-    heads, key_dim, value_heads, value_dim = 1, 8, 2, 16
     default = delta_scan.LONG_APART, delta_scan.WALK_CHUNK
     assert delta_scan.PARTS_BELOW == 4
     try:
         delta_scan.LONG_APART = 100
         for lengths, split in (([130, 2, 64, 0, 300, 70, 65], True), ([130, 2, 64, 0, 70], False)):
-            total = sum(lengths)
-            cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-            q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
-            v = torch.randn(total, value_heads, value_dim, generator=generator)
-            gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
-            A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
-            states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
-            parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
+            total, cu, q, k, v, gate, beta, A_log, dt_bias, states, parents = _routed_inputs(lengths, generator)
+            value_heads, value_dim = v.shape[1:]
             # Each token's path: the parts then the walk for its sequence if over 100 tokens (all
             # without the split), else the one-kernel walk.
             taken = [length > 100 or not split for length in lengths]  # each sequence's path
