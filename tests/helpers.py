@@ -79,3 +79,18 @@ def errs_like(have, reference, truth, floor=1e-2) -> bool:
     comparing them with each other fails on rounding alone; a wrong result errs by the
     truth's own size."""
     return relative_error(have, truth) <= 2 * relative_error(reference, truth) + floor
+
+
+class SpiedKernel:
+    """A Triton kernel's launcher that records each launch's positional arguments (`calls`) and
+    launches it: a test can tell which variant ran (a constexpr among the arguments)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.calls.append(args)
+            return self.kernel[grid](*args, **options)
+        return launch
+

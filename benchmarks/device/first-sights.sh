@@ -12,7 +12,7 @@ set -u
 cd "$(dirname "$0")/../.."
 . benchmarks/device/setup.sh
 settings=${SETTINGS:+--settings $SETTINGS}
-suffix=${SUFFIX:-${SETTINGS:+-$(echo "$SETTINGS" | tr ' =.' '_-_')}}  # files apart from the default's
+suffix=${SUFFIX:-${SETTINGS:+-$(echo "$SETTINGS" | tr ' .=' '__-')}}  # files apart from the default's
 run 230 real-traffic$suffix real_traffic --count 80 $settings --out "$OUT/real$suffix.json"
 run 110 long-context$suffix long_context --lengths 1500 3000 1490 2990 $settings --out "$OUT/long$suffix.json"
 run 100 profile real_traffic_profile --count 40

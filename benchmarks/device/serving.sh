@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 36's serving lines on the GPU machine in one call (about 8 minutes on a warm H200; its
-# bound is 540 s): `dohnuts serve` in its own processes (8 front ends, one engine) under the load
+# bound is 500 s): `dohnuts serve` in its own processes (8 front ends, one engine) under the load
 # harness's client processes, open loop at each of RATES requests/s of the serving mix (the last
 # at or past twice the highest held under p99 500 ms in the last soak, 150: the overload line),
 # then closed loop at each of CLIENTS, SECONDS_A_LEVEL a level after 5 s of warm-up; the record (offered
@@ -11,7 +11,7 @@ set -u
 cd "$(dirname "$0")/../.."
 . benchmarks/device/setup.sh
 stamp "serving"
-timeout 540 python3 benchmarks/run.py serving_workload --requests 4096 --rates ${RATES:-100 150 300} \
+timeout 500 python3 benchmarks/run.py serving_workload --requests 4096 --rates ${RATES:-100 150 300} \
   --clients ${CLIENTS:-1 8 64 256} --seconds ${SECONDS_A_LEVEL:-30} --workers 8 --processes 4 --client-cpus 4 \
-  --out "$OUT/serving.json" 2> >(tee "$OUT/serving-levels.txt" >&2) > /dev/null
+  --out "$OUT/serving.json" 2>&1 > /dev/null | tee "$OUT/serving-levels.txt"
 stamp "done"

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import importlib
 
-# name -> (module, attribute, the values it takes; None: any integer or none): the kernels' launch
-# and path settings worth timing in the model.
+# name -> (module, attribute, the values it takes: a tuple of them, or a range of integers that
+# also takes none): the kernels' launch and path settings worth timing in the model.
+TOKENS = range(0, 2**31 - 1)  # a count of tokens, as the kernels' int32 route holds it
 KNOWN = {
-    "scan.ALONE_FROM": ("dohnuts.ops.delta_rule.scan", "ALONE_FROM", None),
+    "scan.ALONE_FROM": ("dohnuts.ops.delta_rule.scan", "ALONE_FROM", TOKENS),
     "scan.STEP_PRODUCTS": ("dohnuts.ops.delta_rule.scan", "STEP_PRODUCTS", (1, 2)),
-    "scan.LONG_APART": ("dohnuts.ops.delta_rule.scan", "LONG_APART", None),
+    "scan.LONG_APART": ("dohnuts.ops.delta_rule.scan", "LONG_APART", TOKENS),
     "swiglu.BY_ROWS": ("dohnuts.ops.swiglu.fused", "BY_ROWS", (False, True)),
     "swiglu.BLOCK": ("dohnuts.ops.swiglu.fused", "BLOCK", (256, 512, 1024, 2048, 4096)),
     "conv.TOKENS": ("dohnuts.ops.conv.fused", "TOKENS", (8, 16, 32, 64)),
@@ -30,15 +31,16 @@ def current() -> dict[str, object]:
     for name in KNOWN:
         try:
             values[name] = getattr(*_place(name))
-        except ImportError:
-            continue
+        except ModuleNotFoundError as error:
+            if error.name != "triton":
+                raise
     return values
 
 
 def apply(settings: tuple[str, ...]) -> dict[str, object]:
-    """Set each of `settings`, "NAME=VALUE" with NAME one of KNOWN and VALUE one it takes: an
-    integer, none where any is taken, 0 or 1 for a flag. Returns `current()`. Nothing is set
-    unless every item is valid.
+    """Set each of `settings`, "NAME=VALUE" with NAME one of KNOWN and VALUE one it takes: one of
+    its values (0 or 1 for a flag), or an integer of its range or none (ALONE_FROM none: never;
+    0: from any length). Returns `current()`. Nothing is set unless every item is valid.
 
     Raises:
         ValueError: an item without "=", an unknown name, or a value the setting does not take.
@@ -49,15 +51,16 @@ def apply(settings: tuple[str, ...]) -> dict[str, object]:
         if not equals or name not in KNOWN:
             raise ValueError(f"a setting is NAME=VALUE with NAME one of {', '.join(KNOWN)}: got {item!r}")
         choices = KNOWN[name][2]
+        ranged = isinstance(choices, range)
         try:
-            value = None if choices is None and text.strip().lower() == "none" else int(text)
+            value = None if ranged and text.strip().lower() == "none" else int(text)
         except ValueError:
             value = text
-        if choices is not None and isinstance(choices[0], bool) and value in (0, 1):
+        if not ranged and isinstance(choices[0], bool) and value in (0, 1):
             value = bool(value)
-        if not (isinstance(value, int) or (value is None and choices is None)) or (
-                choices is not None and value not in choices):
-            taken = "an integer or none" if choices is None else ", ".join(str(int(choice)) for choice in choices)
+        if not (value is None or (isinstance(value, int) and value in choices)):
+            taken = (f"an integer from {choices.start} to {choices.stop - 1} or none" if ranged
+                     else ", ".join(str(int(choice)) for choice in choices))
             raise ValueError(f"{name} takes {taken}: got {text!r}")
         parsed.append((*_place(name), value))
     for module, attribute, value in parsed:

@@ -213,7 +213,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 # In a bucket the route counts the sequences over 64 tokens (`_scan_route`).
                 one_kernel = sum(length > CHUNK for length in pack) >= defaults["PARTS_BELOW"]
                 if one_kernel:
-                    taken = settings["PARTS_BELOW"] == 0
+                    taken = settings["PARTS_BELOW"] == 0 and settings["LONG_APART"] == defaults["LONG_APART"]
                 elif ops.walks_alone(count, max(pack), routed=False):
                     taken = settings == {**defaults, "PARTS_BELOW": 2**31, "WALK_CHUNK": CHUNK,
                                          "WALK_VALUES": ops.ALONE_VALUES}

@@ -30,7 +30,8 @@ def test_settings_change_the_modules_the_kernels_read(restored):
 @pytest.mark.parametrize("item, message", [
     ("scan.STEP_PRODUCTS", "NAME=VALUE"), ("scan.WALK=1", "NAME=VALUE"), ("scan.STEP_PRODUCTS=3", "takes 1, 2"),
     ("swiglu.BY_ROWS=2", "takes 0, 1"), ("conv.TOKENS=none", "takes 8, 16, 32, 64"),
-    ("scan.ALONE_FROM=soon", "an integer or none")])
+    ("scan.ALONE_FROM=soon", "an integer from 0 to 2147483646 or none"),
+    ("scan.LONG_APART=-5", "an integer from 0"), ("scan.LONG_APART=2147483647", "an integer from 0")])
 def test_a_bad_setting_is_refused_by_name_and_nothing_is_set(restored, item, message):
     before = settings.current()
     with pytest.raises(ValueError, match=message):

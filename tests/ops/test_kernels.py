@@ -272,6 +272,8 @@ def test_swiglu_by_rows_matches_the_reference_and_the_flat_programs(block, monke
     output at the Qwen3.5-0.8B width (3,584: with 1,024 columns a program, a partial last block)
     and of 1,287 rows: against the reference within bf16's tolerance, and equal to the flat
     programs' output bit for bit (the same float32 arithmetic an element)."""
+    from helpers import SpiedKernel
+
     from dohnuts.ops.swiglu import fused
 
     assert backends._triton_kernels() is not None, "no Triton: the test would compare the reference with itself"
@@ -280,7 +282,10 @@ def test_swiglu_by_rows_matches_the_reference_and_the_flat_programs(block, monke
     monkeypatch.setattr(fused, "BLOCK", block)
     flat = kernels.swiglu(gate, up)
     monkeypatch.setattr(fused, "BY_ROWS", True)
+    spied = SpiedKernel(fused._swiglu_rows_fwd)
+    monkeypatch.setattr(fused, "_swiglu_rows_fwd", spied)
     by_rows = kernels.swiglu(gate, up)
+    assert len(spied.calls) == 1, "BY_ROWS did not launch the programs by rows"
     torch.testing.assert_close(by_rows, swiglu_reference(gate, up), **BF16)
     assert torch.equal(by_rows, flat)
 
@@ -528,7 +533,7 @@ def test_long_sequences_taken_apart_from_the_one_kernel_walk_match_the_reference
     over 512 tokens to the parts then the walk (16- or 64-token steps) and the rest to the
     one-kernel walk: outputs and final states from forked states against the float32 recurrence
     within the scan's own tolerance, and against the whole call on the one-kernel walk within the
-    same; the setting taken (their outputs differ)."""
+    same; the short sequences' outputs are the whole call's bit for bit, the long ones' are not."""
     from dohnuts.ops.delta_rule import scan
 
     lengths = [1366, 90, 300, 700, 64, 130, 64, 37, 0]
@@ -539,12 +544,18 @@ def test_long_sequences_taken_apart_from_the_one_kernel_walk_match_the_reference
     arguments = (q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, True, A_log, dt_bias)
     monkeypatch.setattr(scan, "WALK_CHUNK", step)
     with torch.no_grad():
+        monkeypatch.setattr(scan, "LONG_APART", None)
         whole, whole_final = scan.delta_rule_scan(*arguments, routed=True)
         monkeypatch.setattr(scan, "LONG_APART", 512)
         apart, apart_final = scan.delta_rule_scan(*arguments, routed=True)
     assert _relative_error(apart[None], reference) < 1e-2 and _relative_error(apart_final, reference_final) < 1e-2
     assert _relative_error(apart, whole) < 1e-2 and _relative_error(apart_final, whole_final) < 1e-2
-    assert not torch.equal(apart, whole), "LONG_APART gave the one-kernel walk's outputs: not taken"
+    # Each sequence its path: the short ones the same one-kernel programs as the whole call's
+    # (bit for bit), the two over 512 tokens another path (their outputs differ).
+    bounds = cu.tolist()
+    for length, begin, end in zip(lengths, bounds, bounds[1:]):
+        same = torch.equal(apart[begin:end], whole[begin:end])
+        assert same == (length <= 512), f"a sequence of {length} tokens took the wrong path"
 
 
 @pytest.mark.gpu

@@ -361,6 +361,15 @@ class _Idle:
         return lambda *args, **options: None
 
 
+class _Refused:
+    """A Triton kernel launcher that must not be launched."""
+
+    def __getitem__(self, grid):
+        def refused(*args, **options):
+            raise AssertionError("a kernel that must not run was launched")
+        return refused
+
+
 def check_one_long_sequence():
     """delta_rule_scan's `one_long` path (64-token steps, ALONE_VALUES values a program: one long
     sequence alone or with shorter padding after it, as a one-row bucket holds) against the
@@ -374,16 +383,20 @@ def check_one_long_sequence():
         for products in (2, 1):
             delta_scan.STEP_PRODUCTS = products
             _one_long_sequences(f"{products} products a step")
+        # One product a step: its chunks' programs cover K's columns too, past V's (K 40 over V 6)
+        # or short of them (K 8 under V 80).
+        _one_long_sequences("1 product a step", widths=((40, 6), (8, 80)))
     finally:
         delta_scan.STEP_PRODUCTS = default
 
 
-def _one_long_sequences(walk: str):
+def _one_long_sequences(walk: str, widths=((8, 6), (8, 20))):
+    """`check_one_long_sequence`'s cases at each (key width, value width) of `widths`."""
     generator = torch.Generator().manual_seed(11)
-    heads, key_dim, value_heads = 2, 8, 4
-    cases = [(value_dim, weak, lengths) for value_dim in (6, 20) for weak in (False, True)
+    heads, value_heads = 2, 4
+    cases = [(key_dim, value_dim, weak, lengths) for key_dim, value_dim in widths for weak in (False, True)
              for lengths in ([300, 37, 0], [200])]
-    for value_dim, weak, lengths in cases:
+    for key_dim, value_dim, weak, lengths in cases:
         total = sum(lengths)
         cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
         q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
@@ -401,7 +414,7 @@ def _one_long_sequences(walk: str):
         forked, forked_final = gated_delta_rule_reference(
             q[None], k[None], v[None], log_decay[None], beta[None], kernels.fork_states(states, parents, True),
             True, cu.long(), normalise=False)
-        case = f"delta_rule_scan one_long lengths={lengths} V={value_dim} weak decay {weak}, {walk}"
+        case = f"delta_rule_scan one_long lengths={lengths} K={key_dim} V={value_dim} weak decay {weak}, {walk}"
         ours, final = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias,
                                                  one_long=True)
         close(f"{case} from zero", ours, reference[0])
@@ -475,8 +488,10 @@ def check_long_sequences_apart():
     tokens to the parts then the walk, each sequence its own path (both launched): the same
     outputs and final states as the recurrence from zero and from forked states, at 16- and
     64-token steps; with either path idled, the tokens of its sequences are left untouched and
-    the others' are right (with fewer than PARTS_BELOW sequences over 64 tokens the parts path
-    takes them all). An unrouted call is routed too."""
+    the others' are right (routed with fewer than PARTS_BELOW sequences over 64 tokens, the parts
+    path takes them all). An unrouted call given its chunk plan, which the count sends to the
+    one-kernel walk, has its long sequences taken apart whatever their count; one without a plan
+    (training's) is not routed."""
     generator = torch.Generator().manual_seed(13)
     default = delta_scan.LONG_APART, delta_scan.WALK_CHUNK
     assert delta_scan.PARTS_BELOW == 4
@@ -485,18 +500,19 @@ def check_long_sequences_apart():
         for lengths, split in (([130, 2, 64, 0, 300, 70, 65], True), ([130, 2, 64, 0, 70], False)):
             total, cu, q, k, v, gate, beta, A_log, dt_bias, states, parents = _routed_inputs(lengths, generator)
             value_heads, value_dim = v.shape[1:]
-            # Each token's path: the parts then the walk for its sequence if over 100 tokens (all
-            # without the split), else the one-kernel walk.
-            taken = [length > 100 or not split for length in lengths]  # each sequence's path
-            apart = torch.cat([torch.full((length,), path) for length, path in zip(lengths, taken)])
             for forked, step, routed in ((False, 16, True), (True, 16, True), (True, 64, True), (True, 16, False)):
+                # Each sequence's path: the parts then the walk if over 100 tokens where at least
+                # PARTS_BELOW sequences are over 64 (routed) or whatever their count (an unrouted
+                # call the count sends to the one-kernel walk), else all of them; or the one-kernel walk.
+                taken = [length > 100 or (routed and not split) for length in lengths]
+                apart = torch.cat([torch.full((length,), path) for length, path in zip(lengths, taken)])
                 delta_scan.WALK_CHUNK = step
                 initial = kernels.fork_states(states, parents, True) if forked else None
                 reference, reference_final = gated_delta_rule_reference(
                     q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None], beta[None], initial, True,
                     cu.long(), normalise=False)
                 idled = (None, "_delta_scan_fwd", "_delta_scan_walk" if step == 16 else "_chunk_output")
-                for idle in idled if routed else (None,):
+                for idle in idled:
                     kernel = getattr(delta_scan, idle) if idle else None
                     if idle:
                         setattr(delta_scan, idle, _Idle())
@@ -504,7 +520,7 @@ def check_long_sequences_apart():
                         out = torch.full((total, value_heads, value_dim), 5.0)
                         _, final = delta_scan.delta_rule_scan(
                             q, k, v, gate, beta, states if forked else None, parents if forked else None, cu, True,
-                            A_log, dt_bias, out=out, routed=routed)
+                            A_log, dt_bias, out=out, routed=routed, chunks=chunk_plan(lengths))
                     finally:
                         if idle:
                             setattr(delta_scan, idle, kernel)
@@ -518,6 +534,16 @@ def check_long_sequences_apart():
                     close(case, out[~idle_tokens], reference[0][~idle_tokens])
                     active = torch.tensor(taken) != (idle != "_delta_scan_fwd")  # the other path's sequences
                     close(f"{case}: final states", final[active], reference_final[active])
+        # Without a chunk plan (training's calls) nothing is routed: no plan is read back.
+        route = delta_scan._scan_route
+        delta_scan._scan_route = _Refused()
+        try:
+            ours, _ = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, False, A_log, dt_bias)
+        finally:
+            delta_scan._scan_route = route
+        plain, _ = gated_delta_rule_reference(q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None],
+                                              beta[None], None, False, cu.long(), normalise=False)
+        close(f"long apart lengths={lengths} without a chunk plan", ours, plain[0])
     finally:
         delta_scan.LONG_APART, delta_scan.WALK_CHUNK = default
 

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import LAYOUTS, batch_of, encoded, errs_like, square_image
+from helpers import LAYOUTS, SpiedKernel, batch_of, encoded, errs_like, square_image
 from PIL import Image
 
 from dohnuts.model.base import load_backbone
@@ -279,6 +279,8 @@ def test_one_long_sequence_in_64_token_steps_gives_the_scans_logits_eager_and_in
     from dohnuts.runtime.buckets import all_buckets, bucket_for
 
     monkeypatch.setattr(scan, "STEP_PRODUCTS", products)
+    spied = SpiedKernel(scan._chunk_wu)
+    monkeypatch.setattr(scan, "_chunk_wu", spied)
     template, model, graphed = _on_cuda(tiny, torch.float32)
     batches = _varied(template)
     walks = []
@@ -306,6 +308,7 @@ def test_one_long_sequence_in_64_token_steps_gives_the_scans_logits_eager_and_in
             torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(graphed(batch), expected, rtol=1e-4, atol=1e-4)
     assert graphed.stats["bucket_replays"] == len(batches)
+    assert spied.calls and all(call[-1] == (products == 1) for call in spied.calls), "STEP_PRODUCTS not taken"
 
 
 @pytest.mark.gpu

@@ -115,12 +115,15 @@ LONG_APART: int | None = None
 # S - N S + B with N = k^T D W [K, K] and B = k^T D U0 [K, V], D = diag(exp(G_last - G_t)), the
 # pseudo-values U then made with the outputs (`_chunk_output`). One product a step halves the chain
 # between one state and the next, which is the walk's latency for a long sequence alone. N and B
-# are float32 (B made in float32 throughout, N S in tf32): where the state already predicts the
-# values, U0 and W S nearly cancel, and bf16 operands before that cancellation would weigh on the
-# state where the two-product step rounds only after it. They add about 32 kB a token to the
-# path's buffers (Qwen3.5-0.8B widths). Not timed yet: 2 stays the default until the H200 says
+# are float32 (k^T D U0 a float32 product, k^T D W and N S tf32 ones): where the state already
+# predicts the values, U0 and W S nearly cancel, and bf16 operands before that cancellation would
+# weigh on the state where the two-product step rounds only after it. They add about 32 kB a token
+# to the path's buffers (Qwen3.5-0.8B widths); the walk then pipelines its loads in at most
+# TRANSITION_STAGES stages, each holding a 64 kB N in shared memory (the H200 has 227 kB a
+# program). Not timed yet: 2 stays the default until the H200 says
 # (`bench.short_rows.delta_rule_prefixes`).
 STEP_PRODUCTS = 2
+TRANSITION_STAGES = 2
 
 
 def walks_alone(sequences: int, longest: int, routed: bool) -> bool:
@@ -638,8 +641,8 @@ def _chunk_path(q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu
                 value_heads, value_dim, block_k, out_v, beta_logits, routed, transition, num_warps=ROW_WARPS)
         _chunk_walk[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
             k, w, u, decays, entering, n, b, initial, parents, final, cu_seqlens, G, route, heads, key_dim,
-            value_heads, value_dim, block_k, block_v, forked, output_final_state, routed, WALK_STAGES, transition,
-            num_warps=WALK_WARPS)
+            value_heads, value_dim, block_k, block_v, forked, output_final_state, routed,
+            TRANSITION_STAGES if transition else WALK_STAGES, transition, num_warps=WALK_WARPS)
         if entries:
             _chunk_output[(entries, value_heads, triton.cdiv(value_dim, out_v))](
                 q, k, u, w, decays, entering, o, cu_seqlens, chunks, scale, route, heads, key_dim, value_heads,
