@@ -4,6 +4,7 @@ interpreter.
 `test_kernels.py` runs this file in a subprocess with TRITON_INTERPRET=1, which Triton reads
 when the kernels are defined. Exits non-zero on the first mismatch."""
 
+import contextlib
 import copy
 import os
 import sys
@@ -361,6 +362,20 @@ class _Idle:
         return lambda *args, **options: None
 
 
+@contextlib.contextmanager
+def _swapped(name: str | None, launcher):
+    """`delta_scan`'s kernel `name` replaced by `launcher` meanwhile (nothing replaced for None)."""
+    if name is None:
+        yield
+        return
+    kernel = getattr(delta_scan, name)
+    setattr(delta_scan, name, launcher)
+    try:
+        yield
+    finally:
+        setattr(delta_scan, name, kernel)
+
+
 class _Refused:
     """A Triton kernel launcher that must not be launched."""
 
@@ -464,16 +479,11 @@ def check_routes_on_the_device(last: str):
                 q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None], beta[None], initial, forked, cu.long(),
                 normalise=False)
             for idle in (None, last, "_delta_scan_fwd"):  # None: both run, as routed; `last`: the parts path's
-                kernel = getattr(delta_scan, idle or "_scan_route")
-                if idle:
-                    setattr(delta_scan, idle, _Idle())
-                try:
-                    out = torch.full((total, value_heads, value_dim), 5.0)
+                out = torch.full((total, value_heads, value_dim), 5.0)
+                with _swapped(idle, _Idle()):
                     _, final = delta_scan.delta_rule_scan(
                         q, k, v, gate, beta, states if forked else None, parents if forked else None, cu, forked,
                         A_log, dt_bias, out=out, routed=True)
-                finally:
-                    setattr(delta_scan, idle or "_scan_route", kernel)
                 case = f"routed lengths={lengths} forked={forked} with {idle} idle"
                 if idle is None or parts == (idle == "_delta_scan_fwd"):
                     close(case, out, reference[0])
@@ -513,17 +523,11 @@ def check_long_sequences_apart():
                     cu.long(), normalise=False)
                 idled = (None, "_delta_scan_fwd", "_delta_scan_walk" if step == 16 else "_chunk_output")
                 for idle in idled:
-                    kernel = getattr(delta_scan, idle) if idle else None
-                    if idle:
-                        setattr(delta_scan, idle, _Idle())
-                    try:
-                        out = torch.full((total, value_heads, value_dim), 5.0)
+                    out = torch.full((total, value_heads, value_dim), 5.0)
+                    with _swapped(idle, _Idle()):
                         _, final = delta_scan.delta_rule_scan(
                             q, k, v, gate, beta, states if forked else None, parents if forked else None, cu, True,
                             A_log, dt_bias, out=out, routed=routed, chunks=chunk_plan(lengths))
-                    finally:
-                        if idle:
-                            setattr(delta_scan, idle, kernel)
                     case = f"long apart lengths={lengths} forked={forked} steps {step} routed {routed}, {idle} idle"
                     if idle is None:
                         close(case, out, reference[0])
@@ -535,12 +539,8 @@ def check_long_sequences_apart():
                     active = torch.tensor(taken) != (idle != "_delta_scan_fwd")  # the other path's sequences
                     close(f"{case}: final states", final[active], reference_final[active])
         # Without a chunk plan (training's calls) nothing is routed: no plan is read back.
-        route = delta_scan._scan_route
-        delta_scan._scan_route = _Refused()
-        try:
+        with _swapped("_scan_route", _Refused()):
             ours, _ = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, False, A_log, dt_bias)
-        finally:
-            delta_scan._scan_route = route
         plain, _ = gated_delta_rule_reference(q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None],
                                               beta[None], None, False, cu.long(), normalise=False)
         close(f"long apart lengths={lengths} without a chunk plan", ours, plain[0])

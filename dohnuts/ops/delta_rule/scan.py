@@ -561,7 +561,7 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     # apart, on the device whatever their count (`_scan_route` with FEW 0).
     apart = (not routed and LONG_APART is not None and chunks is not None
              and sequences >= PARTS_BELOW)
-    routed = (routed or apart) and sequences >= PARTS_BELOW
+    routed = (routed and sequences >= PARTS_BELOW) or apart
     if routed:
         route = torch.empty(1, dtype=torch.int32, device=q.device)
         with _on(q.device):
