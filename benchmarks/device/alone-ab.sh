@@ -9,9 +9,8 @@
 set -u
 cd "$(dirname "$0")/../.."
 . benchmarks/device/setup.sh
-stamp "tests"
-timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_kernels.py tests/runtime/test_cuda_graphs.py \
-  tests/runtime/test_engine.py -k "one_long or bucket_graphs_serve or no_request_compiles" 2>&1 | tail -5 | tee "$OUT/tests.txt"
+gpu_tests 200 "one_long or bucket_graphs_serve or no_request_compiles" tests/ops/test_kernels.py \
+  tests/runtime/test_cuda_graphs.py tests/runtime/test_engine.py
 run 110 prefixes delta_rule_prefixes --lengths 1408 2816 --together 1 2
 for products in 2 1; do
   run 100 long-products-$products long_context --lengths 1500 3000 1490 2990 1510 3010 1480 2980 \

@@ -8,9 +8,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 . benchmarks/device/setup.sh
-stamp "tests"
-timeout 90 python3 -m pytest -q -p no:cacheprovider tests/ops/test_kernels.py -k "apart" 2>&1 \
-  | tail -5 | tee "$OUT/tests.txt"
+gpu_tests 90 apart tests/ops/test_kernels.py
 run 110 prefixes delta_rule_prefixes --lengths 1024 --together 8 \
   --sets 1366,700,300,130,90,64,37 2000,1500,1200,900,700,400,300,200
 for apart in none 256 512; do

@@ -1,6 +1,6 @@
 # Sourced at the start of a command on the GPU machine: unpack .gpusite and install .whl's wheels
 # under /tmp (once a machine), then the environment; `stamp TEXT` appends a timed line to
-# $OUT/timeline.txt; `run SECONDS NAME MEASUREMENT ARGS...` stamps NAME and runs the measurement
+# $OUT/timeline.txt; `gpu_tests` runs chosen tests (below); `run SECONDS NAME MEASUREMENT ARGS...` stamps NAME and runs the measurement
 # for at most SECONDS, its report in $OUT/NAME.txt and its last lines on the call's output. Run
 # state that must outlive a call goes under /tmp, never in the working tree: each call's copy of
 # the tree removes what is not in it.
@@ -13,5 +13,9 @@ t0=${t0:-$(date +%s)}
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/timeline.txt"; }
 run() { local seconds=$1 name=$2; shift 2; stamp "$name"
   timeout "$seconds" python3 benchmarks/run.py "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.txt" | tail -40; }
+# `gpu_tests SECONDS FILTER FILE...`: the tests of FILE... whose names match FILTER (pytest -k),
+# for at most SECONDS, their summary in $OUT/tests.txt.
+gpu_tests() { local seconds=$1 filter=$2; shift 2; stamp "tests"
+  timeout "$seconds" python3 -m pytest -q -p no:cacheprovider "$@" -k "$filter" 2>&1 | tail -5 | tee "$OUT/tests.txt"; }
 # The device tool brings back a few files only: pack $OUT into one archive before the command ends.
 pack_out() { (cd "$OUT" && tar czf /tmp/out.tgz . && rm -rf ./* && mv /tmp/out.tgz .); }

@@ -9,9 +9,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 . benchmarks/device/setup.sh
-stamp "tests"
-timeout 90 python3 -m pytest -q -p no:cacheprovider tests/ops/test_kernels.py -k "swiglu" 2>&1 \
-  | tail -5 | tee "$OUT/tests.txt"
+gpu_tests 90 swiglu tests/ops/test_kernels.py
 run 80 elementwise elementwise_sweep --lengths 1500 3000
 for rows in 0 1; do
   run 110 long-rows-$rows long_context --lengths 1500 3000 1490 2990 --settings swiglu.BY_ROWS=$rows \

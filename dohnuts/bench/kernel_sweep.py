@@ -11,6 +11,7 @@ import torch
 
 from ..ops import kernels
 from ..ops.plan import chunk_plan, cumulative
+from . import settings as runtime_settings
 from .host import require_cuda
 from .short_rows import graphed
 
@@ -20,8 +21,10 @@ HEADS, HEAD_DIM, CONV_WIDTH = 16, 128, 4
 MIXED = 2 * HEADS * HEAD_DIM + HEADS * HEAD_DIM
 PROJECTED = MIXED + HEADS * HEAD_DIM + 2 * HEADS
 INTERMEDIATE = 3584
-CONV_SETTINGS = [(tokens, warps) for tokens in (16, 32, 64) for warps in (2, 4, 8)]
-SWIGLU_SETTINGS = [(by_rows, block) for by_rows in (False, True) for block in (512, 1024, 2048, 4096)]
+# Each kernel's settings (`bench.settings` names) and the values swept.
+CONV = ("conv.TOKENS", "conv.WARPS"), [(tokens, warps) for tokens in (16, 32, 64) for warps in (2, 4, 8)]
+SWIGLU = ("swiglu.BY_ROWS", "swiglu.BLOCK"), [(int(by_rows), block) for by_rows in (False, True)
+                                              for block in (512, 1024, 2048, 4096)]
 
 
 @torch.no_grad()
@@ -39,21 +42,17 @@ def elementwise_sweep(lengths: tuple[int, ...] = (1500, 3000), replays: int = 10
         python benchmarks/run.py elementwise_sweep --lengths 1500 3000
     """
     require_cuda()
-    from ..ops.conv import fused as conv  # Triton's kernels: imported where a GPU runs them
-    from ..ops.swiglu import fused as swiglu
-
+    before = runtime_settings.current()
     generator = torch.Generator(device="cuda").manual_seed(0)
-    defaults = {"conv": (conv.TOKENS, conv.WARPS), "swiglu": (swiglu.BY_ROWS, swiglu.BLOCK)}
     try:
         for tokens in lengths:
-            _convolution(conv, tokens, generator, defaults["conv"], replays)
-            _swiglu(swiglu, tokens, generator, defaults["swiglu"], replays)
+            _convolution(tokens, generator, replays)
+            _swiglu(tokens, generator, replays)
     finally:
-        _set(conv, TOKENS=defaults["conv"][0], WARPS=defaults["conv"][1])
-        _set(swiglu, BY_ROWS=defaults["swiglu"][0], BLOCK=defaults["swiglu"][1])
+        runtime_settings.restore(before)
 
 
-def _convolution(conv, tokens: int, generator: torch.Generator, default: tuple, replays: int) -> None:
+def _convolution(tokens: int, generator: torch.Generator, replays: int) -> None:
     projected = torch.randn(tokens, PROJECTED, device="cuda", generator=generator).bfloat16()
     weight = (torch.randn(MIXED, CONV_WIDTH, device="cuda", generator=generator) * 0.5).bfloat16()
     bounds = cumulative([tokens])
@@ -65,31 +64,30 @@ def _convolution(conv, tokens: int, generator: torch.Generator, default: tuple, 
         return torch.cat([q.flatten(), k.flatten(), v.flatten()])
 
     moved = tokens * MIXED * 2 * 2 + tokens * 2 * HEADS * 4  # x read, q k v written, the norms' rstd
-    _sweep("conv_split_heads", tokens, convolve, moved, CONV_SETTINGS, default, replays,
-           lambda setting: _set(conv, TOKENS=setting[0], WARPS=setting[1]))
+    _sweep("conv_split_heads", tokens, convolve, moved, *CONV, replays)
 
 
-def _swiglu(swiglu, tokens: int, generator: torch.Generator, default: tuple, replays: int) -> None:
+def _swiglu(tokens: int, generator: torch.Generator, replays: int) -> None:
     mlp = torch.randn(tokens, 2 * INTERMEDIATE, device="cuda", generator=generator).bfloat16()
     moved = tokens * INTERMEDIATE * 2 * 3  # gate and up read, the output written
-    _sweep("swiglu", tokens, lambda: kernels.swiglu(mlp[:, :INTERMEDIATE], mlp[:, INTERMEDIATE:]), moved,
-           SWIGLU_SETTINGS, default, replays, lambda setting: _set(swiglu, BY_ROWS=setting[0], BLOCK=setting[1]))
+    _sweep("swiglu", tokens, lambda: kernels.swiglu(mlp[:, :INTERMEDIATE], mlp[:, INTERMEDIATE:]), moved, *SWIGLU,
+           replays)
 
 
-def _set(module, **settings) -> None:
-    for name, value in settings.items():
-        setattr(module, name, value)
-
-
-def _sweep(kernel: str, tokens: int, call, moved: int, settings: list, default: tuple, replays: int, apply) -> None:
-    """One JSON line for each of `settings` (applied by `apply`) of `call`, the runtime's first."""
-    ordered = [default] + [setting for setting in settings if setting != default]
+def _sweep(kernel: str, tokens: int, call, moved: int, names: tuple[str, ...], values: list[tuple], replays: int
+           ) -> None:
+    """One JSON line for each of `values` of the settings `names` (`bench.settings`) of `call`,
+    the runtime's first."""
+    now = runtime_settings.current()
+    default = tuple(int(now[name]) for name in names)
     reference = None
-    for setting in ordered:
-        apply(setting)
+    for setting in [default] + [setting for setting in values if setting != default]:
+        runtime_settings.apply(tuple(f"{name}={value}" for name, value in zip(names, setting)))
         ms, out = graphed(call, replays)
         out = out.float()
         reference = out if reference is None else reference
-        print(json.dumps({"kernel": kernel, "tokens": tokens, "setting": list(setting), "runtime": setting == default,
-                          "us": round(ms * 1e3, 2), "gb_per_s": round(moved / (ms * 1e-3) / 1e9, 1),
+        print(json.dumps({"kernel": kernel, "tokens": tokens, "setting": dict(zip(names, setting)),
+                          "runtime": setting == default, "us": round(ms * 1e3, 2),
+                          "gb_per_s": round(moved / (ms * 1e-3) / 1e9, 1),
                           "max_difference": (out - reference).abs().max().item()}), flush=True)
+    runtime_settings.restore(now)

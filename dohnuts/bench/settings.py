@@ -37,6 +37,12 @@ def current() -> dict[str, object]:
     return values
 
 
+def restore(values: dict[str, object]) -> None:
+    """Put back settings as `current()` gave them."""
+    for name, value in values.items():
+        setattr(*_place(name), value)
+
+
 def apply(settings: tuple[str, ...]) -> dict[str, object]:
     """Set each of `settings`, "NAME=VALUE" with NAME one of KNOWN and VALUE one it takes: one of
     its values (0 or 1 for a flag), or an integer of its range or none (ALONE_FROM none: never;

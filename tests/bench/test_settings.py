@@ -14,9 +14,7 @@ def restored():
     """Every known setting as it was before the test."""
     before = settings.current()
     yield
-    for name, value in before.items():
-        module, attribute = settings._place(name)
-        setattr(module, attribute, value)
+    settings.restore(before)
 
 
 def test_settings_change_the_modules_the_kernels_read(restored):
