@@ -127,6 +127,10 @@ MEASUREMENTS: dict[str, Measurement] = {
         kernel_sweep.elementwise_sweep, "a long row's convolution and SwiGLU kernels by launch setting", "cuda",
         (Argument("lengths", int, (1500, 3000), "tokens of the one sequence", many=True),
          Argument("replays", int, 100, "graph replays timed a setting"))),
+    "walk_resources": Measurement(
+        kernel_sweep.walk_resources, "the 64-token walk's registers, spills and shared memory, compiled for sm_90",
+        "any", (Argument("values", int, (16, 32), "value columns a program", many=True),
+                Argument("warps", int, 4, "warps a program"))),
     "delta_rule_prefixes": Measurement(
         short_rows.delta_rule_prefixes, "the whole-sequence scan on prefixes alone and together, by path",
         "cuda", (Argument("lengths", int, (256, 1024, 2048), "prefix lengths", many=True),

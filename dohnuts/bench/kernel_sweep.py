@@ -1,11 +1,16 @@
 """The elementwise kernels of a long sequence by launch setting: where a one-question request of
 thousands of tokens spends its device time besides the matrix products and the delta rule, and
-what each setting of the convolution and SwiGLU kernels gives there. A measurement for choosing
-the next optimisation, not part of the runtime."""
+what each setting of the convolution and SwiGLU kernels gives there; and what the delta rule's
+walk asks of a Hopper multiprocessor, compiled without a GPU. Measurements for choosing the next
+optimisation, not part of the runtime."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -91,3 +96,49 @@ def _sweep(kernel: str, tokens: int, call, moved: int, names: tuple[str, ...], v
                           "gb_per_s": round(moved / (ms * 1e-3) / 1e9, 1),
                           "max_difference": (out - reference).abs().max().item()}), flush=True)
     runtime_settings.restore(now)
+
+
+# `_chunk_walk`'s arguments, and the types of the ones that are not compile-time constants, for a
+# walk of bf16 q, k and v (W and Hs in q's dtype; U, decays, N, B and the states float32).
+WALK_TYPES = {"k": "*bf16", "W": "*bf16", "U": "*fp32", "Gc": "*fp32", "Hs": "*bf16", "N": "*fp32", "B": "*fp32",
+              "states": "*fp32", "parents": "*i64", "final": "*fp32", "cu_seqlens": "*i32", "G": "i32",
+              "route": "*i32"}
+
+
+def walk_resources(values: tuple[int, ...] = (16, 32), warps: int = 4) -> None:
+    """What the 64-token walk (`scan._chunk_walk`) asks of a Hopper multiprocessor, compiled for
+    sm_90 by the installed Triton's ptxas, no GPU needed: registers a thread, stack (spilled
+    registers), Triton's shared memory, at two products a step and at one (`scan.STEP_PRODUCTS`),
+    for each block of `values` value columns a program, the Qwen3.5-0.8B heads (16 of 128, bf16).
+    The Triton here may differ from the GPU machine's: a lead for a profile, not a timing.
+
+        python benchmarks/run.py walk_resources --values 16 32
+
+    Prints one JSON line a variant.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ..ops.delta_rule import scan
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    kernel = scan._chunk_walk
+    for products in (2, 1):
+        for block in values:
+            stages = scan.TRANSITION_STAGES if products == 1 else scan.WALK_STAGES
+            constants = dict(H=HEADS, K=HEAD_DIM, HV=HEADS, V=HEAD_DIM, BK=HEAD_DIM, BV=block, INITIAL=False,
+                             FINAL=False, ROUTED=False, STAGES=stages, TRANSITION=products == 1)
+            signature = {name: WALK_TYPES.get(name, "constexpr") for name in kernel.arg_names}
+            source = ASTSource(fn=kernel, signature=signature,
+                               constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
+            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+            with tempfile.TemporaryDirectory() as folder:
+                cubin = Path(folder) / "walk.cubin"
+                cubin.write_bytes(compiled.asm["cubin"])
+                usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
+                                       check=True).stdout
+            found = dict(re.findall(r"\b(REG|STACK):(\d+)", usage))
+            print(json.dumps({"kernel": "_chunk_walk", "step_products": products, "values_a_program": block,
+                              "warps": warps, "registers": int(found["REG"]), "stack_bytes": int(found["STACK"]),
+                              "shared_bytes": compiled.metadata.shared, "triton": triton.__version__}), flush=True)
