@@ -128,7 +128,7 @@ MEASUREMENTS: dict[str, Measurement] = {
         (Argument("lengths", int, (1500, 3000), "tokens of the one sequence", many=True),
          Argument("replays", int, 100, "graph replays timed a setting"))),
     "walk_resources": Measurement(
-        kernel_sweep.walk_resources, "the 64-token walk's registers, spills and shared memory, compiled for sm_90",
+        kernel_sweep.walk_resources, "the 64-token walk's registers, spills, shared memory for sm_90 (Triton's ptxas)",
         "any", (Argument("values", int, (16, 32), "value columns a program", many=True),
                 Argument("warps", int, 4, "warps a program"))),
     "delta_rule_prefixes": Measurement(

@@ -98,10 +98,11 @@ def _sweep(kernel: str, tokens: int, call, moved: int, names: tuple[str, ...], v
     runtime_settings.restore(now)
 
 
-# `_chunk_walk`'s arguments, and the types of the ones that are not compile-time constants, for a
-# walk of bf16 q, k and v (W and Hs in q's dtype; U, decays, N, B and the states float32).
+# `_chunk_walk`'s arguments that are not compile-time constants, typed as `_chunk_path` passes
+# them for bf16 q, k and v (W and Hs in q's dtype; U, the decays, N and B float32). The states,
+# parents and final state are unread in the variant compiled (INITIAL and FINAL off).
 WALK_TYPES = {"k": "*bf16", "W": "*bf16", "U": "*fp32", "Gc": "*fp32", "Hs": "*bf16", "N": "*fp32", "B": "*fp32",
-              "states": "*fp32", "parents": "*i64", "final": "*fp32", "cu_seqlens": "*i32", "G": "i32",
+              "states": "*bf16", "parents": "*i32", "final": "*bf16", "cu_seqlens": "*i32", "G": "i32",
               "route": "*i32"}
 
 
@@ -110,7 +111,10 @@ def walk_resources(values: tuple[int, ...] = (16, 32), warps: int = 4) -> None:
     sm_90 by the installed Triton's ptxas, no GPU needed: registers a thread, stack (spilled
     registers), Triton's shared memory, at two products a step and at one (`scan.STEP_PRODUCTS`),
     for each block of `values` value columns a program, the Qwen3.5-0.8B heads (16 of 128, bf16).
-    The Triton here may differ from the GPU machine's: a lead for a profile, not a timing.
+    The variant compiled walks from zero states and keeps no final state, unrouted (INITIAL, FINAL
+    and ROUTED off), its pointers 16-byte aligned as a launch on torch's tensors marks them. Needs
+    Triton with its NVIDIA tools (ptxas, cuobjdump); the GPU machine's Triton may differ from this
+    one: a lead for a profile, not a timing.
 
         python benchmarks/run.py walk_resources --values 16 32
 
@@ -122,23 +126,31 @@ def walk_resources(values: tuple[int, ...] = (16, 32), warps: int = 4) -> None:
 
     from ..ops.delta_rule import scan
 
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     kernel = scan._chunk_walk
+    signature = {name: WALK_TYPES.get(name, "constexpr") for name in kernel.arg_names}
+    aligned = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
+               if signature[name].startswith("*")}
     for products in (2, 1):
         for block in values:
             stages = scan.TRANSITION_STAGES if products == 1 else scan.WALK_STAGES
             constants = dict(H=HEADS, K=HEAD_DIM, HV=HEADS, V=HEAD_DIM, BK=HEAD_DIM, BV=block, INITIAL=False,
                              FINAL=False, ROUTED=False, STAGES=stages, TRANSITION=products == 1)
-            signature = {name: WALK_TYPES.get(name, "constexpr") for name in kernel.arg_names}
-            source = ASTSource(fn=kernel, signature=signature,
+            source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
                                constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-            with tempfile.TemporaryDirectory() as folder:
-                cubin = Path(folder) / "walk.cubin"
-                cubin.write_bytes(compiled.asm["cubin"])
-                usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
-                                       check=True).stdout
-            found = dict(re.findall(r"\b(REG|STACK):(\d+)", usage))
+            found = dict(re.findall(r"\b(REG|STACK):(\d+)", _resource_usage(triton, compiled.asm["cubin"])))
             print(json.dumps({"kernel": "_chunk_walk", "step_products": products, "values_a_program": block,
                               "warps": warps, "registers": int(found["REG"]), "stack_bytes": int(found["STACK"]),
                               "shared_bytes": compiled.metadata.shared, "triton": triton.__version__}), flush=True)
+
+
+def _resource_usage(triton, cubin: bytes) -> str:
+    """cuobjdump's resource usage of a compiled kernel (`TRITON_CUOBJDUMP_PATH`, else Triton's own)."""
+    knobs = getattr(triton, "knobs", None)
+    tool = (knobs.nvidia.cuobjdump.path if knobs is not None
+            else str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([tool, "--dump-resource-usage", str(path)], capture_output=True, text=True,
+                              check=True).stdout
