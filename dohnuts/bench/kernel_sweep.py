@@ -138,19 +138,18 @@ def walk_resources(values: tuple[int, ...] = (16, 32), warps: int = 4) -> None:
             source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
                                constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-            found = dict(re.findall(r"\b(REG|STACK):(\d+)", _resource_usage(triton, compiled.asm["cubin"])))
+            found = dict(re.findall(r"\b(REG|STACK):(\d+)", _resource_usage(compiled.asm["cubin"])))
             print(json.dumps({"kernel": "_chunk_walk", "step_products": products, "values_a_program": block,
                               "warps": warps, "registers": int(found["REG"]), "stack_bytes": int(found["STACK"]),
                               "shared_bytes": compiled.metadata.shared, "triton": triton.__version__}), flush=True)
 
 
-def _resource_usage(triton, cubin: bytes) -> str:
-    """cuobjdump's resource usage of a compiled kernel (`TRITON_CUOBJDUMP_PATH`, else Triton's own)."""
-    knobs = getattr(triton, "knobs", None)
-    tool = (knobs.nvidia.cuobjdump.path if knobs is not None
-            else str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"))
+def _resource_usage(cubin: bytes) -> str:
+    """cuobjdump's resource usage of a compiled kernel (Triton's own, or `TRITON_CUOBJDUMP_PATH`)."""
+    import triton
+
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "kernel.cubin"
         path.write_bytes(cubin)
-        return subprocess.run([tool, "--dump-resource-usage", str(path)], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", str(path)],
+                              capture_output=True, text=True, check=True).stdout
