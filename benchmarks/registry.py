@@ -135,7 +135,8 @@ MEASUREMENTS: dict[str, Measurement] = {
         short_rows.delta_rule_prefixes, "the whole-sequence scan on prefixes alone and together, by path",
         "cuda", (Argument("lengths", int, (256, 1024, 2048), "prefix lengths", many=True),
                  Argument("together", int, (1, 2, 4, 8), "counts of prefixes run together", many=True),
-                 Argument("sets", str, (), "sequences of unequal lengths run together, as 700,200,90", many=True))),
+                 Argument("sets", str, (), "sequences of unequal lengths run together, as 700,200,90", many=True),
+                 Argument("only", str, (), "only the paths whose names contain one of these", many=True))),
     "evaluation_profile": Measurement(
         loops.evaluation_profile, "evaluation: plan, each batch's build, copy, forward; whole passes", "cuda"),
     "training_graphs": Measurement(

@@ -12,6 +12,8 @@ KNOWN = {
     "scan.ALONE_FROM": ("dohnuts.ops.delta_rule.scan", "ALONE_FROM", TOKENS),
     "scan.STEP_PRODUCTS": ("dohnuts.ops.delta_rule.scan", "STEP_PRODUCTS", (1, 2)),
     "scan.LONG_APART": ("dohnuts.ops.delta_rule.scan", "LONG_APART", TOKENS),
+    "scan.FWD_VALUES": ("dohnuts.ops.delta_rule.scan", "FWD_VALUES", (16, 32, 64, 128)),
+    "scan.FWD_WARPS": ("dohnuts.ops.delta_rule.scan", "FWD_WARPS", (1, 2, 4, 8)),
     "swiglu.BY_ROWS": ("dohnuts.ops.swiglu.fused", "BY_ROWS", (False, True)),
     "swiglu.BLOCK": ("dohnuts.ops.swiglu.fused", "BLOCK", (256, 512, 1024, 2048, 4096)),
     "conv.TOKENS": ("dohnuts.ops.conv.fused", "TOKENS", (8, 16, 32, 64)),

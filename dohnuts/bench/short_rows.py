@@ -125,7 +125,7 @@ def delta_rule_short_rows(*, fused_recurrent) -> None:
 
 @torch.no_grad()
 def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: tuple[int, ...] = (1, 2, 4, 8),
-                        sets: tuple[str, ...] = ()) -> None:
+                        sets: tuple[str, ...] = (), only: tuple[str, ...] = ()) -> None:
     """Time `delta_rule.scan.delta_rule_scan` on prefixes from zero states keeping their final
     states (a prefix's layer in a bucket), each replayed from a CUDA graph: each count of
     `together` sequences of each of `lengths` tokens, then each of `sets` (sequences of unequal
@@ -133,13 +133,14 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     apart, 1 or 4 a program, then walked with blocks of 16, 32 or 64 values, pipelined in 1 to 3
     stages, with 2 or 4 warps; 64-token chunks solved whole and walked, `WALK_CHUNK`, at two
     products a step or one, `STEP_PRODUCTS`; the one-kernel walk, alone and with the sequences
-    over 256, 512 or 1,024 tokens taken apart where it runs, `LONG_APART`), whatever the
-    count would choose (`PARTS_BELOW`). Shape: the Qwen3.5-0.8B delta-rule layer (16 key and 16
-    value heads of width 128), bf16. Prints microseconds a layer and tokens a microsecond, marks
-    the path the runtime takes (one sequence of `ALONE_FROM` to `ALONE_TO` tokens: 64-token
-    steps of `ALONE_VALUES` values, `one_long`, as it runs eagerly or in a one-row bucket; a
-    prefix in a routed bucket keeps the 16-token walk), and gives each path's largest output
-    difference from the first's.
+    over 256, 512 or 1,024 tokens taken apart where it runs, `LONG_APART`, or with other blocks of
+    values and warps, `FWD_VALUES` and `FWD_WARPS`), whatever the count would choose
+    (`PARTS_BELOW`); `only` keeps the paths whose names contain one of its texts. Shape: the
+    Qwen3.5-0.8B delta-rule layer (16 key and 16 value heads of width 128), bf16. Prints
+    microseconds a layer and tokens a microsecond, marks the path the runtime takes (one sequence
+    of `ALONE_FROM` to `ALONE_TO` tokens: 64-token steps of `ALONE_VALUES` values, `one_long`, as
+    it runs eagerly or in a one-row bucket; a prefix in a routed bucket keeps the 16-token walk),
+    and gives each path's largest output difference from the first's.
 
         python benchmarks/run.py delta_rule_prefixes --lengths 1024 2048 --together 1 2 4 8 --sets 700,200,90
 
@@ -163,7 +164,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
 
     # (name, {setting of `scan`: value}): the parts solved apart, then walked, and the one-kernel walk
     names = ("WALK_VALUES", "PARTS_BELOW", "PARTS_A_PROGRAM", "WALK_STAGES", "WALK_WARPS", "WALK_CHUNK", "SOLVE_WARPS",
-             "STEP_PRODUCTS", "LONG_APART")
+             "STEP_PRODUCTS", "LONG_APART", "FWD_VALUES", "FWD_WARPS")
     defaults = {name: getattr(ops, name) for name in names}
     paths = [(f"parts {split} a program, walk values {values}, stages {stages}, warps {warps}",
               {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "PARTS_A_PROGRAM": split,
@@ -179,17 +180,24 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "WALK_CHUNK": 64, "STEP_PRODUCTS": 1,
                 "WALK_WARPS": warps})
               for values, warps in ((16, 4), (32, 4), (64, 8))]
-    paths.append(("one kernel", {**defaults, "WALK_VALUES": 64, "PARTS_BELOW": 0}))
+    paths.append(("one kernel", {**defaults, "PARTS_BELOW": 0}))
+    paths += [(f"one kernel, values {values}, warps {warps}",
+               {**defaults, "PARTS_BELOW": 0, "FWD_VALUES": values, "FWD_WARPS": warps})
+              for values, warps in ((32, 4), (32, 2), (64, 8), (128, 8), (16, 2))
+              if (values, warps) != (defaults["FWD_VALUES"], defaults["FWD_WARPS"])]
     # The one-kernel walk whatever the count, its sequences over `apart` tokens taken apart.
     paths += [(f"one kernel, sequences over {apart} tokens apart",
                {**defaults, "PARTS_BELOW": 0, "LONG_APART": apart}) for apart in (256, 512, 1024)]
+    paths = [path for path in paths if not only or any(text in path[0] for text in only)]
     print(f"# {heads} heads of width {width}, bf16, from zero states, final states kept; CUDA graph replays; "
           f"the runtime takes the one-kernel walk from {ops.PARTS_BELOW} sequences (in a bucket, from "
           f"{ops.PARTS_BELOW} sequences over 64 tokens, counted on the device)")
     try:
         for pack in packs:
             count, total = len(pack), sum(pack)
-            label = f"{count} x {pack[0]:5d} tokens" if len(set(pack)) == 1 else f"{'+'.join(map(str, pack))} tokens"
+            label = (f"{count} x {pack[0]:5d} tokens" if len(set(pack)) == 1
+                     else f"{'+'.join(map(str, pack))} tokens" if count <= 8
+                     else f"{count} sequences of {total} tokens, the longest {max(pack)}")
             q, k = (F.normalize(rand(total, heads, width), dim=-1).bfloat16() for _ in range(2))
             v = rand(total, heads, width).bfloat16()
             g, beta = rand(total, heads).bfloat16(), torch.sigmoid(rand(total, heads)).bfloat16()
@@ -213,7 +221,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 # In a bucket the route counts the sequences over 64 tokens (`_scan_route`).
                 one_kernel = sum(length > CHUNK for length in pack) >= defaults["PARTS_BELOW"]
                 if one_kernel:
-                    taken = settings["PARTS_BELOW"] == 0 and settings["LONG_APART"] == defaults["LONG_APART"]
+                    taken = settings == {**defaults, "PARTS_BELOW": 0}
                 elif ops.walks_alone(count, max(pack), routed=False):
                     taken = settings == {**defaults, "PARTS_BELOW": 2**31, "WALK_CHUNK": CHUNK,
                                          "WALK_VALUES": ops.ALONE_VALUES}

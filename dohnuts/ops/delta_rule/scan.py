@@ -100,6 +100,10 @@ ALONE_FROM: int | None = 1408  # the shortest length timed
 ALONE_TO = 8192  # the longest one-row bucket
 ALONE_VALUES = 16
 PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
+# Values a program of the one-kernel walk (a block of V) and its warps. Eight requests of the
+# serving mix spend about 40% of their device time in the delta rule, most of it here.
+FWD_VALUES = VALUES
+FWD_WARPS = ROW_WARPS
 # In a call routed to the one-kernel walk (PARTS_BELOW sequences or more over 64 tokens), the
 # sequences over LONG_APART tokens take the parts then the walk instead, each sequence its path
 # (`_turn`): the one-kernel walk is as long as its longest sequence, whose 16-token parts it
@@ -571,12 +575,12 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     scale = key_dim**-0.5 if scale is None else scale
     parents = parents if parents is not None else cu_seqlens
     if routed or sequences >= PARTS_BELOW:  # static in a graph: fixed by the bucket's sequence count
-        block_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
+        block_v = max(16, min(FWD_VALUES, triton.next_power_of_2(value_dim)))
         with _on(q.device):
             _delta_scan_fwd[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
                 q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu_seqlens, G, scale, gate_stride,
                 beta_stride, route, heads, key_dim, value_heads, value_dim, block_k, block_v, PART, states is not None,
-                output_final_state, beta_logits, routed, num_warps=ROW_WARPS)
+                output_final_state, beta_logits, routed, num_warps=FWD_WARPS)
         if not routed:
             return o, final if output_final_state else None
     block_v = max(16, min(WALK_VALUES, triton.next_power_of_2(value_dim)))
