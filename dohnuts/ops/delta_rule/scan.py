@@ -101,7 +101,12 @@ ALONE_TO = 8192  # the longest one-row bucket
 ALONE_VALUES = 16
 PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
 # Values a program of the one-kernel walk (a block of V) and its warps. Eight requests of the
-# serving mix spend about 40% of their device time in the delta rule, most of it here.
+# serving mix spend about 40% of their device time in the delta rule, most of it here. On an H100
+# (`delta_rule_prefixes --only "one kernel"`, run 2026-12-05-c479fab-h100-fwd-sweep) 64 values and
+# 4 warps beat 32 and 4, 32 and 2, 64 and 8, 128 and 8, 16 and 2 on 8 x 1,024 tokens (310 us a
+# layer; the next 334) and on the rows of two groups of eight serving-mix requests (684 and 499 us;
+# the next 787 and 521); in the model eight requests took 47.7 ms of device time a call against
+# 54.5 (32 values) and 55.8 (8 warps).
 FWD_VALUES = VALUES
 FWD_WARPS = ROW_WARPS
 # In a call routed to the one-kernel walk (PARTS_BELOW sequences or more over 64 tokens), the
