@@ -113,13 +113,13 @@ MEASUREMENTS: dict[str, Measurement] = {
          Argument("seed", int, 37, "the generator's seed"),
          Argument("out", str, None, "a file for the record (JSON)"),
          Argument("settings", str, (), "runtime settings changed first, NAME=VALUE (bench.settings.KNOWN), as "
-                  "scan.STEP_PRODUCTS=1", many=True))),
+                  "swiglu.BY_ROWS=1", many=True))),
     "long_context": Measurement(
         first_sight.long_context_measurement, "8k to 64k-token requests: latency, tokens/s, peak memory", "any",
         (Argument("lengths", int, (8192, 32768, 65536), "input tokens of each request", many=True),
          Argument("out", str, None, "a file for the record (JSON)"),
          Argument("settings", str, (), "runtime settings changed first, NAME=VALUE (bench.settings.KNOWN), as "
-                  "scan.STEP_PRODUCTS=1", many=True))),
+                  "swiglu.BY_ROWS=1", many=True))),
     "delta_rule_short_rows": Measurement(
         functools.partial(short_rows.delta_rule_short_rows, fused_recurrent=fla_fused_recurrent),
         "the 50q request's short rows' delta rule: FLA chunked, recurrent, ours", "cuda"),

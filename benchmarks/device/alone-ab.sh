@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # One long sequence walked in 64-token steps (`scan.ALONE_FROM`, issue 37) on the GPU machine in
 # one call (about 7 minutes on a warm H200; its bounds add to 510 s): its GPU tests (no compile
-# after load among them, the walk at two products a step and at one), the scan's paths on long
-# prefixes alone and in pairs, then one-question requests of 1,500 and 3,000 tokens with the
-# walk's 64-token steps at two products in series (the default) and at one (`scan.STEP_PRODUCTS`),
-# each in a process of its own. Results in $OUT:
+# after load among them), the scan's paths on long prefixes alone and in pairs, then one-question
+# requests of 1,500 and 3,000 tokens with the 64-token steps from 1,408 tokens (the default) and
+# never (16-token steps), each in a process of its own. Results in $OUT:
 #   bash benchmarks/device/alone-ab.sh
 set -u
 cd "$(dirname "$0")/../.."
@@ -12,8 +11,8 @@ cd "$(dirname "$0")/../.."
 gpu_tests 200 "one_long or bucket_graphs_serve or no_request_compiles" tests/ops/test_kernels.py \
   tests/runtime/test_cuda_graphs.py tests/runtime/test_engine.py
 run 110 prefixes delta_rule_prefixes --lengths 1408 2816 --together 1 2
-for products in 2 1; do
-  run 100 long-products-$products long_context --lengths 1500 3000 1490 2990 1510 3010 1480 2980 \
-    --settings scan.STEP_PRODUCTS=$products --out "$OUT/long-products-$products.json"
+for from in 1408 none; do
+  run 100 long-alone-$from long_context --lengths 1500 3000 1490 2990 1510 3010 1480 2980 \
+    --settings scan.ALONE_FROM=$from --out "$OUT/long-alone-$from.json"
 done
 stamp "done"

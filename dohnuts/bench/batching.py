@@ -76,7 +76,7 @@ def invocation_profile(batch: int = 8, groups: int = 4, top: int = 25, settings:
     requests of the serving mix through the engine alone and `batch` at a time (`groups` of
     each), timed after a first sight, then profiled (the top kernels by device time). Only the
     buckets they need are captured; a group that fits none is left out and said so. `settings`
-    change the runtime's first (`bench.settings`, as "scan.LONG_APART=256"); the line before the
+    change the runtime's first (`bench.settings`, as "scan.FWD_VALUES=32"); the line before the
     figures gives them all.
 
         python benchmarks/run.py invocation_profile --batch 8 --groups 4 --top 25 > profile.txt

@@ -143,7 +143,7 @@ def real_traffic_measurement(count: int = 80, seed: int = 37, out: str | None = 
     warm-up run, as a server loads): first-sight p50/p99/max, text and image p50, Triton's
     compiles and autotunes on the timed requests, Hugging Face on the same; the record as JSON
     to `out`, with the runtime's settings (`bench.settings`: `settings` changes them first, as
-    "scan.STEP_PRODUCTS=1").
+    "swiglu.BY_ROWS=1").
 
         python benchmarks/run.py real_traffic --count 80 --out real.json
     """

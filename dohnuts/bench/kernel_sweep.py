@@ -99,18 +99,17 @@ def _sweep(kernel: str, tokens: int, call, moved: int, names: tuple[str, ...], v
 
 
 # `_chunk_walk`'s arguments that are not compile-time constants, typed as `_chunk_path` passes
-# them for bf16 q, k and v (W and Hs in q's dtype; U, the decays, N and B float32). The states,
+# them for bf16 q, k and v (W and Hs in q's dtype; U and the decays float32). The states,
 # parents and final state are unread in the variant compiled (INITIAL and FINAL off).
-WALK_TYPES = {"k": "*bf16", "W": "*bf16", "U": "*fp32", "Gc": "*fp32", "Hs": "*bf16", "N": "*fp32", "B": "*fp32",
-              "states": "*bf16", "parents": "*i32", "final": "*bf16", "cu_seqlens": "*i32", "G": "i32",
-              "route": "*i32"}
+WALK_TYPES = {"k": "*bf16", "W": "*bf16", "U": "*fp32", "Gc": "*fp32", "Hs": "*bf16", "states": "*bf16",
+              "parents": "*i32", "final": "*bf16", "cu_seqlens": "*i32", "G": "i32", "route": "*i32"}
 
 
 def walk_resources(values: tuple[int, ...] = (16, 32), warps: int = 4) -> None:
     """What the 64-token walk (`scan._chunk_walk`) asks of a Hopper multiprocessor, compiled for
     sm_90 by the installed Triton's ptxas, no GPU needed: registers a thread, stack (spilled
-    registers), Triton's shared memory, at two products a step and at one (`scan.STEP_PRODUCTS`),
-    for each block of `values` value columns a program, the Qwen3.5-0.8B heads (16 of 128, bf16).
+    registers), Triton's shared memory, for each block of `values` value columns a program, the
+    Qwen3.5-0.8B heads (16 of 128, bf16), pipelined as the runtime's walk is (`scan.WALK_STAGES`).
     The variant compiled walks from zero states and keeps no final state, unrouted (INITIAL, FINAL
     and ROUTED off), its pointers 16-byte aligned as a launch on torch's tensors marks them. Needs
     Triton with its NVIDIA tools (ptxas, cuobjdump); the GPU machine's Triton may differ from this
@@ -130,18 +129,16 @@ def walk_resources(values: tuple[int, ...] = (16, 32), warps: int = 4) -> None:
     signature = {name: WALK_TYPES.get(name, "constexpr") for name in kernel.arg_names}
     aligned = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
                if signature[name].startswith("*")}
-    for products in (2, 1):
-        for block in values:
-            stages = scan.TRANSITION_STAGES if products == 1 else scan.WALK_STAGES
-            constants = dict(H=HEADS, K=HEAD_DIM, HV=HEADS, V=HEAD_DIM, BK=HEAD_DIM, BV=block, INITIAL=False,
-                             FINAL=False, ROUTED=False, STAGES=stages, TRANSITION=products == 1)
-            source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
-                               constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-            found = dict(re.findall(r"\b(REG|STACK):(\d+)", _resource_usage(compiled.asm["cubin"])))
-            print(json.dumps({"kernel": "_chunk_walk", "step_products": products, "values_a_program": block,
-                              "warps": warps, "registers": int(found["REG"]), "stack_bytes": int(found["STACK"]),
-                              "shared_bytes": compiled.metadata.shared, "triton": triton.__version__}), flush=True)
+    for block in values:
+        constants = dict(H=HEADS, K=HEAD_DIM, HV=HEADS, V=HEAD_DIM, BK=HEAD_DIM, BV=block, INITIAL=False,
+                         FINAL=False, ROUTED=False, STAGES=scan.WALK_STAGES)
+        source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
+                           constexprs={(kernel.arg_names.index(name),): value for name, value in constants.items()})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        found = dict(re.findall(r"\b(REG|STACK):(\d+)", _resource_usage(compiled.asm["cubin"])))
+        print(json.dumps({"kernel": "_chunk_walk", "values_a_program": block, "warps": warps,
+                          "registers": int(found["REG"]), "stack_bytes": int(found["STACK"]),
+                          "shared_bytes": compiled.metadata.shared, "triton": triton.__version__}), flush=True)
 
 
 def _resource_usage(cubin: bytes) -> str:

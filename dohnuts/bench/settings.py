@@ -7,11 +7,9 @@ import importlib
 
 # name -> (module, attribute, the values it takes: a tuple of them, or a range of integers that
 # also takes none): the kernels' launch and path settings worth timing in the model.
-TOKENS = range(0, 2**31 - 1)  # a count of tokens, as the kernels' int32 route holds it
+TOKENS = range(0, 2**31 - 1)  # a count of tokens, as an int32 sequence length holds it
 KNOWN = {
     "scan.ALONE_FROM": ("dohnuts.ops.delta_rule.scan", "ALONE_FROM", TOKENS),
-    "scan.STEP_PRODUCTS": ("dohnuts.ops.delta_rule.scan", "STEP_PRODUCTS", (1, 2)),
-    "scan.LONG_APART": ("dohnuts.ops.delta_rule.scan", "LONG_APART", TOKENS),
     "scan.FWD_VALUES": ("dohnuts.ops.delta_rule.scan", "FWD_VALUES", (16, 32, 64, 128)),
     "scan.FWD_WARPS": ("dohnuts.ops.delta_rule.scan", "FWD_WARPS", (1, 2, 4, 8)),
     "swiglu.BY_ROWS": ("dohnuts.ops.swiglu.fused", "BY_ROWS", (False, True)),

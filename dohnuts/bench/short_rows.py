@@ -131,16 +131,15 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     `together` sequences of each of `lengths` tokens, then each of `sets` (sequences of unequal
     lengths run together, "700,200,90": a request's long rows), by each of its paths (the parts solved
     apart, 1 or 4 a program, then walked with blocks of 16, 32 or 64 values, pipelined in 1 to 3
-    stages, with 2 or 4 warps; 64-token chunks solved whole and walked, `WALK_CHUNK`, at two
-    products a step or one, `STEP_PRODUCTS`; the one-kernel walk, alone and with the sequences
-    over 256, 512 or 1,024 tokens taken apart where it runs, `LONG_APART`, or with other blocks of
-    values and warps, `FWD_VALUES` and `FWD_WARPS`), whatever the count would choose
-    (`PARTS_BELOW`); `only` keeps the paths whose names contain one of its texts. Shape: the
-    Qwen3.5-0.8B delta-rule layer (16 key and 16 value heads of width 128), bf16. Prints
-    microseconds a layer and tokens a microsecond, marks the path the runtime takes (one sequence
-    of `ALONE_FROM` to `ALONE_TO` tokens: 64-token steps of `ALONE_VALUES` values, `one_long`, as
-    it runs eagerly or in a one-row bucket; a prefix in a routed bucket keeps the 16-token walk),
-    and gives each path's largest output difference from the first's.
+    stages, with 2 or 4 warps; 64-token chunks solved whole and walked, `WALK_CHUNK`; the
+    one-kernel walk, with the runtime's blocks of values and warps and with others, `FWD_VALUES`
+    and `FWD_WARPS`), whatever the count would choose (`PARTS_BELOW`); `only` keeps the paths
+    whose names contain one of its texts. Shape: the Qwen3.5-0.8B delta-rule layer (16 key and
+    16 value heads of width 128), bf16. Prints microseconds a layer and tokens a microsecond,
+    marks the path the runtime takes (one sequence of `ALONE_FROM` to `ALONE_TO` tokens: 64-token
+    steps of `ALONE_VALUES` values, `one_long`, as it runs eagerly or in a one-row bucket; a
+    prefix in a routed bucket keeps the 16-token walk), and gives each path's largest output
+    difference from the first's.
 
         python benchmarks/run.py delta_rule_prefixes --lengths 1024 2048 --together 1 2 4 8 --sets 700,200,90
 
@@ -164,7 +163,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
 
     # (name, {setting of `scan`: value}): the parts solved apart, then walked, and the one-kernel walk
     names = ("WALK_VALUES", "PARTS_BELOW", "PARTS_A_PROGRAM", "WALK_STAGES", "WALK_WARPS", "WALK_CHUNK", "SOLVE_WARPS",
-             "STEP_PRODUCTS", "LONG_APART", "FWD_VALUES", "FWD_WARPS")
+             "FWD_VALUES", "FWD_WARPS")
     defaults = {name: getattr(ops, name) for name in names}
     paths = [(f"parts {split} a program, walk values {values}, stages {stages}, warps {warps}",
               {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "PARTS_A_PROGRAM": split,
@@ -176,18 +175,11 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "WALK_CHUNK": 64, "SOLVE_WARPS": solve,
                 "WALK_WARPS": warps})
               for solve, values, warps in ((4, 32, 4), (2, 32, 4), (4, 16, 4), (4, 64, 8))]
-    paths += [(f"64-token chunks, one product a step, walk values {values}, warps {warps}",
-               {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "WALK_CHUNK": 64, "STEP_PRODUCTS": 1,
-                "WALK_WARPS": warps})
-              for values, warps in ((16, 4), (32, 4), (64, 8))]
     paths.append(("one kernel", {**defaults, "PARTS_BELOW": 0}))
     paths += [(f"one kernel, values {values}, warps {warps}",
                {**defaults, "PARTS_BELOW": 0, "FWD_VALUES": values, "FWD_WARPS": warps})
               for values, warps in ((32, 4), (32, 2), (64, 8), (128, 8), (16, 2))
               if (values, warps) != (defaults["FWD_VALUES"], defaults["FWD_WARPS"])]
-    # The one-kernel walk whatever the count, its sequences over `apart` tokens taken apart.
-    paths += [(f"one kernel, sequences over {apart} tokens apart",
-               {**defaults, "PARTS_BELOW": 0, "LONG_APART": apart}) for apart in (256, 512, 1024)]
     paths = [path for path in paths if not only or any(text in path[0] for text in only)]
     print(f"# {heads} heads of width {width}, bf16, from zero states, final states kept; CUDA graph replays; "
           f"the runtime takes the one-kernel walk from {ops.PARTS_BELOW} sequences (in a bucket, from "

@@ -488,16 +488,13 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width, pa
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("weak", [False, True], ids=["decay", "weak decay"])
-def test_one_long_sequence_walked_in_64_token_steps_matches_the_reference(weak, monkeypatch):
+def test_one_long_sequence_walked_in_64_token_steps_matches_the_reference(weak):
     """One long sequence walked as `kernels.delta_rule` walks it alone or in a one-row bucket
     (`scan.delta_rule_scan`'s `one_long`: 64-token steps, ALONE_VALUES values a program; bf16,
     the Qwen3.5-0.8B widths, 2,816 tokens then padding of 300 and an empty sequence): from zero
     and from forked states (the long one's among them), keeping the final states, against the
     float32 recurrence within the scan's own tolerance; also with decays of about -0.01 a token,
-    under which the state entering each step weighs on all of it. The walk at two products a step
-    and at one (`scan.STEP_PRODUCTS`): each within the tolerance, one product no further from
-    the recurrence than 1.5 times two products' error (plus 1e-4), and the setting taken (their
-    outputs differ)."""
+    under which the state entering each step weighs on all of it."""
     from dohnuts.ops.delta_rule import scan
 
     lengths = [2816, 300, 0]
@@ -507,55 +504,19 @@ def test_one_long_sequence_walked_in_64_token_steps_matches_the_reference(weak, 
         A_log = torch.full_like(A_log, -4.0)
     log_decay = decay(gate, A_log, dt_bias)
     forked = kernels.fork_states(states, parents, True)
-    reference = (*gated_delta_rule_reference(q, k, v, log_decay, beta, None, True, cu.long(), normalise=False),
-                 *gated_delta_rule_reference(q, k, v, log_decay, beta, forked, True, cu.long(), normalise=False))
-    errors, outputs = {}, {}
-    for products in (2, 1):
-        monkeypatch.setattr(scan, "STEP_PRODUCTS", products)
-        with torch.no_grad():
-            fresh, final = scan.delta_rule_scan(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log,
-                                                dt_bias, one_long=True)
-            continued, continued_final = scan.delta_rule_scan(q[0], k[0], v[0], gate[0], beta[0], states, parents,
-                                                              cu, True, A_log, dt_bias, one_long=True)
-        ours = (fresh[None], final, continued[None], continued_final)
-        errors[products] = [_relative_error(out, expected) for out, expected in zip(ours, reference)]
-        outputs[products] = fresh
-    assert max(errors[2] + errors[1]) < 1e-2, errors
-    assert all(one <= 1.5 * two + 1e-4 for one, two in zip(errors[1], errors[2])), errors
-    assert not torch.equal(outputs[1], outputs[2]), "STEP_PRODUCTS 1 gave two products' outputs: not taken"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("step", [16, 64])
-def test_long_sequences_taken_apart_from_the_one_kernel_walk_match_the_reference(step, monkeypatch):
-    """With `scan.LONG_APART`, a routed call of a batch's sequences (bf16, the Qwen3.5-0.8B
-    widths: rows of 1,366 and 700 tokens beside shorter ones and a bucket's padding) sends those
-    over 512 tokens to the parts then the walk (16- or 64-token steps) and the rest to the
-    one-kernel walk: outputs and final states from forked states against the float32 recurrence
-    within the scan's own tolerance, and against the whole call on the one-kernel walk within the
-    same; the short sequences' outputs are the whole call's bit for bit, the long ones' are not."""
-    from dohnuts.ops.delta_rule import scan
-
-    lengths = [1366, 90, 300, 700, 64, 130, 64, 37, 0]
-    q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, 16, 16, 128, 7)
-    reference, reference_final = gated_delta_rule_reference(
-        q, k, v, decay(gate, A_log, dt_bias), beta, kernels.fork_states(states, parents, True), True, cu.long(),
-        normalise=False)
-    arguments = (q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, True, A_log, dt_bias)
-    monkeypatch.setattr(scan, "WALK_CHUNK", step)
     with torch.no_grad():
-        monkeypatch.setattr(scan, "LONG_APART", None)
-        whole, whole_final = scan.delta_rule_scan(*arguments, routed=True)
-        monkeypatch.setattr(scan, "LONG_APART", 512)
-        apart, apart_final = scan.delta_rule_scan(*arguments, routed=True)
-    assert _relative_error(apart[None], reference) < 1e-2 and _relative_error(apart_final, reference_final) < 1e-2
-    assert _relative_error(apart, whole) < 1e-2 and _relative_error(apart_final, whole_final) < 1e-2
-    # Each sequence its path: the short ones the same one-kernel programs as the whole call's
-    # (bit for bit), the two over 512 tokens another path (their outputs differ).
-    bounds = cu.tolist()
-    for length, begin, end in zip(lengths, bounds, bounds[1:]):
-        same = torch.equal(apart[begin:end], whole[begin:end])
-        assert same == (length <= 512), f"a sequence of {length} tokens took the wrong path"
+        fresh, final = scan.delta_rule_scan(q[0], k[0], v[0], gate[0], beta[0], None, None, cu, True, A_log, dt_bias,
+                                            one_long=True)
+        continued, continued_final = scan.delta_rule_scan(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu,
+                                                          True, A_log, dt_bias, one_long=True)
+    reference, reference_final = gated_delta_rule_reference(q, k, v, log_decay, beta, None, True, cu.long(),
+                                                            normalise=False)
+    reference_continued, reference_continued_final = gated_delta_rule_reference(
+        q, k, v, log_decay, beta, forked, True, cu.long(), normalise=False)
+    assert _relative_error(fresh[None], reference) < 1e-2
+    assert _relative_error(final, reference_final) < 1e-2
+    assert _relative_error(continued[None], reference_continued) < 1e-2
+    assert _relative_error(continued_final, reference_continued_final) < 1e-2
 
 
 @pytest.mark.gpu
@@ -627,9 +588,7 @@ def test_triton_kernels_match_references_under_triton_interpreter():
     column blocks of a packed projection's output in place) against their references, outputs and
     every gradient, on packed sequences of 1 to 130 tokens with and without carried and final
     states; delta_rule_rows against the recurrence on forked states (also on badly conditioned
-    blocks, against float64); the scan (also as one long sequence, `one_long`, at two products a
-    step and at one, and with long sequences taken apart from the one-kernel walk) against the
-    recurrence;
+    blocks, against float64); the scan (also as one long sequence, `one_long`) against the recurrence;
     and the decoder with them (its CUDA path) against its CPU path, with prefixes forked to rows,
     short rows taking delta_rule_rows only without gradients."""
     pytest.importorskip("triton")

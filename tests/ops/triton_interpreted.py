@@ -272,19 +272,16 @@ def check_delta_rule_scan():
     within one part's tokens), from zero states keeping the final states (prefixes) and from
     forked states (long rows, some without a parent), grouped heads and value blocks of 16 with
     a partial last one; each path chosen on the host and routed on the device."""
-    default = delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK, delta_scan.STEP_PRODUCTS
+    default = delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK
     generator = torch.Generator().manual_seed(9)
     heads, key_dim, value_heads = 2, 8, 4
     try:
         # Each path whatever the count: the parts solved apart and walked (with value blocks of
-        # 16 and the default), at 16- and 64-token steps (these with two products a step or one),
-        # and the one-kernel walk.
-        for value_dim, values, parts_below, step, products in (
-                (6, default[0], 2**31, 16, 2), (40, 16, 2**31, 16, 2), (6, default[0], 2**31, 64, 2),
-                (40, 16, 2**31, 64, 2), (40, 16, 2**31, 64, 1), (40, 16, 0, 16, 2),
-                (6, 64, 0, 16, 2)):
-            (delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK,
-             delta_scan.STEP_PRODUCTS) = values, parts_below, step, products
+        # 16 and the default), at 16- and 64-token steps, and the one-kernel walk.
+        for value_dim, values, parts_below, step in ((6, default[0], 2**31, 16), (40, 16, 2**31, 16),
+                                                     (6, default[0], 2**31, 64), (40, 16, 2**31, 64),
+                                                     (40, 16, 0, 16), (6, 64, 0, 16)):
+            delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK = values, parts_below, step
             for lengths in ([1, 15, 16, 17, 33, 64, 65, 130], [5], [97, 2], [3, 0, 2, 1, 0, 4, 40, 0]):
                 total = sum(lengths)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
@@ -296,7 +293,7 @@ def check_delta_rule_scan():
                 A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
                 log_decay = decay(gate, A_log, dt_bias)
                 case = (f"delta_rule_scan lengths={lengths} V={value_dim} block={values} parts below {parts_below} "
-                        f"steps of {step}, {products} products a step")
+                        f"steps of {step}")
                 ours, final = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias)
                 reference, reference_final = gated_delta_rule_reference(
                     q[None], k[None], v[None], log_decay[None], beta[None], None, True, cu.long(), normalise=False)
@@ -346,13 +343,13 @@ def check_delta_rule_scan():
                 close(f"{case} from beta's input", from_raw, expected)
                 close(f"{case} final states from beta's input", raw_final, expected_final)
     finally:
-        delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK, delta_scan.STEP_PRODUCTS = default
-    for step, products, last in ((16, 2, "_delta_scan_walk"), (64, 2, "_chunk_output"), (64, 1, "_chunk_output")):
-        delta_scan.WALK_CHUNK, delta_scan.STEP_PRODUCTS = step, products
+        delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK = default
+    for step, last in ((16, "_delta_scan_walk"), (64, "_chunk_output")):
+        delta_scan.WALK_CHUNK = step
         try:
             check_routes_on_the_device(last)
         finally:
-            delta_scan.WALK_CHUNK, delta_scan.STEP_PRODUCTS = default[2], default[3]
+            delta_scan.WALK_CHUNK = default[2]
 
 
 class _Idle:
@@ -376,15 +373,6 @@ def _swapped(name: str | None, launcher):
         setattr(delta_scan, name, kernel)
 
 
-class _Refused:
-    """A Triton kernel launcher that must not be launched."""
-
-    def __getitem__(self, grid):
-        def refused(*args, **options):
-            raise AssertionError("a kernel that must not run was launched")
-        return refused
-
-
 def check_one_long_sequence():
     """delta_rule_scan's `one_long` path (64-token steps, ALONE_VALUES values a program: one long
     sequence alone or with shorter padding after it, as a one-row bucket holds) against the
@@ -392,26 +380,12 @@ def check_one_long_sequence():
     (the long one without a parent where padding follows), on the sequences' own chunk plan and on a bucket's padded
     one, grouped heads, values narrower and wider than a program's block; with decays of about
     -0.8 a token, and of about -0.01, under which each step's entering state weighs on every
-    token after it; the walk at two products a step and at one (`STEP_PRODUCTS`)."""
-    default = delta_scan.STEP_PRODUCTS
-    try:
-        for products in (2, 1):
-            delta_scan.STEP_PRODUCTS = products
-            _one_long_sequences(f"{products} products a step")
-        # One product a step: its chunks' programs cover K's columns too, past V's (K 40 over V 6)
-        # or short of them (K 8 under V 80).
-        _one_long_sequences("1 product a step", widths=((40, 6), (8, 80)))
-    finally:
-        delta_scan.STEP_PRODUCTS = default
-
-
-def _one_long_sequences(walk: str, widths=((8, 6), (8, 20))):
-    """`check_one_long_sequence`'s cases at each (key width, value width) of `widths`."""
+    token after it."""
     generator = torch.Generator().manual_seed(11)
-    heads, value_heads = 2, 4
-    cases = [(key_dim, value_dim, weak, lengths) for key_dim, value_dim in widths for weak in (False, True)
+    heads, key_dim, value_heads = 2, 8, 4
+    cases = [(value_dim, weak, lengths) for value_dim in (6, 20) for weak in (False, True)
              for lengths in ([300, 37, 0], [200])]
-    for key_dim, value_dim, weak, lengths in cases:
+    for value_dim, weak, lengths in cases:
         total = sum(lengths)
         cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
         q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
@@ -429,7 +403,7 @@ def _one_long_sequences(walk: str, widths=((8, 6), (8, 20))):
         forked, forked_final = gated_delta_rule_reference(
             q[None], k[None], v[None], log_decay[None], beta[None], kernels.fork_states(states, parents, True),
             True, cu.long(), normalise=False)
-        case = f"delta_rule_scan one_long lengths={lengths} K={key_dim} V={value_dim} weak decay {weak}, {walk}"
+        case = f"delta_rule_scan one_long lengths={lengths} V={value_dim} weak decay {weak}"
         ours, final = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias,
                                                  one_long=True)
         close(f"{case} from zero", ours, reference[0])
@@ -446,22 +420,6 @@ def _one_long_sequences(walk: str, widths=((8, 6), (8, 20))):
         close(f"{case} forked on a padded plan", ours, forked[0])
 
 
-def _routed_inputs(lengths, generator):
-    """(total, cu, q, k, v, gate, beta, A_log, dt_bias, states, parents) of packed sequences of
-    `lengths` at the routing checks' widths: one key head of 8, two value heads of 16, two prefix
-    states and each sequence's parent among them (-1, 0, 1, -1, ...)."""
-    heads, key_dim, value_heads, value_dim = 1, 8, 2, 16
-    total = sum(lengths)
-    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-    q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
-    v = torch.randn(total, value_heads, value_dim, generator=generator)
-    gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
-    A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
-    states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
-    parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])
-    return total, cu, q, k, v, gate, beta, A_log, dt_bias, states, parents
-
-
 def check_routes_on_the_device(last: str):
     """Routed, the path the device picks does all the work and the other none: with one path's
     last kernel idle, the output (and the final states) are the reference where the other path
@@ -469,10 +427,17 @@ def check_routes_on_the_device(last: str):
     the one-kernel walk), and the output untouched where the idle one was; from zero states
     without final states (a bucket's rows) and from forked states keeping them."""
     generator = torch.Generator().manual_seed(11)
+    heads, key_dim, value_heads, value_dim = 1, 8, 2, 16
     assert delta_scan.PARTS_BELOW == 4
     for lengths, parts in (([130, 2, 64, 0], True), ([65, 70, 66, 100, 65], False)):
-        total, cu, q, k, v, gate, beta, A_log, dt_bias, states, parents = _routed_inputs(lengths, generator)
-        value_heads, value_dim = v.shape[1:]
+        total = sum(lengths)
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
+        v = torch.randn(total, value_heads, value_dim, generator=generator)
+        gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
+        A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
+        states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
+        parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
         for forked in (False, True):
             initial = kernels.fork_states(states, parents, True) if forked else None
             reference, reference_final = gated_delta_rule_reference(
@@ -491,61 +456,6 @@ def check_routes_on_the_device(last: str):
                         close(f"{case}: final states", final, reference_final)
                 else:
                     assert out.eq(5.0).all(), case
-
-
-def check_long_sequences_apart():
-    """With LONG_APART, a call routed to the one-kernel walk sends its sequences over that many
-    tokens to the parts then the walk, each sequence its own path (both launched): the same
-    outputs and final states as the recurrence from zero and from forked states, at 16- and
-    64-token steps; with either path idled, the tokens of its sequences are left untouched and
-    the others' are right (routed with fewer than PARTS_BELOW sequences over 64 tokens, the parts
-    path takes them all). An unrouted call given its chunk plan, which the count sends to the
-    one-kernel walk, has its long sequences taken apart whatever their count; one without a plan
-    (training's) is not routed."""
-    generator = torch.Generator().manual_seed(13)
-    default = delta_scan.LONG_APART, delta_scan.WALK_CHUNK
-    assert delta_scan.PARTS_BELOW == 4
-    try:
-        delta_scan.LONG_APART = 100
-        for lengths, split in (([130, 2, 64, 0, 300, 70, 65], True), ([130, 2, 64, 0, 70], False)):
-            total, cu, q, k, v, gate, beta, A_log, dt_bias, states, parents = _routed_inputs(lengths, generator)
-            value_heads, value_dim = v.shape[1:]
-            for forked, step, routed in ((False, 16, True), (True, 16, True), (True, 64, True), (True, 16, False)):
-                # Each sequence's path: the parts then the walk if over 100 tokens where at least
-                # PARTS_BELOW sequences are over 64 (routed) or whatever their count (an unrouted
-                # call the count sends to the one-kernel walk), else all of them; or the one-kernel walk.
-                taken = [length > 100 or (routed and not split) for length in lengths]
-                apart = torch.cat([torch.full((length,), path) for length, path in zip(lengths, taken)])
-                delta_scan.WALK_CHUNK = step
-                initial = kernels.fork_states(states, parents, True) if forked else None
-                reference, reference_final = gated_delta_rule_reference(
-                    q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None], beta[None], initial, True,
-                    cu.long(), normalise=False)
-                idled = (None, "_delta_scan_fwd", "_delta_scan_walk" if step == 16 else "_chunk_output")
-                for idle in idled:
-                    out = torch.full((total, value_heads, value_dim), 5.0)
-                    with _swapped(idle, _Idle()):
-                        _, final = delta_scan.delta_rule_scan(
-                            q, k, v, gate, beta, states if forked else None, parents if forked else None, cu, True,
-                            A_log, dt_bias, out=out, routed=routed, chunks=chunk_plan(lengths))
-                    case = f"long apart lengths={lengths} forked={forked} steps {step} routed {routed}, {idle} idle"
-                    if idle is None:
-                        close(case, out, reference[0])
-                        close(f"{case}: final states", final, reference_final)
-                        continue
-                    idle_tokens = ~apart if idle == "_delta_scan_fwd" else apart
-                    assert out[idle_tokens].eq(5.0).all(), f"{case}: the idle path's sequences were written"
-                    close(case, out[~idle_tokens], reference[0][~idle_tokens])
-                    active = torch.tensor(taken) != (idle != "_delta_scan_fwd")  # the other path's sequences
-                    close(f"{case}: final states", final[active], reference_final[active])
-        # Without a chunk plan (training's calls) nothing is routed: no plan is read back.
-        with _swapped("_scan_route", _Refused()):
-            ours, _ = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, False, A_log, dt_bias)
-        plain, _ = gated_delta_rule_reference(q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None],
-                                              beta[None], None, False, cu.long(), normalise=False)
-        close(f"long apart lengths={lengths} without a chunk plan", ours, plain[0])
-    finally:
-        delta_scan.LONG_APART, delta_scan.WALK_CHUNK = default
 
 
 def check_delta_rule_grad():
@@ -787,7 +697,6 @@ if __name__ == "__main__":
     check_delta_rule_rows()
     check_delta_rule_scan()
     check_one_long_sequence()
-    check_long_sequences_apart()
     check_delta_rule_grad()
     check_norms_and_swiglu()
     check_norm_rotate()

@@ -109,30 +109,6 @@ PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of part
 # 54.5 (32 values) and 55.8 (8 warps).
 FWD_VALUES = VALUES
 FWD_WARPS = ROW_WARPS
-# In a call routed to the one-kernel walk (PARTS_BELOW sequences or more over 64 tokens), the
-# sequences over LONG_APART tokens take the parts then the walk instead, each sequence its path
-# (`_turn`): the one-kernel walk is as long as its longest sequence, whose 16-token parts it
-# solves in the walk, a dozen products in series a part (8 requests of the serving mix on the
-# H200: 311 us a layer, the time of their longest row, 1,366 tokens; one sequence of 1,408 tokens
-# takes 122 us by parts then walk). None: one path for the whole call. Set, an unrouted inference
-# call of PARTS_BELOW sequences or more (which the count sends to the one-kernel walk) has its long
-# sequences taken apart too; training's calls are left as they are. Not timed yet: None until the
-# H200 says (`delta_rule_prefixes --sets`, `invocation_profile --settings`).
-LONG_APART: int | None = None
-# Products in series a 64-token step of the walk (`_chunk_walk`): 2, U = U0 - W S then S' from U;
-# or 1, through the chunk's transition made in parallel beforehand (`_chunk_wu`): S' = exp(G_last)
-# S - N S + B with N = k^T D W [K, K] and B = k^T D U0 [K, V], D = diag(exp(G_last - G_t)), the
-# pseudo-values U then made with the outputs (`_chunk_output`). One product a step halves the chain
-# between one state and the next, which is the walk's latency for a long sequence alone. N and B
-# are float32 (k^T D U0 a float32 product, k^T D W and N S tf32 ones): where the state already
-# predicts the values, U0 and W S nearly cancel, and bf16 operands before that cancellation would
-# weigh on the state where the two-product step rounds only after it. They add about 32 kB a token
-# to the path's buffers (Qwen3.5-0.8B widths); the walk then pipelines its loads in at most
-# TRANSITION_STAGES stages, each holding a 64 kB N in shared memory (the H200 has 227 kB a
-# program). Not timed yet: 2 stays the default until the H200 says
-# (`bench.short_rows.delta_rule_prefixes`).
-STEP_PRODUCTS = 2
-TRANSITION_STAGES = 2
 
 
 def walks_alone(sequences: int, longest: int, routed: bool) -> bool:
@@ -146,13 +122,12 @@ def walks_alone(sequences: int, longest: int, routed: bool) -> bool:
 
 @triton.jit
 def _turn(route, PARTS: tl.constexpr, bos, eos):
-    """(eos, go) for a routed kernel of the parts path (PARTS) or the one-kernel walk: its
-    sequence's end, the start when the other path takes the sequence (so no part is walked or
-    stored), and go, 1 when this path takes it, else 0 (masks its final states). `_scan_route`
-    wrote `route` [1]: the parts path takes the sequences longer than it (-1: all)."""
-    go = (eos - bos > tl.load(route)).to(tl.int32)
-    if not PARTS:
-        go = 1 - go
+    """(eos, go) for a routed kernel (`_scan_route` wrote `route` [1]) of the parts path (PARTS)
+    or the one-kernel walk: its sequence's end, the start when the other path was chosen (so no
+    part is walked or stored), and go, 1 when this path was chosen, else 0 (masks its final
+    states)."""
+    taken = tl.load(route)
+    go = taken if PARTS else 1 - taken
     return tl.where(go != 0, eos, bos), go
 
 
@@ -337,14 +312,11 @@ def _store_inverse_rows(X, Gc, start, eos, part: tl.constexpr, i_h, o_c, HV: tl.
 
 
 @triton.jit
-def _chunk_wu(k, v, b, X, Gc, cu_seqlens, chunks, W, U, N, B, sb, route, H: tl.constexpr, K: tl.constexpr,
+def _chunk_wu(k, v, b, X, Gc, cu_seqlens, chunks, W, U, sb, route, H: tl.constexpr, K: tl.constexpr,
               HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SIGMOID: tl.constexpr,
-              ROUTED: tl.constexpr, TRANSITION: tl.constexpr):
+              ROUTED: tl.constexpr):
     """The chunk's W = X beta exp(G) k [T, HV, K] (k's dtype) and U0 = X beta v [T, HV, V]
-    float32 (value block program 2), from `_chunk_inverse`'s X and Gc; with TRANSITION, also its
-    transition (STEP_PRODUCTS 1) at its plan entry: N = k^T D W [entries, HV, K, K] and B = k^T D
-    U0 [entries, HV, K, V], both float32, D = diag(exp(G_last - G_t)); then program 2 makes the
-    block of W's and N's columns (keys) of its block's offsets, as of U0's and B's (values)."""
+    float32 (value block program 2), from `_chunk_inverse`'s X and Gc."""
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // H)
     start, eos = _plan_entry(chunks, cu_seqlens, route, i_c, ROUTED)
@@ -354,26 +326,10 @@ def _chunk_wu(k, v, b, X, Gc, cu_seqlens, chunks, W, U, N, B, sb, route, H: tl.c
         g = tl.load(Gc + o_t * HV + i_h, mask=m_t, other=0.0)
         beta = _beta(b, o_t, m_t, i_h, sb, SIGMOID)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
         v_i = tl.load(v + row * V + o_v[None, :], mask=m_tv, other=0.0)
-        u0 = tl.dot(x, beta[:, None] * v_i.to(tl.float32))
-        tl.store(U + row * V + o_v[None, :], u0, mask=m_tv)
-        if TRANSITION:
-            keys = tl.trans(tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
-                            .to(tl.float32))  # k^T [BK, 64], 0 past the end
-            # What each token's outer product weighs at the chunk's end.
-            to_end = tl.exp(tl.load(Gc + (tl.minimum(start + 64, eos) - 1) * HV + i_h) - g)
-            at = (i_c * HV + i_h) * K + o_k[:, None]
-            m_k = (o_k < K)[:, None]
-            # B off the walk's chain: in float32 throughout, as the walk's S is.
-            tl.store(B + at * V + o_v[None, :], _ieee(keys, u0 * to_end[:, None]), mask=m_k & (o_v < V)[None, :])
-            m_tc = m_t[:, None] & (o_v < K)[None, :]  # this program's key columns of W and N
-            k_c = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_v[None, :], mask=m_tc, other=0.0)
-            w = tl.dot(x, (beta * tl.exp(g))[:, None] * k_c.to(tl.float32)).to(W.dtype.element_ty)
-            tl.store(W + row * K + o_v[None, :], w, mask=m_tc)
-            tl.store(N + at * K + o_v[None, :], tl.dot(keys, w.to(tl.float32) * to_end[:, None]),
-                     mask=m_k & (o_v < K)[None, :])
-        elif i_v == 0:
+        tl.store(U + row * V + o_v[None, :], tl.dot(x, beta[:, None] * v_i.to(tl.float32)), mask=m_tv)
+        if i_v == 0:
+            m_tk = m_t[:, None] & (o_k < K)[None, :]
             k_i = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
             w = tl.dot(x, (beta * tl.exp(g))[:, None] * k_i.to(tl.float32))
             tl.store(W + row * K + o_k[None, :], w.to(W.dtype.element_ty), mask=m_tk)
@@ -392,15 +348,13 @@ def _first_chunk(cu_seqlens, n, BN: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=REQUEST_STATES)
-def _chunk_walk(k, W, U, Gc, Hs, N, B, states, parents, final, cu_seqlens, G, route, H: tl.constexpr,
-                K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                INITIAL: tl.constexpr, FINAL: tl.constexpr, ROUTED: tl.constexpr, STAGES: tl.constexpr,
-                TRANSITION: tl.constexpr):
+def _chunk_walk(k, W, U, Gc, Hs, states, parents, final, cu_seqlens, G, route, H: tl.constexpr, K: tl.constexpr,
+                HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, INITIAL: tl.constexpr,
+                FINAL: tl.constexpr, ROUTED: tl.constexpr, STAGES: tl.constexpr):
     """The walk at 64-token steps: for each chunk of the sequence, the state entering it to Hs
     [chunks, HV, K, V] (q's dtype, at its plan entry) and its pseudo-values U = U0 - W S in place
     of U0; the final state to `final`. One product a step stands between one state and the next
-    (U from S), and one more (S from U): the outputs are `_chunk_output`'s, in parallel. With
-    TRANSITION (STEP_PRODUCTS 1), one: S' = exp(G_last) S - N S + B (`_chunk_wu`), U left as U0."""
+    (U from S), and one more (S from U): the outputs are `_chunk_output`'s, in parallel."""
     n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     if ROUTED:
@@ -412,41 +366,32 @@ def _chunk_walk(k, W, U, Gc, Hs, N, B, states, parents, final, cu_seqlens, G, ro
     if INITIAL:
         h = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK)
     for chunk in tl.range(0, tl.cdiv(eos - bos, 64), num_stages=STAGES):
-        at = ((entry + chunk) * HV + i_h) * K + o_k[:, None]  # the chunk's entering state in Hs (and N, B)
+        o_t = bos + chunk * 64 + o_c
+        m_t = o_t < eos
+        row = o_t[:, None] * HV + i_h
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        k_i = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
+        w_i = tl.load(W + row * K + o_k[None, :], mask=m_tk, other=0.0)
+        u0 = tl.load(U + row * V + o_v[None, :], mask=m_tv, other=0.0)
+        g_i = tl.load(Gc + o_t * HV + i_h, mask=m_t, other=0.0)
         last = tl.load(Gc + (tl.minimum(bos + chunk * 64 + 64, eos) - 1) * HV + i_h)  # the chunk's whole decay
-        if TRANSITION:
-            n_c = tl.load(N + at * K + o_k[None, :], mask=(o_k < K)[:, None] & (o_k < K)[None, :], other=0.0)
-            b_c = tl.load(B + at * V + o_v[None, :], mask=m_kv, other=0.0)
-            tl.store(Hs + at * V + o_v[None, :], h.to(Hs.dtype.element_ty), mask=m_kv)
-            h = h * tl.exp(last) - tl.dot(n_c, h) + b_c  # float32: N S rounds its operands to tf32
-        else:
-            o_t = bos + chunk * 64 + o_c
-            m_t = o_t < eos
-            row = o_t[:, None] * HV + i_h
-            m_tk = m_t[:, None] & (o_k < K)[None, :]
-            m_tv = m_t[:, None] & (o_v < V)[None, :]
-            k_i = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
-            w_i = tl.load(W + row * K + o_k[None, :], mask=m_tk, other=0.0)
-            u0 = tl.load(U + row * V + o_v[None, :], mask=m_tv, other=0.0)
-            g_i = tl.load(Gc + o_t * HV + i_h, mask=m_t, other=0.0)
-            h_in = h.to(k_i.dtype)
-            tl.store(Hs + at * V + o_v[None, :], h_in, mask=m_kv)
-            u_i = u0 - tl.dot(w_i, h_in)  # 0 past the end
-            tl.store(U + row * V + o_v[None, :], u_i, mask=m_tv)
-            # S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T
-            h = h * tl.exp(last) + tl.dot(tl.trans(k_i), (u_i * tl.exp(last - g_i)[:, None]).to(k_i.dtype))
+        h_in = h.to(k_i.dtype)
+        tl.store(Hs + (((entry + chunk) * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h_in, mask=m_kv)
+        u_i = u0 - tl.dot(w_i, h_in)  # 0 past the end
+        tl.store(U + row * V + o_v[None, :], u_i, mask=m_tv)
+        # S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T
+        h = h * tl.exp(last) + tl.dot(tl.trans(k_i), (u_i * tl.exp(last - g_i)[:, None]).to(k_i.dtype))
     if FINAL:
         tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
 
 
 @triton.jit
-def _chunk_output(q, k, U, W, Gc, Hs, o, cu_seqlens, chunks, scale, route, H: tl.constexpr, K: tl.constexpr,
-                  HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ROUTED: tl.constexpr,
-                  TRANSITION: tl.constexpr):
+def _chunk_output(q, k, U, Gc, Hs, o, cu_seqlens, chunks, scale, route, H: tl.constexpr, K: tl.constexpr,
+                  HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, ROUTED: tl.constexpr):
     """The outputs of the 64-token chunk of plan entry program 0, value head program 1 and value
     block program 2: o = scale (P U + exp(G) q S) for the state S entering it (`_chunk_walk`)
-    and P = exp(G_i - G_j) q_i . k_j (i >= j). With TRANSITION the walk left U0 in U: U = U0 - W S
-    here."""
+    and P = exp(G_i - G_j) q_i . k_j (i >= j)."""
     i_c, i_h, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_hk = i_h // (HV // H)
     start, eos = _plan_entry(chunks, cu_seqlens, route, i_c, ROUTED)
@@ -460,8 +405,6 @@ def _chunk_output(q, k, U, W, Gc, Hs, o, cu_seqlens, chunks, scale, route, H: tl
         g_i = tl.load(Gc + o_t * HV + i_h, mask=m_t, other=0.0)
         h_in = tl.load(Hs + ((i_c * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :],
                        mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0)
-        if TRANSITION:
-            u_i = u_i - tl.dot(tl.load(W + row * K + o_k[None, :], mask=m_tk, other=0.0), h_in)
         p_i = _decayed(tl.dot(q_i, tl.trans(k_i)), g_i, g_i, True, False, 64)
         o_i = tl.dot(p_i, u_i) + tl.exp(g_i)[:, None] * tl.dot(q_i, h_in)
         tl.store(o + row * V + o_v[None, :], (o_i * scale).to(o.dtype.element_ty), mask=m_tv)
@@ -498,18 +441,16 @@ def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu
 
 
 @triton.jit(do_not_specialize=["N"])
-def _scan_route(cu_seqlens, route, N, LONG: tl.constexpr, FEW: tl.constexpr, APART: tl.constexpr,
-                BN: tl.constexpr):
-    """route [1] int32, the length over which a sequence takes the parts then the walk (`_turn`):
-    -1 (all of them) when fewer than FEW of the N sequences are longer than LONG tokens, else
-    APART (LONG_APART; the longest int32: none, all take the one-kernel walk); one program."""
+def _scan_route(cu_seqlens, route, N, LONG: tl.constexpr, FEW: tl.constexpr, BN: tl.constexpr):
+    """route [1] int32: 1 (solve the parts apart, then walk) when fewer than FEW of the N
+    sequences are longer than LONG tokens, else 0 (the one-kernel walk); one program."""
     count = tl.zeros([BN], dtype=tl.int32)
     for first in range(0, N, BN):
         o_n = first + tl.arange(0, BN)
         m_n = o_n < N
         length = tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0) - tl.load(cu_seqlens + o_n, mask=m_n, other=0)
         count += (length > LONG).to(tl.int32)
-    tl.store(route, tl.where(tl.sum(count, 0) < FEW, -1, APART).to(tl.int32))
+    tl.store(route, (tl.sum(count, 0) < FEW).to(tl.int32))
 
 
 def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -535,10 +476,9 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         chunks: the sequences' 64-token chunk plan on q's device (`plan.chunk_plan`, or a
             bucket's `plan.padded_plan`), or None to make it here (reading cu_seqlens back).
         routed: choose the path on the device (`_scan_route`: the parts then the walk for fewer
-            than PARTS_BELOW sequences over 64 tokens, else the one-kernel walk, but for the
-            sequences over LONG_APART tokens when it is set), launching both with the other
-            skipping its work: for a bucket's graph, whose count of sequences is the padding's,
-            not the request's. Otherwise the count of sequences chooses.
+            than PARTS_BELOW sequences over 64 tokens, else the one-kernel walk), launching both
+            with the other skipping its work: for a bucket's graph, whose count of sequences
+            is the padding's, not the request's. Otherwise the count of sequences chooses.
         one_long: the first sequence is the longest and the others (fewer than PARTS_BELOW)
             are shorter padding, as in a one-row bucket, or there is one sequence: the parts
             then the walk, in 64-token steps of ALONE_VALUES values a program (`walks_alone`
@@ -565,17 +505,11 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     initial = states.contiguous() if states is not None else o
     block_k = max(16, triton.next_power_of_2(key_dim))
     route = cu_seqlens  # any pointer: unread unless routed
-    # Fewer sequences: no count could pick the one-kernel walk. With LONG_APART, an inference call
-    # (its chunk plan given: nothing read back) the count sends there has its long sequences taken
-    # apart, on the device whatever their count (`_scan_route` with FEW 0).
-    apart = (not routed and LONG_APART is not None and chunks is not None
-             and sequences >= PARTS_BELOW)
-    routed = (routed and sequences >= PARTS_BELOW) or apart
+    routed = routed and sequences >= PARTS_BELOW  # else no count could pick the one-kernel walk
     if routed:
         route = torch.empty(1, dtype=torch.int32, device=q.device)
         with _on(q.device):
-            _scan_route[(1,)](cu_seqlens, route, sequences, CHUNK, 0 if apart else PARTS_BELOW,
-                              2**31 - 1 if LONG_APART is None else LONG_APART, 256)
+            _scan_route[(1,)](cu_seqlens, route, sequences, CHUNK, PARTS_BELOW, 256)
     G = 0 if states is None else states.shape[0]
     scale = key_dim**-0.5 if scale is None else scale
     parents = parents if parents is not None else cu_seqlens
@@ -620,9 +554,7 @@ def _chunk_path(q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu
                 gate_stride, beta_stride, route, routed, block_k, block_v, beta_logits, forked, output_final_state):
     """`delta_rule_scan`'s parts-then-walk path at 64-token steps (WALK_CHUNK): each chunk
     solved apart (`_chunk_inverse`, then `_chunk_wu`), the walk from chunk to chunk keeping each
-    one's entering state (`_chunk_walk`), then every chunk's outputs at once (`_chunk_output`);
-    with STEP_PRODUCTS 1, each chunk's transition made with W and U0, and the walk one product a
-    step."""
+    one's entering state (`_chunk_walk`), then every chunk's outputs at once (`_chunk_output`)."""
     total, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[1:]
     sequences, entries = cu_seqlens.shape[0] - 1, chunks.shape[0]
@@ -631,29 +563,20 @@ def _chunk_path(q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu
     inverse = q.new_empty(total, value_heads, CHUNK, dtype=torch.float32)
     decays = q.new_empty(total, value_heads, dtype=torch.float32)
     entering = q.new_empty(max(entries, 1), value_heads, key_dim, value_dim)
-    transition = STEP_PRODUCTS == 1
     out_v = max(16, min(VALUES, triton.next_power_of_2(value_dim)))
-    blocks = triton.cdiv(value_dim, out_v)
-    if transition:  # N and B of each chunk (`_chunk_wu`), whose programs then cover K's columns too
-        n, b = (q.new_empty(max(entries, 1), value_heads, key_dim, width, dtype=torch.float32)
-                for width in (key_dim, value_dim))
-        blocks = triton.cdiv(max(key_dim, value_dim), out_v)
-    else:
-        n = b = u  # any pointer: unread
     with _on(q.device):
         if entries:
             _chunk_inverse[(entries, value_heads)](
                 k, g, beta, A_log, dt_bias, cu_seqlens, chunks, inverse, decays, gate_stride, beta_stride, route, heads,
                 key_dim, value_heads, block_k, beta_logits, routed, num_warps=SOLVE_WARPS)
-            _chunk_wu[(entries, value_heads, blocks)](
-                k, v, beta, inverse, decays, cu_seqlens, chunks, w, u, n, b, beta_stride, route, heads, key_dim,
-                value_heads, value_dim, block_k, out_v, beta_logits, routed, transition, num_warps=ROW_WARPS)
+            _chunk_wu[(entries, value_heads, triton.cdiv(value_dim, out_v))](
+                k, v, beta, inverse, decays, cu_seqlens, chunks, w, u, beta_stride, route, heads, key_dim, value_heads,
+                value_dim, block_k, out_v, beta_logits, routed, num_warps=ROW_WARPS)
         _chunk_walk[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
-            k, w, u, decays, entering, n, b, initial, parents, final, cu_seqlens, G, route, heads, key_dim,
-            value_heads, value_dim, block_k, block_v, forked, output_final_state, routed,
-            TRANSITION_STAGES if transition else WALK_STAGES, transition, num_warps=WALK_WARPS)
+            k, w, u, decays, entering, initial, parents, final, cu_seqlens, G, route, heads, key_dim, value_heads,
+            value_dim, block_k, block_v, forked, output_final_state, routed, WALK_STAGES, num_warps=WALK_WARPS)
         if entries:
             _chunk_output[(entries, value_heads, triton.cdiv(value_dim, out_v))](
-                q, k, u, w, decays, entering, o, cu_seqlens, chunks, scale, route, heads, key_dim, value_heads,
-                value_dim, block_k, out_v, routed, transition, num_warps=ROW_WARPS)
+                q, k, u, decays, entering, o, cu_seqlens, chunks, scale, route, heads, key_dim, value_heads, value_dim,
+                block_k, out_v, routed, num_warps=ROW_WARPS)
     return o, final if output_final_state else None
