@@ -17,5 +17,10 @@ run() { local seconds=$1 name=$2; shift 2; stamp "$name"
 # for at most SECONDS, their summary in $OUT/tests.txt.
 gpu_tests() { local seconds=$1 filter=$2; shift 2; stamp "tests"
   timeout "$seconds" python3 -m pytest -q -p no:cacheprovider "$@" -k "$filter" 2>&1 | tail -5 | tee "$OUT/tests.txt"; }
+# Rows like those of two groups of eight requests of the serving mix as `invocation_profile` met
+# them (101 rows of 10,447 tokens, the longest 1,366; 120 of 8,531, the longest 272), the short
+# ones made uniform, for `delta_rule_prefixes --sets`: 100 rows of 10,417 tokens and 120 of 8,483.
+serving_rows_a=1366,700,300,$(printf '83,%.0s' $(seq 96))83
+serving_rows_b=272,$(printf '69,%.0s' $(seq 118))69
 # The device tool brings back a few files only: pack $OUT into one archive before the command ends.
 pack_out() { (cd "$OUT" && tar czf /tmp/out.tgz . && rm -rf ./* && mv /tmp/out.tgz .); }

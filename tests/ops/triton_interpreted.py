@@ -272,16 +272,18 @@ def check_delta_rule_scan():
     within one part's tokens), from zero states keeping the final states (prefixes) and from
     forked states (long rows, some without a parent), grouped heads and value blocks of 16 with
     a partial last one; each path chosen on the host and routed on the device."""
-    default = delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK
+    default = delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK, delta_scan.FWD_VALUES
     generator = torch.Generator().manual_seed(9)
     heads, key_dim, value_heads = 2, 8, 4
     try:
         # Each path whatever the count: the parts solved apart and walked (with value blocks of
-        # 16 and the default), at 16- and 64-token steps, and the one-kernel walk.
+        # 16 and the default), at 16- and 64-token steps, and the one-kernel walk (its blocks,
+        # `FWD_VALUES`, the same: 16 and 64 where it runs).
         for value_dim, values, parts_below, step in ((6, default[0], 2**31, 16), (40, 16, 2**31, 16),
                                                      (6, default[0], 2**31, 64), (40, 16, 2**31, 64),
                                                      (40, 16, 0, 16), (6, 64, 0, 16)):
             delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK = values, parts_below, step
+            delta_scan.FWD_VALUES = values
             for lengths in ([1, 15, 16, 17, 33, 64, 65, 130], [5], [97, 2], [3, 0, 2, 1, 0, 4, 40, 0]):
                 total = sum(lengths)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
@@ -343,7 +345,7 @@ def check_delta_rule_scan():
                 close(f"{case} from beta's input", from_raw, expected)
                 close(f"{case} final states from beta's input", raw_final, expected_final)
     finally:
-        delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK = default
+        delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK, delta_scan.FWD_VALUES = default
     for step, last in ((16, "_delta_scan_walk"), (64, "_chunk_output")):
         delta_scan.WALK_CHUNK = step
         try:

@@ -106,9 +106,10 @@ PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of part
 # 4 warps beat 32 and 4, 32 and 2, 64 and 8, 128 and 8, 16 and 2 on 8 x 1,024 tokens (310 us a
 # layer; the next 334) and on the rows of two groups of eight serving-mix requests (684 and 499 us;
 # the next 787 and 521); in the model eight requests took 47.7 ms of device time a call against
-# 54.5 (32 values) and 55.8 (8 warps).
-FWD_VALUES = VALUES
-FWD_WARPS = ROW_WARPS
+# 54.5 (32 values) and 55.8 (8 warps; runs 2026-12-05-c479fab-h100-invocations-fwd-values-64,
+# -values-32 and -warps-8).
+FWD_VALUES = 64
+FWD_WARPS = 4
 
 
 def walks_alone(sequences: int, longest: int, routed: bool) -> bool:
