@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The setting on trial (`swiglu.BY_ROWS`) judged in one call on the GPU machine (bounds add to
-# 280 s; TESTS=1 runs its GPU tests instead): one-question requests of 1,500 and 3,000 tokens with
+# 280 s; TESTS=1 runs GPU tests instead, its own and the delta-rule scan's): one-question requests of 1,500 and 3,000 tokens with
 # the default settings and with `swiglu.BY_ROWS=1`, each in a process of its own, so the two are
 # timed on one machine. On a fresh machine the first run compiles its kernels (Triton's cache is
 # empty), which takes most of a minute: hence 140 s a run.
@@ -10,7 +10,8 @@ set -u
 cd "$(dirname "$0")/../.."
 . benchmarks/device/setup.sh
 if [ "${TESTS:-0}" = 1 ]; then
-  gpu_tests 240 swiglu tests/ops/test_kernels.py
+  gpu_tests 300 "swiglu or delta_rule_scan or one_long or past_the_gradient or bucket_graphs_serve" \
+    tests/ops/test_kernels.py tests/runtime/test_cuda_graphs.py
   stamp "done"
   exit
 fi
