@@ -96,6 +96,17 @@ MEASUREMENTS: dict[str, Measurement] = {
     "kernel_profile": Measurement(
         device.kernel_profile, "the kernels a workload's graph replays, by device time", "cuda",
         (workloads("distinct_text_50q", "distinct_text_1q", "vision_protocol_image_1q"),)),
+    "long_row_profile": Measurement(
+        device.long_row_profile, "a long one-question request's bucket graph: span, busy, gaps, kernels", "cuda",
+        (Argument("lengths", int, (1500, 3000), "input tokens of each request", many=True),
+         Argument("replays", int, 50, "replays timed"), Argument("top", int, 40, "kernels listed"),
+         Argument("firsts", int, 8, "first sights of new texts timed, then profiled"),
+         Argument("settings", str, (), "runtime settings changed first, NAME=VALUE (bench.settings.KNOWN)",
+                  many=True))),
+    "real_traffic_host": Measurement(
+        device.real_traffic_host, "real-traffic first sights under cProfile: the host's functions by own time",
+        "cuda", (Argument("count", int, 40, "profiled requests (10 others warm up first)"),
+                 Argument("seed", int, 37, "the generator's seed"), Argument("rows", int, 40, "functions listed"))),
     "real_traffic_profile": Measurement(
         device.real_traffic_profile, "real-traffic first sights under the profiler: wall vs device busy, kernels",
         "cuda", (Argument("count", int, 80, "timed requests (10 others warm up first)"),

@@ -3,7 +3,10 @@ of its parts, the kernels its graph replays, and the tensor copies of one eager 
 
 from __future__ import annotations
 
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import time
 import traceback
@@ -14,7 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime.cuda_graphs import layout_key
-from .host import SHAPE, chosen_workloads, timed_samples, warm_up, warmed_predictor
+from . import settings as runtime_settings
+from .host import SHAPE, chosen_workloads, require_cuda, timed_samples, warm_up, warmed_predictor
 from .shapes import shape_only_predictor
 from .telemetry import Telemetry
 from .traffic import percentile, real_traffic
@@ -245,3 +249,116 @@ def real_traffic_profile(count: int = 80, seed: int = 37, top: int = 30) -> None
     for kernel, (calls, total) in sorted(by_name.items(), key=lambda item: -item[1][1])[:top]:
         print(f"{total / len(rows):12.1f} {calls / len(rows):6.1f} {total / calls:8.2f}  {kernel[:110]}")
     print(flush=True)
+
+
+@torch.no_grad()
+def long_row_profile(lengths: tuple[int, ...] = (1500, 3000), replays: int = 50, top: int = 40,
+                     firsts: int = 8, settings: tuple[str, ...] = ()) -> None:
+    """Where a one-question request of a long state spends its device time (issue 37): for each
+    of `lengths` input tokens (`long_context.exact_request`, on the shape-only Qwen3.5-0.8B
+    predictor with its graphs prepared), one `predict` on first sight, then its one-row bucket's
+    graph replayed alone: the p50 of `replays` replays between device synchronisations (wall)
+    and by CUDA events (device span), and from a profile of 5 replays the kernels a replay, their
+    summed and union (busy) device time, the gaps (span less busy) and the table of kernels by
+    device time (`top` rows); then `firsts` first sights of its text made new, timed, and as
+    many under cProfile (`_first_sight_host`). `settings` change the runtime's first
+    (`bench.settings`, as "scan.SOLVE_FUSED=1").
+
+        python benchmarks/run.py long_row_profile --lengths 1500 3000
+
+    Raises:
+        RuntimeError: a request whose batch is not served by a one-row bucket's single graph.
+    """
+    from ..runtime.buckets import bucket_for, pad_to_bucket
+    from .long_context import exact_request
+
+    require_cuda()
+    print(f"settings: {runtime_settings.apply(settings)}", flush=True)
+    predictor = shape_only_predictor(SHAPE)
+    scores = predictor.scores
+    for tokens in lengths:
+        state, questions = exact_request(predictor, tokens)
+        first = timed_samples(lambda state=state, questions=questions: predictor.predict(state, questions), 1)[0]
+        batch, _ = predictor.encode(state, questions)
+        bucket = bucket_for(batch, scores.ladder)
+        if bucket is None or not bucket.single:
+            raise RuntimeError(f"{tokens} tokens: no one-row bucket serves the request ({bucket})")
+        graphs = scores.buckets[bucket]
+        padded = pad_to_bucket(batch, bucket, scores.pad_id).to(predictor.model.device)
+        graphs.replay(predictor.model.embeddings(padded), padded)
+        graph = graphs.graphs[0]
+        walls = timed_samples(graph.replay, replays)
+        spans = []
+        for _ in range(replays):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            spans.append(begin.elapsed_time(end))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILED):
+                graph.replay()
+            torch.cuda.synchronize()
+        kernels = _kernels(prof)
+        by_name = defaultdict(lambda: [0, 0.0])
+        for kernel, start, end in kernels:
+            by_name[kernel][0] += 1
+            by_name[kernel][1] += end - start
+        summed, busy = sum(end - start for _, start, end in kernels) / PROFILED, _busy(kernels) / PROFILED
+        span = statistics.median(spans) * 1e3
+        print(f"## {batch.computed_tokens} computed tokens ({tokens} asked), {bucket}: first sight {first:.2f} ms; "
+              f"replay alone p50 {statistics.median(walls):.3f} ms wall, {span / 1e3:.3f} ms device span", flush=True)
+        print(f"kernels a replay {len(kernels) / PROFILED:.0f}; summed {summed / 1e3:.3f} ms, busy (union) "
+              f"{busy / 1e3:.3f} ms, gaps (span less busy) {(span - busy) / 1e3:.3f} ms")
+        print(f"{'us a call':>10} {'calls':>6} {'us each':>8}  kernel")
+        for kernel, (count, total) in sorted(by_name.items(), key=lambda item: -item[1][1])[:top]:
+            print(f"{total / PROFILED:10.1f} {count / PROFILED:6.0f} {total / count:8.2f}  {kernel[:110]}")
+        print(flush=True)
+        _first_sight_host(predictor, state, questions, firsts)
+
+
+def _first_sight_host(predictor, state, questions, count: int) -> None:
+    """`count` first sights of `state` made new (a line before its text: its tokens are not in
+    the template's cache), timed, then as many more under cProfile (`_host_profile`)."""
+    document = state["document"]
+    fresh = iter(range(2 * count))
+
+    def call():
+        predictor.predict({"document": f"Case {next(fresh)}.\n{document}"}, questions)
+
+    walls = timed_samples(call, count)
+    print(f"first sights of new texts: p50 {statistics.median(walls):.2f} ms of {count}; cProfile of {count} more:")
+    _host_profile([call] * count)
+
+
+def _host_profile(calls, rows: int = 25) -> None:
+    """cProfile of `calls` run in turn, then a device synchronisation: the `rows` functions with
+    the most own time (the wait for the device shows as the own time of the call that waits)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    print(text.getvalue(), flush=True)
+
+
+@torch.no_grad()
+def real_traffic_host(count: int = 40, seed: int = 37, rows: int = 40) -> None:
+    """Where a real-traffic request's first sight spends its host time (issue 37): the
+    workload of `real_traffic` on the shape-only Qwen3.5-0.8B predictor (graphs prepared, 10
+    warm-up requests), `count` first sights under cProfile (`_host_profile`, `rows` rows).
+
+        python benchmarks/run.py real_traffic_host --count 40
+    """
+    require_cuda()
+    predictor = shape_only_predictor(SHAPE)
+    requests = real_traffic(10 + count, seed)
+    for state, questions in requests[:10]:
+        predictor.predict(state, questions)
+    torch.cuda.synchronize()
+    _host_profile([lambda state=state, questions=questions: predictor.predict(state, questions)
+                   for state, questions in requests[10:]], rows)
