@@ -94,7 +94,7 @@ class DecisionModel(nn.Module):
         rows, prefixes = plan_segments(batch)
         return packed_forward(self.backbone.language_model, embeds, batch.position_ids, batch.cu_seqlens,
                               self.activation_checkpointing and self.training, prefixes, batch.cu_seqlens_cpu,
-                              batch.chunk_indices, rows.max_seqlen, picked)
+                              batch.chunk_indices, rows.max_seqlen, picked, rows.lone)
 
     def hidden_states(self, batch: Batch) -> torch.Tensor:
         """Final hidden states of the rows' own tokens [S, D] (see `language`)."""
@@ -128,7 +128,8 @@ def plan_segments(batch: Batch) -> tuple[Segments, Prefixes | None]:
     """The rows' `Segments` and the shared `Prefixes` (None without) of a batch's plan."""
     # Padded to a bucket (prediction's or training's): its sequence counts are the padding's.
     bucket = batch.rows_bound is not None
-    rows = Segments.of(batch.cu_seqlens, batch.cu_seqlens_cpu, batch.chunk_indices, batch.rows_bound, bucket)
+    rows = Segments.of(batch.cu_seqlens, batch.cu_seqlens_cpu, batch.chunk_indices, batch.rows_bound, bucket,
+                       batch.lone_row)
     prefixes = None
     if batch.fork is not None:
         prefixes = Prefixes(batch.prefix_tokens, Segments.of(batch.prefix_cu_seqlens, batch.prefix_cu_seqlens_cpu,

@@ -54,20 +54,24 @@ class Segments:
     max_seqlen: int
     chunk_indices: torch.Tensor | None
     routed: bool = False  # the delta rule chooses its path on the device (a bucket's graph)
+    lone: bool = False  # only the first sequence is read, the others padding after it (a one-row bucket)
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None = None,
-           chunk_indices: torch.Tensor | None = None, max_seqlen: int | None = None, routed: bool = False) -> Segments:
+           chunk_indices: torch.Tensor | None = None, max_seqlen: int | None = None, routed: bool = False,
+           lone: bool = False) -> Segments:
         """`max_seqlen`, when given, bounds the longest sequence instead (a CUDA graph of a
         bucket serves every layout under its bound: `dohnuts.runtime.buckets`); `routed`: the
         count of sequences is not the request's (a bucket's padding), so the delta rule's walk
-        chooses its path on the device (`delta_rule.scan.delta_rule_scan`)."""
+        chooses its path on the device (`delta_rule.scan.delta_rule_scan`); `lone`: only the
+        first sequence's outputs are read, the others being padding after it (a one-row
+        bucket's), so attention may treat the whole axis as one causal sequence."""
         if cu_seqlens_cpu is None:
             cu_seqlens_cpu = cu_seqlens.cpu()  # one synchronisation for the whole pass
         if max_seqlen is None:
             lengths = cu_seqlens_cpu[1:] - cu_seqlens_cpu[:-1]
             max_seqlen = int(lengths.max()) if len(lengths) else 0
-        return cls(cu_seqlens, cu_seqlens_cpu, max_seqlen, chunk_indices, routed)
+        return cls(cu_seqlens, cu_seqlens_cpu, max_seqlen, chunk_indices, routed, lone)
 
 
 @dataclass(frozen=True)
@@ -246,6 +250,10 @@ def attention_core(config, query, key, value, rows: Segments, prefixes: Prefixes
     """Causal attention of packed tokens [T, H, Dh]. With `prefixes`, the prefixes and the rows
     run in one call: each row's queries see its prefix's keys, then its own (`Fork`)."""
     scale = config.head_dim**-0.5
+    if (prefixes is None and rows.lone and kernels.DENSE_LONE and not torch.is_grad_enabled()
+            and (not query.is_cuda or query.dtype in (torch.bfloat16, torch.float16))):
+        # The padding after the one row sees the row's keys too: its outputs are never read.
+        return kernels.lone_row_attention(query, key, value, scale)
     if prefixes is None:
         return kernels.attention(query, key, value, rows.cu_seqlens, rows.cu_seqlens, rows.max_seqlen, rows.max_seqlen,
                                  scale)
@@ -446,7 +454,8 @@ def _attention_whole(layer, config, hidden, branch, cos, sin, rows: Segments, pr
 def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
                    cu_seqlens: torch.Tensor, activation_checkpointing: bool = False, prefixes: Prefixes | None = None,
                    cu_seqlens_cpu: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None,
-                   max_seqlen: int | None = None, picked: torch.Tensor | None = None) -> torch.Tensor:
+                   max_seqlen: int | None = None, picked: torch.Tensor | None = None, lone: bool = False
+                   ) -> torch.Tensor:
     """Final (normed) hidden states of packed rows, in one pass over the layers.
 
     Args:
@@ -470,12 +479,13 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
             wanted, or None for all. The last layer's keys and states come from every token, but
             what follows its token mixer (output projection, MLP) and the final norm run only
             at these, when they are fewer than the rows' tokens (`picks_early`).
+        lone: only the first row is read, the others padding after it (`Segments.lone`).
 
     Returns:
         [S, D] hidden states of the rows' own tokens, or [M, D] at `picked`.
     """
     config = language_model.config
-    rows = Segments.of(cu_seqlens, cu_seqlens_cpu, chunk_indices, max_seqlen)
+    rows = Segments.of(cu_seqlens, cu_seqlens_cpu, chunk_indices, max_seqlen, lone=lone)
     cos, sin = rotary_tables(config, position_ids, inputs_embeds.dtype)
     hidden, branch = inputs_embeds, None
     checkpointed = activation_checkpointing and torch.is_grad_enabled()

@@ -39,6 +39,18 @@ def _varlen(causal: bool = True):
     return varlen_attn, options
 
 
+def dense_causal(q, k, v, scale):
+    """Causal attention of the whole token axis as one sequence on CUDA: q [T, H, D], k, v
+    [T, HKV, D] (grouped-query heads) -> [T, H, D], through cuDNN's fused kernel (flash's where
+    cuDNN has none)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                             is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
 # Score entries (sequences x heads x queries x keys) the padded reference computes at once: a
 # bucket's batch pads hundreds of short padding rows to its one long row (580 sequences of 3,000
 # tokens wanted 144 GiB at once), so the sequences go through in slices of at most this much.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import _flash_grouped, _varlen, attention_reference
+from .attention import _flash_grouped, _varlen, attention_reference, dense_causal
 from .backends import _ours, fused, slow_path, slow_paths, uncached_plans
 from .conv.naive import conv_split_heads_reference
 from .delta_rule.chunk import chunk_gated_delta_rule_fla
@@ -123,6 +123,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
         return varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale=scale,
                            **options)
     return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k, causal)
+
+
+# Whether a one-row bucket's attention runs as one dense causal sequence (`lone_row_attention`),
+# on trial (`bench.settings` "attention.DENSE_LONE"). On an H100 (bf16, 8 query and 2 key heads of
+# 256) torch's varlen flash kernel took 80 us for a row of 1,500 tokens in a bucket of 1,536 and
+# 200 us for 3,000 in 3,072; cuDNN's fused kernel over the whole bucket 40 and 102 us (the largest
+# difference over the row 3.9e-3). The buckets' whole graphs replayed in 6.25 and 11.67 ms of
+# device time with it, against 6.51 and 12.16-12.18 without, but those were other machines; and
+# one-question requests on one machine, each setting in a process of its own (with it first), took
+# 0.6-1.0 ms longer with it, on first sight and again (ledger runs 2026-12-05-*-h100-*-dense-*).
+DENSE_LONE = False
+
+
+def lone_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of the whole token axis as one sequence: q [T, H, D], k, v [T, HKV, D]
+    (grouped-query heads) -> [T, H, D]. For a one-row bucket, whose row comes first: its queries
+    see exactly its own keys, as `attention` per sequence gives them. On CUDA in bfloat16 or
+    float16 cuDNN's fused kernel (flash's where cuDNN has none); elsewhere `attention` of one
+    sequence. Only where the shapes are fixed at load (a bucket's graph): cuDNN builds a plan
+    for each new shape on its first call."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        return dense_causal(q, k, v, scale)
+    bounds = torch.arange(2, dtype=torch.int32, device=q.device) * q.shape[0]  # made where q is: no copy
+    return attention(q, k, v, bounds, bounds, q.shape[0], q.shape[0], scale)
 
 
 # -- gated delta rule -------------------------------------------------------------------------

@@ -308,7 +308,7 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
         prefix_tokens=bucket.prefix_tokens, prefix_cu_seqlens=prefix_cu, prefix_cu_seqlens_cpu=prefix_cu,
         cu_seqlens=row_cu, cu_seqlens_cpu=row_cu, prefix_chunk_indices=prefix_plan,
         chunk_indices=padded_plan(rows, bucket.row_chunks), fork=fork, markers=markers,
-        candidate_mask=mask, image_slots=slots, rows_bound=bucket.longest_row)
+        candidate_mask=mask, image_slots=slots, rows_bound=bucket.longest_row, lone_row=bucket.single)
 
 
 def empty_batch(bucket: Bucket, pad_id: int) -> Batch:

@@ -7,6 +7,7 @@ from helpers import LAYOUTS, batch_of, questions
 
 from dohnuts.model.base import load_backbone
 from dohnuts.model.decision import new_head
+from dohnuts.ops import kernels
 from dohnuts.runtime.buckets import (
     CANDIDATES,
     ROW_TOKENS,
@@ -29,18 +30,27 @@ def parts(tiny):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_a_padded_batch_gives_its_rows_the_logits_of_the_batch_alone(parts, name):
+def test_a_padded_batch_gives_its_rows_the_logits_of_the_batch_alone(parts, name, monkeypatch):
+    """Also where a one-row bucket's attention takes its row and padding as one sequence (the
+    setting on trial, `kernels.DENSE_LONE`)."""
     template, model = parts
     batch = batch_of(template, LAYOUTS[name])
     bucket = bucket_for(batch, all_buckets())
     assert bucket is not None
     assert bucket.long_rows == (int(batch.cu_seqlens_cpu.diff().max()) > ROW_TOKENS)
     assert bucket.long_rows or name != "long rows"
+    assert bucket.single or name != "one long row"
     padded = pad_to_bucket(batch, bucket, template.pad_id)
     assert padded.computed_tokens == bucket.tokens > batch.computed_tokens
+    lone = []
+    whole = kernels.lone_row_attention
+    monkeypatch.setattr(kernels, "DENSE_LONE", True)
+    monkeypatch.setattr(kernels, "lone_row_attention", lambda *args: lone.append(args[0].shape) or whole(*args))
     with torch.no_grad():
         alone = model(batch)
+        assert not lone
         inside = model(padded)
+    assert len(lone) == (model.backbone.config.text_config.layer_types.count("full_attention") if bucket.single else 0)
     rows, candidates = batch.markers.shape
     torch.testing.assert_close(inside[:rows, :candidates], alone, rtol=1e-5, atol=1e-5)
     assert not inside[rows:].any() and not inside[:, candidates:].any()  # padding has no candidate
@@ -64,6 +74,7 @@ def test_padding_keeps_the_shapes_the_bucket_fixes(parts):
             padded = pad_to_bucket(batch, bucket, template.pad_id)
             lengths = padded.cu_seqlens_cpu.diff()
             assert lengths.max() <= bucket.longest_row and lengths[-1] == 0  # an empty row for the plan's padding
+            assert padded.lone_row == bucket.single  # attention may then take the axis as one sequence
             prefixes = padded.prefix_cu_seqlens_cpu.diff()
             if bucket.single:  # no prefix part: its row runs alone
                 assert padded.prefix_tokens == 0 and padded.fork is None and len(prefixes) == 0
