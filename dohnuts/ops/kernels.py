@@ -129,10 +129,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
 # on trial (`bench.settings` "attention.DENSE_LONE"). On an H100 (bf16, 8 query and 2 key heads of
 # 256) torch's varlen flash kernel took 80 us for a row of 1,500 tokens in a bucket of 1,536 and
 # 200 us for 3,000 in 3,072; cuDNN's fused kernel over the whole bucket 40 and 102 us (the largest
-# difference over the row 3.9e-3). The buckets' whole graphs replayed in 6.25 and 11.67 ms of
-# device time with it, against 6.51 and 12.16-12.18 without, but those were other machines; and
-# one-question requests on one machine, each setting in a process of its own (with it first), took
-# 0.6-1.0 ms longer with it, on first sight and again (ledger runs 2026-12-05-*-h100-*-dense-*).
+# difference over the row 3.9e-3; ledger run 2026-12-05-a055b22-h100-lone-row-attention). The
+# buckets' whole graphs replayed in 6.25 and 11.67 ms of device time with it, against 6.51 and
+# 12.16-12.18 without, but those were other machines (-920c193-h100-dense-lone-profile against
+# -a055b22-h100-long-row-profile and -firsts); and one-question requests on one machine, each
+# setting in a process of its own (with it first), took 0.6-1.0 ms longer with it, on first sight
+# and again (-920c193-h100-long-dense-1 and -0).
 DENSE_LONE = False
 
 
