@@ -115,22 +115,33 @@ def _kernel_report(predictor, name: str, state, questions) -> None:
     graph = predictor.scores.graphs[layout_key(moved)]
     whole = statistics.median(timed_samples(lambda: predictor.predict(state, questions), 50))
     replay = statistics.median(timed_samples(graph.graph.replay, 50))
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILED):
-            graph.graph.replay()
-        torch.cuda.synchronize()
-    kernels = _kernels(prof)
-    by_name = defaultdict(lambda: [0, 0.0])
-    for kernel, start, end in kernels:
-        by_name[kernel][0] += 1
-        by_name[kernel][1] += end - start
+    kernels = _profiled(graph.graph.replay)
     summed = sum(end - start for _, start, end in kernels)
     print(f"## {name}: predict p50 {whole:.3f} ms, graph replay alone p50 {replay:.3f} ms", flush=True)
     print(f"kernels a call {len(kernels) / PROFILED:.0f}; device time a call: summed "
           f"{summed / PROFILED / 1e3:.3f} ms, busy (union) {_busy(kernels) / PROFILED / 1e3:.3f} ms")
+    _kernel_table(kernels)
+
+
+def _profiled(call) -> list[tuple[str, float, float]]:
+    """The kernels (`_kernels`) of PROFILED calls of `call` under the profiler."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED):
+            call()
+        torch.cuda.synchronize()
+    return _kernels(prof)
+
+
+def _kernel_table(kernels, top: int | None = None) -> None:
+    """Kernels of PROFILED calls grouped by name, by device time a call (the `top` first; all
+    by default)."""
+    by_name = defaultdict(lambda: [0, 0.0])
+    for kernel, start, end in kernels:
+        by_name[kernel][0] += 1
+        by_name[kernel][1] += end - start
     print(f"{'us a call':>10} {'calls':>6} {'us each':>8}  kernel")
-    for kernel, (count, total) in sorted(by_name.items(), key=lambda item: -item[1][1]):
+    for kernel, (count, total) in sorted(by_name.items(), key=lambda item: -item[1][1])[:top]:
         print(f"{total / PROFILED:10.1f} {count / PROFILED:6.0f} {total / count:8.2f}  {kernel[:110]}")
     print(flush=True)
 
@@ -296,25 +307,14 @@ def long_row_profile(lengths: tuple[int, ...] = (1500, 3000), replays: int = 50,
             end.record()
             end.synchronize()
             spans.append(begin.elapsed_time(end))
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(PROFILED):
-                graph.replay()
-            torch.cuda.synchronize()
-        kernels = _kernels(prof)
-        by_name = defaultdict(lambda: [0, 0.0])
-        for kernel, start, end in kernels:
-            by_name[kernel][0] += 1
-            by_name[kernel][1] += end - start
+        kernels = _profiled(graph.replay)
         summed, busy = sum(end - start for _, start, end in kernels) / PROFILED, _busy(kernels) / PROFILED
         span = statistics.median(spans) * 1e3
         print(f"## {batch.computed_tokens} computed tokens ({tokens} asked), {bucket}: first sight {first:.2f} ms; "
               f"replay alone p50 {statistics.median(walls):.3f} ms wall, {span / 1e3:.3f} ms device span", flush=True)
         print(f"kernels a replay {len(kernels) / PROFILED:.0f}; summed {summed / 1e3:.3f} ms, busy (union) "
               f"{busy / 1e3:.3f} ms, gaps (span less busy) {(span - busy) / 1e3:.3f} ms")
-        print(f"{'us a call':>10} {'calls':>6} {'us each':>8}  kernel")
-        for kernel, (count, total) in sorted(by_name.items(), key=lambda item: -item[1][1])[:top]:
-            print(f"{total / PROFILED:10.1f} {count / PROFILED:6.0f} {total / count:8.2f}  {kernel[:110]}")
-        print(flush=True)
+        _kernel_table(kernels, top)
         _first_sight_host(predictor, state, questions, firsts)
 
 
