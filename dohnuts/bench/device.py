@@ -1,12 +1,11 @@
 """Device-side profiles of one benchmark workload's `predict`: the profiler's table, a breakdown
-of its parts, the kernels its graph replays, and the tensor copies of one eager forward."""
+of its parts, the kernels its graph replays, and the tensor copies of one eager forward; of a
+long one-question request's bucket graph and of real traffic's first sights, the kernels and
+the host's share (cProfile)."""
 
 from __future__ import annotations
 
-import cProfile
-import io
 import os
-import pstats
 import statistics
 import time
 import traceback
@@ -18,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..runtime.cuda_graphs import layout_key
 from . import settings as runtime_settings
-from .host import SHAPE, chosen_workloads, require_cuda, timed_samples, warm_up, warmed_predictor
+from .host import SHAPE, chosen_workloads, profiled, require_cuda, timed_samples, warm_up, warmed_predictor
 from .shapes import shape_only_predictor
 from .telemetry import Telemetry
 from .traffic import percentile, real_traffic
@@ -229,12 +228,9 @@ def real_traffic_profile(count: int = 80, seed: int = 37, top: int = 30) -> None
     and the rest (host, launches, waits), by text and image requests; then the kernels by device
     time a request, summed over the requests. The profiler slows the host a little: the wall
     times here are above `real_traffic`'s."""
-    predictor = shape_only_predictor(SHAPE)
-    requests = real_traffic(10 + count, seed)
-    for state, questions in requests[:10]:
-        predictor.predict(state, questions)
+    predictor, requests = _real_traffic_warmed(count, seed)
     rows, by_name = [], defaultdict(lambda: [0, 0.0])
-    for state, questions in requests[10:]:
+    for state, questions in requests:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
@@ -273,7 +269,7 @@ def long_row_profile(lengths: tuple[int, ...] = (1500, 3000), replays: int = 50,
     summed and union (busy) device time, the gaps (span less busy) and the table of kernels by
     device time (`top` rows); then `firsts` first sights of its text made new, timed, and as
     many under cProfile (`_first_sight_host`). `settings` change the runtime's first
-    (`bench.settings`, as "scan.SOLVE_FUSED=1").
+    (`bench.settings`, as "attention.DENSE_LONE=1").
 
         python benchmarks/run.py long_row_profile --lengths 1500 3000
 
@@ -320,45 +316,44 @@ def long_row_profile(lengths: tuple[int, ...] = (1500, 3000), replays: int = 50,
 
 def _first_sight_host(predictor, state, questions, count: int) -> None:
     """`count` first sights of `state` made new (a line before its text: its tokens are not in
-    the template's cache), timed, then as many more under cProfile (`_host_profile`)."""
-    document = state["document"]
-    fresh = iter(range(2 * count))
+    the template's cache), timed, then as many more under cProfile (`host.profiled`). The line
+    adds a few tokens: the buckets the new texts took are printed (a length that fills its
+    bucket moves to the next)."""
+    from ..runtime.buckets import bucket_for
+
+    states = [{"document": f"Case {index}.\n{state['document']}"} for index in range(2 * count)]
+    fresh = iter(states)
 
     def call():
-        predictor.predict({"document": f"Case {next(fresh)}.\n{document}"}, questions)
+        predictor.predict(next(fresh), questions)
 
     walls = timed_samples(call, count)
     print(f"first sights of new texts: p50 {statistics.median(walls):.2f} ms of {count}; cProfile of {count} more:")
-    _host_profile([call] * count)
-
-
-def _host_profile(calls, rows: int = 25) -> None:
-    """cProfile of `calls` run in turn, then a device synchronisation: the `rows` functions with
-    the most own time (the wait for the device shows as the own time of the call that waits)."""
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
-    print(text.getvalue(), flush=True)
+    profiled([call] * count)
+    buckets = {bucket_for(predictor.encode(new, questions)[0], predictor.scores.ladder) for new in states}
+    print(f"the new texts' buckets: {', '.join(sorted(map(str, buckets)))}", flush=True)
 
 
 @torch.no_grad()
 def real_traffic_host(count: int = 40, seed: int = 37, rows: int = 40) -> None:
     """Where a real-traffic request's first sight spends its host time (issue 37): the
     workload of `real_traffic` on the shape-only Qwen3.5-0.8B predictor (graphs prepared, 10
-    warm-up requests), `count` first sights under cProfile (`_host_profile`, `rows` rows).
+    warm-up requests), `count` first sights under cProfile (`host.profiled`, `rows` rows).
 
         python benchmarks/run.py real_traffic_host --count 40
     """
     require_cuda()
+    predictor, requests = _real_traffic_warmed(count, seed)
+    torch.cuda.synchronize()
+    profiled([lambda state=state, questions=questions: predictor.predict(state, questions)
+              for state, questions in requests], rows)
+
+
+def _real_traffic_warmed(count: int, seed: int):
+    """(the shape-only Qwen3.5-0.8B predictor, graphs prepared, after 10 requests of
+    `traffic.real_traffic`; the `count` requests after them, new to it)."""
     predictor = shape_only_predictor(SHAPE)
     requests = real_traffic(10 + count, seed)
     for state, questions in requests[:10]:
         predictor.predict(state, questions)
-    torch.cuda.synchronize()
-    _host_profile([lambda state=state, questions=questions: predictor.predict(state, questions)
-                   for state, questions in requests[10:]], rows)
+    return predictor, requests[10:]

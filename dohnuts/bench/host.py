@@ -331,15 +331,21 @@ def host_profile(workloads: tuple[str, ...] = ("distinct_text_1q", "vision_proto
         print(f"## {name}: predict p50 of 30 calls, {rounds} alternating blocks", flush=True)
         print("alone           " + " ".join(f"{value:6.3f}" for value in alone))
         print("under Telemetry " + " ".join(f"{value:6.3f}" for value in sampled))
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(100):
-            call()
-        torch.cuda.synchronize()
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
-        print(text.getvalue(), flush=True)
+        profiled([call] * 100, 30)
+
+
+def profiled(calls, rows: int = 25) -> None:
+    """cProfile of `calls` run in turn, then a device synchronisation: the `rows` functions with
+    the most own time (the wait for the device shows as the own time of the call that waits)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(rows)
+    print(text.getvalue(), flush=True)
 
 
 # Telemetry windows in run order: (label, sampling interval in seconds or None for none).

@@ -106,7 +106,7 @@ class Batch:
     image_has_pixels: tuple[bool, ...]
     input_tokens: int  # tokens of the rows as written, prefix counted in every row
     rows_bound: int | None = None  # a bound on the longest row, planned for instead of it (buckets)
-    lone_row: bool = False  # the first row is the only one read, the others padding after it (a one-row bucket's)
+    lone_row: bool = False  # one real row, then padding sequences no candidate reads (a one-row bucket's)
     pixel_settings: PixelSettings | None = None  # with it, pixel_values are RGB bytes, flat
     image_shapes_cpu: torch.Tensor | None = None  # [images with pixels, 3] their byte arrays' shapes
 

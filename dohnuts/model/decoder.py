@@ -54,7 +54,7 @@ class Segments:
     max_seqlen: int
     chunk_indices: torch.Tensor | None
     routed: bool = False  # the delta rule chooses its path on the device (a bucket's graph)
-    lone: bool = False  # only the first sequence is read, the others padding after it (a one-row bucket)
+    lone: bool = False  # one real sequence, then padding no candidate reads (a one-row bucket)
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor, cu_seqlens_cpu: torch.Tensor | None = None,
@@ -63,9 +63,11 @@ class Segments:
         """`max_seqlen`, when given, bounds the longest sequence instead (a CUDA graph of a
         bucket serves every layout under its bound: `dohnuts.runtime.buckets`); `routed`: the
         count of sequences is not the request's (a bucket's padding), so the delta rule's walk
-        chooses its path on the device (`delta_rule.scan.delta_rule_scan`); `lone`: only the
-        first sequence's outputs are read, the others being padding after it (a one-row
-        bucket's), so attention may treat the whole axis as one causal sequence."""
+        chooses its path on the device (`delta_rule.scan.delta_rule_scan`); `lone`: the first
+        sequence is the only real one, the others padding after it that no candidate reads (a
+        one-row bucket's), so attention may take the whole axis as one causal sequence
+        (`kernels.lone_row_attention`): the padding then sees the row's keys, and the other token
+        mixers still run each sequence apart."""
         if cu_seqlens_cpu is None:
             cu_seqlens_cpu = cu_seqlens.cpu()  # one synchronisation for the whole pass
         if max_seqlen is None:
@@ -250,10 +252,8 @@ def attention_core(config, query, key, value, rows: Segments, prefixes: Prefixes
     """Causal attention of packed tokens [T, H, Dh]. With `prefixes`, the prefixes and the rows
     run in one call: each row's queries see its prefix's keys, then its own (`Fork`)."""
     scale = config.head_dim**-0.5
-    if (prefixes is None and rows.lone and kernels.DENSE_LONE and not torch.is_grad_enabled()
-            and (not query.is_cuda or query.dtype in (torch.bfloat16, torch.float16))):
-        # The padding after the one row sees the row's keys too: its outputs are never read.
-        return kernels.lone_row_attention(query, key, value, scale)
+    if prefixes is None and rows.lone and not torch.is_grad_enabled():  # a one-row bucket's: its row, then padding
+        return kernels.lone_row_attention(query, key, value, rows.cu_seqlens, rows.max_seqlen, scale)
     if prefixes is None:
         return kernels.attention(query, key, value, rows.cu_seqlens, rows.cu_seqlens, rows.max_seqlen, rows.max_seqlen,
                                  scale)
@@ -479,7 +479,7 @@ def packed_forward(language_model, inputs_embeds: torch.Tensor, position_ids: to
             wanted, or None for all. The last layer's keys and states come from every token, but
             what follows its token mixer (output projection, MLP) and the final norm run only
             at these, when they are fewer than the rows' tokens (`picks_early`).
-        lone: only the first row is read, the others padding after it (`Segments.lone`).
+        lone: one real row, then padding no candidate reads (`Segments.lone`).
 
     Returns:
         [S, D] hidden states of the rows' own tokens, or [M, D] at `picked`.

@@ -39,13 +39,29 @@ def _varlen(causal: bool = True):
     return varlen_attn, options
 
 
+# Whether a one-row bucket's attention runs as one causal sequence (`kernels.lone_row_attention`
+# through `dense_causal`), on trial (`bench.settings` "attention.DENSE_LONE"). On an H100 (bf16, 8
+# query and 2 key heads of 256) torch's varlen flash kernel took 80 us for a row of 1,500 tokens in
+# a bucket of 1,536 and 200 us for 3,000 in 3,072; cuDNN's fused kernel over the whole bucket 40
+# and 102 us (the largest difference over the row 3.9e-3; ledger run
+# 2026-12-05-a055b22-h100-lone-row-attention). The whole graphs of buckets of 1,536 and 3,072
+# tokens replayed in 6.25 and 11.67 ms of device time with it (rows of 1,536 and 3,072 tokens,
+# machine Y: -920c193-h100-dense-lone-profile), against 6.51 and 12.16-12.18 without (rows of
+# 1,500 and 3,000, machines V and W: -a055b22-h100-long-row-profile and -firsts). But one-question
+# requests on machine Y, each setting in a process of its own (with it first), took 0.7-1.9 ms
+# longer with it on first sight and 0.6-1.0 ms longer again (-920c193-h100-long-dense-1 and -0).
+DENSE_LONE = False
+
+
 def dense_causal(q, k, v, scale):
     """Causal attention of the whole token axis as one sequence on CUDA: q [T, H, D], k, v
-    [T, HKV, D] (grouped-query heads) -> [T, H, D], through cuDNN's fused kernel (flash's where
-    cuDNN has none)."""
+    [T, HKV, D] (grouped-query heads) -> [T, H, D], through cuDNN's fused kernel, or flash's
+    where cuDNN has none (put first: torch's own order puts flash first on some releases and
+    devices). cuDNN's has erred on sequence lengths not a multiple of 128 (torch's issues);
+    every one-row bucket's length is one."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                              is_causal=True, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import attention as attention_ops
 from .attention import _flash_grouped, _varlen, attention_reference, dense_causal
 from .backends import _ours, fused, slow_path, slow_paths, uncached_plans
 from .conv.naive import conv_split_heads_reference
@@ -28,7 +29,8 @@ from .swiglu.naive import swiglu_reference
 # What the rest of dohnuts calls: the ops, and the runtime's switches and records they share.
 __all__ = [
     "add_rms_norm", "attention", "chunk_gated_delta_rule", "conv_split_heads", "decay", "delta_rule", "derived",
-    "fork_states", "fused", "holding_derived", "norm_rotate", "rms_norm", "rms_norm_gated", "slow_path",
+    "fork_states", "fused", "holding_derived", "lone_row_attention", "norm_rotate", "rms_norm", "rms_norm_gated",
+    "slow_path",
     "slow_paths", "swiglu", "uncached_plans",
 ]
 
@@ -125,30 +127,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
     return attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q, max_seqlen_k, causal)
 
 
-# Whether a one-row bucket's attention runs as one dense causal sequence (`lone_row_attention`),
-# on trial (`bench.settings` "attention.DENSE_LONE"). On an H100 (bf16, 8 query and 2 key heads of
-# 256) torch's varlen flash kernel took 80 us for a row of 1,500 tokens in a bucket of 1,536 and
-# 200 us for 3,000 in 3,072; cuDNN's fused kernel over the whole bucket 40 and 102 us (the largest
-# difference over the row 3.9e-3; ledger run 2026-12-05-a055b22-h100-lone-row-attention). The
-# buckets' whole graphs replayed in 6.25 and 11.67 ms of device time with it, against 6.51 and
-# 12.16-12.18 without, but those were other machines (-920c193-h100-dense-lone-profile against
-# -a055b22-h100-long-row-profile and -firsts); and one-question requests on one machine, each
-# setting in a process of its own (with it first), took 0.6-1.0 ms longer with it, on first sight
-# and again (-920c193-h100-long-dense-1 and -0).
-DENSE_LONE = False
-
-
-def lone_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of the whole token axis as one sequence: q [T, H, D], k, v [T, HKV, D]
-    (grouped-query heads) -> [T, H, D]. For a one-row bucket, whose row comes first: its queries
-    see exactly its own keys, as `attention` per sequence gives them. On CUDA in bfloat16 or
-    float16 cuDNN's fused kernel (flash's where cuDNN has none); elsewhere `attention` of one
-    sequence. Only where the shapes are fixed at load (a bucket's graph): cuDNN builds a plan
-    for each new shape on its first call."""
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+def lone_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                       max_seqlen: int, scale: float) -> torch.Tensor:
+    """Causal attention of a one-row bucket's packed sequences (cu_seqlens: its row first, then
+    its padding) -> [T, H, D]. With `attention_ops.DENSE_LONE` (on trial), the whole token axis
+    as one causal sequence: the row's queries see exactly its own keys, the padding's see the
+    row's too, which changes nothing a candidate reads (every other token mixer runs each
+    sequence apart); on CUDA in bfloat16 or float16 through `dense_causal`, on the CPU through
+    `attention` of one sequence. Otherwise, and on CUDA in float32 (the padded reference, whose
+    one-sequence plan would be made during a graph's capture, and which is only for tests
+    there), `attention` of each sequence. Only where the shapes are fixed at load (a bucket's
+    graph): cuDNN builds a plan for each new shape on its first call."""
+    if attention_ops.DENSE_LONE and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         return dense_causal(q, k, v, scale)
-    bounds = torch.arange(2, dtype=torch.int32, device=q.device) * q.shape[0]  # made where q is: no copy
-    return attention(q, k, v, bounds, bounds, q.shape[0], q.shape[0], scale)
+    if attention_ops.DENSE_LONE and not q.is_cuda:
+        whole = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+        return attention(q, k, v, whole, whole, q.shape[0], q.shape[0], scale)
+    return attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale)
 
 
 # -- gated delta rule -------------------------------------------------------------------------

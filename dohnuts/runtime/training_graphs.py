@@ -251,7 +251,7 @@ class BucketInputs:
             candidate_mask=torch.zeros(bucket.rows, bucket.candidates, dtype=torch.bool, device=device),
             image_slots=batch.image_slots[:0], image_sources=batch.image_sources[:0], pixel_values=None,
             image_grid_thw_cpu=None, image_keys=(), image_has_pixels=(), rows_bound=LONGEST_SEQUENCE,
-            pixel_settings=None, image_shapes_cpu=None)
+            lone_row=False, pixel_settings=None, image_shapes_cpu=None)
 
     def fill(self, embeds: torch.Tensor, batch: Batch, plan: TrainingPlan) -> None:
         """Copy a batch's embeddings [P + S, D] and tensors (on the device) and its padded plan (on

@@ -649,12 +649,15 @@ def test_varlen_attention_matches_reference_with_prefix_keys_and_grouped_heads()
 
 @pytest.mark.parametrize("device", [
     "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_a_lone_rows_attention_over_the_whole_axis_equals_its_own_attention(device):
-    """A one-row bucket's attention (`kernels.lone_row_attention`: the row, then its padding,
-    as one causal sequence; cuDNN's fused kernel on CUDA) against `kernels.attention` of the row,
-    its padding and an empty row as their own sequences: over the row, equal on the CPU (float32,
-    1e-5) and within bf16's resolution on CUDA (torch's varlen flash kernel; relative 1e-2);
-    grouped-query heads of 256, as Qwen3.5's."""
+def test_a_lone_rows_attention_over_the_whole_axis_equals_its_own_attention(device, monkeypatch):
+    """A one-row bucket's attention with `attention.DENSE_LONE` (`kernels.lone_row_attention`:
+    the row, then its padding, as one causal sequence; cuDNN's fused kernel on CUDA) against
+    `kernels.attention` of the row, its padding and an empty row as their own sequences: over
+    the row, equal on the CPU (float32, 1e-5) and within bf16's resolution on CUDA (torch's
+    varlen flash kernel; relative 1e-2); grouped-query heads of 256, as Qwen3.5's."""
+    from dohnuts.ops import attention
+
+    monkeypatch.setattr(attention, "DENSE_LONE", True)
     row, total = 300, 384
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     generator = torch.Generator(device).manual_seed(3)
@@ -662,7 +665,7 @@ def test_a_lone_rows_attention_over_the_whole_axis_equals_its_own_attention(devi
     k, v = (torch.randn(total, 2, 256, device=device, generator=generator).to(dtype) for _ in range(2))
     bounds = torch.tensor([0, row, total, total], dtype=torch.int32, device=device)
     alone = kernels.attention(q, k, v, bounds, bounds, total, total, 0.0625)[:row]
-    whole = kernels.lone_row_attention(q, k, v, 0.0625)
+    whole = kernels.lone_row_attention(q, k, v, bounds, total, 0.0625)
     assert whole.shape == q.shape
     if device == "cpu":
         torch.testing.assert_close(whole[:row], alone, rtol=1e-5, atol=1e-5)

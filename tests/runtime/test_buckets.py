@@ -7,6 +7,7 @@ from helpers import LAYOUTS, batch_of, questions
 
 from dohnuts.model.base import load_backbone
 from dohnuts.model.decision import new_head
+from dohnuts.ops import attention as attention_ops
 from dohnuts.ops import kernels
 from dohnuts.runtime.buckets import (
     CANDIDATES,
@@ -29,10 +30,12 @@ def parts(tiny):
     return tiny.template(), model
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["each sequence", "one sequence"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_a_padded_batch_gives_its_rows_the_logits_of_the_batch_alone(parts, name, monkeypatch):
-    """Also where a one-row bucket's attention takes its row and padding as one sequence (the
-    setting on trial, `kernels.DENSE_LONE`)."""
+def test_a_padded_batch_gives_its_rows_the_logits_of_the_batch_alone(parts, name, dense, monkeypatch):
+    """A one-row bucket's attention, `kernels.lone_row_attention`, runs each sequence apart or,
+    with the setting on trial (`attention.DENSE_LONE`), the whole bucket as one sequence
+    (counted by the sequences its attention calls see)."""
     template, model = parts
     batch = batch_of(template, LAYOUTS[name])
     bucket = bucket_for(batch, all_buckets())
@@ -42,15 +45,18 @@ def test_a_padded_batch_gives_its_rows_the_logits_of_the_batch_alone(parts, name
     assert bucket.single or name != "one long row"
     padded = pad_to_bucket(batch, bucket, template.pad_id)
     assert padded.computed_tokens == bucket.tokens > batch.computed_tokens
-    lone = []
-    whole = kernels.lone_row_attention
-    monkeypatch.setattr(kernels, "DENSE_LONE", True)
-    monkeypatch.setattr(kernels, "lone_row_attention", lambda *args: lone.append(args[0].shape) or whole(*args))
+    monkeypatch.setattr(attention_ops, "DENSE_LONE", dense)
     with torch.no_grad():
         alone = model(batch)
-        assert not lone
+        sequences = []  # of each attention call
+        plain = kernels.attention
+        monkeypatch.setattr(kernels, "attention", lambda q, k, v, cu, *rest: sequences.append(
+            (q.shape[0], len(cu) - 1)) or plain(q, k, v, cu, *rest))
         inside = model(padded)
-    assert len(lone) == (model.backbone.config.text_config.layer_types.count("full_attention") if bucket.single else 0)
+    layers = model.backbone.config.text_config.layer_types.count("full_attention")
+    assert len(sequences) == layers
+    if bucket.single:  # its row, its padding and an empty row; or all as one
+        assert set(sequences) == {(bucket.tokens, 1 if dense else 3)}
     rows, candidates = batch.markers.shape
     torch.testing.assert_close(inside[:rows, :candidates], alone, rtol=1e-5, atol=1e-5)
     assert not inside[rows:].any() and not inside[:, candidates:].any()  # padding has no candidate

@@ -233,15 +233,19 @@ def _questions_of(count):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dense", [False, True], ids=["attention by sequence", "one-row dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtype):
+def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtype, dense, monkeypatch):
     """Every host batch of a new layout replays its bucket's graphs (captured by `prepare`, none
     on a request), with the logits of the eager forward of the batch alone: to 1e-4 in float32;
     in bf16 (padding changes the matrix products' shapes) each held to the model in float64,
     the replay erring at most twice what the eager forward errs plus 1% of the largest logit
-    (the two differed by 2.75% of the largest logit of this tiny model on the H200)."""
+    (the two differed by 2.75% of the largest logit of this tiny model on the H200). Also with
+    a one-row bucket's attention as one sequence in its graph (`attention.DENSE_LONE`, on trial)."""
+    from dohnuts.ops import attention
     from dohnuts.runtime.buckets import all_buckets, bucket_for, pad_to_bucket
 
+    monkeypatch.setattr(attention, "DENSE_LONE", dense)
     template, model, graphed = _on_cuda(tiny, dtype)
     exact = copy.deepcopy(model).double().cpu()
     graphed.pad_id = template.pad_id
