@@ -30,8 +30,7 @@ from .swiglu.naive import swiglu_reference
 __all__ = [
     "add_rms_norm", "attention", "chunk_gated_delta_rule", "conv_split_heads", "decay", "delta_rule", "derived",
     "fork_states", "fused", "holding_derived", "lone_row_attention", "norm_rotate", "rms_norm", "rms_norm_gated",
-    "slow_path",
-    "slow_paths", "swiglu", "uncached_plans",
+    "slow_path", "slow_paths", "swiglu", "uncached_plans",
 ]
 
 
@@ -134,10 +133,10 @@ def lone_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     as one causal sequence: the row's queries see exactly its own keys, the padding's see the
     row's too, which changes nothing a candidate reads (every other token mixer runs each
     sequence apart); on CUDA in bfloat16 or float16 through `dense_causal`, on the CPU through
-    `attention` of one sequence. Otherwise, and on CUDA in float32 (the padded reference, whose
-    one-sequence plan would be made during a graph's capture, and which is only for tests
-    there), `attention` of each sequence. Only where the shapes are fixed at load (a bucket's
-    graph): cuDNN builds a plan for each new shape on its first call."""
+    `attention` of one sequence. Otherwise `attention` of each sequence, as on CUDA in float32
+    (tests only: the padded reference, which a bucket's graph already captures per sequence).
+    Only where the shapes are fixed at load (a bucket's graph): cuDNN builds a plan for each new
+    shape on its first call."""
     if attention_ops.DENSE_LONE and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         return dense_causal(q, k, v, scale)
     if attention_ops.DENSE_LONE and not q.is_cuda:
