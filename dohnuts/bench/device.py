@@ -15,9 +15,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..runtime.buckets import bucket_for, pad_to_bucket
 from ..runtime.cuda_graphs import layout_key
 from . import settings as runtime_settings
-from .host import SHAPE, chosen_workloads, profiled, require_cuda, timed_samples, warm_up, warmed_predictor
+from .host import SHAPE, chosen_workloads, cprofiled, require_cuda, timed_samples, warm_up, warmed_predictor
+from .long_context import exact_request
 from .shapes import shape_only_predictor
 from .telemetry import Telemetry
 from .traffic import percentile, real_traffic
@@ -114,7 +116,7 @@ def _kernel_report(predictor, name: str, state, questions) -> None:
     graph = predictor.scores.graphs[layout_key(moved)]
     whole = statistics.median(timed_samples(lambda: predictor.predict(state, questions), 50))
     replay = statistics.median(timed_samples(graph.graph.replay, 50))
-    kernels = _profiled(graph.graph.replay)
+    kernels = _kernels_of(graph.graph.replay)
     summed = sum(end - start for _, start, end in kernels)
     print(f"## {name}: predict p50 {whole:.3f} ms, graph replay alone p50 {replay:.3f} ms", flush=True)
     print(f"kernels a call {len(kernels) / PROFILED:.0f}; device time a call: summed "
@@ -122,7 +124,7 @@ def _kernel_report(predictor, name: str, state, questions) -> None:
     _kernel_table(kernels)
 
 
-def _profiled(call) -> list[tuple[str, float, float]]:
+def _kernels_of(call) -> list[tuple[str, float, float]]:
     """The kernels (`_kernels`) of PROFILED calls of `call` under the profiler."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -132,16 +134,16 @@ def _profiled(call) -> list[tuple[str, float, float]]:
     return _kernels(prof)
 
 
-def _kernel_table(kernels, top: int | None = None) -> None:
-    """Kernels of PROFILED calls grouped by name, by device time a call (the `top` first; all
-    by default)."""
+def _kernel_table(kernels, top: int | None = None, calls: int = PROFILED, per: str = "call") -> None:
+    """Kernels of `calls` calls grouped by name, by device time a call (the `top` first; all by
+    default); `per` names what a call is."""
     by_name = defaultdict(lambda: [0, 0.0])
     for kernel, start, end in kernels:
         by_name[kernel][0] += 1
         by_name[kernel][1] += end - start
-    print(f"{'us a call':>10} {'calls':>6} {'us each':>8}  kernel")
+    print(f"{'us a ' + per:>12} {'calls':>6} {'us each':>8}  kernel")
     for kernel, (count, total) in sorted(by_name.items(), key=lambda item: -item[1][1])[:top]:
-        print(f"{total / PROFILED:10.1f} {count / PROFILED:6.0f} {total / count:8.2f}  {kernel[:110]}")
+        print(f"{total / calls:12.1f} {count / calls:6.1f} {total / count:8.2f}  {kernel[:110]}")
     print(flush=True)
 
 
@@ -229,7 +231,7 @@ def real_traffic_profile(count: int = 80, seed: int = 37, top: int = 30) -> None
     time a request, summed over the requests. The profiler slows the host a little: the wall
     times here are above `real_traffic`'s."""
     predictor, requests = _real_traffic_warmed(count, seed)
-    rows, by_name = [], defaultdict(lambda: [0, 0.0])
+    rows, seen = [], []
     for state, questions in requests:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -238,9 +240,7 @@ def real_traffic_profile(count: int = 80, seed: int = 37, top: int = 30) -> None
             torch.cuda.synchronize()
             wall = (time.perf_counter() - start) * 1e3
         kernels = _kernels(prof)
-        for kernel, begin, end in kernels:
-            by_name[kernel][0] += 1
-            by_name[kernel][1] += end - begin
+        seen += kernels
         batch, _ = predictor.encode(state, questions)
         rows.append(("image" if "image" in state else "text", wall, _busy(kernels) / 1e3, batch.computed_tokens))
     for kind in ("all", "text", "image"):
@@ -252,10 +252,8 @@ def real_traffic_profile(count: int = 80, seed: int = 37, top: int = 30) -> None
         print(f"{kind:5} {len(chosen):3d} requests: wall p50 {percentile(walls, 0.5):.2f} ms, device busy p50 "
               f"{percentile(busy, 0.5):.2f} ms, the rest p50 {percentile(rest, 0.5):.2f} ms; "
               f"computed tokens p50 {percentile([row[3] for row in chosen], 0.5):.0f}", flush=True)
-    print(f"\n{'us a request':>12} {'calls':>6} {'us each':>8}  kernel")
-    for kernel, (calls, total) in sorted(by_name.items(), key=lambda item: -item[1][1])[:top]:
-        print(f"{total / len(rows):12.1f} {calls / len(rows):6.1f} {total / calls:8.2f}  {kernel[:110]}")
-    print(flush=True)
+    print()
+    _kernel_table(seen, top, len(rows), "request")
 
 
 @torch.no_grad()
@@ -276,9 +274,6 @@ def long_row_profile(lengths: tuple[int, ...] = (1500, 3000), replays: int = 50,
     Raises:
         RuntimeError: a request whose batch is not served by a one-row bucket's single graph.
     """
-    from ..runtime.buckets import bucket_for, pad_to_bucket
-    from .long_context import exact_request
-
     require_cuda()
     print(f"settings: {runtime_settings.apply(settings)}", flush=True)
     predictor = shape_only_predictor(SHAPE)
@@ -303,7 +298,7 @@ def long_row_profile(lengths: tuple[int, ...] = (1500, 3000), replays: int = 50,
             end.record()
             end.synchronize()
             spans.append(begin.elapsed_time(end))
-        kernels = _profiled(graph.replay)
+        kernels = _kernels_of(graph.replay)
         summed, busy = sum(end - start for _, start, end in kernels) / PROFILED, _busy(kernels) / PROFILED
         span = statistics.median(spans) * 1e3
         print(f"## {batch.computed_tokens} computed tokens ({tokens} asked), {bucket}: first sight {first:.2f} ms; "
@@ -316,11 +311,9 @@ def long_row_profile(lengths: tuple[int, ...] = (1500, 3000), replays: int = 50,
 
 def _first_sight_host(predictor, state, questions, count: int) -> None:
     """`count` first sights of `state` made new (a line before its text: its tokens are not in
-    the template's cache), timed, then as many more under cProfile (`host.profiled`). The line
+    the template's cache), timed, then as many more under cProfile (`host.cprofiled`). The line
     adds a few tokens: the buckets the new texts took are printed (a length that fills its
     bucket moves to the next)."""
-    from ..runtime.buckets import bucket_for
-
     states = [{"document": f"Case {index}.\n{state['document']}"} for index in range(2 * count)]
     fresh = iter(states)
 
@@ -329,7 +322,7 @@ def _first_sight_host(predictor, state, questions, count: int) -> None:
 
     walls = timed_samples(call, count)
     print(f"first sights of new texts: p50 {statistics.median(walls):.2f} ms of {count}; cProfile of {count} more:")
-    profiled([call] * count)
+    cprofiled([call] * count)
     buckets = {bucket_for(predictor.encode(new, questions)[0], predictor.scores.ladder) for new in states}
     print(f"the new texts' buckets: {', '.join(sorted(map(str, buckets)))}", flush=True)
 
@@ -338,14 +331,14 @@ def _first_sight_host(predictor, state, questions, count: int) -> None:
 def real_traffic_host(count: int = 40, seed: int = 37, rows: int = 40) -> None:
     """Where a real-traffic request's first sight spends its host time (issue 37): the
     workload of `real_traffic` on the shape-only Qwen3.5-0.8B predictor (graphs prepared, 10
-    warm-up requests), `count` first sights under cProfile (`host.profiled`, `rows` rows).
+    warm-up requests), `count` first sights under cProfile (`host.cprofiled`, `rows` rows).
 
         python benchmarks/run.py real_traffic_host --count 40
     """
     require_cuda()
     predictor, requests = _real_traffic_warmed(count, seed)
     torch.cuda.synchronize()
-    profiled([lambda state=state, questions=questions: predictor.predict(state, questions)
+    cprofiled([lambda state=state, questions=questions: predictor.predict(state, questions)
               for state, questions in requests], rows)
 
 

@@ -331,10 +331,10 @@ def host_profile(workloads: tuple[str, ...] = ("distinct_text_1q", "vision_proto
         print(f"## {name}: predict p50 of 30 calls, {rounds} alternating blocks", flush=True)
         print("alone           " + " ".join(f"{value:6.3f}" for value in alone))
         print("under Telemetry " + " ".join(f"{value:6.3f}" for value in sampled))
-        profiled([call] * 100, 30)
+        cprofiled([call] * 100, 30)
 
 
-def profiled(calls, rows: int = 25) -> None:
+def cprofiled(calls, rows: int = 25) -> None:
     """cProfile of `calls` run in turn, then a device synchronisation: the `rows` functions with
     the most own time (the wait for the device shows as the own time of the call that waits)."""
     profiler = cProfile.Profile()

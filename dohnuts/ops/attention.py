@@ -6,6 +6,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .plain import unpack
 
@@ -59,8 +60,6 @@ def dense_causal(q, k, v, scale):
     where cuDNN has none (put first: torch's own order puts flash first on some releases and
     devices). cuDNN's has erred on sequence lengths not a multiple of 128 (torch's issues);
     every one-row bucket's length is one."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], set_priority=True):
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                              is_causal=True, scale=scale, enable_gqa=True)
