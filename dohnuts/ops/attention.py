@@ -41,17 +41,17 @@ def _varlen(causal: bool = True):
 
 
 # Whether a one-row bucket's attention runs as one causal sequence (`kernels.lone_row_attention`
-# through `dense_causal`), on trial (`bench.settings` "attention.DENSE_LONE"). On an H100 (bf16, 8
-# query and 2 key heads of 256) torch's varlen flash kernel took 80 us for a row of 1,500 tokens in
-# a bucket of 1,536 and 200 us for 3,000 in 3,072; cuDNN's fused kernel over the whole bucket 40
-# and 102 us (the largest difference over the row 3.9e-3; ledger run
-# 2026-12-05-a055b22-h100-lone-row-attention). The whole graphs of buckets of 1,536 and 3,072
-# tokens replayed in 6.25 and 11.67 ms of device time with it (rows of 1,536 and 3,072 tokens,
-# machine Y: -920c193-h100-dense-lone-profile), against 6.51 and 12.16-12.18 without (rows of
-# 1,500 and 3,000, machines V and W: -a055b22-h100-long-row-profile and -firsts). But one-question
-# requests on machine Y, each setting in a process of its own (with it first), took 0.7-1.9 ms
-# longer with it on first sight and 0.6-1.0 ms longer again (-920c193-h100-long-dense-1 and -0).
-DENSE_LONE = False
+# through `dense_causal`; `bench.settings` "attention.DENSE_LONE" turns it off to compare). On an
+# H100 (bf16, 8 query and 2 key heads of 256) torch's varlen flash kernel took 80 us for a row of
+# 1,500 tokens in a bucket of 1,536 and 200 us for 3,000 in 3,072; cuDNN's fused kernel over the
+# whole bucket 40 and 102 us (the largest difference over the row 3.9e-3; ledger run
+# 2026-12-05-a055b22-h100-lone-row-attention). On one H100, each setting in a process of its own in
+# the order on, off, on (`trials.sh`, runs 2026-12-05-f56102e-h100-dense-1, -0 and -1-again), the
+# one-row buckets' graphs of rows of 1,500 and 3,000 tokens replayed in 6.28 and 11.68-11.70 ms of
+# device time with it against 6.51 and 12.13 without, and one-question requests of those lengths
+# took 7.49-7.50 and 13.01-13.03 ms on first sight against 7.77 and 13.57. (Session 38's one A/B,
+# with it first, had found it slower: an order or machine effect the on-off-on order rules out.)
+DENSE_LONE = True
 
 
 def dense_causal(q, k, v, scale):

@@ -129,7 +129,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
 def lone_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                        max_seqlen: int, scale: float) -> torch.Tensor:
     """Causal attention of a one-row bucket's packed sequences (cu_seqlens: its row first, then
-    its padding) -> [T, H, D]. With `attention_ops.DENSE_LONE` (on trial), the whole token axis
+    its padding) -> [T, H, D]. With `attention_ops.DENSE_LONE` (on by default), the whole token axis
     as one causal sequence: the row's queries see exactly its own keys, the padding's see the
     row's too, which changes nothing a candidate reads (every other token mixer runs each
     sequence apart); on CUDA in bfloat16 or float16 through `dense_causal`, on the CPU through

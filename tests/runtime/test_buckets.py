@@ -34,7 +34,7 @@ def parts(tiny):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_a_padded_batch_gives_its_rows_the_logits_of_the_batch_alone(parts, name, dense, monkeypatch):
     """A one-row bucket's attention, `kernels.lone_row_attention`, runs each sequence apart or,
-    with the setting on trial (`attention.DENSE_LONE`), the whole bucket as one sequence
+    with `attention.DENSE_LONE` (on by default), the whole bucket as one sequence
     (counted by the sequences its attention calls see)."""
     template, model = parts
     batch = batch_of(template, LAYOUTS[name])

@@ -241,7 +241,7 @@ def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtyp
     in bf16 (padding changes the matrix products' shapes) each held to the model in float64,
     the replay erring at most twice what the eager forward errs plus 1% of the largest logit
     (the two differed by 2.75% of the largest logit of this tiny model on the H200). Also with
-    a one-row bucket's attention as one sequence in its graph (`attention.DENSE_LONE`, on trial)."""
+    a one-row bucket's attention as one sequence in its graph (`attention.DENSE_LONE`, on by default)."""
     from dohnuts.ops import attention
     from dohnuts.runtime.buckets import all_buckets, bucket_for, pad_to_bucket
 
