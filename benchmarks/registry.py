@@ -75,6 +75,10 @@ MEASUREMENTS: dict[str, Measurement] = {
         host.host_first_sight, "host steps of real-traffic requests on first sight as a bucket serves them", "any",
         (Argument("count", int, 80, "real-traffic requests"), Argument("seed", int, 37, "their seed"),
          Argument("rounds", int, 3, "passes over them"))),
+    "real_traffic_steps": Measurement(
+        host.real_traffic_steps, "real-traffic first sights a bucket serves: each host step timed in place", "cuda",
+        (Argument("count", int, 60, "timed requests (10 others warm up first)"),
+         Argument("seed", int, 37, "the generator's seed"))),
     "host_steps": Measurement(
         host.host_steps, "host time of each step of a graph-replayed predict", "cuda",
         (workloads("distinct_text_1q", "vision_protocol_image_1q"),)),

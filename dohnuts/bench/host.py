@@ -279,6 +279,94 @@ def predict_steps(predictor, state, questions) -> list[float]:
     return [1e3 * (after - before) for before, after in zip(marks, marks[1:])]
 
 
+# The steps of a request a bucket's graphs serve, as `Predictor.predict_many` runs them on CUDA:
+# `Engine.launch` (the start event, `GraphedScores.__call__`'s bucket path, the logits' copy to
+# pinned memory), then `Engine.finish` and the answers.
+BUCKET_STEPS = ("encode", "collate", "layout key", "version check", "bucket", "pad", "load into the graph",
+                "embeddings", "replay launch", "logits copy", "wait for the logits", "answers")
+
+
+@torch.no_grad()
+def bucket_steps(predictor, state, questions) -> tuple[bool, list[float]] | None:
+    """(whether the request has a shared prefix, milliseconds of each of `BUCKET_STEPS`) of one
+    `predict_many` of the request served by a bucket's graphs, as it runs them, or None (nothing
+    run) when no bucket serves it or it has an exact graph. The steps are timed on the host with
+    no synchronisation between them: each is host time but the wait, the device's remaining
+    work (a one-row bucket's replay is one launch; a prefix bucket's launches its pieces and
+    runs its attention cores between them)."""
+    scores, model, engine = predictor.scores, predictor.model, predictor.engine
+    marks = [time.perf_counter()]
+    encoded, parsed, tokens, _ = predictor._encode([(state, questions)], collect=False)
+    marks.append(time.perf_counter())
+    batch = engine.collate(encoded, [Piece(0, list(range(len(encoded[0].rows))))])
+    marks.append(time.perf_counter())
+    key = layout_key(batch)
+    marks.append(time.perf_counter())
+    if key in scores.graphs:
+        return None
+    scores._check_versions()
+    marks.append(time.perf_counter())
+    bucket = bucket_for(batch, scores.ladder) if scores.buckets else None
+    marks.append(time.perf_counter())
+    if bucket is None:
+        return None
+    device = model.device
+    graphs = scores.buckets[bucket]
+    padded = pad_to_bucket(batch, bucket, scores.pad_id)
+    marks.append(time.perf_counter())
+    padded = graphs.load(padded) or padded.moved(device)
+    marks.append(time.perf_counter())
+    embeds = model.embeddings(padded)
+    marks.append(time.perf_counter())
+    logits = graphs.replay(embeds, padded)[: batch.markers.shape[0], : batch.markers.shape[1]]
+    marks.append(time.perf_counter())
+    pinned = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+    pinned.copy_(logits, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(device))
+    marks.append(time.perf_counter())
+    done.synchronize()
+    marks.append(time.perf_counter())
+    answers_of(pinned.float().numpy(), candidate_mask(parsed), parsed, tokens, predictor.calibrator)
+    marks.append(time.perf_counter())
+    return bool(batch.prefix_tokens), [1e3 * (after - before) for before, after in zip(marks, marks[1:])]
+
+
+def real_traffic_steps(count: int = 60, seed: int = 37) -> None:
+    """The host's steps of real-traffic first sights that a bucket's graphs serve (issue 37), each
+    timed in place (`bucket_steps`, no profiler): the workload of `real_traffic` on the
+    shape-only Qwen3.5-0.8B predictor, graphs prepared as a server loads, 10 requests of it first.
+
+        python benchmarks/run.py real_traffic_steps --count 60
+
+    Prints the p50 of each step and of their sum by kind (text or image, with or without a shared
+    prefix), and how many requests no bucket served (skipped)."""
+    require_cuda()
+    predictor = shape_only_predictor(SHAPE)
+    requests = real_traffic(10 + count, seed)
+    for state, questions in requests[:10]:
+        predictor.predict(state, questions)
+    samples: dict[str, list[list[float]]] = {}
+    skipped = 0
+    for state, questions in requests[10:]:
+        timed = bucket_steps(predictor, state, questions)
+        if timed is None:
+            skipped += 1
+            continue
+        prefixed, steps = timed
+        kind = ("image" if "image" in state else "text") + (" prefix" if prefixed else " rows")
+        samples.setdefault(kind, []).append(steps)
+    print(f"{count} real-traffic first sights, {skipped} served by no bucket (skipped); p50 ms of each step",
+          flush=True)
+    kinds = sorted(samples)
+    print(f"{'step':22s}" + "".join(f"{kind:>14s}" for kind in kinds))
+    print(f"{'requests':22s}" + "".join(f"{len(samples[kind]):14d}" for kind in kinds))
+    for index, step in enumerate(BUCKET_STEPS):
+        print(f"{step:22s}" + "".join(f"{statistics.median(s[index] for s in samples[kind]):14.3f}" for kind in kinds))
+    print(f"{'sum':22s}" + "".join(f"{statistics.median(sum(s) for s in samples[kind]):14.3f}" for kind in kinds),
+          flush=True)
+
+
 def host_steps(workloads: tuple[str, ...] = ("distinct_text_1q", "vision_protocol_image_1q")) -> None:
     """The host's steps of a repeated workload's `predict` when it replays its exact CUDA graph.
 
