@@ -227,11 +227,12 @@ def real_traffic_profile(count: int = 80, seed: int = 37, top: int = 30) -> None
         python benchmarks/run.py real_traffic_profile --count 80
 
     Prints the p50 of each request's wall time, its kernels' device time as their union (busy)
-    and the rest (host, launches, waits), by text and image requests; then the kernels by device
-    time a request, summed over the requests. The profiler slows the host a little: the wall
-    times here are above `real_traffic`'s."""
+    and the rest (host, launches, waits), for all requests and by kind (text or image, with a
+    shared prefix or rows alone); then the kernels by device time a request, summed over the
+    requests, for all and for each kind (its `top` // 3 first). The profiler slows the host a
+    little: the wall times here are above `real_traffic`'s."""
     predictor, requests = _real_traffic_warmed(count, seed)
-    rows, seen = [], []
+    rows, seen = [], defaultdict(list)
     for state, questions in requests:
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -240,20 +241,25 @@ def real_traffic_profile(count: int = 80, seed: int = 37, top: int = 30) -> None
             torch.cuda.synchronize()
             wall = (time.perf_counter() - start) * 1e3
         kernels = _kernels(prof)
-        seen += kernels
         batch, _ = predictor.encode(state, questions)
-        rows.append(("image" if "image" in state else "text", wall, _busy(kernels) / 1e3, batch.computed_tokens))
-    for kind in ("all", "text", "image"):
-        chosen = [row for row in rows if kind in ("all", row[0])]
+        kind = ("image" if "image" in state else "text") + (" prefix" if batch.prefix_tokens else " rows")
+        seen[kind] += kernels
+        rows.append((kind, wall, _busy(kernels) / 1e3, batch.computed_tokens))
+    kinds = ["all", "text", "image", *sorted(seen)]
+    for kind in kinds:
+        chosen = [row for row in rows if kind == "all" or row[0] == kind or row[0].startswith(kind + " ")]
         if not chosen:
             continue
         walls, busy = [row[1] for row in chosen], [row[2] for row in chosen]
         rest = [wall - device for wall, device in zip(walls, busy)]
-        print(f"{kind:5} {len(chosen):3d} requests: wall p50 {percentile(walls, 0.5):.2f} ms, device busy p50 "
+        print(f"{kind:12} {len(chosen):3d} requests: wall p50 {percentile(walls, 0.5):.2f} ms, device busy p50 "
               f"{percentile(busy, 0.5):.2f} ms, the rest p50 {percentile(rest, 0.5):.2f} ms; "
               f"computed tokens p50 {percentile([row[3] for row in chosen], 0.5):.0f}", flush=True)
     print()
-    _kernel_table(seen, top, len(rows), "request")
+    _kernel_table([kernel for kind in seen for kernel in seen[kind]], top, len(rows), "request")
+    for kind in sorted(seen):
+        print(f"## {kind}")
+        _kernel_table(seen[kind], max(1, top // 3), sum(row[0] == kind for row in rows), "request")
 
 
 @torch.no_grad()
