@@ -280,8 +280,8 @@ def predict_steps(predictor, state, questions) -> list[float]:
 
 
 # The steps of a request a bucket's graphs serve, as `Predictor.predict_many` runs them on CUDA:
-# `Engine.launch` (the start event, `GraphedScores.__call__`'s bucket path, the logits' copy to
-# pinned memory), then `Engine.finish` and the answers.
+# encoding, then `Engine.launch` (the collation, `GraphedScores.__call__`'s bucket path, the
+# logits' copy to pinned memory), `Engine.finish` (the wait) and the answers.
 BUCKET_STEPS = ("encode", "collate", "layout key", "version check", "bucket", "pad", "load into the graph",
                 "embeddings", "replay launch", "logits copy", "wait for the logits", "answers")
 
