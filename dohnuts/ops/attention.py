@@ -50,7 +50,7 @@ def _varlen(causal: bool = True):
 # one-row buckets' graphs of rows of 1,500 and 3,000 tokens replayed in 6.28 and 11.68-11.70 ms of
 # device time with it against 6.51 and 12.13 without, and one-question requests of those lengths
 # took 7.49-7.50 and 13.01-13.03 ms on first sight against 7.77 and 13.57. (Session 38's one A/B,
-# with it first, had found it slower: an order or machine effect the on-off-on order rules out.)
+# on another machine and with it first, had found it slower.)
 DENSE_LONE = True
 
 
