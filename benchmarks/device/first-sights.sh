@@ -3,9 +3,9 @@
 # real-traffic first sights, one-question requests of 1,500 and 3,000 tokens, and where a first
 # sight's time goes (each host step timed in place, then the profile by kind; the bounds add to
 # 530 s, so on a fresh machine the profile may be cut); SETTINGS changes runtime settings for the
-# first two (`bench.settings`, space-separated NAME=VALUE: scan.ALONE_FROM=none keeps one long sequence in
-# 16-token steps). Each step is bounded; results land in $OUT, named after SUFFIX (by default, after
-# SETTINGS).
+# first two (`bench.settings`, space-separated NAME=VALUE: scan.ALONE_FROM=none keeps one long
+# sequence in 16-token steps). Each step is bounded; results land in $OUT, named after SUFFIX (by
+# default, after SETTINGS).
 # From the project root, with .gpusite and .whl carried (docs/design.md, "Running it on a GPU
 # machine"):
 #   bash benchmarks/device/first-sights.sh     # or SETTINGS="swiglu.BY_ROWS=1" SUFFIX=-rows bash ...
