@@ -21,7 +21,7 @@ from ..inputs.vocabulary import qwen3_5_tokenizer
 from ..model.base import new_image_processor
 from ..runtime.buckets import Ladder, all_buckets, bucket_for, pad_to_bucket
 from ..runtime.cuda_graphs import layout_key
-from ..runtime.engine import Piece
+from ..runtime.engine import Piece, plan
 from ..runtime.predict import answers_of, candidate_mask, encode_request
 from ..schema import parse_request
 from ..scoring.calibrator import Calibrator
@@ -280,25 +280,30 @@ def predict_steps(predictor, state, questions) -> list[float]:
 
 
 # The steps of a request a bucket's graphs serve, as `Predictor.predict_many` runs them on CUDA:
-# encoding, then `Engine.launch` (the collation, `GraphedScores.__call__`'s bucket path, the
-# logits' copy to pinned memory), `Engine.finish` (the wait) and the answers.
-BUCKET_STEPS = ("encode", "collate", "layout key", "version check", "bucket", "pad", "load into the graph",
+# encoding, `Engine.run`'s plan, then `Engine.launch` (the collation, its start event,
+# `GraphedScores.__call__`'s bucket path, the logits' copy to pinned memory and the end event),
+# `Engine.finish` (the wait, the logits as float32) and the answers.
+BUCKET_STEPS = ("encode", "plan", "collate", "layout key", "version check", "bucket", "pad", "load into the graph",
                 "embeddings", "replay launch", "logits copy", "wait for the logits", "answers")
 
 
 @torch.no_grad()
 def bucket_steps(predictor, state, questions) -> tuple[bool, list[float]] | None:
     """(whether the request has a shared prefix, milliseconds of each of `BUCKET_STEPS`) of one
-    `predict_many` of the request served by a bucket's graphs, as it runs them, or None (nothing
-    run) when no bucket serves it or it has an exact graph. The steps are timed on the host with
-    no synchronisation between them: each is host time but the wait, the device's remaining
-    work (a one-row bucket's replay is one launch; a prefix bucket's launches its pieces and
-    runs its attention cores between them)."""
+    `predict_many` of the request served by a bucket's graphs, as it runs them, or None when no
+    bucket serves it or it has an exact graph (its encoding and collation then ran, nothing on
+    the device). The steps are timed on the host with no synchronisation between them: each is
+    host time but the wait, the device's remaining work (a one-row bucket's replay is one launch;
+    a prefix bucket's launches its pieces and runs its attention cores between them)."""
     scores, model, engine = predictor.scores, predictor.model, predictor.engine
     marks = [time.perf_counter()]
     encoded, parsed, tokens, _ = predictor._encode([(state, questions)], collect=False)
     marks.append(time.perf_counter())
-    batch = engine.collate(encoded, [Piece(0, list(range(len(encoded[0].rows))))])
+    invocations = plan(encoded, engine.admits)
+    marks.append(time.perf_counter())
+    if len(invocations) != 1:
+        return None
+    batch = engine.collate(encoded, invocations[0])
     marks.append(time.perf_counter())
     key = layout_key(batch)
     marks.append(time.perf_counter())
@@ -311,23 +316,29 @@ def bucket_steps(predictor, state, questions) -> tuple[bool, list[float]] | None
     if bucket is None:
         return None
     device = model.device
-    graphs = scores.buckets[bucket]
-    padded = pad_to_bucket(batch, bucket, scores.pad_id)
-    marks.append(time.perf_counter())
-    padded = graphs.load(padded) or padded.moved(device)
-    marks.append(time.perf_counter())
-    embeds = model.embeddings(padded)
-    marks.append(time.perf_counter())
-    logits = graphs.replay(embeds, padded)[: batch.markers.shape[0], : batch.markers.shape[1]]
-    marks.append(time.perf_counter())
-    pinned = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
-    pinned.copy_(logits, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(device))
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device)
+        started = torch.cuda.Event(enable_timing=True)
+        started.record(stream)
+        graphs = scores.buckets[bucket]
+        padded = pad_to_bucket(batch, bucket, scores.pad_id)
+        marks.append(time.perf_counter())
+        padded = graphs.load(padded) or padded.moved(device)
+        marks.append(time.perf_counter())
+        embeds = model.embeddings(padded)
+        marks.append(time.perf_counter())
+        logits = graphs.replay(embeds, padded)[: batch.markers.shape[0], : batch.markers.shape[1]]
+        marks.append(time.perf_counter())
+        pinned = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
+        pinned.copy_(logits, non_blocking=True)
+        done = torch.cuda.Event(enable_timing=True)
+        done.record(stream)
     marks.append(time.perf_counter())
     done.synchronize()
+    started.elapsed_time(done)
+    logits = pinned.float().numpy()
     marks.append(time.perf_counter())
-    answers_of(pinned.float().numpy(), candidate_mask(parsed), parsed, tokens, predictor.calibrator)
+    answers_of(logits, candidate_mask(parsed), parsed, tokens, predictor.calibrator)
     marks.append(time.perf_counter())
     return bool(batch.prefix_tokens), [1e3 * (after - before) for before, after in zip(marks, marks[1:])]
 
