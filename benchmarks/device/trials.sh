@@ -7,7 +7,7 @@
 # then with SETTING again, each in a process of its own: the two are timed on one machine, and the
 # repeat shows what the order alone moves (session 38's one A/B found attention.DENSE_LONE's
 # process, run first, 0.6-1.9 ms slower with a kernel twice as fast; session 39's on, off, on found
-# it 0.3-0.5 ms faster both times, and it is now on by default). On a
+# it 0.3-0.6 ms faster both times, and it is now on by default). On a
 # fresh machine the first run compiles its kernels (Triton's cache is empty), which takes most of
 # a minute: hence 150 s a run.
 # Results in $OUT:

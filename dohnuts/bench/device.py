@@ -273,7 +273,7 @@ def long_row_profile(lengths: tuple[int, ...] = (1500, 3000), replays: int = 50,
     summed and union (busy) device time, the gaps (span less busy) and the table of kernels by
     device time (`top` rows); then `firsts` first sights of its text made new, timed, and as
     many under cProfile (`_first_sight_host`). `settings` change the runtime's first
-    (`bench.settings`, as "attention.DENSE_LONE=1").
+    (`bench.settings`, as "attention.DENSE_LONE=0").
 
         python benchmarks/run.py long_row_profile --lengths 1500 3000
 

@@ -1,5 +1,6 @@
 """Runtime settings a measurement may change before its predictor loads, to compare a setting
-not yet on by default with the default in separate processes (`--settings NAME=VALUE`)."""
+with the default in separate processes (`--settings NAME=VALUE`): one on trial, or a default
+turned off."""
 
 from __future__ import annotations
 

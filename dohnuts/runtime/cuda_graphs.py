@@ -212,8 +212,10 @@ class _BucketGraph:
     goes back to the memory pool the bucket graphs share.
 
     A one-row bucket's graph is `whole`: it has no prefix, so each sequence's keys are its own
-    tokens, and attention is captured too, planned for sequences of up to the bucket's row
-    tokens (flash attention skips the blocks past a sequence's end): the forward is one graph,
+    tokens, and attention is captured too: the whole bucket as one causal sequence
+    (`attention.DENSE_LONE`, the padding seeing the row's keys, which no candidate reads), or
+    with it off each sequence planned for up to the bucket's row tokens (flash attention skips
+    the blocks past a sequence's end). The forward is one graph,
     one launch where the pieces take thirteen. The device is the bound there, not the host: on
     the H200 a 1,287-token question took 9.79 ms (p50) whole against 9.91 in pieces, 2,787
     tokens 15.94 against 16.05 (alternated in one process, docs/changelog.md). Only its logits
