@@ -18,11 +18,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..runtime.buckets import bucket_for, pad_to_bucket
 from ..runtime.cuda_graphs import layout_key
 from . import settings as runtime_settings
-from .host import SHAPE, chosen_workloads, cprofiled, require_cuda, timed_samples, warm_up, warmed_predictor
+from .host import (
+    SHAPE,
+    chosen_workloads,
+    cprofiled,
+    real_traffic_warmed,
+    require_cuda,
+    timed_samples,
+    traffic_kind,
+    warm_up,
+    warmed_predictor,
+)
 from .long_context import exact_request
 from .shapes import shape_only_predictor
 from .telemetry import Telemetry
-from .traffic import percentile, real_traffic
+from .traffic import percentile
 
 
 def profile_predict(workload: str = "distinct_text_50q", calls: int = 20, profiled: int = 3, rows: int = 45) -> None:
@@ -231,7 +241,7 @@ def real_traffic_profile(count: int = 80, seed: int = 37, top: int = 30) -> None
     shared prefix or rows alone); then the kernels by device time a request, summed over the
     requests, for all and for each kind (its `top` // 3 first). The profiler slows the host a
     little: the wall times here are above `real_traffic`'s."""
-    predictor, requests = _real_traffic_warmed(count, seed)
+    predictor, requests = real_traffic_warmed(count, seed)
     rows, seen = [], defaultdict(list)
     for state, questions in requests:
         torch.cuda.synchronize()
@@ -242,7 +252,7 @@ def real_traffic_profile(count: int = 80, seed: int = 37, top: int = 30) -> None
             wall = (time.perf_counter() - start) * 1e3
         kernels = _kernels(prof)
         batch, _ = predictor.encode(state, questions)
-        kind = ("image" if "image" in state else "text") + (" prefix" if batch.prefix_tokens else " rows")
+        kind = traffic_kind(state, bool(batch.prefix_tokens))
         seen[kind] += kernels
         rows.append((kind, wall, _busy(kernels) / 1e3, batch.computed_tokens))
     kinds = ["all", "text", "image", *sorted(seen)]
@@ -342,17 +352,8 @@ def real_traffic_host(count: int = 40, seed: int = 37, rows: int = 40) -> None:
         python benchmarks/run.py real_traffic_host --count 40
     """
     require_cuda()
-    predictor, requests = _real_traffic_warmed(count, seed)
+    predictor, requests = real_traffic_warmed(count, seed)
     torch.cuda.synchronize()
     cprofiled([lambda state=state, questions=questions: predictor.predict(state, questions)
               for state, questions in requests], rows)
 
-
-def _real_traffic_warmed(count: int, seed: int):
-    """(the shape-only Qwen3.5-0.8B predictor, graphs prepared, after 10 requests of
-    `traffic.real_traffic`; the `count` requests after them, new to it)."""
-    predictor = shape_only_predictor(SHAPE)
-    requests = real_traffic(10 + count, seed)
-    for state, questions in requests[:10]:
-        predictor.predict(state, questions)
-    return predictor, requests[10:]

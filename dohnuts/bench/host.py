@@ -279,6 +279,22 @@ def predict_steps(predictor, state, questions) -> list[float]:
     return [1e3 * (after - before) for before, after in zip(marks, marks[1:])]
 
 
+def real_traffic_warmed(count: int, seed: int):
+    """(the shape-only Qwen3.5-0.8B predictor, graphs prepared, after 10 requests of
+    `traffic.real_traffic`; the `count` requests after them, new to it)."""
+    predictor = shape_only_predictor(SHAPE)
+    requests = real_traffic(10 + count, seed)
+    for state, questions in requests[:10]:
+        predictor.predict(state, questions)
+    return predictor, requests[10:]
+
+
+def traffic_kind(state, prefixed: bool) -> str:
+    """A real-traffic request's kind: "text" or "image", then "prefix" when its rows share one,
+    else "rows"."""
+    return ("image" if "image" in state else "text") + (" prefix" if prefixed else " rows")
+
+
 # The steps of a request a bucket's graphs serve, as `Predictor.predict_many` runs them on CUDA:
 # encoding, `Engine.run`'s plan, then `Engine.launch` (the collation, its start event,
 # `GraphedScores.__call__`'s bucket path, the logits' copy to pinned memory and the end event),
@@ -335,7 +351,7 @@ def bucket_steps(predictor, state, questions) -> tuple[bool, list[float]] | None
         done.record(stream)
     marks.append(time.perf_counter())
     done.synchronize()
-    started.elapsed_time(done)
+    started.elapsed_time(done)  # `finish` reads the run's device time
     logits = pinned.float().numpy()
     marks.append(time.perf_counter())
     answers_of(logits, candidate_mask(parsed), parsed, tokens, predictor.calibrator)
@@ -353,20 +369,16 @@ def real_traffic_steps(count: int = 60, seed: int = 37) -> None:
     Prints the p50 of each step and of their sum by kind (text or image, with or without a shared
     prefix), and how many requests no bucket served (skipped)."""
     require_cuda()
-    predictor = shape_only_predictor(SHAPE)
-    requests = real_traffic(10 + count, seed)
-    for state, questions in requests[:10]:
-        predictor.predict(state, questions)
+    predictor, requests = real_traffic_warmed(count, seed)
     samples: dict[str, list[list[float]]] = {}
     skipped = 0
-    for state, questions in requests[10:]:
+    for state, questions in requests:
         timed = bucket_steps(predictor, state, questions)
         if timed is None:
             skipped += 1
             continue
         prefixed, steps = timed
-        kind = ("image" if "image" in state else "text") + (" prefix" if prefixed else " rows")
-        samples.setdefault(kind, []).append(steps)
+        samples.setdefault(traffic_kind(state, prefixed), []).append(steps)
     print(f"{count} real-traffic first sights, {skipped} served by no bucket (skipped); p50 ms of each step",
           flush=True)
     kinds = sorted(samples)
