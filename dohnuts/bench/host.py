@@ -299,8 +299,8 @@ def traffic_kind(state, prefixed: bool) -> str:
 # encoding, `Engine.run`'s plan, then `Engine.launch` (the collation, its start event,
 # `GraphedScores.__call__`'s bucket path, the logits' copy to pinned memory and the end event),
 # `Engine.finish` (the wait, the logits as float32) and the answers.
-BUCKET_STEPS = ("encode", "plan", "collate", "layout key", "version check", "bucket", "pad", "load into the graph",
-                "embeddings", "replay launch", "logits copy", "wait for the logits", "answers")
+BUCKET_STEPS = ("encode", "plan", "collate", "layout key", "bucket", "pad", "load into the graph", "embeddings",
+                "replay launch", "version check", "logits copy", "wait for the logits", "answers")
 
 
 @torch.no_grad()
@@ -325,8 +325,6 @@ def bucket_steps(predictor, state, questions) -> tuple[bool, list[float]] | None
     marks.append(time.perf_counter())
     if key in scores.graphs:
         return None
-    scores._check_versions()
-    marks.append(time.perf_counter())
     bucket = bucket_for(batch, scores.ladder) if scores.buckets else None
     marks.append(time.perf_counter())
     if bucket is None:
@@ -344,6 +342,8 @@ def bucket_steps(predictor, state, questions) -> tuple[bool, list[float]] | None
         embeds = model.embeddings(padded)
         marks.append(time.perf_counter())
         logits = graphs.replay(embeds, padded)[: batch.markers.shape[0], : batch.markers.shape[1]]
+        marks.append(time.perf_counter())
+        scores._check_versions()  # `_replay_bucket` reads the versions while the device replays
         marks.append(time.perf_counter())
         pinned = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
         pinned.copy_(logits, non_blocking=True)
