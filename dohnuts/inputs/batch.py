@@ -53,7 +53,7 @@ class EncodedImage:
 
     pixel_values: torch.Tensor | None  # [H, W, 3] uint8 with settings, else [patches, C * temporal * p * p]
     grid_thw: torch.Tensor  # [1, 3]
-    key: str = ""  # SHA-256 of the decoded RGB content (dohnuts.model.features.image_key)
+    key: str = ""  # BLAKE3 of the decoded RGB content (dohnuts.inputs.pixels.image_key)
     settings: PixelSettings | None = None
 
     @property

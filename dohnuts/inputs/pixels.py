@@ -19,10 +19,10 @@ Processors it does not recognise run themselves, on the host.
 from __future__ import annotations
 
 import functools
-import hashlib
 import sys
 from dataclasses import dataclass
 
+import blake3
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -33,17 +33,20 @@ BICUBIC = 3  # PIL.Image.Resampling.BICUBIC
 
 
 def image_key(image) -> str:
-    """SHA-256 of a decoded image's RGB content and dimensions (the cache key)."""
+    """BLAKE3 of a decoded image's RGB content and dimensions (the feature cache's and the
+    isolation's key)."""
     return content(image)[0]
 
 
 def content(image) -> tuple[str, bytes]:
     """(`image_key`, its RGB bytes) of a decoded image from one read of its pixels: a new image's
     tensor is made of the bytes its key was (`rgb_bytes`), where reading them again cost as much
-    as hashing them."""
+    as hashing them. BLAKE3, not SHA-256: a key must resist a client forging another's image (so
+    no xxHash), and the 4 MB of a 1,200 px image took 2.2 ms to SHA-256 on the development host
+    against 0.63 ms to BLAKE3 on one thread."""
     converted = rgb(image)
     data = converted.tobytes()
-    digest = hashlib.sha256(f"{converted.width}x{converted.height}:".encode())
+    digest = blake3.blake3(f"{converted.width}x{converted.height}:".encode())
     digest.update(data)
     return digest.hexdigest(), data
 
