@@ -59,14 +59,19 @@ def _next_run(entries: list[dict], date: str, commit: str) -> str:
               show_default=True)
 def record(source: Path, machine: str, commit: str | None, date: str | None, run_id: str | None, tests: bool,
            note: str | None, command: str | None, ledger_path: Path) -> None:
-    """Append SOURCE's run to the ledger: a benchmark stage's records JSONL, or a pytest log."""
+    """Append SOURCE's run to the ledger: a benchmark stage's records JSONL, a measurement's JSON
+    record (its --out), or a pytest log."""
     commit = commit or _head()
     date = date or datetime.date.today().isoformat()
     run_id = run_id or _next_run(ledger.read(ledger_path), date, commit)
     if tests:
         entries = ledger.entries_from_pytest(source.read_text(), date, commit, machine, run_id, source.name)
     else:
-        records = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+        text = source.read_text()
+        try:  # one record as JSON (a measurement's --out), else JSON lines (the benchmark stage's)
+            records = [json.loads(text)]
+        except json.JSONDecodeError:
+            records = [json.loads(line) for line in text.splitlines() if line.strip()]
         entries = ledger.entries_from_records(records, date, commit, machine, run_id, source.name)
     if not entries:
         raise click.ClickException(f"{source} holds nothing to record")

@@ -149,7 +149,7 @@ def real_traffic_measurement(count: int = 80, seed: int = 37, out: str | None = 
     """
     chosen = runtime_settings.apply(settings)
     record = real_traffic_record(shape_only_predictor(SHAPE), count, seed)
-    record["settings"] = chosen
+    record["settings"], record["shape_only"] = chosen, SHAPE  # the ledger's label of the model
     part = record["first_sight"]
     print(f"real traffic, {record['requests']} requests ({record['image_requests']} with an image) on first sight: "
           f"p50 {part['p50_ms']:.2f} p99 {part['p99_ms']:.2f} max {part['max_ms']:.2f} ms; text p50 "
@@ -172,7 +172,7 @@ def long_context_measurement(lengths: tuple[int, ...] = (8192, 32768, 65536), ou
     """
     chosen = runtime_settings.apply(settings)
     record = long_context_record(shape_only_predictor(SHAPE), lengths)
-    record["settings"] = chosen
+    record["settings"], record["shape_only"] = chosen, SHAPE  # the ledger's label of the model
     for request in record["requests"]:
         if "refused" in request:
             print(f"{request['target_tokens']:6d} tokens: refused: {request['refused']}", flush=True)

@@ -267,3 +267,21 @@ def test_record_keeps_the_files_name_and_the_command(tmp_path):
     assert done.exit_code == 0, done.output
     made = ledger.read(path)[0]
     assert made["source"] == "serving.json" and made["command"] == "python benchmarks/run.py serving_workload"
+
+
+def test_record_takes_a_measurements_indented_json_record_and_names_its_shape(tmp_path):
+    """`benchmarks/run.py real_traffic --out real.json` writes one indented JSON object naming its
+    shape-only model: the ledger records it as it is, labelled with that shape."""
+    spec = importlib.util.spec_from_file_location("ledger_measurement", ROOT / "benchmarks" / "ledger.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    record = {"workload": "real_traffic", "requests": 2, "image_requests": 1, "shape_only": "qwen3_5-0.8b",
+              "first_sight": {"p50_ms": 11.5, "p99_ms": 22.5, "samples_ms": [11.5, 22.5]}}
+    source, path = tmp_path / "real.json", tmp_path / "ledger.jsonl"
+    source.write_text(json.dumps(record, indent=2))
+    done = CliRunner().invoke(script.main, ["record", str(source), "--machine", "H100", "--commit", "abc1234",
+                                            "--ledger", str(path)])
+    assert done.exit_code == 0, done.output
+    made = ledger.read(path)
+    assert len(made) == 1 and made[0]["shape"] == "shape-only qwen3_5-0.8b"
+    assert made[0]["figures"]["first_sight_p50_ms"] == 11.5 and made[0]["figures"]["requests"] == 2
