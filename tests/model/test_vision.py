@@ -9,7 +9,7 @@ from PIL import Image
 
 from dohnuts.model.base import load_backbone
 from dohnuts.model.decision import new_head
-from dohnuts.model.vision import PatchProjection, image_features, linear_patch_projection
+from dohnuts.model.vision import PatchProjection, grid_inputs, image_features, linear_patch_projection
 from dohnuts.runtime.checkpoint import assemble
 
 
@@ -102,3 +102,21 @@ def test_vision_plans_keep_the_most_recent_grid_lists():
     assert plans.get("a") is None and plans.get("c") == "c" and len(plans) == 2
     with pytest.raises(ValueError, match="graphs need plans"):
         image_features(None, torch.zeros(1), torch.zeros(1, 3), None, object())
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_grid_inputs_equal_transformers_helpers_exactly(mode, align_corners):
+    """The plan's host inputs, each image's rows and columns tapped once, equal transformers'
+    per-patch helpers bit for bit: several images of odd shapes, a grid larger than the table,
+    two frames of one, a repeated grid (its parts cached), in merge-block order of 2."""
+    vision_utils = pytest.importorskip("transformers.vision_utils")
+    grid = torch.tensor([[1, 32, 32], [1, 4, 58], [2, 10, 6], [1, 64, 2], [1, 32, 32]])
+    side, merge = 48, 2
+    indices, weights, positions, cu = grid_inputs(grid, side, merge, mode, align_corners)
+    taps, tap_weights = vision_utils.get_vision_interpolation_indices_and_weights(
+        grid, num_grid_per_side=side, mode=mode, align_corners=align_corners, spatial_merge_size=merge)
+    assert torch.equal(indices, taps) and indices.dtype == taps.dtype
+    assert torch.equal(weights, tap_weights) and weights.dtype == tap_weights.dtype
+    assert torch.equal(positions, vision_utils.get_vision_position_ids(grid, merge))
+    assert torch.equal(cu, vision_utils.get_vision_cu_seqlens(grid)) and cu.dtype == torch.int32
