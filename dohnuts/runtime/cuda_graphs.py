@@ -251,22 +251,26 @@ class _BucketGraph:
             for _ in range(2):  # kernels compile and autotune, cuBLAS plans, outside the capture
                 self._forward(batch.fork)
         torch.cuda.current_stream().wait_stream(side)
-        if self.whole:
-            self.graphs = [torch.cuda.CUDAGraph()]
-            with torch.cuda.graph(self.graphs[0], pool=pool):
-                self._forward(None)
-            self.outputs, self.attended = self.outputs[-1:], [None] * len(self.attention)  # the logits alone
-        else:
-            # Each piece's outputs pass through the arena, so what the graph makes on the way
-            # (those outputs included) goes back to the pool, for the next capture.
-            passed = [[arena.take((index, slot), tensor.shape, tensor.dtype) for slot, tensor in enumerate(outputs)]
-                      for index, outputs in enumerate(self.outputs[:-1])]
-            self.graphs, self.outputs = [], []
-            for index in range(len(self.attention) + 1):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs.append(self._piece(index, passed[index] if index < len(passed) else None))
-                self.graphs.append(graph)
+        # The graphs hold the constants derived from weights they read (`kernels.holding_derived`):
+        # a replay launched before an in-place change is noticed (`GraphedScores._replay_bucket`)
+        # still reads memory of its own.
+        with kernels.holding_derived() as self.derived:
+            if self.whole:
+                self.graphs = [torch.cuda.CUDAGraph()]
+                with torch.cuda.graph(self.graphs[0], pool=pool):
+                    self._forward(None)
+                self.outputs, self.attended = self.outputs[-1:], [None] * len(self.attention)  # the logits alone
+            else:
+                # Each piece's outputs pass through the arena, so what the graph makes on the way
+                # (those outputs included) goes back to the pool, for the next capture.
+                passed = [[arena.take((index, slot), tensor.shape, tensor.dtype) for slot, tensor in enumerate(outputs)]
+                          for index, outputs in enumerate(self.outputs[:-1])]
+                self.graphs, self.outputs = [], []
+                for index in range(len(self.attention) + 1):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.outputs.append(self._piece(index, passed[index] if index < len(passed) else None))
+                    self.graphs.append(graph)
         # A graph's first launch uploads it to the device: here, not on a request (`prepare`
         # waits for the device after the last bucket).
         self.replay(self.embeds, self.static)

@@ -327,6 +327,29 @@ def test_bucket_graphs_are_captured_again_after_the_model_changes(tiny):
 
 
 @pytest.mark.gpu
+def test_a_bucket_replayed_after_an_unnoticed_change_reads_constants_it_holds(tiny):
+    """A bucket's graphs read the weights' versions after their launch: when a weight changed in
+    place and an eager forward has since replaced (and freed) the constant derived from it, the
+    replay still reads the old constant, which its graphs hold, and the batch runs again on the
+    new weights."""
+    from dohnuts.runtime.buckets import Bucket
+
+    template, model, graphed = _on_cuda(tiny, torch.bfloat16)
+    graphed.pad_id = template.pad_id
+    graphed.prepare([Bucket(256, 256, False), Bucket(64, 128, False)])
+    batch = _varied(template)[0]
+    with torch.no_grad():
+        before = graphed(batch)
+        model.backbone.language_model.layers[0].input_layernorm.weight.add_(0.5)
+        eager = model(batch.to("cuda"))  # derives the new constant; the old one is the graphs' alone
+        torch.cuda.empty_cache()
+        ours = graphed(batch)
+        truth = copy.deepcopy(model).double().cpu()(batch)
+    assert errs_like(ours, eager, truth) and not torch.equal(ours, before)
+    assert graphed.stats["bucket_replays"] == 2 and len(graphed.buckets) == 2
+
+
+@pytest.mark.gpu
 def test_a_layout_a_bucket_serves_is_never_captured_on_a_request(tiny):
     """A host batch that recurs past `capture_at` while a bucket fits it replays the bucket each
     time (its logits the same): no capture stalls it. Deferred, as the server runs, the layout
