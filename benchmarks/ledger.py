@@ -72,6 +72,8 @@ def record(source: Path, machine: str, commit: str | None, date: str | None, run
             records = [json.loads(text)]
         except json.JSONDecodeError:
             records = [json.loads(line) for line in text.splitlines() if line.strip()]
+        if not all(isinstance(record, dict) for record in records):
+            raise click.ClickException(f"{source} holds something other than JSON objects (records)")
         entries = ledger.entries_from_records(records, date, commit, machine, run_id, source.name)
     if not entries:
         raise click.ClickException(f"{source} holds nothing to record")

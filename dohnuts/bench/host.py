@@ -343,7 +343,9 @@ def bucket_steps(predictor, state, questions) -> tuple[bool, list[float]] | None
         marks.append(time.perf_counter())
         logits = graphs.replay(embeds, padded)[: batch.markers.shape[0], : batch.markers.shape[1]]
         marks.append(time.perf_counter())
-        scores._check_versions()  # `_replay_bucket` reads the versions while the device replays
+        # `_replay_bucket` reads the versions while the device replays
+        if [parameter._version for parameter in scores.parameters] != scores.versions:
+            raise RuntimeError("a weight changed in place during the measurement")
         marks.append(time.perf_counter())
         pinned = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)
         pinned.copy_(logits, non_blocking=True)
