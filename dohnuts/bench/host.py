@@ -343,8 +343,7 @@ def bucket_steps(predictor, state, questions) -> tuple[bool, list[float]] | None
         marks.append(time.perf_counter())
         logits = graphs.replay(embeds, padded)[: batch.markers.shape[0], : batch.markers.shape[1]]
         marks.append(time.perf_counter())
-        # `_replay_bucket` reads the versions while the device replays
-        if [parameter._version for parameter in scores.parameters] != scores.versions:
+        if scores.changed_during_replay():  # as `_replay_bucket` reads them, while the device replays
             raise RuntimeError("a weight changed in place during the measurement")
         marks.append(time.perf_counter())
         pinned = torch.empty(logits.shape, dtype=logits.dtype, pin_memory=True)

@@ -569,13 +569,21 @@ class GraphedScores:
         if moved is None:
             moved = batch.to(model.device) if on_host else batch
         logits = graph.replay(None if graph.text else model.embeddings(moved), moved)
-        if list(map(_VERSION, self.parameters)) != self.versions:
-            torch.cuda.current_stream(model.device).synchronize()  # the replay ends before its graph goes
-            self._check_versions()
+        if self.changed_during_replay():
             return self(batch)
         self.graphs.move_to_end(key)
         self.stats["replays"] += 1
         return logits
+
+    def changed_during_replay(self) -> bool:
+        """Whether a weight changed in place before the replay just launched, read while the
+        device replays; if so, once the replay has ended, every graph is dropped (its logits are
+        stale: the caller runs the batch again)."""
+        if list(map(_VERSION, self.parameters)) == self.versions:
+            return False
+        torch.cuda.current_stream(self.model.device).synchronize()  # the replay ends before its graphs go
+        self._check_versions()
+        return True
 
     def _replay_bucket(self, bucket, batch: Batch) -> torch.Tensor:
         """Logits [B, K] of a host batch through `bucket`'s graphs. As in `_replay`, the weights'
@@ -589,9 +597,7 @@ class GraphedScores:
         padded = pad_to_bucket(batch, bucket, self.pad_id)
         padded = graphs.load(padded) or padded.moved(model.device)
         logits = graphs.replay(model.embeddings(padded), padded)
-        if list(map(_VERSION, self.parameters)) != self.versions:
-            torch.cuda.current_stream(model.device).synchronize()  # the replay ends before its graphs go
-            self._check_versions()
+        if self.changed_during_replay():
             return self(batch)
         self.stats["bucket_replays"] += 1
         self.stats["padding_tokens"] += padding_tokens(batch, bucket)
