@@ -163,7 +163,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
 
     # (name, {setting of `scan`: value}): the parts solved apart, then walked, and the one-kernel walk
     names = ("WALK_VALUES", "PARTS_BELOW", "PARTS_A_PROGRAM", "WALK_STAGES", "WALK_WARPS", "WALK_CHUNK", "SOLVE_WARPS",
-             "FWD_VALUES", "FWD_WARPS")
+             "FWD_VALUES", "FWD_WARPS", "VALUES", "ROW_WARPS")
     defaults = {name: getattr(ops, name) for name in names}
     paths = [(f"parts {split} a program, walk values {values}, stages {stages}, warps {warps}",
               {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "PARTS_A_PROGRAM": split,
@@ -175,6 +175,17 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "WALK_CHUNK": 64, "SOLVE_WARPS": solve,
                 "WALK_WARPS": warps})
               for solve, values, warps in ((4, 32, 4), (2, 32, 4), (4, 16, 4), (4, 64, 8))]
+    # The same with the walk's 16 values (one long sequence's path), varying the others' launches:
+    # the inverse's warps, the values and warps a program of W and U and of the outputs
+    # (`VALUES`, `ROW_WARPS`), the walk's pipeline stages and warps.
+    paths += [(f"64-token chunks, solve warps {solve}, W U and outputs values {values} warps {rows}, walk 16 "
+               f"values, stages {stages}, warps {warps}",
+               {**defaults, "WALK_VALUES": 16, "PARTS_BELOW": 2**31, "WALK_CHUNK": 64, "SOLVE_WARPS": solve,
+                "VALUES": values, "ROW_WARPS": rows, "WALK_STAGES": stages, "WALK_WARPS": warps})
+              for solve, values, rows, stages, warps in (
+                  (2, 64, 4, None, 4), (8, 64, 4, None, 4), (4, 32, 4, None, 4), (4, 128, 4, None, 4),
+                  (4, 128, 8, None, 4), (4, 64, 8, None, 4), (4, 32, 2, None, 4), (4, 64, 4, 1, 4), (4, 64, 4, 3, 4),
+                  (4, 64, 4, None, 2), (4, 64, 4, None, 8))]
     paths.append(("one kernel", {**defaults, "PARTS_BELOW": 0}))
     paths += [(f"one kernel, values {values}, warps {warps}",
                {**defaults, "PARTS_BELOW": 0, "FWD_VALUES": values, "FWD_WARPS": warps})
@@ -210,8 +221,11 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 ms, out = graphed(scan, replays=50)
                 first = out if first is None else first
                 gap = ((out - first).abs().max() / first.abs().max()).item()
-                # In a bucket the route counts the sequences over 64 tokens (`_scan_route`).
-                one_kernel = sum(length > CHUNK for length in pack) >= defaults["PARTS_BELOW"]
+                # In a bucket the route counts the sequences over 64 tokens and their tokens
+                # (`_scan_route`, with `ROUTE_SHARE`).
+                long = [length for length in pack if length > CHUNK]
+                one_kernel = len(long) >= defaults["PARTS_BELOW"] and not (
+                    ops.ROUTE_SHARE and sum(long) <= ops.ROUTE_SHARE * max(pack))
                 if one_kernel:
                     taken = settings == {**defaults, "PARTS_BELOW": 0}
                 elif ops.walks_alone(count, max(pack), routed=False):
