@@ -22,5 +22,10 @@ gpu_tests() { local seconds=$1 filter=$2; shift 2; stamp "tests"
 # ones made uniform, for `delta_rule_prefixes --sets`: 100 rows of 10,417 tokens and 120 of 8,483.
 serving_rows_a=1366,700,300,$(printf '83,%.0s' $(seq 96))83
 serving_rows_b=272,$(printf '69,%.0s' $(seq 118))69
+# The rows of four real-traffic requests (`real_traffic --count 80`, seed 37: timed requests 48, 4,
+# 41 and 19, from 0): 14 to 18 rows of 1,491 to 2,613 tokens, the longest 404 to 634, for
+# `delta_rule_prefixes --sets`.
+real_rows="510,192,148,116,107,107,106,100,80,73,73,73,73,73 404,244,193,164,155,146,140,140,138,128,103,94,94,94,94,94,94,94
+634,494,365,104,86,70,67,59,59,59,34,34,34,34,34,34 545,150,86,86,77,68,68,59,59,50,41,34,34,34,34,34,32"
 # The device tool brings back a few files only: pack $OUT into one archive before the command ends.
 pack_out() { (cd "$OUT" && tar czf /tmp/out.tgz . && rm -rf ./* && mv /tmp/out.tgz .); }

@@ -426,38 +426,50 @@ def check_routes_on_the_device(last: str):
     """Routed, the path the device picks does all the work and the other none: with one path's
     last kernel idle, the output (and the final states) are the reference where the other path
     was picked (fewer than PARTS_BELOW sequences over 64 tokens: the parts and the walk; more:
-    the one-kernel walk), and the output untouched where the idle one was; from zero states
-    without final states (a bucket's rows) and from forked states keeping them."""
+    the one-kernel walk; with ROUTE_SHARE, the parts and the walk for one long sequence holding
+    that share of those sequences' tokens), and the output untouched where the idle one was;
+    from zero states without final states (a bucket's rows) and from forked states keeping them."""
     generator = torch.Generator().manual_seed(11)
     heads, key_dim, value_heads, value_dim = 1, 8, 2, 16
     assert delta_scan.PARTS_BELOW == 4
-    for lengths, parts in (([130, 2, 64, 0], True), ([65, 70, 66, 100, 65], False)):
-        total = sum(lengths)
-        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-        q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
-        v = torch.randn(total, value_heads, value_dim, generator=generator)
-        gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
-        A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
-        states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
-        parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
-        for forked in (False, True):
-            initial = kernels.fork_states(states, parents, True) if forked else None
-            reference, reference_final = gated_delta_rule_reference(
-                q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None], beta[None], initial, forked, cu.long(),
-                normalise=False)
-            for idle in (None, last, "_delta_scan_fwd"):  # None: both run, as routed; `last`: the parts path's
-                out = torch.full((total, value_heads, value_dim), 5.0)
-                with _swapped(idle, _Idle()):
-                    _, final = delta_scan.delta_rule_scan(
-                        q, k, v, gate, beta, states if forked else None, parents if forked else None, cu, forked,
-                        A_log, dt_bias, out=out, routed=True)
-                case = f"routed lengths={lengths} forked={forked} with {idle} idle"
-                if idle is None or parts == (idle == "_delta_scan_fwd"):
-                    close(case, out, reference[0])
-                    if forked:
-                        close(f"{case}: final states", final, reference_final)
-                else:
-                    assert out.eq(5.0).all(), case
+    default = delta_scan.ROUTE_SHARE
+    for lengths, share, parts in (([130, 2, 64, 0], None, True), ([65, 70, 66, 100, 65], None, False),
+                                  ([65, 70, 66, 100, 65], 3, False), ([65, 70, 66, 300, 65], 3, True)):
+        delta_scan.ROUTE_SHARE = share
+        try:
+            _check_route(generator, lengths, parts, last, heads, key_dim, value_heads, value_dim)
+        finally:
+            delta_scan.ROUTE_SHARE = default
+
+
+def _check_route(generator, lengths, parts, last, heads, key_dim, value_heads, value_dim):
+    """`check_routes_on_the_device` for one set of lengths, `parts` saying which path it takes."""
+    total = sum(lengths)
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
+    v = torch.randn(total, value_heads, value_dim, generator=generator)
+    gate, beta = torch.randn(total, value_heads, generator=generator), torch.rand(total, value_heads)
+    A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
+    states = torch.randn(2, value_heads, key_dim, value_dim, generator=generator)
+    parents = torch.tensor([n % 3 - 1 for n in range(len(lengths))])  # -1, 0, 1, -1, ...
+    for forked in (False, True):
+        initial = kernels.fork_states(states, parents, True) if forked else None
+        reference, reference_final = gated_delta_rule_reference(
+            q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None], beta[None], initial, forked, cu.long(),
+            normalise=False)
+        for idle in (None, last, "_delta_scan_fwd"):  # None: both run, as routed; `last`: the parts path's
+            out = torch.full((total, value_heads, value_dim), 5.0)
+            with _swapped(idle, _Idle()):
+                _, final = delta_scan.delta_rule_scan(
+                    q, k, v, gate, beta, states if forked else None, parents if forked else None, cu, forked,
+                    A_log, dt_bias, out=out, routed=True)
+            case = f"routed lengths={lengths} forked={forked} with {idle} idle"
+            if idle is None or parts == (idle == "_delta_scan_fwd"):
+                close(case, out, reference[0])
+                if forked:
+                    close(f"{case}: final states", final, reference_final)
+            else:
+                assert out.eq(5.0).all(), case
 
 
 def check_delta_rule_grad():
