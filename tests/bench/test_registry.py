@@ -5,6 +5,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -161,3 +162,23 @@ def test_bucket_padding_plans_the_mix_as_the_engine_would():
     for depth in found.values():
         assert depth["unfit_share"] == 0 and 0 <= depth["padding_share"] < 1
         assert depth["computed_tokens"] > depth["useful_tokens"] > 0
+
+
+def test_the_gpu_machine_scripts_name_measurements_and_arguments_the_registry_has(runner):
+    """Each `run SECONDS NAME MEASUREMENT --ARGUMENT ...` of benchmarks/device/*.sh (continued
+    lines joined) names a measurement of the registry and only arguments it declares: a renamed
+    argument fails here, not on the lent machine after its start."""
+    registry = sys.modules["registry"]
+    calls = 0
+    for script in sorted((ROOT / "benchmarks" / "device").glob("*.sh")):
+        text = script.read_text().replace("\\\n", " ")
+        for line in re.findall(r"^\s*run (\d+ .*)$", text, re.MULTILINE):
+            # The report's name may be quoted or hold a command's output, one word to the shell.
+            seconds, _, measurement, *rest = shlex.split(re.sub(r"\$\([^)]*\)", "x", line))
+            assert measurement in registry.MEASUREMENTS, f"{script.name}: {measurement}"
+            declared = {argument.name.replace("_", "-") for argument in registry.MEASUREMENTS[measurement].arguments}
+            for flag in (word[2:] for word in rest if word.startswith("--")):
+                assert flag in declared, f"{script.name}: {measurement} has no --{flag}"
+            assert int(seconds) > 0
+            calls += 1
+    assert calls >= 14  # as many as the scripts held when written: a pattern that missed them fails
