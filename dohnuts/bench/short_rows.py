@@ -225,7 +225,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 # (`_scan_route`, with `ROUTE_SHARE`).
                 long = [length for length in pack if length > CHUNK]
                 one_kernel = len(long) >= defaults["PARTS_BELOW"] and not (
-                    ops.ROUTE_SHARE and sum(long) <= ops.ROUTE_SHARE * max(pack))
+                    ops.ROUTE_SHARE and sum(long) < ops.ROUTE_SHARE * max(pack))
                 if one_kernel:
                     taken = settings == {**defaults, "PARTS_BELOW": 0}
                 elif ops.walks_alone(count, max(pack), routed=False):

@@ -110,12 +110,13 @@ PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of part
 # -values-32 and -warps-8).
 FWD_VALUES = 64
 FWD_WARPS = 4
-# On trial (None: off). A bucket's rows where one long row holds most of the tokens (a request
-# without a shared prefix: 14 rows of 1,831 tokens, the longest 510) wait on that row's 16-token
-# parts solved one after another in the one-kernel walk, while the parts solved apart would let
-# its walk take two products a part. With ROUTE_SHARE = R the route also takes the parts then the
-# walk when the sequences over 64 tokens hold at most R times the longest one's tokens (for
-# sequences of one length: fewer than R of them, as PARTS_BELOW).
+# On trial (None: off). A bucket's rows where one long row holds a large share of the tokens (a
+# request without a shared prefix: 14 rows of 1,831 tokens, the longest 510) wait on that row's
+# 16-token parts solved one after another in the one-kernel walk, while the parts solved apart
+# would let its walk take two products a part. With ROUTE_SHARE = R the route also takes the parts
+# then the walk when the sequences over 64 tokens hold fewer than R times the longest one's tokens
+# (for sequences of one length: fewer than R of them, so with R <= PARTS_BELOW the count's choice
+# stands there).
 ROUTE_SHARE: int | None = None
 
 
@@ -452,7 +453,7 @@ def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu
 def _scan_route(cu_seqlens, route, N, LONG: tl.constexpr, FEW: tl.constexpr, SHARE: tl.constexpr,
                 BN: tl.constexpr):
     """route [1] int32: 1 (solve the parts apart, then walk) when fewer than FEW of the N
-    sequences are longer than LONG tokens, or (SHARE > 0) when those hold at most SHARE times
+    sequences are longer than LONG tokens, or (SHARE > 0) when those hold fewer than SHARE times
     the longest one's tokens; else 0 (the one-kernel walk); one program."""
     count = tl.zeros([BN], dtype=tl.int32)
     tokens = tl.zeros([BN], dtype=tl.int32)
@@ -467,7 +468,7 @@ def _scan_route(cu_seqlens, route, N, LONG: tl.constexpr, FEW: tl.constexpr, SHA
         longest = tl.maximum(longest, length)
     parts = tl.sum(count, 0) < FEW
     if SHARE > 0:
-        parts = parts | (tl.sum(tokens, 0) <= SHARE * tl.max(longest, 0))
+        parts = parts | (tl.sum(tokens, 0) < SHARE * tl.max(longest, 0))
     tl.store(route, parts.to(tl.int32))
 
 
@@ -495,7 +496,7 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             bucket's `plan.padded_plan`), or None to make it here (reading cu_seqlens back).
         routed: choose the path on the device (`_scan_route`: the parts then the walk for fewer
             than PARTS_BELOW sequences over 64 tokens, or with ROUTE_SHARE for one long sequence
-            holding that share of their tokens, else the one-kernel walk), launching both
+            holding a large share of their tokens, else the one-kernel walk), launching both
             with the other skipping its work: for a bucket's graph, whose count of sequences
             is the padding's, not the request's. Otherwise the count of sequences chooses.
         one_long: the first sequence is the longest and the others (fewer than PARTS_BELOW)
