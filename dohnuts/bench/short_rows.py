@@ -210,6 +210,8 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
             # read the bounds back to the host, which a graph capture cannot do.
             plan = chunk_plan(pack).cuda()
             first = None
+            # In a bucket the route picks the path on the device (`_scan_route`), by the defaults.
+            to_parts = ops.routes_to_parts(pack)
             for name, settings in paths:
                 for setting, value in settings.items():
                     setattr(ops, setting, value)
@@ -221,12 +223,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 ms, out = graphed(scan, replays=50)
                 first = out if first is None else first
                 gap = ((out - first).abs().max() / first.abs().max()).item()
-                # In a bucket the route counts the sequences over 64 tokens and their tokens
-                # (`_scan_route`, with `ROUTE_SHARE`).
-                long = [length for length in pack if length > CHUNK]
-                one_kernel = len(long) >= defaults["PARTS_BELOW"] and not (
-                    ops.ROUTE_SHARE and sum(long) < ops.ROUTE_SHARE * max(pack))
-                if one_kernel:
+                if not to_parts:
                     taken = settings == {**defaults, "PARTS_BELOW": 0}
                 elif ops.walks_alone(count, max(pack), routed=False):
                     taken = settings == {**defaults, "PARTS_BELOW": 2**31, "WALK_CHUNK": CHUNK,

@@ -120,6 +120,13 @@ FWD_WARPS = 4
 ROUTE_SHARE: int | None = None
 
 
+def routes_to_parts(lengths: list[int]) -> bool:
+    """Whether a routed call (a bucket's) of sequences of these lengths takes the parts then the
+    walk: `_scan_route`'s rule, on the host."""
+    long = [length for length in lengths if length > CHUNK]
+    return len(long) < PARTS_BELOW or bool(ROUTE_SHARE and long and sum(long) < ROUTE_SHARE * max(long))
+
+
 def walks_alone(sequences: int, longest: int, routed: bool) -> bool:
     """Whether a forward-only call of `sequences` sequences, the longest of `longest` tokens (or
     a bound on it), is one long sequence for `delta_rule_scan`'s `one_long`: one sequence, or a
