@@ -162,6 +162,12 @@ def test_the_last_row_of_a_padded_batch_is_always_empty_and_buckets_stay_within_
         assert bucket == Bucket(0, row_tokens, True, single=True)
         assert _row_padding(bucket, 1, tokens) == [row_tokens - tokens, 0] and row_tokens - tokens < tokens
     assert not smallest_fit(Shape(0, 0, 1300, 2, 1287, 2), all_buckets()).single
+    # A shared prefix up to 2,048 tokens with short questions steps as finely as one with long
+    # ones: four images' state (1,052 tokens, three rows of 83) takes 1,280 prefix tokens, not 2,048.
+    for prefix, prefix_tokens in ((300, 384), (700, 768), (1052, 1280), (1300, 1536), (1600, 2048)):
+        for longest, long_rows in ((30, False), (200, True)):
+            bucket = smallest_fit(Shape(prefix, 1, 83 + longest, 3, longest, 4), all_buckets())
+            assert (bucket.prefix_tokens, bucket.long_rows) == (prefix_tokens, long_rows)
     # A row that continues a prefix never takes one: its keys are then more than the bucket's tokens.
     assert not smallest_fit(Shape(64, 1, 1287, 1, 1287, 2), all_buckets()).single
     assert smallest_fit(Shape(0, 0, 10000, 1, 10000, 2), all_buckets()) is None
