@@ -264,7 +264,7 @@ def attention_core(config, query, key, value, rows: Segments, prefixes: Prefixes
 
 def attention_output(module, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """The attention output [T, H, Dh] gated by sigmoid(gate [T, H, Dh]) and projected: [T, D]."""
-    return project(module.o_proj, (out * torch.sigmoid(gate)).flatten(1))
+    return project(module.o_proj, kernels.gated(out, gate).flatten(1))
 
 
 def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: Prefixes | None):

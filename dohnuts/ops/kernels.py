@@ -24,13 +24,13 @@ from .delta_rule.naive import decay, gated_delta_rule_chunked
 from .derived_cache import derived, holding_derived
 from .norm.naive import add_rms_norm_reference, norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
 from .plain import fork_states
-from .swiglu.naive import swiglu_reference
+from .swiglu.naive import gated_reference, swiglu_reference
 
 # What the rest of dohnuts calls: the ops, and the runtime's switches and records they share.
 __all__ = [
     "add_rms_norm", "attention", "chunk_gated_delta_rule", "conv_split_heads", "decay", "delta_rule", "derived",
-    "fork_states", "fused", "holding_derived", "lone_row_attention", "norm_rotate", "rms_norm", "rms_norm_gated",
-    "slow_path", "slow_paths", "swiglu", "uncached_plans",
+    "fork_states", "fused", "gated", "holding_derived", "lone_row_attention", "norm_rotate", "rms_norm",
+    "rms_norm_gated", "slow_path", "slow_paths", "swiglu", "uncached_plans",
 ]
 
 
@@ -93,6 +93,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if ops is not None:
         return ops.swiglu.swiglu(gate, up)
     return swiglu_reference(gate, up)
+
+
+def gated(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate): the full-attention layer's output gate. On CUDA one Triton kernel that
+    reads the gate in place (a strided view of the query projection's output)."""
+    ops = _ours(x)
+    if ops is not None:
+        return ops.swiglu.gated(x, gate)
+    return gated_reference(x, gate)
 
 
 # -- attention --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from dohnuts.ops.delta_rule import chunk
 from dohnuts.ops.delta_rule.naive import decay, gated_delta_rule_chunked, gated_delta_rule_reference
 from dohnuts.ops.norm.naive import norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
 from dohnuts.ops.plain import l2norm
-from dohnuts.ops.swiglu.naive import swiglu_reference
+from dohnuts.ops.swiglu.naive import gated_reference, swiglu_reference
 
 LENGTHS = [63, 1, 17, 64]  # odd sizes, a single token, exactly one 64-token chunk
 
@@ -326,6 +326,13 @@ def test_packed_projection_kernels_match_references_on_cuda():
     ours, reference = (f(out, gate, norm, 1e-6) for f in (kernels.rms_norm_gated, rms_norm_gated_reference))
     torch.testing.assert_close(ours, reference, **BF16)
     _assert_gradients_close([ours], [reference], {"out": out, "mixer": mixer}, 2e-2)
+    # The attention's output gate, read in place between the query heads, on a transposed output
+    # (as `attention.dense_causal` returns it).
+    attended = torch.randn(8, total, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gate = projected[:, :4096].view(total, 8, 512)[..., 256:]
+    ours, reference = (f(attended.transpose(0, 1), gate) for f in (kernels.gated, gated_reference))
+    torch.testing.assert_close(ours, reference, **BF16)
+    _assert_gradients_close([ours], [reference], {"attended": attended, "projected": projected}, 2e-2)
 
 
 @pytest.mark.gpu

@@ -25,7 +25,7 @@ from dohnuts.ops.norm.naive import norm_rotate_reference, rms_norm_gated_referen
 from dohnuts.ops.plain import l2norm
 from dohnuts.ops.plan import chunk_plan, padded_plan
 from dohnuts.ops.swiglu import fused as swiglu_fused
-from dohnuts.ops.swiglu.naive import swiglu_reference
+from dohnuts.ops.swiglu.naive import gated_reference, swiglu_reference
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -151,6 +151,26 @@ def check_norms_and_swiglu():
                 close(f"{case} grad {name}", a, b)
     finally:
         swiglu_fused.BY_ROWS, swiglu_fused.BLOCK = default
+    # The attention's output gate: x and gate contiguous, then as the decoder reads them (the
+    # gate interleaved with the query heads in one projection output, x from a transposed
+    # attention output), with rows a program that leave the last one partial.
+    default = swiglu_fused.GATE_ELEMENTS
+    try:
+        for elements in (default, 2 * 16):
+            swiglu_fused.GATE_ELEMENTS = elements
+            projected = torch.randn(13, 3 * 2 * 16, generator=generator, requires_grad=True)
+            attended = torch.randn(3, 13, 16, generator=generator, requires_grad=True)
+            strided = (attended.transpose(0, 1), projected.view(13, 3, 32)[..., 16:])
+            plain = tuple(torch.randn(13, 3, 16, generator=generator, requires_grad=True) for _ in range(2))
+            for case, (x, gate), leaves in (("contiguous", plain, plain), ("strided", strided, (attended, projected))):
+                ours, reference = swiglu_fused.gated(x, gate), gated_reference(x, gate)
+                assert ours.is_contiguous()
+                case = f"gated {case}, {elements} elements a program"
+                close(case, ours, reference)
+                for name, a, b in zip(["x", "gate"], grads([ours], leaves, 8), grads([reference], leaves, 8)):
+                    close(f"{case} grad {name}", a, b)
+    finally:
+        swiglu_fused.GATE_ELEMENTS = default
 
 
 def check_add_rms_norm():
@@ -590,6 +610,7 @@ def check_decoder_with_triton_kernels():
         "add_rms_norm": lambda x, residual, weight, eps: norm_fused.add_rms_norm(x, residual, 1.0 + weight.float(),
                                                                                  eps),
         "swiglu": swiglu_fused.swiglu,
+        "gated": swiglu_fused.gated,
         "rms_norm_gated": norm_fused.rms_norm_gated,
     }
     cpu_path = {name: getattr(kernels, name) for name in cuda_path}

@@ -1,1 +1,2 @@
-"""SwiGLU, silu(gate) * up: the Triton kernel (`fused`) and its reference (`naive`)."""
+"""SwiGLU, silu(gate) * up, and the attention's output gate, x * sigmoid(gate): the Triton kernels
+(`fused`) and their references (`naive`)."""
