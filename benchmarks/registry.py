@@ -139,7 +139,7 @@ MEASUREMENTS: dict[str, Measurement] = {
         functools.partial(short_rows.delta_rule_short_rows, fused_recurrent=fla_fused_recurrent),
         "the 50q request's short rows' delta rule: FLA chunked, recurrent, ours", "cuda"),
     "elementwise_sweep": Measurement(
-        kernel_sweep.elementwise_sweep, "a long row's convolution and SwiGLU kernels by launch setting", "cuda",
+        kernel_sweep.elementwise_sweep, "a long row's convolution, SwiGLU and gate kernels by launch setting", "cuda",
         (Argument("lengths", int, (1500, 3000), "tokens of the one sequence", many=True),
          Argument("replays", int, 100, "graph replays timed a setting"))),
     "walk_resources": Measurement(

@@ -30,6 +30,8 @@ INTERMEDIATE = 3584
 CONV = ("conv.TOKENS", "conv.WARPS"), [(tokens, warps) for tokens in (16, 32, 64) for warps in (2, 4, 8)]
 SWIGLU = ("swiglu.BY_ROWS", "swiglu.BLOCK"), [(int(by_rows), block) for by_rows in (False, True)
                                               for block in (512, 1024, 2048, 4096)]
+GATE = ("swiglu.GATE_ELEMENTS",), [(elements,) for elements in (1024, 2048, 4096, 8192)]
+ATTENTION_HEADS, ATTENTION_DIM = 8, 256
 
 
 @torch.no_grad()
@@ -39,7 +41,9 @@ def elementwise_sweep(lengths: tuple[int, ...] = (1500, 3000), replays: int = 10
     tokens and warps a program (`TOKENS`, `WARPS`), from zero states without final states as a
     one-row bucket runs it, reading its input in place from the packed projection's output; and
     SwiGLU (`swiglu.fused`) on the MLP's packed output by runs of the flattened output and by
-    rows (`BY_ROWS`), at each block (`BLOCK`). Prints one JSON line a setting: microseconds a
+    rows (`BY_ROWS`), at each block (`BLOCK`); and the attention's output gate (`kernels.gated`,
+    the gate read in place from the query projection's output) at each count of elements a
+    program (`GATE_ELEMENTS`). Prints one JSON line a setting: microseconds a
     call, the bytes it must move a microsecond (GB/s; the H200 reads and writes about 4,800), the
     largest difference from the runtime's setting (0 expected: every setting does the same
     arithmetic an element), and whether it is the runtime's.
@@ -53,6 +57,7 @@ def elementwise_sweep(lengths: tuple[int, ...] = (1500, 3000), replays: int = 10
         for tokens in lengths:
             _convolution(tokens, generator, replays)
             _swiglu(tokens, generator, replays)
+            _gate(tokens, generator, replays)
     finally:
         runtime_settings.restore(before)
 
@@ -77,6 +82,17 @@ def _swiglu(tokens: int, generator: torch.Generator, replays: int) -> None:
     moved = tokens * INTERMEDIATE * 2 * 3  # gate and up read, the output written
     _sweep("swiglu", tokens, lambda: kernels.swiglu(mlp[:, :INTERMEDIATE], mlp[:, INTERMEDIATE:]), moved, *SWIGLU,
            replays)
+
+
+def _gate(tokens: int, generator: torch.Generator, replays: int) -> None:
+    # The query projection's output, each head's query then its gate, and an attention output as
+    # cuDNN's dense path returns it (heads first, transposed back).
+    width = ATTENTION_HEADS * ATTENTION_DIM
+    projected = torch.randn(tokens, 2 * width, device="cuda", generator=generator).bfloat16()
+    gate = projected.view(tokens, ATTENTION_HEADS, 2 * ATTENTION_DIM)[..., ATTENTION_DIM:]
+    attended = torch.randn(ATTENTION_HEADS, tokens, ATTENTION_DIM, device="cuda", generator=generator).bfloat16()
+    moved = tokens * width * 2 * 3  # x and the gate read, the output written
+    _sweep("gated", tokens, lambda: kernels.gated(attended.transpose(0, 1), gate), moved, *GATE, replays)
 
 
 def _sweep(kernel: str, tokens: int, call, moved: int, names: tuple[str, ...], values: list[tuple], replays: int
