@@ -141,27 +141,20 @@ def _image_grid_inputs(height: int, width: int, side: int, merge: int, mode: str
     return torch.from_numpy(indices), torch.from_numpy(weights), torch.from_numpy(np.stack([row, column], axis=-1))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat([-second, first], dim=-1)
-
-
 def vision_blocks(visual, pixel_values: torch.Tensor, plan: VisionPlan) -> torch.Tensor:
     """The tower's forward with its own modules but no host synchronisation: patch projection,
-    positions, each block (norm, qkv, rotary in float32, non-causal varlen attention per image,
+    positions, each block (norm, qkv, rotary in float32 with q, k and v split out in one kernel on
+    CUDA (`kernels.split_rotate`), non-causal varlen attention per image,
     projection, norm, MLP) and the merger. Returns the merged features [tokens, D]."""
     hidden = visual.patch_embed(pixel_values.to(visual.dtype))
     hidden = hidden + plan.positions.to(hidden.dtype)
     total = hidden.shape[0]
-    cos, sin = plan.cos.unsqueeze(-2).float(), plan.sin.unsqueeze(-2).float()
     for block in visual.blocks:
         attention = block.attn
-        heads = attention.num_heads
-        query, key, value = attention.qkv(block.norm1(hidden)).reshape(total, 3, heads, -1).unbind(1)
-        query = (query.float() * cos + _rotate_half(query.float()) * sin).to(value.dtype)
-        key = (key.float() * cos + _rotate_half(key.float()) * sin).to(value.dtype)
-        out = kernels.attention(query.contiguous(), key.contiguous(), value.contiguous(), plan.cu_seqlens,
-                                plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen, attention.scaling, causal=False)
+        qkv = attention.qkv(block.norm1(hidden)).view(total, 3, attention.num_heads, -1)
+        query, key, value = kernels.split_rotate(qkv, plan.cos, plan.sin)
+        out = kernels.attention(query, key, value, plan.cu_seqlens, plan.cu_seqlens, plan.max_seqlen, plan.max_seqlen,
+                                attention.scaling, causal=False)
         hidden = hidden + attention.proj(out.reshape(total, -1))
         hidden = hidden + block.mlp(block.norm2(hidden))
     return visual.merger(hidden)

@@ -22,7 +22,13 @@ from .conv.naive import conv_split_heads_reference
 from .delta_rule.chunk import chunk_gated_delta_rule_fla
 from .delta_rule.naive import decay, gated_delta_rule_chunked
 from .derived_cache import derived, holding_derived
-from .norm.naive import add_rms_norm_reference, norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
+from .norm.naive import (
+    add_rms_norm_reference,
+    norm_rotate_reference,
+    rms_norm_gated_reference,
+    rms_norm_reference,
+    split_rotate_reference,
+)
 from .plain import fork_states
 from .swiglu.naive import gated_reference, swiglu_reference
 
@@ -30,7 +36,7 @@ from .swiglu.naive import gated_reference, swiglu_reference
 __all__ = [
     "add_rms_norm", "attention", "chunk_gated_delta_rule", "conv_split_heads", "decay", "delta_rule", "derived",
     "fork_states", "fused", "gated", "holding_derived", "lone_row_attention", "norm_rotate", "rms_norm",
-    "rms_norm_gated", "slow_path", "slow_paths", "swiglu", "uncached_plans",
+    "rms_norm_gated", "slow_path", "slow_paths", "split_rotate", "swiglu", "uncached_plans",
 ]
 
 
@@ -76,6 +82,16 @@ def norm_rotate(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: t
     if ops is not None:
         return ops.norm.norm_rotate(x, _norm_scale(weight), cos, sin, eps)
     return norm_rotate_reference(x, weight, cos, sin, eps)
+
+
+def split_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(q, k, v) [T, H, D] contiguous of the vision tower's qkv output [T, 3, H, D], q and k
+    turned over all channels by cos, sin [T, D]: on CUDA, with no gradient wanted (the tower
+    is frozen), one Triton kernel reading qkv in place."""
+    ops = _ours(qkv)
+    if ops is not None and not (torch.is_grad_enabled() and qkv.requires_grad):
+        return ops.norm.split_rotate(qkv, cos, sin)
+    return split_rotate_reference(qkv, cos, sin)
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,7 +16,12 @@ from dohnuts.ops.attention import attention_reference
 from dohnuts.ops.conv.naive import causal_conv1d_reference, conv_split_heads_reference
 from dohnuts.ops.delta_rule import chunk
 from dohnuts.ops.delta_rule.naive import decay, gated_delta_rule_chunked, gated_delta_rule_reference
-from dohnuts.ops.norm.naive import norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
+from dohnuts.ops.norm.naive import (
+    norm_rotate_reference,
+    rms_norm_gated_reference,
+    rms_norm_reference,
+    split_rotate_reference,
+)
 from dohnuts.ops.plain import l2norm
 from dohnuts.ops.swiglu.naive import gated_reference, swiglu_reference
 
@@ -288,6 +293,29 @@ def test_swiglu_by_rows_matches_the_reference_and_the_flat_programs(block, monke
     assert len(spied.calls) == 1, "BY_ROWS did not launch the programs by rows"
     torch.testing.assert_close(by_rows, swiglu_reference(gate, up), **BF16)
     assert torch.equal(by_rows, flat)
+
+
+@pytest.mark.gpu
+def test_the_vision_split_rotate_matches_its_reference_on_cuda(monkeypatch):
+    """The vision tower's q, k and v out of its qkv product (Qwen3.5-0.8B's 12 heads of 64, bf16,
+    a 512 x 512 image's 1,024 patches and one more), q and k turned in float32: against the
+    reference within bf16's rounding; v copied exactly; and the kernel taken (no gradient)."""
+    from helpers import SpiedKernel
+
+    from dohnuts.ops.norm import fused
+
+    assert backends._triton_kernels() is not None, "no Triton: the test would compare the reference with itself"
+    spied = SpiedKernel(fused._split_rotate_fwd)
+    monkeypatch.setattr(fused, "_split_rotate_fwd", spied)
+    total = 1025
+    qkv = torch.randn(total, 3 * 12 * 64, device="cuda", dtype=torch.bfloat16).view(total, 3, 12, 64)
+    angles = torch.randn(total, 32, device="cuda") * 20
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    ours, reference = kernels.split_rotate(qkv, cos, sin), split_rotate_reference(qkv, cos, sin)
+    assert len(spied.calls) == 1, "the Triton kernel was not launched"
+    for a, b in zip(ours[:2], reference[:2]):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+    assert torch.equal(ours[2], reference[2]) and all(x.is_contiguous() for x in ours)
 
 
 @pytest.mark.gpu

@@ -21,7 +21,12 @@ from dohnuts.ops.delta_rule import rows as delta_rows
 from dohnuts.ops.delta_rule import scan as delta_scan
 from dohnuts.ops.delta_rule.naive import decay, gated_delta_rule_reference
 from dohnuts.ops.norm import fused as norm_fused
-from dohnuts.ops.norm.naive import norm_rotate_reference, rms_norm_gated_reference, rms_norm_reference
+from dohnuts.ops.norm.naive import (
+    norm_rotate_reference,
+    rms_norm_gated_reference,
+    rms_norm_reference,
+    split_rotate_reference,
+)
 from dohnuts.ops.plain import l2norm
 from dohnuts.ops.plan import chunk_plan, padded_plan
 from dohnuts.ops.swiglu import fused as swiglu_fused
@@ -218,6 +223,22 @@ def check_norm_rotate():
         for name, a, b in zip(["x", "weight"], grads([ours], [leaf, weight], 12),
                               grads([reference], [leaf, weight], 12)):
             close(f"{case} grad {name}", a, b)
+    # The vision tower's split: q, k and v out of one qkv product's output [T, 3, H, D], q and k
+    # turned over every channel; with heads that leave a program's last rows partial.
+    for total, heads, width in ((23, 3, 16), (5, 2, 64)):
+        qkv = torch.randn(total, 3 * heads * width, generator=generator).view(total, 3, heads, width)
+        angles = torch.randn(total, width // 2, generator=generator)
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+        ours, reference = norm_fused.split_rotate(qkv, cos, sin), split_rotate_reference(qkv, cos, sin)
+        for name, a, b in zip("qkv", ours, reference):
+            assert a.is_contiguous() and a.shape == (total, heads, width)
+            close(f"split_rotate T={total} H={heads} D={width} {name}", a, b)
+    try:
+        norm_fused.split_rotate(torch.randn(4, 3, 2, 8).transpose(1, 2), cos[:4, :8], sin[:4, :8])
+    except ValueError as error:
+        assert "not [T, 3, H, D]" in str(error), error
+    else:
+        sys.exit("split_rotate took a qkv whose heads are not contiguous")
 
 
 def check_delta_rule_rows():

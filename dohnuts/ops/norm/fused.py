@@ -234,6 +234,61 @@ def norm_rotate(x: torch.Tensor, scale: torch.Tensor, cos: torch.Tensor, sin: to
     return NormRotate.apply(x, scale.contiguous(), cos, sin, eps)
 
 
+# The vision tower's query and key are turned over all their channels (no norm), each in float32:
+# in plain PyTorch a conversion, a negation, a concatenation, two products and a sum per tensor,
+# then copies of q, k and v out of the qkv product, some 17 launches a block. `split_rotate` reads
+# the qkv output in place and writes q and k turned and v, contiguous, in one (forward only: the
+# tower is frozen).
+
+
+@triton.jit
+def _turned(qkv, base, cols, pair, sign, c, s, m):
+    """A [BR, D] tile of heads starting at base, turned: x cos + sign x_pair sin, float32."""
+    xs = tl.load(qkv + base[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    partner = tl.load(qkv + base[:, None] + pair[None, :], mask=m, other=0.0).to(tl.float32)
+    return xs * c + sign[None, :] * partner * s
+
+
+@triton.jit(do_not_specialize=REQUEST_ROWS)
+def _split_rotate_fwd(qkv, cos, sin, q, k, v, R, H, stride, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    # Row r is head r % H of token r // H: its query at (r // H) * stride + (r % H) * D, its key
+    # H * D further, its value 2 H D further; q, k and v are contiguous [T, H, D]. Channel j < D/2
+    # pairs with j + D/2 (the tables repeat each frequency in both halves).
+    rows, cols, m_r, m = _row_tile(R, D, BR, BD)
+    token = rows // H
+    start = token * stride + (rows % H) * D
+    pair = tl.where(cols < D // 2, cols + D // 2, cols - D // 2)
+    sign = tl.where(cols < D // 2, -1.0, 1.0)
+    at = token[:, None] * D + cols[None, :]
+    c = tl.load(cos + at, mask=m, other=1.0).to(tl.float32)
+    s = tl.load(sin + at, mask=m, other=0.0).to(tl.float32)
+    out = rows[:, None] * D + cols[None, :]
+    tl.store(q + out, _turned(qkv, start, cols, pair, sign, c, s, m).to(q.dtype.element_ty), mask=m)
+    tl.store(k + out, _turned(qkv, start + H * D, cols, pair, sign, c, s, m).to(k.dtype.element_ty), mask=m)
+    tl.store(v + out, tl.load(qkv + start[:, None] + 2 * H * D + cols[None, :], mask=m), mask=m)
+
+
+def split_rotate(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """(q, k, v), each [T, H, D] contiguous in qkv's dtype, of qkv [T, 3, H, D] (its last three
+    axes contiguous, as a linear layer's output viewed so), q and k turned over all D channels by
+    cos, sin [T, D] (each frequency in both halves) in float32. No gradient."""
+    total, three, heads, width = qkv.shape
+    if three != 3 or width % 2 or qkv.stride(3) != 1 or qkv.stride(2) != width or qkv.stride(1) != heads * width:
+        raise ValueError(f"split_rotate: qkv {tuple(qkv.shape)} with strides {qkv.stride()} is not [T, 3, H, D] "
+                         f"with its last three axes contiguous")
+    if cos.shape != (total, width) or sin.shape != cos.shape:
+        raise ValueError(f"split_rotate: tables cos {tuple(cos.shape)} and sin {tuple(sin.shape)} do not fit qkv "
+                         f"{tuple(qkv.shape)}")
+    q, k, v = (torch.empty(total, heads, width, dtype=qkv.dtype, device=qkv.device) for _ in range(3))
+    rows = total * heads
+    block, per_program, warps = _norm_launch(width)
+    with _on(qkv.device):
+        _split_rotate_fwd[(triton.cdiv(rows, per_program),)](qkv, cos.contiguous(), sin.contiguous(), q, k, v, rows,
+                                                             heads, qkv.stride(0), width, per_program, block,
+                                                             num_warps=warps)
+    return q, k, v
+
+
 @triton.jit(do_not_specialize=REQUEST_ROWS)
 def _rms_norm_gated_fwd(x, gate, weight, y, rstd, R, eps, GB, gs0, gs1, D: tl.constexpr, BR: tl.constexpr,
                         BD: tl.constexpr):
