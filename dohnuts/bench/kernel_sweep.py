@@ -85,14 +85,14 @@ def _swiglu(tokens: int, generator: torch.Generator, replays: int) -> None:
 
 
 def _gate(tokens: int, generator: torch.Generator, replays: int) -> None:
-    # The query projection's output, each head's query then its gate, and an attention output as
-    # cuDNN's dense path returns it (heads first, transposed back).
+    # The query projection's output, each head's query then its gate (read in place, as a one-row
+    # bucket's graph reads it), and an attention output [T, H, D].
     width = ATTENTION_HEADS * ATTENTION_DIM
     projected = torch.randn(tokens, 2 * width, device="cuda", generator=generator).bfloat16()
     gate = projected.view(tokens, ATTENTION_HEADS, 2 * ATTENTION_DIM)[..., ATTENTION_DIM:]
-    attended = torch.randn(ATTENTION_HEADS, tokens, ATTENTION_DIM, device="cuda", generator=generator).bfloat16()
+    attended = torch.randn(tokens, ATTENTION_HEADS, ATTENTION_DIM, device="cuda", generator=generator).bfloat16()
     moved = tokens * width * 2 * 3  # x and the gate read, the output written
-    _sweep("gated", tokens, lambda: kernels.gated(attended.transpose(0, 1), gate), moved, *GATE, replays)
+    _sweep("gated", tokens, lambda: kernels.gated(attended, gate), moved, *GATE, replays)
 
 
 def _sweep(kernel: str, tokens: int, call, moved: int, names: tuple[str, ...], values: list[tuple], replays: int

@@ -115,7 +115,7 @@ def gated(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(gate): the full-attention layer's output gate. On CUDA one Triton kernel that
     reads the gate in place (a strided view of the query projection's output)."""
     ops = _ours(x)
-    if ops is not None:
+    if ops is not None and gate.dtype == x.dtype:
         return ops.swiglu.gated(x, gate)
     return gated_reference(x, gate)
 

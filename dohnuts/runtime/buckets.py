@@ -50,7 +50,7 @@ from ..ops.plan import CHUNK, chunk_plan, cumulative, padded_plan, plan_fork
 # (`bench.traffic`) has long rows (choices of up to 40 options) and prefixes of up to about
 # 1,500 tokens, and a server fills a bucket with several requests: the long-row ladder reaches
 # 8,192 tokens and the prefixes 4,096; the short-row buckets, met by short questions, stop at
-# prefixes of 2,048.
+# SHORT_ROW_TOKENS in all.
 PREFIX_LADDER = (64, 128, 256, 512, 1024, 2048, 4096)
 ROW_LADDER = (128, 256, 512, 1024, 2048, 4096)
 LONG_ROW_LADDER = (128, 256, 512, 1024, 2048, 4096, 8192)
@@ -67,7 +67,7 @@ ONE_ROW_LADDER = (*range(128, 2048, 128), *range(2048, 4096, 256), *range(4096, 
 # (`bench.traffic.real_traffic`: a state of up to about 1,500 words, up to 20 questions of up to
 # 40 options) is alone in its batch when it comes alone, and on the doubling ladders its padding
 # was 48% of its tokens (the 80 requests of the benchmark's record); on the fine long-row ones,
-# 15%. Short rows step as finely: a state of four images (issue 40's `vision_protocol_images_4q`,
+# 15%. Short rows' prefixes step as finely: a state of four images (issue 40's `vision_protocol_images_4q`,
 # a prefix of 1,052 tokens and short questions) padded to the 2,048-token prefix, 92% more,
 # and took 11.9 ms on the H200 against 8.1 for its own graph (run `2026-12-06-3eaad48-b43-stage`).
 # A bucket's pieces share their buffers (`cuda_graphs._Arena`), so it holds little memory of its own.

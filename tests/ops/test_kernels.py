@@ -354,13 +354,15 @@ def test_packed_projection_kernels_match_references_on_cuda():
     ours, reference = (f(out, gate, norm, 1e-6) for f in (kernels.rms_norm_gated, rms_norm_gated_reference))
     torch.testing.assert_close(ours, reference, **BF16)
     _assert_gradients_close([ours], [reference], {"out": out, "mixer": mixer}, 2e-2)
-    # The attention's output gate, read in place between the query heads, on a transposed output
-    # (as `attention.dense_causal` returns it).
+    # The attention's output gate, read in place between the query heads, on a transposed view
+    # of an attention output [H, T, D] and on a contiguous one.
     attended = torch.randn(8, total, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gate = projected[:, :4096].view(total, 8, 512)[..., 256:]
-    ours, reference = (f(attended.transpose(0, 1), gate) for f in (kernels.gated, gated_reference))
-    torch.testing.assert_close(ours, reference, **BF16)
-    _assert_gradients_close([ours], [reference], {"attended": attended, "projected": projected}, 2e-2)
+    contiguous = attended.detach().transpose(0, 1).contiguous().requires_grad_()
+    for x, leaf in ((attended.transpose(0, 1), attended), (contiguous, contiguous)):
+        ours, reference = (f(x, gate) for f in (kernels.gated, gated_reference))
+        torch.testing.assert_close(ours, reference, **BF16)
+        _assert_gradients_close([ours], [reference], {"x": leaf, "projected": projected}, 2e-2)
 
 
 @pytest.mark.gpu

@@ -156,9 +156,9 @@ def check_norms_and_swiglu():
                 close(f"{case} grad {name}", a, b)
     finally:
         swiglu_fused.BY_ROWS, swiglu_fused.BLOCK = default
-    # The attention's output gate: x and gate contiguous, then as the decoder reads them (the
-    # gate interleaved with the query heads in one projection output, x from a transposed
-    # attention output), with rows a program that leave the last one partial.
+    # The attention's output gate: x and gate contiguous; as the decoder reads them (the gate
+    # interleaved with the query heads in one projection output, x contiguous or a transposed
+    # view); with rows a program that leave the last one partial; gradients read in place.
     default = swiglu_fused.GATE_ELEMENTS
     try:
         for elements in (default, 2 * 16):
@@ -167,7 +167,9 @@ def check_norms_and_swiglu():
             attended = torch.randn(3, 13, 16, generator=generator, requires_grad=True)
             strided = (attended.transpose(0, 1), projected.view(13, 3, 32)[..., 16:])
             plain = tuple(torch.randn(13, 3, 16, generator=generator, requires_grad=True) for _ in range(2))
-            for case, (x, gate), leaves in (("contiguous", plain, plain), ("strided", strided, (attended, projected))):
+            mixed = (plain[0], strided[1])
+            for case, (x, gate), leaves in (("contiguous", plain, plain), ("strided", strided, (attended, projected)),
+                                            ("strided gate", mixed, (plain[0], projected))):
                 ours, reference = swiglu_fused.gated(x, gate), gated_reference(x, gate)
                 assert ours.is_contiguous()
                 case = f"gated {case}, {elements} elements a program"
@@ -234,7 +236,7 @@ def check_norm_rotate():
             assert a.is_contiguous() and a.shape == (total, heads, width)
             close(f"split_rotate T={total} H={heads} D={width} {name}", a, b)
     try:
-        norm_fused.split_rotate(torch.randn(4, 3, 2, 8).transpose(1, 2), cos[:4, :8], sin[:4, :8])
+        norm_fused.split_rotate(torch.randn(4, 2, 3, 8).transpose(1, 2), cos[:4, :8], sin[:4, :8])  # heads apart
     except ValueError as error:
         assert "not [T, 3, H, D]" in str(error), error
     else:

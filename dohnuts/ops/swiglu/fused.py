@@ -102,69 +102,85 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 # (7.9 us), 177 us of a 3,000-token request's 11 ms (run 2026-12-06-3eaad48-b43, `long_row_profile`).
 
 GATE_ELEMENTS = 4096  # elements a program of the gate's kernels
+# A layout's rows a block (XB, GB) are 1 for a contiguous tensor and the heads for a strided
+# view; a bucket's pieces pass the gate contiguous in their capture but strided in the warm-up
+# before it, so these stay unspecialised (a value of 1 is otherwise compiled in): a variant first
+# met inside a capture would compile there, which CUDA refuses. They feed no alignment.
+GATE_LAYOUT = (*REQUEST_ROWS, "XB", "GB")
 
 
-@triton.jit(do_not_specialize=REQUEST_ROWS)
-def _gated_fwd(x, gate, y, R, XB, xs0, xs1, GB, gs0, gs1, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
-    # Row r of x lies at (r // XB) * xs0 + (r % XB) * xs1, of the gate likewise; y is contiguous.
-    rows, cols, m_r, m = _row_tile(R, D, BR, BD)
+@triton.jit
+def _gate_tiles(x, gate, rows, cols, m, XB, xs0, xs1, GB, gs0, gs1):
+    """x's and the gate's [BR, D] tiles at rows, float32: row r of x at (r // XB) * xs0 +
+    (r % XB) * xs1, of the gate likewise."""
     x_start = (rows // XB) * xs0 + (rows % XB) * xs1
     gate_start = (rows // GB) * gs0 + (rows % GB) * gs1
     xs = tl.load(x + x_start[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
     zs = tl.load(gate + gate_start[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    return xs, zs
+
+
+@triton.jit(do_not_specialize=GATE_LAYOUT)
+def _gated_fwd(x, gate, y, R, XB, xs0, xs1, GB, gs0, gs1, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    # y is contiguous.
+    rows, cols, m_r, m = _row_tile(R, D, BR, BD)
+    xs, zs = _gate_tiles(x, gate, rows, cols, m, XB, xs0, xs1, GB, gs0, gs1)
     tl.store(y + rows[:, None] * D + cols[None, :], (xs * tl.sigmoid(zs)).to(y.dtype.element_ty), mask=m)
 
 
-@triton.jit(do_not_specialize=REQUEST_ROWS)
-def _gated_bwd(x, gate, dy, dx, dgate, R, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+@triton.jit(do_not_specialize=GATE_LAYOUT)
+def _gated_bwd(x, gate, dy, dx, dgate, R, XB, xs0, xs1, GB, gs0, gs1, D: tl.constexpr, BR: tl.constexpr,
+               BD: tl.constexpr):
+    # dy, dx and dgate are contiguous; x and the gate are read in place, as the forward read them.
     rows, cols, m_r, m = _row_tile(R, D, BR, BD)
+    xs, zs = _gate_tiles(x, gate, rows, cols, m, XB, xs0, xs1, GB, gs0, gs1)
     offsets = rows[:, None] * D + cols[None, :]
-    xs = tl.load(x + offsets, mask=m, other=0.0).to(tl.float32)
-    zs = tl.load(gate + offsets, mask=m, other=0.0).to(tl.float32)
     d = tl.load(dy + offsets, mask=m, other=0.0).to(tl.float32)
     sig = tl.sigmoid(zs)
     tl.store(dx + offsets, (d * sig).to(dx.dtype.element_ty), mask=m)
     tl.store(dgate + offsets, (d * xs * sig * (1.0 - sig)).to(dgate.dtype.element_ty), mask=m)
 
 
-def _gate_launch(width: int) -> tuple[int, int]:
-    """(block, rows per program: a power of two) of the gate's kernels over `width` channels."""
+def _gate_launch(x: torch.Tensor, gate: torch.Tensor):
+    """(x, gate, the rows, their layouts' (rows a block, stride, stride) each, block, rows per
+    program: a power of two) of the gate's kernels; x or the gate made contiguous only where the
+    kernels cannot read its layout."""
+    x, (count, x_inner, xs0, xs1) = _rows_layout(x)
+    gate, (_, gate_inner, gs0, gs1) = _rows_layout(gate)
+    width = x.shape[-1]
     block = triton.next_power_of_2(max(width, 1))
-    return block, max(1, GATE_ELEMENTS // block)
+    return (x, gate, count * x_inner, (x_inner, xs0, xs1, gate_inner, gs0, gs1), block,
+            max(1, GATE_ELEMENTS // block))
 
 
 class Gated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate):
-        x, (count, x_inner, xs0, xs1) = _rows_layout(x)
-        gate, (_, gate_inner, gs0, gs1) = _rows_layout(gate)
-        width = x.shape[-1]
-        rows = count * x_inner
+        x, gate, rows, layout, block, per_program = _gate_launch(x, gate)
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        block, per_program = _gate_launch(width)
         with _on(x.device):
-            _gated_fwd[(triton.cdiv(rows, per_program),)](x, gate, y, rows, x_inner, xs0, xs1, gate_inner, gs0, gs1,
-                                                          width, per_program, block)
+            _gated_fwd[(triton.cdiv(rows, per_program),)](x, gate, y, rows, *layout, x.shape[-1], per_program, block)
         ctx.save_for_backward(x, gate)
         return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        x, gate = (t.contiguous() for t in ctx.saved_tensors)  # a copy only for strided inputs
+        # The layouts are read again: a saved-tensor hook may hand back repacked tensors.
+        x, gate, rows, layout, block, per_program = _gate_launch(*ctx.saved_tensors)
         dy = dy.contiguous()
-        dx, dgate = torch.empty_like(x), torch.empty_like(gate)
-        width = x.shape[-1]
-        rows = x.numel() // max(width, 1)
-        block, per_program = _gate_launch(width)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         with _on(x.device):
-            _gated_bwd[(triton.cdiv(rows, per_program),)](x, gate, dy, dx, dgate, rows, width, per_program, block)
+            _gated_bwd[(triton.cdiv(rows, per_program),)](x, gate, dy, dx, dgate, rows, *layout, x.shape[-1],
+                                                          per_program, block)
         return dx, dgate
 
 
 def gated(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(gate), computed in float32, returned contiguous in x's dtype. x, gate: one
     shape, [T, D] or [T, H, D], any strides with unit stride along the last axis."""
-    if gate.shape != x.shape:
-        raise ValueError(f"gated: x {tuple(x.shape)} and gate {tuple(gate.shape)} differ (no broadcasting)")
+    if gate.shape != x.shape or gate.dtype != x.dtype:
+        raise ValueError(f"gated: x {tuple(x.shape)} {x.dtype} and gate {tuple(gate.shape)} {gate.dtype} differ (no "
+                         f"broadcasting or promotion)")
     return Gated.apply(x, gate)
