@@ -28,8 +28,9 @@ PROJECTED = MIXED + HEADS * HEAD_DIM + 2 * HEADS
 INTERMEDIATE = 3584
 # Each kernel's settings (`bench.settings` names) and the values swept.
 CONV = ("conv.TOKENS", "conv.WARPS"), [(tokens, warps) for tokens in (16, 32, 64) for warps in (2, 4, 8)]
-SWIGLU = ("swiglu.BY_ROWS", "swiglu.BLOCK"), [(int(by_rows), block) for by_rows in (False, True)
-                                              for block in (512, 1024, 2048, 4096)]
+SWIGLU = ("swiglu.BY_ROWS", "swiglu.BLOCK", "swiglu.WARPS"), [
+    (int(by_rows), block, warps) for by_rows in (False, True) for block in (512, 1024, 2048, 4096)
+    for warps in (4, 8) if warps == 4 or block >= 2048]
 GATE = ("swiglu.GATE_ELEMENTS",), [(elements,) for elements in (1024, 2048, 4096, 8192)]
 ATTENTION_HEADS, ATTENTION_DIM = 8, 256
 
@@ -41,7 +42,8 @@ def elementwise_sweep(lengths: tuple[int, ...] = (1500, 3000), replays: int = 10
     tokens and warps a program (`TOKENS`, `WARPS`), from zero states without final states as a
     one-row bucket runs it, reading its input in place from the packed projection's output; and
     SwiGLU (`swiglu.fused`) on the MLP's packed output by runs of the flattened output and by
-    rows (`BY_ROWS`), at each block (`BLOCK`); and the attention's output gate (`kernels.gated`,
+    rows (`BY_ROWS`), at each block (`BLOCK`) and, for the larger ones, on 8 warps as well as 4
+    (`WARPS`); and the attention's output gate (`kernels.gated`,
     the gate read in place from the query projection's output) at each count of elements a
     program (`GATE_ELEMENTS`). Prints one JSON line a setting: microseconds a
     call, the bytes it must move a microsecond (GB/s; the H200 reads and writes about 4,800), the

@@ -17,6 +17,7 @@ KNOWN = {
     "attention.DENSE_LONE": ("dohnuts.ops.attention", "DENSE_LONE", (False, True)),
     "swiglu.BY_ROWS": ("dohnuts.ops.swiglu.fused", "BY_ROWS", (False, True)),
     "swiglu.BLOCK": ("dohnuts.ops.swiglu.fused", "BLOCK", (256, 512, 1024, 2048, 4096)),
+    "swiglu.WARPS": ("dohnuts.ops.swiglu.fused", "WARPS", (1, 2, 4, 8, 16)),
     "swiglu.GATE_ELEMENTS": ("dohnuts.ops.swiglu.fused", "GATE_ELEMENTS", (1024, 2048, 4096, 8192)),
     "conv.TOKENS": ("dohnuts.ops.conv.fused", "TOKENS", (8, 16, 32, 64)),
     "conv.WARPS": ("dohnuts.ops.conv.fused", "WARPS", (1, 2, 4, 8)),

@@ -22,6 +22,10 @@ BLOCK = 1024  # elements per SwiGLU program
 # bandwidth-bound kernel has time for). Not timed yet: off until the H200 says
 # (`bench.kernel_sweep.elementwise_sweep`).
 BY_ROWS = False
+# Warps a SwiGLU forward program: Triton's default. At 3,000 tokens the forward moved about 2.2 TB/s
+# of the H200's 4.8 (run 2026-12-06-b91994e-c43, `long_row_profile`); larger blocks on more warps
+# are on trial (`bench.kernel_sweep.elementwise_sweep`).
+WARPS = 4
 
 
 @triton.jit(do_not_specialize=REQUEST_ELEMENTS)
@@ -69,9 +73,10 @@ class SwiGLU(torch.autograd.Function):
             if BY_ROWS:
                 if count:
                     _swiglu_rows_fwd[(count // width, triton.cdiv(width, BLOCK))](gate, up, y, width, gate_stride,
-                                                                                   up_stride, BLOCK)
+                                                                                   up_stride, BLOCK, num_warps=WARPS)
             else:
-                _swiglu_fwd[(triton.cdiv(count, BLOCK),)](gate, up, y, count, width, gate_stride, up_stride, BLOCK)
+                _swiglu_fwd[(triton.cdiv(count, BLOCK),)](gate, up, y, count, width, gate_stride, up_stride, BLOCK,
+                                                          num_warps=WARPS)
         ctx.save_for_backward(gate, up)
         return y
 
