@@ -38,13 +38,8 @@ def split_rotate_reference(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     """(q, k, v), each [T, H, D] contiguous, of the vision tower's qkv output [T, 3, H, D], q and
     k turned over all D channels by cos, sin [T, D] in float32, as transformers' vision blocks do."""
     query, key, value = qkv.unbind(1)
-    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
-
-    def turned(x):
-        first, second = x.float().chunk(2, dim=-1)
-        return (x.float() * cos + torch.cat([-second, first], dim=-1) * sin).to(x.dtype).contiguous()
-
-    return turned(query), turned(key), value.contiguous()
+    cos, sin = cos.float(), sin.float()
+    return (*(rotate(x.float(), cos, sin).to(x.dtype) for x in (query, key)), value.contiguous())
 
 
 def rms_norm_gated_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
