@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops import kernels
-from ..ops.plan import chunk_plan, cumulative
+from ..ops.plan import CHUNK, chunk_plan, cumulative
 from .host import require_cuda, warmed_predictor
 
 
@@ -131,8 +131,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     `together` sequences of each of `lengths` tokens, then each of `sets` (sequences of unequal
     lengths run together, "700,200,90": a request's long rows), by each of its paths (the parts solved
     apart, 1 or 4 a program, then walked with blocks of 16, 32 or 64 values, pipelined in 1 to 3
-    stages, with 2 or 4 warps; 64-token chunks solved whole and walked, `WALK_CHUNK`; one long
-    sequence's path, `one_long`, walked in one pass or in spans, `ALONE_SPAN`; the
+    stages, with 2 or 4 warps; 64-token chunks solved whole and walked, `WALK_CHUNK`; the
     one-kernel walk, with the runtime's blocks of values and warps and with others, `FWD_VALUES`
     and `FWD_WARPS`), whatever the count would choose (`PARTS_BELOW`); `only` keeps the paths
     whose names contain one of its texts. Shape: the Qwen3.5-0.8B delta-rule layer (16 key and
@@ -166,7 +165,6 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     names = ("WALK_VALUES", "PARTS_BELOW", "PARTS_A_PROGRAM", "WALK_STAGES", "WALK_WARPS", "WALK_CHUNK", "SOLVE_WARPS",
              "FWD_VALUES", "FWD_WARPS", "VALUES", "ROW_WARPS")
     defaults = {name: getattr(ops, name) for name in names}
-    default_span, default_span_values = ops.ALONE_SPAN, ops.SPAN_VALUES
     paths = [(f"parts {split} a program, walk values {values}, stages {stages}, warps {warps}",
               {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "PARTS_A_PROGRAM": split,
                "WALK_STAGES": stages, "WALK_WARPS": warps})
@@ -188,12 +186,6 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                   (2, 64, 4, None, 4), (8, 64, 4, None, 4), (4, 32, 4, None, 4), (4, 128, 4, None, 4),
                   (4, 128, 8, None, 4), (4, 64, 8, None, 4), (4, 32, 2, None, 4), (4, 64, 4, 1, 4), (4, 64, 4, 3, 4),
                   (4, 64, 4, None, 2), (4, 64, 4, None, 8))]
-    # One long sequence's own path (`one_long`, as a one-row bucket runs it): its walk in one pass
-    # and in spans of `ALONE_SPAN` chunks.
-    paths.append(("one long sequence, walk in one pass", {**defaults, "ALONE_SPAN": None}))
-    paths += [(f"one long sequence, walk in spans of {span} chunks, {values} values a program",
-               {**defaults, "ALONE_SPAN": span, "SPAN_VALUES": values})
-              for span in (4, 6, 8, 12) for values in (16, 32, 64)]
     paths.append(("one kernel", {**defaults, "PARTS_BELOW": 0}))
     paths += [(f"one kernel, values {values}, warps {warps}",
                {**defaults, "PARTS_BELOW": 0, "FWD_VALUES": values, "FWD_WARPS": warps})
@@ -224,9 +216,8 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 for setting, value in settings.items():
                     setattr(ops, setting, value)
 
-                def scan(arguments=(q, k, v, g, beta, None, None, bounds, True, A_log, dt_bias), plan=plan,
-                         alone="ALONE_SPAN" in settings):
-                    out, final = ops.delta_rule_scan(*arguments, chunks=plan, one_long=alone)
+                def scan(arguments=(q, k, v, g, beta, None, None, bounds, True, A_log, dt_bias), plan=plan):
+                    out, final = ops.delta_rule_scan(*arguments, chunks=plan)
                     return torch.cat([out.flatten().float(), final.flatten()])
 
                 ms, out = graphed(scan, replays=50)
@@ -235,13 +226,13 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                 if not to_parts:
                     taken = settings == {**defaults, "PARTS_BELOW": 0}
                 elif ops.walks_alone(count, max(pack), routed=False):
-                    taken = settings == ({**defaults, "ALONE_SPAN": None} if default_span is None else
-                                         {**defaults, "ALONE_SPAN": default_span, "SPAN_VALUES": default_span_values})
+                    taken = settings == {**defaults, "PARTS_BELOW": 2**31, "WALK_CHUNK": CHUNK,
+                                         "WALK_VALUES": ops.ALONE_VALUES}
                 else:
                     taken = settings == {**defaults, "PARTS_BELOW": 2**31}
                 print(f"{label}, {name:58s}: {ms * 1e3:8.1f} us a layer, "
                       f"{total / (ms * 1e3):7.1f} tokens/us, max difference {gap:.1e}{' (taken)' if taken else ''}",
                       flush=True)
     finally:
-        for setting, value in {**defaults, "ALONE_SPAN": default_span, "SPAN_VALUES": default_span_values}.items():
+        for setting, value in defaults.items():
             setattr(ops, setting, value)

@@ -524,19 +524,16 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width, pa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("span", [None, 8], ids=["one pass", "spans of 8"])
 @pytest.mark.parametrize("weak", [False, True], ids=["decay", "weak decay"])
-def test_one_long_sequence_walked_in_64_token_steps_matches_the_reference(weak, span, monkeypatch):
+def test_one_long_sequence_walked_in_64_token_steps_matches_the_reference(weak):
     """One long sequence walked as `kernels.delta_rule` walks it alone or in a one-row bucket
     (`scan.delta_rule_scan`'s `one_long`: 64-token steps, ALONE_VALUES values a program; bf16,
     the Qwen3.5-0.8B widths, 2,816 tokens then padding of 300 and an empty sequence): from zero
     and from forked states (the long one's among them), keeping the final states, against the
     float32 recurrence within the scan's own tolerance; also with decays of about -0.01 a token,
-    under which the state entering each step weighs on all of it. Walked in one pass, and in
-    spans of eight chunks (`scan.ALONE_SPAN`: 44 chunks in six spans, the last partial)."""
+    under which the state entering each step weighs on all of it."""
     from dohnuts.ops.delta_rule import scan
 
-    monkeypatch.setattr(scan, "ALONE_SPAN", span)
     lengths = [2816, 300, 0]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, 16, 16, 128, 5)
     parents = parents.flip(0)  # 1, 0, -1: the long sequence continues a state too

@@ -425,15 +425,12 @@ def check_one_long_sequence():
     (the long one without a parent where padding follows), on the sequences' own chunk plan and on a bucket's padded
     one, grouped heads, values narrower and wider than a program's block; with decays of about
     -0.8 a token, and of about -0.01, under which each step's entering state weighs on every
-    token after it; walked in one pass, and in spans of two chunks (`ALONE_SPAN`: 300 tokens in
-    three spans, the last partial, 37 in one, an empty sequence in none)."""
+    token after it."""
     generator = torch.Generator().manual_seed(11)
     heads, key_dim, value_heads = 2, 8, 4
-    cases = [(value_dim, weak, lengths, span) for value_dim in (6, 20) for weak in (False, True)
-             for lengths in ([300, 37, 0], [200]) for span in (None, 2)]
-    default = delta_scan.ALONE_SPAN
-    for value_dim, weak, lengths, span in cases:
-        delta_scan.ALONE_SPAN = span
+    cases = [(value_dim, weak, lengths) for value_dim in (6, 20) for weak in (False, True)
+             for lengths in ([300, 37, 0], [200])]
+    for value_dim, weak, lengths in cases:
         total = sum(lengths)
         cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
         q, k = (l2norm(torch.randn(total, heads, key_dim, generator=generator)) for _ in range(2))
@@ -451,7 +448,7 @@ def check_one_long_sequence():
         forked, forked_final = gated_delta_rule_reference(
             q[None], k[None], v[None], log_decay[None], beta[None], kernels.fork_states(states, parents, True),
             True, cu.long(), normalise=False)
-        case = f"delta_rule_scan one_long lengths={lengths} V={value_dim} weak decay {weak} span {span}"
+        case = f"delta_rule_scan one_long lengths={lengths} V={value_dim} weak decay {weak}"
         ours, final = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias,
                                                  one_long=True)
         close(f"{case} from zero", ours, reference[0])
@@ -466,7 +463,6 @@ def check_one_long_sequence():
         ours, _ = delta_scan.delta_rule_scan(q, k, v, gate, beta, states, parents, cu, False, A_log, dt_bias,
                                              chunks=plan, one_long=True)
         close(f"{case} forked on a padded plan", ours, forked[0])
-    delta_scan.ALONE_SPAN = default
 
 
 def check_routes_on_the_device(last: str):

@@ -271,35 +271,25 @@ def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("span", [None, 1], ids=["one pass", "spans"])
-def test_one_long_sequence_in_64_token_steps_gives_the_scans_logits_eager_and_in_bucket_graphs(tiny, monkeypatch,
-                                                                                              span):
+def test_one_long_sequence_in_64_token_steps_gives_the_scans_logits_eager_and_in_bucket_graphs(tiny, monkeypatch):
     """With one long sequence walked in 64-token steps from 64 tokens on (`scan.ALONE_FROM`, so
     the tiny model's prefixes alone and its one-question request's one-row bucket take it), the
     eager forward and the bucket graphs captured with it give the logits of the eager forward
     without it, to 1e-4 in float32; the path ran in both (counted), and the one-row bucket
-    served its request. Walked in one pass, and in spans of one chunk (`scan.ALONE_SPAN`: every
-    sequence over 64 tokens in several, joined on the device)."""
+    served its request."""
     from dohnuts.ops.delta_rule import scan
     from dohnuts.runtime.buckets import all_buckets, bucket_for
 
     template, model, graphed = _on_cuda(tiny, torch.float32)
     batches = _varied(template)
-    walks, joins = [], []
-    chunk_path, join = scan._chunk_path, scan._span_join
+    walks = []
+    chunk_path = scan._chunk_path
 
     def counted(*args, **kwargs):
         walks.append(args[11].shape)  # each call's cu_seqlens
         return chunk_path(*args, **kwargs)
 
-    class CountedJoin:
-        def __getitem__(self, grid):
-            joins.append(grid)
-            return join[grid]
-
     monkeypatch.setattr(scan, "_chunk_path", counted)
-    monkeypatch.setattr(scan, "_span_join", CountedJoin())
-    monkeypatch.setattr(scan, "ALONE_SPAN", span)
     with torch.no_grad():
         monkeypatch.setattr(scan, "ALONE_FROM", None)
         plain = [model(batch.to("cuda")) for batch in batches]
@@ -307,7 +297,6 @@ def test_one_long_sequence_in_64_token_steps_gives_the_scans_logits_eager_and_in
         monkeypatch.setattr(scan, "ALONE_FROM", 64)
         eager = [model(batch.to("cuda")) for batch in batches]
         assert walks, "no eager forward walked one long sequence in 64-token steps"
-        assert bool(joins) == bool(span), "the walk in spans ran where it was off, or not where it was on"
         walks.clear()
         graphed.pad_id = template.pad_id
         buckets = [bucket for bucket in all_buckets() if bucket.tokens <= 1536]

@@ -99,11 +99,6 @@ SOLVE_WARPS = 4
 ALONE_FROM: int | None = 1408  # the shortest length timed
 ALONE_TO = 8192  # the longest one-row bucket
 ALONE_VALUES = 16
-# On trial (None: off). One long sequence's walk in spans of this many 64-token chunks
-# (`_span_ends`, `_span_join`, `_span_walk`): the spans walk at once, joined by a short walk over
-# them, where the walk in one pass takes the chunks' steps one after another.
-ALONE_SPAN: int | None = None
-SPAN_VALUES = 16  # values a program of the walk in spans: its spans, not its blocks, keep the device busy
 PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of parts and walk
 # Values a program of the one-kernel walk (a block of V) and its warps. Eight requests of the
 # serving mix spend about 40% of their device time in the delta rule, most of it here. On an H100
@@ -381,26 +376,12 @@ def _chunk_walk(k, W, U, Gc, Hs, states, parents, final, cu_seqlens, G, route, H
     if ROUTED:
         eos, go = _turn(route, True, bos, eos)
         m_kv = m_kv & (tl.zeros([BK, BV], dtype=tl.int32) + go != 0)
+    entry = _first_chunk(cu_seqlens, n, 256)
+    o_c = tl.arange(0, 64)
     h = tl.zeros([BK, BV], dtype=tl.float32)
     if INITIAL:
         h = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK)
-    h = _walk_chunks(k, W, U, Gc, Hs, h, bos, eos, 0, tl.cdiv(eos - bos, 64), _first_chunk(cu_seqlens, n, 256), i_h,
-                     i_hk, o_k, o_v, m_kv, H, K, HV, V, True, True, STAGES)
-    if FINAL:
-        tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
-
-
-@triton.jit
-def _walk_chunks(k, W, U, Gc, Hs, h, bos, eos, begin, end, entry, i_h, i_hk, o_k, o_v, m_kv, H: tl.constexpr,
-                 K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, STORE: tl.constexpr, DRIVEN: tl.constexpr,
-                 STAGES: tl.constexpr):
-    """The state h [BK, BV] float32 walked over chunks begin to end (the sequence's from bos,
-    whose chunk plan starts at entry): S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T,
-    u = U0 - W S. With STORE, each chunk's entering state goes to Hs and its u over U0 in U.
-    Without DRIVEN, U0 is taken as zero: h's columns then follow the walk's linear part alone
-    (`_span_ends`' maps; o_v names them, and nothing of V is read)."""
-    o_c = tl.arange(0, 64)
-    for chunk in tl.range(begin, end, num_stages=STAGES):
+    for chunk in tl.range(0, tl.cdiv(eos - bos, 64), num_stages=STAGES):
         o_t = bos + chunk * 64 + o_c
         m_t = o_t < eos
         row = o_t[:, None] * HV + i_h
@@ -408,122 +389,17 @@ def _walk_chunks(k, W, U, Gc, Hs, h, bos, eos, begin, end, entry, i_h, i_hk, o_k
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         k_i = tl.load(k + (o_t[:, None] * H + i_hk) * K + o_k[None, :], mask=m_tk, other=0.0)
         w_i = tl.load(W + row * K + o_k[None, :], mask=m_tk, other=0.0)
+        u0 = tl.load(U + row * V + o_v[None, :], mask=m_tv, other=0.0)
         g_i = tl.load(Gc + o_t * HV + i_h, mask=m_t, other=0.0)
         last = tl.load(Gc + (tl.minimum(bos + chunk * 64 + 64, eos) - 1) * HV + i_h)  # the chunk's whole decay
         h_in = h.to(k_i.dtype)
-        if STORE:
-            tl.store(Hs + (((entry + chunk) * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h_in, mask=m_kv)
-        if DRIVEN:
-            u_i = tl.load(U + row * V + o_v[None, :], mask=m_tv, other=0.0) - tl.dot(w_i, h_in)  # 0 past the end
-        else:
-            u_i = -tl.dot(w_i, h_in)
-        if STORE:
-            tl.store(U + row * V + o_v[None, :], u_i, mask=m_tv)
+        tl.store(Hs + (((entry + chunk) * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h_in, mask=m_kv)
+        u_i = u0 - tl.dot(w_i, h_in)  # 0 past the end
+        tl.store(U + row * V + o_v[None, :], u_i, mask=m_tv)
+        # S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T
         h = h * tl.exp(last) + tl.dot(tl.trans(k_i), (u_i * tl.exp(last - g_i)[:, None]).to(k_i.dtype))
-    return h
-
-
-# -- the walk in spans: one long sequence's steps in parallel pieces ------------------------------
-#
-# A long sequence alone keeps few programs busy, and its walk is its chunks' steps one after
-# another. The walk is affine in the state: over a span of chunks, the state leaving it is
-# E + M S for the state S entering it, E the span walked from zero and M [K, K] the walk's
-# linear part (the identity's columns walked with U0 = 0). So the spans walk at once from zero
-# (`_span_ends`: E and M of each span but the first, which walks from its true state), then one
-# short walk over spans joins them (`_span_join`: each span's entering state, S' = E + M S), and
-# the spans walk again at once from their entering states, keeping what the outputs read
-# (`_span_walk`). For a sequence of C chunks in spans of SPAN chunks, 2 SPAN + C / SPAN steps
-# stand in series instead of C, for about twice the walk's work.
-
-
-@triton.jit
-def _span_of(cu_seqlens, SPANS):
-    """A spanned walk's program: (sequence n, span j, its bounds bos and eos, its chunks)."""
-    i_s = tl.program_id(0)
-    n, j = i_s // SPANS, i_s % SPANS
-    bos = tl.load(cu_seqlens + n).to(tl.int64)
-    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-    return n, j, bos, eos, tl.cdiv(eos - bos, 64)
-
-
-@triton.jit(do_not_specialize=(*REQUEST_STATES, "SPANS"))
-def _span_ends(k, W, U, Gc, Hs, states, parents, ends, maps, cu_seqlens, G, SPAN, SPANS, H: tl.constexpr,
-               K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               INITIAL: tl.constexpr, STAGES: tl.constexpr):
-    """Span j (of SPAN chunks) of sequence n (program 0: n SPANS + j), value head program 1: the
-    state leaving it to ends [N, SPANS, HV, K, V] float32, walked from zero, and with value blocks
-    past V's (program 2) its map's columns to maps [N, SPANS, HV, K, K] float32. The first span
-    walks from the sequence's own initial state and keeps Hs and U as `_chunk_walk` does."""
-    n, j, bos, eos, chunks = _span_of(cu_seqlens, SPANS)
-    i_h, i_b = tl.program_id(1), tl.program_id(2)
-    i_hk = i_h // (HV // H)
-    begin = j * SPAN
-    if begin < chunks or j == 0:  # an empty sequence's first span keeps its initial state
-        end = tl.minimum(begin + SPAN, chunks)
-        o_k = tl.arange(0, BK)
-        slot = (n * SPANS + j) * HV + i_h
-        if i_b < tl.cdiv(V, BV):
-            o_v = i_b * BV + tl.arange(0, BV)
-            m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-            h = tl.zeros([BK, BV], dtype=tl.float32)
-            if j == 0:
-                if INITIAL:
-                    h = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK)
-                h = _walk_chunks(k, W, U, Gc, Hs, h, bos, eos, begin, end, _first_chunk(cu_seqlens, n, 256), i_h,
-                                 i_hk, o_k, o_v, m_kv, H, K, HV, V, True, True, STAGES)
-            else:
-                h = _walk_chunks(k, W, U, Gc, Hs, h, bos, eos, begin, end, 0, i_h, i_hk, o_k, o_v, m_kv, H, K, HV,
-                                 V, False, True, STAGES)
-            tl.store(ends + (slot * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
-        elif j > 0:
-            o_m = (i_b - tl.cdiv(V, BV)) * BV + tl.arange(0, BV)
-            m_km = (o_k < K)[:, None] & (o_m < K)[None, :]
-            h = tl.where(o_k[:, None] == o_m[None, :], 1.0, 0.0)
-            h = _walk_chunks(k, W, U, Gc, Hs, h, bos, eos, begin, end, 0, i_h, i_hk, o_k, o_m, m_km, H, K, HV, K,
-                             False, False, STAGES)
-            tl.store(maps + (slot * K + o_k[:, None]) * K + o_m[None, :], h, mask=m_km)
-
-
-@triton.jit(do_not_specialize=("SPANS",))
-def _span_join(ends, maps, final, cu_seqlens, SPAN, SPANS, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr,
-               BK: tl.constexpr, BV: tl.constexpr, FINAL: tl.constexpr):
-    """Sequence n (program 0), value head program 1, value block program 2: the state entering
-    each span but the first, S' = E + M S over the spans in turn, in place of its E in `ends`
-    (`_span_ends`); the state leaving the last to `final`."""
-    n, i_h, i_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(cu_seqlens + n).to(tl.int64)
-    eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
-    spans = tl.cdiv(tl.cdiv(eos - bos, 64), SPAN)
-    o_k, o_v = tl.arange(0, BK), i_b * BV + tl.arange(0, BV)
-    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-    m_kk = (o_k < K)[:, None] & (o_k < K)[None, :]
-    state = ends + ((n * SPANS * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :]  # span j's: + j HV K V
-    linear = maps + ((n * SPANS * HV + i_h) * K + o_k[:, None]) * K + o_k[None, :]
-    s = tl.load(state, mask=m_kv, other=0.0)
-    for j in range(1, spans):
-        leaving = tl.load(state + j * HV * K * V, mask=m_kv, other=0.0)
-        tl.store(state + j * HV * K * V, s, mask=m_kv)
-        s = leaving + tl.dot(tl.load(linear + j * HV * K * K, mask=m_kk, other=0.0), s)
     if FINAL:
-        tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], s, mask=m_kv)
-
-
-@triton.jit(do_not_specialize=("SPANS",))
-def _span_walk(k, W, U, Gc, Hs, ends, cu_seqlens, SPAN, SPANS, H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr,
-               V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr):
-    """Span j > 0 of sequence n (program 0: n SPANS + j), value head program 1, value block
-    program 2, walked from its entering state (`_span_join`), keeping Hs and U as `_chunk_walk`."""
-    n, j, bos, eos, chunks = _span_of(cu_seqlens, SPANS)
-    i_h, i_v = tl.program_id(1), tl.program_id(2)
-    begin = j * SPAN
-    if j > 0 and begin < chunks:
-        o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-        m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
-        h = tl.load(ends + ((((n * SPANS + j) * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :]), mask=m_kv,
-                    other=0.0)
-        _walk_chunks(k, W, U, Gc, Hs, h, bos, eos, begin, tl.minimum(begin + SPAN, chunks),
-                     _first_chunk(cu_seqlens, n, 256), i_h, i_h // (HV // H), o_k, o_v, m_kv, H, K, HV, V, True, True,
-                     STAGES)
+        tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
 
 
 @triton.jit
@@ -682,7 +558,7 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if WALK_CHUNK == CHUNK or (one_long and not routed):
         return _chunk_path(q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu_seqlens, chunks, G, scale,
                            gate_stride, beta_stride, route, routed, block_k, block_v, beta_logits, states is not None,
-                           output_final_state, ALONE_SPAN if one_long and not routed else None)
+                           output_final_state)
     # What the walk reads of each part (`_delta_scan_parts`); a bucket's graph keeps them in its pool.
     w = q.new_empty(total, value_heads, key_dim)
     u = q.new_empty(total, value_heads, value_dim, dtype=torch.float32)
@@ -702,13 +578,10 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 
 def _chunk_path(q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu_seqlens, chunks, G, scale,
-                gate_stride, beta_stride, route, routed, block_k, block_v, beta_logits, forked, output_final_state,
-                span=None):
+                gate_stride, beta_stride, route, routed, block_k, block_v, beta_logits, forked, output_final_state):
     """`delta_rule_scan`'s parts-then-walk path at 64-token steps (WALK_CHUNK): each chunk
     solved apart (`_chunk_inverse`, then `_chunk_wu`), the walk from chunk to chunk keeping each
-    one's entering state (`_chunk_walk`; with `span`, in spans of that many chunks, `_span_ends`
-    and the two after it, where the tokens allow more than one), then every chunk's outputs at
-    once (`_chunk_output`)."""
+    one's entering state (`_chunk_walk`), then every chunk's outputs at once (`_chunk_output`)."""
     total, heads, key_dim = q.shape
     value_heads, value_dim = v.shape[1:]
     sequences, entries = cu_seqlens.shape[0] - 1, chunks.shape[0]
@@ -726,25 +599,9 @@ def _chunk_path(q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu
             _chunk_wu[(entries, value_heads, triton.cdiv(value_dim, out_v))](
                 k, v, beta, inverse, decays, cu_seqlens, chunks, w, u, beta_stride, route, heads, key_dim, value_heads,
                 value_dim, block_k, out_v, beta_logits, routed, num_warps=ROW_WARPS)
-        spans = triton.cdiv(triton.cdiv(total, CHUNK), span) if span else 1  # the most a sequence can have
-        if spans > 1:
-            block_v = max(16, min(SPAN_VALUES, triton.next_power_of_2(value_dim)))
-            ends = q.new_empty(sequences, spans, value_heads, key_dim, value_dim, dtype=torch.float32)
-            maps = q.new_empty(sequences, spans, value_heads, key_dim, key_dim, dtype=torch.float32)
-            blocks = triton.cdiv(value_dim, block_v)
-            _span_ends[(sequences * spans, value_heads, blocks + triton.cdiv(key_dim, block_v))](
-                k, w, u, decays, entering, initial, parents, ends, maps, cu_seqlens, G, span, spans, heads, key_dim,
-                value_heads, value_dim, block_k, block_v, forked, WALK_STAGES, num_warps=WALK_WARPS)
-            _span_join[(sequences, value_heads, blocks)](
-                ends, maps, final, cu_seqlens, span, spans, key_dim, value_heads, value_dim, block_k, block_v,
-                output_final_state, num_warps=WALK_WARPS)
-            _span_walk[(sequences * spans, value_heads, blocks)](
-                k, w, u, decays, entering, ends, cu_seqlens, span, spans, heads, key_dim, value_heads, value_dim,
-                block_k, block_v, WALK_STAGES, num_warps=WALK_WARPS)
-        else:
-            _chunk_walk[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
-                k, w, u, decays, entering, initial, parents, final, cu_seqlens, G, route, heads, key_dim, value_heads,
-                value_dim, block_k, block_v, forked, output_final_state, routed, WALK_STAGES, num_warps=WALK_WARPS)
+        _chunk_walk[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
+            k, w, u, decays, entering, initial, parents, final, cu_seqlens, G, route, heads, key_dim, value_heads,
+            value_dim, block_k, block_v, forked, output_final_state, routed, WALK_STAGES, num_warps=WALK_WARPS)
         if entries:
             _chunk_output[(entries, value_heads, triton.cdiv(value_dim, out_v))](
                 q, k, u, decays, entering, o, cu_seqlens, chunks, scale, route, heads, key_dim, value_heads, value_dim,
