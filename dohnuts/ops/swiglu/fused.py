@@ -19,8 +19,11 @@ BLOCK = 1024  # elements per SwiGLU program
 # Programs by rows (a row's block of BLOCK columns each) rather than by runs of BLOCK elements of
 # the flattened output: no element then finds its row and column by a 64-bit division, which the
 # GPU runs as a software routine of dozens of instructions an element (about as many as a
-# bandwidth-bound kernel has time for). Not timed yet: off until the H200 says
-# (`bench.kernel_sweep.elementwise_sweep`).
+# bandwidth-bound kernel has time for). Alone on one H100 (`bench.kernel_sweep.elementwise_sweep`,
+# run 2026-12-07-7501ba3-d44-sweep) by rows of 1,024 took 7.3 us at 1,500 tokens and 22.9 at
+# 3,000, against 15.4 and 30.2 by runs; but one-question requests of those lengths ran 0.3 to 0.4
+# ms slower with it on their second call (its process first, the default's after: runs -long-rows
+# and -long-again), so it stays off until an A/B in both orders on the H200 says.
 BY_ROWS = False
 # Warps a SwiGLU forward program: Triton's default. At 3,000 tokens the forward moved about 2.2 TB/s
 # of the H200's 4.8 (run 2026-12-06-b91994e-c43, `long_row_profile`); larger blocks on more warps
