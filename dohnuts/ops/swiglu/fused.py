@@ -26,8 +26,10 @@ BLOCK = 1024  # elements per SwiGLU program
 # and -long-again), so it stays off until an A/B in both orders on the H200 says.
 BY_ROWS = False
 # Warps a SwiGLU forward program: Triton's default. At 3,000 tokens the forward moved about 2.2 TB/s
-# of the H200's 4.8 (run 2026-12-06-b91994e-c43, `long_row_profile`); larger blocks on more warps
-# are on trial (`bench.kernel_sweep.elementwise_sweep`).
+# of the H200's 4.8 (run 2026-12-06-b91994e-c43, `long_row_profile`). Larger blocks on 8 warps
+# gained nothing on one H100 (`bench.kernel_sweep.elementwise_sweep`, run
+# 2026-12-07-7501ba3-d44-sweep): blocks of 2,048 took 15.8 and 31.0 us at 1,500 and 3,000 tokens
+# against 15.4 and 30.2 for the default's 1,024 on 4.
 WARPS = 4
 
 
