@@ -128,7 +128,8 @@ MEASUREMENTS: dict[str, Measurement] = {
          Argument("seed", int, 37, "the generator's seed"),
          Argument("out", str, None, "a file for the record (JSON)"),
          Argument("settings", str, (), "runtime settings changed first, NAME=VALUE (bench.settings.KNOWN), as "
-                  "swiglu.BY_ROWS=1", many=True))),
+                  "swiglu.BY_ROWS=1", many=True),
+         Argument("mix", str, "real", "the requests: real (issue 37's) or serving (the load harness's mix)"))),
     "long_context": Measurement(
         first_sight.long_context_measurement, "8k to 64k-token requests: latency, tokens/s, peak memory", "any",
         (Argument("lengths", int, (8192, 32768, 65536), "input tokens of each request", many=True),

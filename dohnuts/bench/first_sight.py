@@ -138,20 +138,21 @@ def first_sight(count: int = 80) -> None:
 
 
 def real_traffic_measurement(count: int = 80, seed: int = 37, out: str | None = None,
-                             settings: tuple[str, ...] = ()) -> None:
+                             settings: tuple[str, ...] = (), mix: str = "real") -> None:
     """The real-traffic workload on the shape-only Qwen3.5-0.8B predictor (graphs captured, the
     warm-up run, as a server loads): first-sight p50/p99/max, text and image p50, Triton's
     compiles and autotunes on the timed requests, Hugging Face on the same; the record as JSON
     to `out`, with the runtime's settings (`bench.settings`: `settings` changes them first, as
-    "swiglu.BY_ROWS=1").
+    "swiglu.BY_ROWS=1"). With `mix` "serving" the requests are the load harness's serving mix
+    instead, one at a time in this process: the floor under the server's one-client figures.
 
         python benchmarks/run.py real_traffic --count 80 --out real.json
     """
     chosen = runtime_settings.apply(settings)
-    record = real_traffic_record(shape_only_predictor(SHAPE), count, seed)
+    record = real_traffic_record(shape_only_predictor(SHAPE), count, seed, mix=mix)
     record["settings"], record["shape_only"] = chosen, SHAPE  # the ledger's label of the model
     part = record["first_sight"]
-    print(f"real traffic, {record['requests']} requests ({record['image_requests']} with an image) on first sight: "
+    print(f"{mix} traffic, {record['requests']} requests ({record['image_requests']} with an image) on first sight: "
           f"p50 {part['p50_ms']:.2f} p99 {part['p99_ms']:.2f} max {part['max_ms']:.2f} ms; text p50 "
           f"{part['text_p50_ms']:.2f}, image p50 {part['image_p50_ms']:.2f}; engine stages p50 "
           f"{ {stage: round(ms, 2) for stage, ms in part['engine_stages_p50_ms'].items()} }; "

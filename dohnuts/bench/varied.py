@@ -10,7 +10,11 @@ from ..ops.compiles import kernel_variants
 from ..runtime.cuda_graphs import layout_key
 from .baseline import baseline_rows, hugging_face_logits
 from .telemetry import synchronize
-from .traffic import percentile, real_traffic, varied_requests
+from .traffic import percentile, real_traffic, serving_mix, varied_requests
+
+# The generators `real_traffic_record` can time: issue 37's real traffic, or the serving mix the
+# load harness sends (issue 36's one-client line, here without HTTP, front end or engine process).
+MIXES = {"real": real_traffic, "serving": serving_mix}
 
 
 def varied_traffic(predictor, count: int, seed: int = 0, warmup: int = 8) -> tuple[list, list]:
@@ -110,13 +114,20 @@ def _hugging_face_samples(predictor, warm, timed) -> list[float]:
     return samples
 
 
-def real_traffic_record(predictor, count: int, seed: int = 37, warmup: int = 10) -> dict:
+def real_traffic_record(predictor, count: int, seed: int = 37, warmup: int = 10, mix: str = "real") -> dict:
     """The real-traffic workload (issue 37): `warmup` requests of the real-traffic generator sent
     first, then `count` others, each timed once, on first sight: its layout and its image new
     (`traffic.real_traffic`: up to 1,500 words, 20 questions, 40 options, a third with an image
-    of 160 to 1,200 pixels a side). The pass counts the kernels Triton compiled or tuned on the
-    timed requests; Hugging Face's padded forward runs on the same requests."""
-    requests = real_traffic(warmup + count, seed)
+    of 160 to 1,200 pixels a side; or, with `mix` "serving", `traffic.serving_mix`). The pass
+    counts the kernels Triton compiled or tuned on the timed requests; Hugging Face's padded
+    forward runs on the same requests.
+
+    Raises:
+        ValueError: `mix` is not one of MIXES.
+    """
+    if mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r}: one of {', '.join(MIXES)}")
+    requests = MIXES[mix](warmup + count, seed)
     warm, timed = requests[:warmup], requests[warmup:]
     for state, questions in warm:
         predictor.predict(state, questions)
@@ -124,7 +135,8 @@ def real_traffic_record(predictor, count: int, seed: int = 37, warmup: int = 10)
     baseline = _hugging_face_samples(predictor, warm[:2], timed)
     tokens = [sum(len(row.input_ids) for row in baseline_rows(predictor, *request)[1]) for request in timed]
     return {
-        "workload": "real_traffic", "requests": len(timed), "seed": seed, "warmup_requests": len(warm),
+        "workload": "real_traffic" if mix == "real" else f"{mix}_mix_first_sight", "requests": len(timed),
+        "seed": seed, "warmup_requests": len(warm),
         "image_requests": sum("image" in state for state, _ in timed),
         "image_sides": [list(state["image"].size) for state, _ in timed if "image" in state],
         "questions": [len(questions) for _, questions in timed], "input_tokens": tokens,

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import pytest
 import torch
 
 from dohnuts import Predictor
@@ -188,6 +189,21 @@ def test_real_traffic_times_each_request_once_and_counts_compiles(deployable):
     # The engine's stages of each call: on the CPU `prepare` packs and `run` is the forward itself.
     stages = part["engine_stages_p50_ms"]
     assert 0 < stages["prepare"] < part["max_ms"] and stages["run"] > 0 and stages["queue"] == 0
+
+
+def test_the_first_sight_pass_times_the_serving_mix_when_asked(deployable):
+    """`mix="serving"` times the load harness's requests (the floor under the server's one-client
+    figures) under its own workload name; an unknown mix is refused by name."""
+    from dohnuts.bench.traffic import serving_mix
+    from dohnuts.bench.varied import real_traffic_record
+
+    root, _ = deployable
+    predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
+    record = real_traffic_record(predictor, 3, seed=5, warmup=1, mix="serving")
+    assert record["workload"] == "serving_mix_first_sight" and record["requests"] == 3
+    assert record["questions"] == [len(questions) for _, questions in serving_mix(4, 5)[1:]]
+    with pytest.raises(ValueError, match="unknown mix 'replayed'"):
+        real_traffic_record(predictor, 1, mix="replayed")
 
 
 def test_long_requests_meet_the_budgets_they_aim_at_and_past_them_are_refused(deployable):
