@@ -155,41 +155,59 @@ def serving_ceiling(requests: int = 512, matrix_tflops: float = 800.0, bandwidth
 
 def bucket_padding(requests: int = 512, depths: tuple[int, ...] = (1, 8, 32)) -> None:
     """How much of a bucket's work is padding on the serving mix: its requests in arrival order,
-    taken as the engine's loop takes a queue `depth` deep (while the joined shape fits a bucket,
-    `engine.plan`), each invocation padded to its smallest bucket (`buckets.all_buckets`). Per
-    depth: invocations, mean requests an invocation, computed and useful tokens, the padding
-    share, and the share of invocations that fit no bucket. Encodes only: runs anywhere.
+    taken from a queue kept `depth` deep (as a saturated engine's loop sees it) as the engine
+    takes them (`engine.plan`: while the joined shape fits a bucket, then as many as `densest`
+    keeps by `Engine.cost`), each invocation padded to its smallest bucket
+    (`buckets.all_buckets`); beside it, every admitted request taken (`fullest`, the engine's
+    rule before `densest`). Per depth and rule: invocations, mean requests an invocation,
+    computed and useful tokens, the padding share, the cost (bucket tokens and
+    `engine.INVOCATION_TOKENS` an invocation) a useful token, and the share of invocations that
+    fit no bucket. Encodes only: runs anywhere.
 
         python benchmarks/run.py bucket_padding --requests 512 --depths 1 8 32 > padding.json
     """
-    from ..runtime.buckets import all_buckets, joined, smallest_fit
-    from ..runtime.engine import plan, request_shape
+    from ..runtime.buckets import Ladder, all_buckets, joined, smallest_fit
+    from ..runtime.engine import INVOCATION_TOKENS, plan, request_shape
 
     predictor = shape_only_predictor(SHAPE, "cpu", graphs=False)
     encoded = [predictor.encode_request(predictor.encode(*pair)[1]) for pair in serving_mix(requests)]
-    buckets = all_buckets()
+    buckets = Ladder(all_buckets())
 
     def admits(first, together):
         return smallest_fit(together, buckets) is not None
 
+    def cost(shape):
+        bucket = smallest_fit(shape, buckets)
+        return None if bucket is None else bucket.tokens + INVOCATION_TOKENS
+
     found = {}
     for depth in depths:
-        invocations, useful, computed, unfit = 0, 0, 0, 0
-        for start in range(0, len(encoded), depth):
-            queue = encoded[start:start + depth]
-            for pieces in plan(queue, admits):
-                shape = joined(request_shape(queue[piece.request], piece.rows) for piece in pieces)
-                bucket = smallest_fit(shape, buckets)
-                invocations += 1
-                useful += shape.tokens
-                if bucket is None:
-                    unfit += 1
-                    computed += shape.tokens
+        for rule, priced in (("densest", cost), ("fullest", None)):
+            invocations, useful, computed, unfit, queue, arriving = 0, 0, 0, 0, [], iter(encoded)
+            while True:
+                queue += [request for _, request in zip(range(depth - len(queue)), arriving)]
+                if not queue:
+                    break
+                planned = plan(queue, admits, priced)
+                lead = planned[0][0]
+                if len(lead.rows) < len(queue[lead.request].rows):  # a request split by rows: all its parts
+                    parts, taken = [pieces for pieces in planned if pieces[0].request == lead.request], 1
                 else:
-                    computed += bucket.tokens
-        found[str(depth)] = {"invocations": invocations, "requests_per_invocation": len(encoded) / invocations,
-                             "useful_tokens": useful, "computed_tokens": computed,
-                             "padding_share": 1 - useful / computed, "unfit_share": unfit / invocations}
-    print(json.dumps({"workload": "serving_bucket_padding", "requests": len(encoded), "buckets": len(buckets),
+                    parts, taken = planned[:1], len(planned[0])
+                for pieces in parts:
+                    shape = joined(request_shape(queue[piece.request], piece.rows) for piece in pieces)
+                    bucket = smallest_fit(shape, buckets)
+                    invocations += 1
+                    useful += shape.tokens
+                    unfit += bucket is None
+                    computed += shape.tokens if bucket is None else bucket.tokens
+                queue = queue[taken:]
+            found[f"{depth}_{rule}"] = {
+                "depth": depth, "rule": rule, "invocations": invocations,
+                "requests_per_invocation": len(encoded) / invocations, "useful_tokens": useful,
+                "computed_tokens": computed, "padding_share": 1 - useful / computed,
+                "cost_per_useful_token": (computed + INVOCATION_TOKENS * invocations) / useful,
+                "unfit_share": unfit / invocations}
+    print(json.dumps({"workload": "serving_bucket_padding", "requests": len(encoded), "buckets": len(buckets.buckets),
                       "depths": found, "shape_only": SHAPE,
                       "environment": {"base": f"shape-only:{SHAPE}", "dtype": "bfloat16"}}))

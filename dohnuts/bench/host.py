@@ -315,7 +315,7 @@ def bucket_steps(predictor, state, questions) -> tuple[bool, list[float]] | None
     marks = [time.perf_counter()]
     encoded, parsed, tokens, _ = predictor._encode([(state, questions)], collect=False)
     marks.append(time.perf_counter())
-    invocations = plan(encoded, engine.admits)
+    invocations = plan(encoded, engine.admits, engine.cost)
     marks.append(time.perf_counter())
     if len(invocations) != 1:
         return None

@@ -44,6 +44,10 @@ IDLE_AFTER = 1.0
 # a 429): past the device's rate the queue then holds about this much work, the device stays busy,
 # and the excess is refused at once instead of waiting for a deadline it cannot meet.
 MAX_WAIT = 1.0
+# An invocation's device time that does not grow with its tokens, in tokens' worth (`Engine.cost`):
+# a one-row bucket's graph replayed in 6.28 ms for 1,500 tokens and 11.68 for 3,000 on one H100
+# (ledger run 2026-12-05-f56102e-h100-dense-1), 3.6 us a token and 0.88 ms more: about 245 tokens.
+INVOCATION_TOKENS = 256
 
 
 class EncodedRequest(NamedTuple):
@@ -157,30 +161,44 @@ def parts_of(request: EncodedRequest, admits: Callable[[Shape, Shape], bool]) ->
     return groups + [current]
 
 
-def plan(requests: Sequence[EncodedRequest], admits: Callable[[Shape, Shape], bool]) -> list[list[Piece]]:
+def densest(shapes: Sequence[Shape], cost: Callable[[Shape], int | None] | None) -> int:
+    """How many requests an invocation takes of those admitted (`shapes[k]`: the first k + 1
+    joined): as many as keep the most useful tokens per token of cost (`Engine.cost`, None for a
+    shape it cannot price: then all), the most requests among equals. Padding is charged whole:
+    a bucket past a rung computes its padding too, so four requests of the serving mix whose
+    bucket doubles when the fourth joins do less for the device than three, the fourth leading the
+    next invocation (`bench.batching.bucket_padding`)."""
+    if cost is None or len(shapes) < 2:
+        return len(shapes)
+    costs = [cost(shape) for shape in shapes]
+    if any(value is None for value in costs):
+        return len(shapes)
+    return 1 + max(range(len(shapes)), key=lambda k: (shapes[k].tokens / costs[k], k))
+
+
+def plan(requests: Sequence[EncodedRequest], admits: Callable[[Shape, Shape], bool],
+         cost: Callable[[Shape], int | None] | None = None) -> list[list[Piece]]:
     """Invocations in order: requests taken whole while `admits(the invocation's first request's
-    shape, the joined shape)` (`Engine.admits`); a request not admitted even alone goes alone,
-    split by rows (`parts_of`)."""
+    shape, the joined shape)` (`Engine.admits`), then as many of those as `densest` keeps by
+    `cost`; a request not admitted even alone goes alone, split by rows (`parts_of`)."""
     invocations: list[list[Piece]] = []
-    current: list[Piece] = []
-    shape = first = Shape()
-    for index, request in enumerate(requests):
-        own = request_shape(request)
+    index = 0
+    while index < len(requests):
+        own = request_shape(requests[index])
         if not admits(own, own):
-            if current:
-                invocations.append(current)
-                current, shape = [], Shape()
-            invocations += [[Piece(index, rows)] for rows in parts_of(request, admits)]
+            invocations += [[Piece(index, rows)] for rows in parts_of(requests[index], admits)]
+            index += 1
             continue
-        if current and not admits(first, shape.join(own)):
-            invocations.append(current)
-            current, shape = [], Shape()
-        if not current:
-            first = own
-        current.append(Piece(index, list(range(len(request.rows)))))
-        shape = shape.join(own)
-    if current:
-        invocations.append(current)
+        shapes = [own]
+        for request in requests[index + 1:]:
+            alone = request_shape(request)
+            joined = shapes[-1].join(alone)
+            if not admits(alone, alone) or not admits(own, joined):
+                break
+            shapes.append(joined)
+        taken = densest(shapes, cost)
+        invocations.append([Piece(at, list(range(len(requests[at].rows)))) for at in range(index, index + taken)])
+        index += taken
     return invocations
 
 
@@ -253,6 +271,13 @@ class Engine:
     def graphed(self, shape: Shape) -> bool:
         """Whether a batch of `shape` fits a captured bucket (and so replays its graphs)."""
         return bool(self.scores.buckets) and smallest_fit(shape, self.scores.ladder) is not None
+
+    def cost(self, shape: Shape) -> int | None:
+        """What a batch of `shape` costs the device in tokens' worth: its bucket's tokens (padding
+        included) and INVOCATION_TOKENS; None when no captured bucket holds it (`densest` then
+        takes every request admitted)."""
+        bucket = smallest_fit(shape, self.scores.ladder) if self.scores.buckets else None
+        return None if bucket is None else bucket.tokens + INVOCATION_TOKENS
 
     def admits(self, first: Shape, joined: Shape) -> bool:
         """Whether an invocation whose first request has shape `first` may grow to `joined`: while
@@ -333,7 +358,7 @@ class Engine:
         """The logits of every request's rows, stacked in request order [rows, K] float32 (K: the
         most candidates of a row), from the invocations `plan` makes, each launched while the
         one before runs."""
-        invocations = plan(requests, self.admits)
+        invocations = plan(requests, self.admits, self.cost)
         self.stats["requests"] += len(requests)
         whole = len(invocations) == 1 and len(invocations[0]) == len(requests)
         if whole:  # the common case: one invocation of every request whole, in order
@@ -463,9 +488,9 @@ class EngineLoop:
             self.engine.defer_captures(False)
 
     def _take(self, block: bool) -> list[_Waiting] | None:
-        """The requests of the next invocation (at least one): those waiting while the joined
-        shape is admitted; [] when none waits and `block` is off; None once closed with none
-        waiting."""
+        """The requests of the next invocation (at least one): of those waiting while the joined
+        shape is admitted, as many as `densest` keeps; [] when none waits and `block` is off;
+        None once closed with none waiting."""
         with self.condition:
             while True:
                 self._drop_expired()
@@ -477,15 +502,14 @@ class EngineLoop:
                     return []
                 if not self.condition.wait(timeout=self.idle_after) and not self.waiting:
                     self._idle()
-            taken, shape, first = 0, Shape(), Shape()
+            shapes: list[Shape] = []
             for waiting in self.waiting:
-                own = request_shape(waiting.request)
-                joined = shape.join(own)
-                if taken and not self.engine.admits(first, joined):
+                joined = request_shape(waiting.request) if not shapes else shapes[-1].join(
+                    request_shape(waiting.request))
+                if shapes and not self.engine.admits(shapes[0], joined):
                     break
-                if not taken:
-                    first = own
-                taken, shape = taken + 1, joined
+                shapes.append(joined)
+            taken = densest(shapes, self.engine.cost)
             batch, self.waiting = self.waiting[:taken], self.waiting[taken:]
             return batch
 

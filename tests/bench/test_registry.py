@@ -154,14 +154,17 @@ def test_the_serving_ceiling_runs_anywhere_and_scales_with_the_matrix_rate():
 
 def test_bucket_padding_plans_the_mix_as_the_engine_would():
     """Deeper queues join requests: fewer invocations, and every invocation of the mix fits a
-    bucket whose padding is a share of its tokens."""
-    done = run_script("bucket_padding", "--requests", "6", "--depths", "1", "3", cuda=False)
+    bucket whose padding is a share of its tokens; the engine's rule (`densest`) costs no more a
+    useful token than taking every admitted request (`fullest`)."""
+    done = run_script("bucket_padding", "--requests", "12", "--depths", "1", "4", cuda=False)
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)["depths"]
-    assert found["1"]["invocations"] == 6 and found["3"]["invocations"] < 6
+    assert found["1_densest"]["invocations"] == found["1_fullest"]["invocations"] == 12
+    assert found["4_fullest"]["invocations"] < 12 and found["4_densest"]["invocations"] < 12
     for depth in found.values():
         assert depth["unfit_share"] == 0 and 0 <= depth["padding_share"] < 1
         assert depth["computed_tokens"] > depth["useful_tokens"] > 0
+    assert found["4_densest"]["cost_per_useful_token"] <= found["4_fullest"]["cost_per_useful_token"]
 
 
 def test_the_gpu_machine_scripts_name_measurements_and_arguments_the_registry_has(runner):

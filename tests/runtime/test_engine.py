@@ -9,13 +9,14 @@ import pytest
 from helpers import square_image, state_of_tokens
 
 from dohnuts import Predictor
-from dohnuts.runtime.buckets import Bucket, batch_shape, fits, joined
+from dohnuts.runtime.buckets import Bucket, Shape, batch_shape, fits, joined
 from dohnuts.runtime.engine import (
     Closed,
     EngineLoop,
     Expired,
     Overloaded,
     Piece,
+    densest,
     parts_of,
     per_request,
     plan,
@@ -91,6 +92,53 @@ def test_an_invocation_grows_within_a_bucket_when_its_first_request_fits_one_els
         assert [len(pieces) for pieces in plan([one, one, three, one, one], engine.admits)] == [1, 1, 3]
     finally:
         engine.scores.buckets = real
+
+
+def test_densest_keeps_the_requests_that_do_the_most_for_their_cost():
+    """Of the requests admitted, as many as keep the most useful tokens per token of cost: a
+    fourth that doubles the bucket stays for the next invocation; all when a shape has no price,
+    and the most requests among equals."""
+    shapes = [Shape(0, 0, tokens, 1, tokens, 2) for tokens in (400, 800, 1000, 1100)]
+
+    def bucketed(shape):  # buckets of 512, 1,024 and 2,048 tokens, and 256 an invocation
+        return next(size for size in (512, 1024, 2048) if shape.tokens <= size) + 256
+
+    assert densest(shapes, bucketed) == 3  # 1,000 of 1,280, where 1,100 would cost 2,304
+    assert densest(shapes[:1], bucketed) == 1 and densest(shapes, None) == 4
+    assert densest(shapes, lambda shape: None if shape.tokens > 900 else 1000) == 4  # one unpriced: all
+    assert densest(shapes[:2], lambda shape: 2 * shape.tokens) == 2  # equal: the more requests
+
+
+def test_the_plan_and_the_loop_leave_a_request_that_would_double_the_bucket_for_the_next(predictor):
+    """With buckets of 128, 256 and 1,024 row tokens, two requests of about 100 tokens fill the
+    256 well and a third would take the 1,024: `plan` and the serving loop take two, then one."""
+    engine = predictor.engine
+    state = {"note": state_of_tokens(predictor.template, 70)}
+    one = predictor._encode([(state, dict(list(QUESTIONS.items())[:1]))], collect=False)[0][0]
+    small = request_shape(one)
+    fake = [Bucket(64, 128, True), Bucket(64, 256, True), Bucket(64, 1024, True)]
+    assert fits(small.join(small), fake[1]) and not fits(small.join(small).join(small), fake[1])
+    real = engine.scores.buckets
+    engine.scores.buckets = dict.fromkeys(fake)  # as if captured: only the planning reads them
+    sizes = []
+    loop = EngineLoop(engine, predictor.lock, on_invocation=lambda requests, rows, waits: sizes.append(requests))
+    try:
+        assert engine.cost(small) == 64 + 128 + 256 and engine.cost(small.join(small)) == 64 + 256 + 256
+        assert [len(pieces) for pieces in plan([one] * 3, engine.admits, engine.cost)] == [2, 1]
+        assert [len(pieces) for pieces in plan([one] * 3, engine.admits)] == [3]  # every admitted one
+        with predictor.lock:  # the loop takes its first invocation, then waits for the engine
+            with loop.condition:
+                for _ in range(3):
+                    loop.submit(one, lambda result: None)
+            deadline = time.monotonic() + 30
+            while loop.depth != 1:
+                assert time.monotonic() < deadline, "the loop took no invocation"
+                time.sleep(0.01)
+            engine.scores.buckets = real  # the CPU runs them eagerly
+    finally:
+        engine.scores.buckets = real
+        loop.close()
+    assert sizes == [2, 1]
 
 
 def test_a_request_split_over_invocations_gets_the_logits_it_gets_whole(predictor):
