@@ -32,9 +32,12 @@ def levels(entry: dict) -> list[dict]:
 
 
 def serving_curve_svg(entries: list[dict], runs: int = 1) -> str | None:
-    """The SVG of the latest `runs` serving entries of the ledger (in ledger order), or None when
+    """The SVG of the latest `runs` serving entries of the ledger (in ledger order) that reached
+    their closed loops, which the load harness runs after the open-loop sweep (a run cut short
+    before them, an A/B of one setting at a rate or two, stays in figures.md only), or None when
     there is none."""
-    serving = [entry for entry in entries if entry.get("workload") == "serving" and levels(entry)][-runs:]
+    serving = [entry for entry in entries if entry.get("workload") == "serving"
+               and any(level["mode"] == "closed" for level in levels(entry))][-runs:]
     if not serving:
         return None
     points = [level for entry in serving for level in levels(entry)]

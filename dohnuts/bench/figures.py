@@ -97,9 +97,11 @@ def _headline_rows(entries: list[dict]) -> tuple[str | None, list[list[str]]]:
         return None, []
     shape, rows = shapes[-1], []
     for label, workload, keys in HEADLINES:
+        # The latest run that has the figure: a run cut short (a serving run stopped before its
+        # closed loops) leaves the headline to the run before.
         group = [made for made in timed if made["workload"] == workload and made["shape"] == shape
-                 and made["kind"] == kind_of(workload)]
-        if not group or not any(key in group[-1]["figures"] for key in keys):
+                 and made["kind"] == kind_of(workload) and any(key in made["figures"] for key in keys)]
+        if not group:
             continue
         latest = group[-1]
         same = [made for made in group if made["commit"] == latest["commit"]]

@@ -148,6 +148,11 @@ def test_readme_table_takes_the_latest_run_with_the_spread_of_its_commits_runs()
                    "6.35-7.81 (2 runs) |")
     serving = next(line for line in table.splitlines() if line.startswith("| serving, 8 clients"))
     assert "**799.4**" in serving
+    cut_short = ledger.entry("2026-12-03", "bbbbbbb", "H200 (machine G)", "2026-12-03-bbbbbbb-run1", "serving",
+                             "serving", "shape-only qwen3_5-0.8b", {"open_150_p99_ms": 95.0}, "serving.json",
+                             note="an open-loop level only")
+    later = figures.readme_table([*tiny_ledger(), cut_short])
+    assert next(line for line in later.splitlines() if line.startswith("| serving, 8 clients")) == serving
     assert "shape-only qwen3_5-0.8b" in table and ledger.RENDER_COMMAND in table
 
 
@@ -224,10 +229,13 @@ def test_the_serving_curve_marks_each_level_of_the_latest_serving_runs():
     assert curve.levels(first) == [
         {"mode": "closed", "load": 64.0, "decisions_per_second": 2110.0, "p99_ms": 384.0},
         {"mode": "open", "load": 80.0, "decisions_per_second": 800.0, "p99_ms": 50.0}]
-    drawn = curve.serving_curve_svg([first, {"workload": "pytest"}, second], runs=2)
-    assert drawn.startswith("<svg") and drawn.count("<circle") == 3  # the unanswered level is left out
+    second["figures"] |= {"clients_8_p99_ms": 70.0, "clients_8_decisions_per_second": 1400.0}
+    cut_short = run("c", {"open_150_p99_ms": 95.0, "open_150_decisions_per_second": 1490.0})
+    drawn = curve.serving_curve_svg([first, {"workload": "pytest"}, second, cut_short], runs=2)
+    assert drawn.startswith("<svg") and drawn.count("<circle") == 4  # the unanswered level is left out
     assert "80/s" in drawn and "64 cl." in drawn and "150/s" in drawn and "p99 500 ms" in drawn
-    assert curve.serving_curve_svg([first, second]).count("<circle") == 1  # the latest run by default
+    assert "8 cl." in drawn and ">c<" not in drawn  # the run without closed loops is not drawn
+    assert curve.serving_curve_svg([first, second, cut_short]).count("<circle") == 2  # the latest run by default
     assert curve.serving_curve_svg([{"workload": "pytest"}]) is None
 
 
