@@ -277,7 +277,7 @@ def entries_from_records(records: list[dict], date: str, commit: str, machine: s
         seen.add(workload)
         if workload == "varied_traffic":
             figures, samples = _varied_traffic(record)
-        elif workload == "real_traffic":
+        elif workload.startswith("real_traffic"):  # the serving mix's first sights too
             figures, samples = _real_traffic(record)
         elif workload == "long_context":
             figures, samples = _long_context(record)

@@ -135,7 +135,7 @@ def real_traffic_record(predictor, count: int, seed: int = 37, warmup: int = 10,
     baseline = _hugging_face_samples(predictor, warm[:2], timed)
     tokens = [sum(len(row.input_ids) for row in baseline_rows(predictor, *request)[1]) for request in timed]
     return {
-        "workload": "real_traffic" if mix == "real" else f"{mix}_mix_first_sight", "requests": len(timed),
+        "workload": "real_traffic" if mix == "real" else f"real_traffic_{mix}_mix", "requests": len(timed),
         "seed": seed, "warmup_requests": len(warm),
         "image_requests": sum("image" in state for state, _ in timed),
         "image_sides": [list(state["image"].size) for state, _ in timed if "image" in state],

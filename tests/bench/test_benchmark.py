@@ -200,7 +200,7 @@ def test_the_first_sight_pass_times_the_serving_mix_when_asked(deployable):
     root, _ = deployable
     predictor = Predictor.from_checkpoint(root / "checkpoint", device="cpu")
     record = real_traffic_record(predictor, 3, seed=5, warmup=1, mix="serving")
-    assert record["workload"] == "serving_mix_first_sight" and record["requests"] == 3
+    assert record["workload"] == "real_traffic_serving_mix" and record["requests"] == 3
     assert record["questions"] == [len(questions) for _, questions in serving_mix(4, 5)[1:]]
     with pytest.raises(ValueError, match="unknown mix 'replayed'"):
         real_traffic_record(predictor, 1, mix="replayed")

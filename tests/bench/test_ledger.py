@@ -293,3 +293,13 @@ def test_record_takes_a_measurements_indented_json_record_and_names_its_shape(tm
     made = ledger.read(path)
     assert len(made) == 1 and made[0]["shape"] == "shape-only qwen3_5-0.8b"
     assert made[0]["figures"]["first_sight_p50_ms"] == 11.5 and made[0]["figures"]["requests"] == 2
+
+
+def test_the_serving_mix_first_sights_are_read_as_real_traffic_is():
+    """`real_traffic --mix serving` writes workload real_traffic_serving_mix: a varied entry with
+    the first-sight figures and samples real_traffic's get."""
+    record = {"workload": "real_traffic_serving_mix", "requests": 2, "image_requests": 0, "shape_only": "qwen3_5-0.8b",
+              "first_sight": {"p50_ms": 9.5, "p99_ms": 19.5, "samples_ms": [9.5, 19.5]}}
+    made = ledger.entries_from_records([record], "2026-12-07", "fe2727c", "H100", "r")[0]
+    assert made["kind"] == "varied" and made["figures"]["first_sight_p99_ms"] == 19.5
+    assert made["samples"]["first_sight_ms"] == [9.5, 19.5]
