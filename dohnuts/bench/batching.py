@@ -162,12 +162,19 @@ def bucket_padding(requests: int = 512, depths: tuple[int, ...] = (1, 8, 32)) ->
     rule before `densest`). Per depth and rule: invocations, mean requests an invocation,
     computed and useful tokens, the padding share, the cost (bucket tokens and
     `engine.INVOCATION_TOKENS` an invocation) a useful token, and the share of invocations that
-    fit no bucket. Encodes only: runs anywhere.
+    fit no bucket. The cost is the model `densest` maximises, so its figure is an estimate of the
+    device's time a useful token, not a measurement of it. Encodes only: runs anywhere.
 
         python benchmarks/run.py bucket_padding --requests 512 --depths 1 8 32 > padding.json
+
+    Raises:
+        ValueError: a depth below 1.
     """
     from ..runtime.buckets import Ladder, all_buckets, joined, smallest_fit
     from ..runtime.engine import INVOCATION_TOKENS, plan, request_shape
+
+    if not depths or min(depths) < 1:
+        raise ValueError(f"queue depths are whole numbers of requests from 1: got {list(depths)}")
 
     predictor = shape_only_predictor(SHAPE, "cpu", graphs=False)
     encoded = [predictor.encode_request(predictor.encode(*pair)[1]) for pair in serving_mix(requests)]

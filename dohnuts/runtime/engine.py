@@ -170,10 +170,14 @@ def densest(shapes: Sequence[Shape], cost: Callable[[Shape], int | None] | None)
     next invocation (`bench.batching.bucket_padding`)."""
     if cost is None or len(shapes) < 2:
         return len(shapes)
-    costs = [cost(shape) for shape in shapes]
-    if any(value is None for value in costs):
-        return len(shapes)
-    return 1 + max(range(len(shapes)), key=lambda k: (shapes[k].tokens / costs[k], k))
+    best, taken = -1.0, len(shapes)
+    for count, shape in enumerate(shapes, 1):
+        value = cost(shape)
+        if value is None:  # an unpriced shape (no bucket holds it): every request admitted
+            return len(shapes)
+        if shape.tokens / value >= best:  # among equals, the more requests
+            best, taken = shape.tokens / value, count
+    return taken
 
 
 def plan(requests: Sequence[EncodedRequest], admits: Callable[[Shape, Shape], bool],

@@ -165,6 +165,8 @@ def test_bucket_padding_plans_the_mix_as_the_engine_would():
         assert depth["unfit_share"] == 0 and 0 <= depth["padding_share"] < 1
         assert depth["computed_tokens"] > depth["useful_tokens"] > 0
     assert found["4_densest"]["cost_per_useful_token"] <= found["4_fullest"]["cost_per_useful_token"]
+    refused = run_script("bucket_padding", "--requests", "2", "--depths", "0", cuda=False)
+    assert refused.returncode != 0 and "depths are whole numbers of requests from 1" in refused.stderr
 
 
 def test_the_gpu_machine_scripts_name_measurements_and_arguments_the_registry_has(runner):

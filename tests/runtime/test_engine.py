@@ -104,7 +104,8 @@ def test_densest_keeps_the_requests_that_do_the_most_for_their_cost():
         return next(size for size in (512, 1024, 2048) if shape.tokens <= size) + 256
 
     assert densest(shapes, bucketed) == 3  # 1,000 of 1,280, where 1,100 would cost 2,304
-    assert densest(shapes[:1], bucketed) == 1 and densest(shapes, None) == 4
+    assert densest(shapes[:1], bucketed) == 1 and densest(shapes, None) == 4 and densest([], bucketed) == 0
+    assert densest(shapes[:2], lambda shape: 500 if shape.tokens <= 400 else 4000) == 1  # the first alone
     assert densest(shapes, lambda shape: None if shape.tokens > 900 else 1000) == 4  # one unpriced: all
     assert densest(shapes[:2], lambda shape: 2 * shape.tokens) == 2  # equal: the more requests
 
