@@ -171,7 +171,7 @@ def bucket_padding(requests: int = 512, depths: tuple[int, ...] = (1, 8, 32)) ->
         ValueError: a depth below 1.
     """
     from ..runtime.buckets import Ladder, all_buckets, joined, smallest_fit
-    from ..runtime.engine import INVOCATION_TOKENS, plan, request_shape
+    from ..runtime.engine import INVOCATION_TOKENS, bucket_cost, plan, request_shape
 
     if not depths or min(depths) < 1:
         raise ValueError(f"queue depths are whole numbers of requests from 1: got {list(depths)}")
@@ -184,12 +184,11 @@ def bucket_padding(requests: int = 512, depths: tuple[int, ...] = (1, 8, 32)) ->
         return smallest_fit(together, buckets) is not None
 
     def cost(shape):
-        bucket = smallest_fit(shape, buckets)
-        return None if bucket is None else bucket.tokens + INVOCATION_TOKENS
+        return bucket_cost(shape, buckets)
 
     found = {}
     for depth in depths:
-        for rule, priced in (("densest", cost), ("fullest", None)):
+        for rule, priced in (("densest", cost), ("fullest", None)):  # the engine's rule, and the one before
             invocations, useful, computed, unfit, queue, arriving = 0, 0, 0, 0, [], iter(encoded)
             while True:
                 queue += [request for _, request in zip(range(depth - len(queue)), arriving)]

@@ -36,9 +36,8 @@ HEADLINES = (
 )
 COLUMNS = {
     "varied_traffic": ("first_sight_p50_ms", "first_sight_p99_ms", "second_pass_p50_ms", "hugging_face_p50_ms"),
-    "real_traffic": ("first_sight_p50_ms", "first_sight_p99_ms", "first_sight_max_ms", "hugging_face_p50_ms"),
-    "real_traffic_serving_mix": ("first_sight_p50_ms", "first_sight_p99_ms", "first_sight_max_ms",
-                                 "hugging_face_p50_ms"),
+    **dict.fromkeys(("real_traffic", "real_traffic_serving_mix"),
+                    ("first_sight_p50_ms", "first_sight_p99_ms", "first_sight_max_ms", "hugging_face_p50_ms")),
     "evaluation_throughput": ("rows_per_second", "plain_loop_rows_per_second"),
     "serving": ("clients_1_p50_ms", "clients_1_p95_ms", "clients_8_decisions_per_second", "failed", "lost"),
     "training_update": ("p50_ms", "computed_tokens", "graph_replays"),

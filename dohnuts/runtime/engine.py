@@ -161,6 +161,13 @@ def parts_of(request: EncodedRequest, admits: Callable[[Shape, Shape], bool]) ->
     return groups + [current]
 
 
+def bucket_cost(shape: Shape, ladder) -> int | None:
+    """What a batch of `shape` costs the device in tokens' worth: its smallest bucket's tokens of
+    `ladder` (padding included) and INVOCATION_TOKENS; None when no bucket holds it."""
+    bucket = smallest_fit(shape, ladder)
+    return None if bucket is None else bucket.tokens + INVOCATION_TOKENS
+
+
 def densest(shapes: Sequence[Shape], cost: Callable[[Shape], int | None] | None) -> int:
     """How many requests an invocation takes of those admitted (`shapes[k]`: the first k + 1
     joined): as many as keep the most useful tokens per token of cost (`Engine.cost`, None for a
@@ -277,11 +284,9 @@ class Engine:
         return bool(self.scores.buckets) and smallest_fit(shape, self.scores.ladder) is not None
 
     def cost(self, shape: Shape) -> int | None:
-        """What a batch of `shape` costs the device in tokens' worth: its bucket's tokens (padding
-        included) and INVOCATION_TOKENS; None when no captured bucket holds it (`densest` then
+        """`bucket_cost` over the captured buckets; None when none holds `shape` (`densest` then
         takes every request admitted)."""
-        bucket = smallest_fit(shape, self.scores.ladder) if self.scores.buckets else None
-        return None if bucket is None else bucket.tokens + INVOCATION_TOKENS
+        return bucket_cost(shape, self.scores.ladder) if self.scores.buckets else None
 
     def admits(self, first: Shape, joined: Shape) -> bool:
         """Whether an invocation whose first request has shape `first` may grow to `joined`: while
@@ -508,8 +513,8 @@ class EngineLoop:
                     self._idle()
             shapes: list[Shape] = []
             for waiting in self.waiting:
-                joined = request_shape(waiting.request) if not shapes else shapes[-1].join(
-                    request_shape(waiting.request))
+                own = request_shape(waiting.request)
+                joined = shapes[-1].join(own) if shapes else own
                 if shapes and not self.engine.admits(shapes[0], joined):
                     break
                 shapes.append(joined)
