@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import time
 from collections import OrderedDict
 
 import torch
@@ -33,6 +32,7 @@ from ..model.decoder import (
 )
 from ..ops import kernels
 from .buckets import Ladder, all_buckets, bucket_for, empty_batch, pad_to_bucket, padding_tokens, rank
+from .progress import Progress
 
 # The batch fields `DecisionModel.scores` reads on the device (plus the fork); the others
 # (token ids, pixels, image slots) only feed the eager embeddings. The plan fields hold values
@@ -424,12 +424,13 @@ class GraphedScores:
         pool = torch.cuda.graph_pool_handle()
         if self.arena is None:
             self.arena = _Arena(model.device, max((bucket.tokens for bucket in self.wanted), default=0))
-        start = time.perf_counter()
         budget = memory_fraction * torch.cuda.get_device_properties(model.device).total_memory
         held = torch.cuda.memory_reserved(model.device)
+        progress = Progress("shape buckets' CUDA graphs", len(self.wanted), logger)
         with torch.no_grad():
             for bucket in self.wanted:
                 if bucket in self.buckets:
+                    progress.step()
                     continue
                 if torch.cuda.memory_reserved(model.device) - held > budget:
                     kernels.slow_path("bucket-memory", f"the bucket graphs reached {memory_fraction:.0%} of the "
@@ -444,9 +445,10 @@ class GraphedScores:
                                                                   f"so its batches run eagerly: "
                                                                   f"{type(error).__name__}: {error}")
                     torch.cuda.synchronize()
+                progress.step()
         torch.cuda.synchronize()
         self._ladder_of = None  # the buckets changed: `ladder` is made again
-        self.stats["prepare_seconds"] += time.perf_counter() - start
+        self.stats["prepare_seconds"] += progress.end(len(self.buckets))
         return len(self.buckets)
 
     @property

@@ -101,6 +101,7 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
     device = torch.device(settings.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    LOG.info("engine %d loading %s on %s", settings.index, settings.checkpoint, device)
     engine, pixels = _loaded(settings, device)
     settle_heap()
     replies: queue.SimpleQueue = queue.SimpleQueue()
