@@ -21,6 +21,7 @@ KNOWN = {
     "swiglu.GATE_ELEMENTS": ("dohnuts.ops.swiglu.fused", "GATE_ELEMENTS", (1024, 2048, 4096, 8192)),
     "conv.TOKENS": ("dohnuts.ops.conv.fused", "TOKENS", (8, 16, 32, 64)),
     "conv.WARPS": ("dohnuts.ops.conv.fused", "WARPS", (1, 2, 4, 8)),
+    "graphs.WARM_UPS": ("dohnuts.runtime.cuda_graphs", "WARM_UPS", (1, 2)),
 }
 
 

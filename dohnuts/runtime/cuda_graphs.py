@@ -67,6 +67,11 @@ logger = logging.getLogger(__name__)
 _VERSION = operator.attrgetter("_version")  # a tensor's in-place version counter
 CAPTURE_AT = 3  # the sighting of a layout that captures its graph
 BUCKET_MEMORY = 0.4  # the share of the device's memory the bucket graphs may hold
+# Eager forwards of a bucket before its capture, on a side stream, so that what a capture may not
+# do (compile or tune a kernel, plan a cuBLAS call, grow the allocator's pools) happens before it.
+# Each costs about a third of a bucket's preparation; on trial (`bench.settings`
+# "graphs.WARM_UPS"): whether one suffices, every bucket still captured and no request compiling.
+WARM_UPS = 2
 
 
 class _PackedInputs:
@@ -248,7 +253,7 @@ class _BucketGraph:
         side = torch.cuda.Stream(self.embeds.device)
         side.wait_stream(torch.cuda.current_stream())
         with kernels.uncached_plans(), torch.cuda.stream(side):
-            for _ in range(2):  # kernels compile and autotune, cuBLAS plans, outside the capture
+            for _ in range(WARM_UPS):  # kernels compile and autotune, cuBLAS plans, outside the capture
                 self._forward(batch.fork)
         torch.cuda.current_stream().wait_stream(side)
         # The graphs hold the constants derived from weights they read (`kernels.holding_derived`):
