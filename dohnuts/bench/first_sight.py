@@ -158,7 +158,8 @@ def real_traffic_measurement(count: int = 80, seed: int = 37, out: str | None = 
           f"{ {stage: round(ms, 2) for stage, ms in part['engine_stages_p50_ms'].items()} }; "
           f"{part['timed_calls']}; Hugging Face "
           f"p50 {record['hugging_face_p50_ms']:.2f} p99 {record['hugging_face_p99_ms']:.2f} max "
-          f"{record['hugging_face_max_ms']:.2f}", flush=True)
+          f"{record['hugging_face_max_ms']:.2f}; {record['buckets']} buckets ready "
+          f"({record['failed_bucket_captures']} failed) in {record['bucket_prepare_seconds']:.1f} s", flush=True)
     if out is not None:
         write_json(Path(out), record)
 

@@ -156,7 +156,8 @@ def _varied_traffic(record: dict) -> tuple[dict, dict]:
 
 def _real_traffic(record: dict) -> tuple[dict, dict]:
     part = record.get("first_sight") or {}
-    figures = _pick(record, ("requests", "image_requests", "hugging_face_p50_ms", "hugging_face_p99_ms",
+    figures = _pick(record, ("requests", "image_requests", "buckets", "bucket_prepare_seconds",
+                             "failed_bucket_captures", "hugging_face_p50_ms", "hugging_face_p99_ms",
                              "hugging_face_max_ms"))
     figures |= _pick(part, _PASS, "first_sight_") | _pick(part.get("timed_calls"), _PASS_CALLS, "first_sight_")
     stages = part.get("engine_stages_p50_ms") or {}

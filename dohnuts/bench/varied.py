@@ -91,12 +91,20 @@ def varied_traffic_record(predictor, count: int, seed: int = 0, warmup: int = 8)
         "image_requests": sum("image" in state for state, _ in timed),
         "questions": [len(questions) for _, questions in timed], "input_tokens": tokens,
         "first_sight": first, "second_pass": second,
-        "buckets": len(predictor.scores.buckets), "bucket_prepare_seconds": predictor.scores.stats["prepare_seconds"],
-        "vision_buckets": [dataclasses.asdict(bucket) for bucket in predictor.model.vision_graphs.buckets],
-        "vision_bucket_prepare_seconds": predictor.model.vision_graphs.prepare_seconds,
+        **preparation(predictor),
         "hugging_face_p50_ms": percentile(baseline, 0.5), "hugging_face_p99_ms": percentile(baseline, 0.99),
         "hugging_face_samples_ms": baseline,
     }
+
+
+def preparation(predictor) -> dict:
+    """What the predictor's load prepared: the shape buckets ready, those whose capture failed and
+    the seconds their graphs took, the vision buckets and theirs."""
+    stats = predictor.scores.stats
+    return {"buckets": len(predictor.scores.buckets), "bucket_prepare_seconds": stats["prepare_seconds"],
+            "failed_bucket_captures": stats["failed"],
+            "vision_buckets": [dataclasses.asdict(bucket) for bucket in predictor.model.vision_graphs.buckets],
+            "vision_bucket_prepare_seconds": predictor.model.vision_graphs.prepare_seconds}
 
 
 def _hugging_face_samples(predictor, warm, timed) -> list[float]:
@@ -140,7 +148,7 @@ def real_traffic_record(predictor, count: int, seed: int = 37, warmup: int = 10,
         "image_requests": sum("image" in state for state, _ in timed),
         "image_sides": [list(state["image"].size) for state, _ in timed if "image" in state],
         "questions": [len(questions) for _, questions in timed], "input_tokens": tokens,
-        "first_sight": first,
+        "first_sight": first, **preparation(predictor),
         "hugging_face_p50_ms": percentile(baseline, 0.5), "hugging_face_p99_ms": percentile(baseline, 0.99),
         "hugging_face_max_ms": max(baseline), "hugging_face_samples_ms": baseline,
     }

@@ -186,6 +186,8 @@ def test_real_traffic_times_each_request_once_and_counts_compiles(deployable):
     assert part["timed_calls"]["triton_compiles"] == part["timed_calls"]["triton_autotunes"] == 0  # the CPU
     assert part["timed_calls"]["eager"] == 4 and record["image_requests"] == len(record["image_sides"]) >= 1
     assert record["hugging_face_max_ms"] >= record["hugging_face_p50_ms"] > 0
+    # What the load prepared: nothing on the CPU (its forward is eager), nothing failed.
+    assert record["buckets"] == record["failed_bucket_captures"] == record["bucket_prepare_seconds"] == 0
     # The engine's stages of each call: on the CPU `prepare` packs and `run` is the forward itself.
     stages = part["engine_stages_p50_ms"]
     assert 0 < stages["prepare"] < part["max_ms"] and stages["run"] > 0 and stages["queue"] == 0

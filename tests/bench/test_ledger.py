@@ -284,6 +284,7 @@ def test_record_takes_a_measurements_indented_json_record_and_names_its_shape(tm
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     record = {"workload": "real_traffic", "requests": 2, "image_requests": 1, "shape_only": "qwen3_5-0.8b",
+              "buckets": 243, "bucket_prepare_seconds": 51.3, "failed_bucket_captures": 0,
               "first_sight": {"p50_ms": 11.5, "p99_ms": 22.5, "samples_ms": [11.5, 22.5]}}
     source, path = tmp_path / "real.json", tmp_path / "ledger.jsonl"
     source.write_text(json.dumps(record, indent=2))
@@ -293,6 +294,8 @@ def test_record_takes_a_measurements_indented_json_record_and_names_its_shape(tm
     made = ledger.read(path)
     assert len(made) == 1 and made[0]["shape"] == "shape-only qwen3_5-0.8b"
     assert made[0]["figures"]["first_sight_p50_ms"] == 11.5 and made[0]["figures"]["requests"] == 2
+    assert made[0]["figures"]["buckets"] == 243 and made[0]["figures"]["bucket_prepare_seconds"] == 51.3
+    assert made[0]["figures"]["failed_bucket_captures"] == 0
 
 
 def test_the_serving_mix_first_sights_are_read_as_real_traffic_is():
