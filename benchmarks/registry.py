@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dohnuts.bench import batching, device, first_sight, host, kernel_sweep, loops, short_rows
+from dohnuts.bench import batching, device, first_sight, host, kernel_sweep, load_time, loops, short_rows
 
 WORKLOADS = "benchmark workloads (dohnuts.bench.protocol.workloads)"
 
@@ -136,6 +136,11 @@ MEASUREMENTS: dict[str, Measurement] = {
          Argument("out", str, None, "a file for the record (JSON)"),
          Argument("settings", str, (), "runtime settings changed first, NAME=VALUE (bench.settings.KNOWN), as "
                   "swiglu.BY_ROWS=1", many=True))),
+    "load_time": Measurement(
+        load_time.load_time_measurement, "an engine's load step by step, Triton's kernel cache cold then warm", "any",
+        (Argument("runs", int, 2, "loads, each in a process of its own (the first with an empty kernel cache)"),
+         Argument("checkpoint", str, None, "a deployable folder (the shape-only 0.8B by default)"),
+         Argument("out", str, None, "a file for the record (JSON)"))),
     "delta_rule_short_rows": Measurement(
         functools.partial(short_rows.delta_rule_short_rows, fused_recurrent=fla_fused_recurrent),
         "the 50q request's short rows' delta rule: FLA chunked, recurrent, ours", "cuda"),

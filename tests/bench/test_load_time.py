@@ -1,0 +1,24 @@
+"""The load-time measurement (`bench.load_time`) on the CPU: the tests' tiny deployable loaded
+twice, each in a process of its own, sharing a kernel cache that starts empty."""
+
+import pytest
+
+from dohnuts.bench.load_time import STEPS, load_time_record
+
+
+def test_each_load_runs_in_its_own_process_and_times_every_step(deployable, tmp_path):
+    root, _ = deployable
+    record = load_time_record(root / "checkpoint", "cpu", runs=2, cache=tmp_path / "triton")
+    assert record["workload"] == "load_time" and len(record["runs"]) == 2
+    assert [run["kernel_cache"] for run in record["runs"]] == ["cold", "warm"]
+    for run in record["runs"]:
+        assert list(run["seconds"]) == list(STEPS) and list(run["triton_compiles"]) == list(STEPS)
+        assert run["seconds"]["read"] > 0 and run["seconds"]["first request"] > 0
+        assert run["total_seconds"] == pytest.approx(sum(run["seconds"].values()))
+        # The CPU captures no graph and compiles no Triton kernel.
+        assert run["buckets"] == run["failed_bucket_captures"] == sum(run["triton_compiles"].values()) == 0
+
+
+def test_a_load_that_fails_is_reported_with_its_error(tmp_path):
+    with pytest.raises(RuntimeError, match="load 1 of 1 failed"):
+        load_time_record(tmp_path / "no-such-checkpoint", "cpu", runs=1)
