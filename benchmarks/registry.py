@@ -140,7 +140,9 @@ MEASUREMENTS: dict[str, Measurement] = {
         load_time.load_time_measurement, "an engine's load step by step, Triton's kernel cache cold then warm", "any",
         (Argument("runs", int, 2, "loads, each in a process of its own (the first with an empty kernel cache)"),
          Argument("checkpoint", str, None, "a deployable folder (the shape-only 0.8B by default)"),
-         Argument("out", str, None, "a file for the record (JSON)"))),
+         Argument("out", str, None, "a file for the record (JSON)"),
+         Argument("settings", str, (), "runtime settings changed first, NAME=VALUE (bench.settings.KNOWN), as "
+                  "graphs.WARM_UPS=1", many=True))),
     "delta_rule_short_rows": Measurement(
         functools.partial(short_rows.delta_rule_short_rows, fused_recurrent=fla_fused_recurrent),
         "the 50q request's short rows' delta rule: FLA chunked, recurrent, ours", "cuda"),

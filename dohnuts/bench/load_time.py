@@ -18,8 +18,9 @@ import torch
 STEPS = ("read", "bucket graphs", "vision graphs", "warm-up", "first request")
 
 
-def load_steps(checkpoint: str, device: str) -> dict:
-    """Seconds of each of `STEPS` as an engine process loads `checkpoint` on `device`: the
+def load_steps(checkpoint: str, device: str, settings: tuple[str, ...] = ()) -> dict:
+    """Seconds of each of `STEPS` as an engine process loads `checkpoint` on `device`, the runtime's
+    `settings` changed first (`bench.settings`, as "graphs.WARM_UPS=1"): the
     deployable folder read (every hash checked) and moved there; the shape buckets' CUDA graphs;
     the vision tower's; the engine's warm-up (`Engine.warm_up`); one small request, as the
     engine process sends itself (`engine_process.warm_up`). With how many Triton kernel variants
@@ -29,7 +30,9 @@ def load_steps(checkpoint: str, device: str) -> dict:
     from ..runtime.engine import Engine
     from ..runtime.engine_process import warm_up
     from ..runtime.vision_graphs import vision_buckets
+    from .settings import apply
 
+    chosen = apply(settings)
     where = torch.device(device)
     if where.type == "cuda":
         torch.cuda.set_device(where)
@@ -61,13 +64,14 @@ def load_steps(checkpoint: str, device: str) -> dict:
         seconds[name] = time.perf_counter() - start
         compiled[name] = kernel_variants()["compiled"] - before
     engine = state["engine"]
-    return {"seconds": seconds, "total_seconds": sum(seconds.values()), "triton_compiles": compiled,
+    return {"settings": chosen, "seconds": seconds, "total_seconds": sum(seconds.values()), "triton_compiles": compiled,
             "buckets": len(engine.scores.buckets), "failed_bucket_captures": engine.scores.stats["failed"],
             "reserved_gib": torch.cuda.memory_reserved(where) / 2**30 if where.type == "cuda" else 0.0}
 
 
-def load_time_record(checkpoint: Path, device: str, runs: int = 2, cache: Path | None = None) -> dict:
-    """`runs` loads of `checkpoint` on `device`, each in a new process (`load_steps`) sharing
+def load_time_record(checkpoint: Path, device: str, runs: int = 2, cache: Path | None = None,
+                     settings: tuple[str, ...] = ()) -> dict:
+    """`runs` loads of `checkpoint` on `device` under `settings`, each in a new process (`load_steps`) sharing
     Triton's kernel cache `cache` (a new folder by default): the first cold when that folder
     starts empty, the others warm.
 
@@ -80,9 +84,9 @@ def load_time_record(checkpoint: Path, device: str, runs: int = 2, cache: Path |
         cold = not folder.exists() or not any(folder.iterdir())
         environment = {**os.environ, "TRITON_CACHE_DIR": str(folder)}
         code = ("import json, sys; from dohnuts.bench.load_time import load_steps; "
-                "print(json.dumps(load_steps(sys.argv[1], sys.argv[2])))")
+                "print(json.dumps(load_steps(sys.argv[1], sys.argv[2], tuple(sys.argv[3:]))))")
         for run in range(runs):
-            done = subprocess.run([sys.executable, "-c", code, str(checkpoint), device], env=environment,
+            done = subprocess.run([sys.executable, "-c", code, str(checkpoint), device, *settings], env=environment,
                                   capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"load {run + 1} of {runs} failed:\n{done.stdout[-2000:]}{done.stderr[-4000:]}")
@@ -92,10 +96,12 @@ def load_time_record(checkpoint: Path, device: str, runs: int = 2, cache: Path |
     return {"workload": "load_time", "device": device, "runs": results}
 
 
-def load_time_measurement(runs: int = 2, checkpoint: str | None = None, out: str | None = None) -> None:
+def load_time_measurement(runs: int = 2, checkpoint: str | None = None, out: str | None = None,
+                          settings: tuple[str, ...] = ()) -> None:
     """Load times of the shape-only Qwen3.5-0.8B deployable (written to a temporary folder unless
     `checkpoint` names one) on this machine's first CUDA device, or the CPU without one: `runs`
-    engine loads in processes of their own, the first with Triton's kernel cache empty.
+    engine loads in processes of their own, the first with Triton's kernel cache empty, each with
+    the runtime's `settings` changed first (`bench.settings`).
 
         python benchmarks/run.py load_time --runs 2 --out load.json
 
@@ -107,7 +113,7 @@ def load_time_measurement(runs: int = 2, checkpoint: str | None = None, out: str
     with tempfile.TemporaryDirectory() as made:
         folder = Path(checkpoint) if checkpoint is not None else write_shape_checkpoint("qwen3_5-0.8b",
                                                                                          Path(made) / "shape")
-        record = load_time_record(folder, device, runs)
+        record = load_time_record(folder, device, runs, settings=tuple(settings))
     record["shape_only"] = "qwen3_5-0.8b" if checkpoint is None else None
     for result in record["runs"]:
         steps = ", ".join(f"{name} {seconds:.1f} s ({result['triton_compiles'][name]} compiled)"

@@ -8,10 +8,12 @@ from dohnuts.bench.load_time import STEPS, load_time_record
 
 def test_each_load_runs_in_its_own_process_and_times_every_step(deployable, tmp_path):
     root, _ = deployable
-    record = load_time_record(root / "checkpoint", "cpu", runs=2, cache=tmp_path / "triton")
+    record = load_time_record(root / "checkpoint", "cpu", runs=2, cache=tmp_path / "triton",
+                              settings=("graphs.WARM_UPS=1",))
     assert record["workload"] == "load_time" and len(record["runs"]) == 2
     assert [run["kernel_cache"] for run in record["runs"]] == ["cold", "warm"]
     for run in record["runs"]:
+        assert run["settings"]["graphs.WARM_UPS"] == 1  # applied in the load's own process
         assert list(run["seconds"]) == list(STEPS) and list(run["triton_compiles"]) == list(STEPS)
         assert run["seconds"]["read"] > 0 and run["seconds"]["first request"] > 0
         assert run["total_seconds"] == pytest.approx(sum(run["seconds"].values()))
