@@ -179,6 +179,25 @@ def _long_context(record: dict) -> tuple[dict, dict]:
     return figures, {}
 
 
+def _load_time(record: dict) -> tuple[dict, dict]:
+    """Each load's figures under its kernel cache (`cold_`, then `warm_`, `warm_2_`... for more
+    warm loads): its total and each step's seconds, the Triton variants compiled, the buckets."""
+    figures, warm = {}, 0
+    for run in record.get("runs", []):
+        if run.get("kernel_cache") == "warm":
+            warm += 1
+            prefix = "warm_" if warm == 1 else f"warm_{warm}_"
+        else:
+            prefix = "cold_"
+        figures |= _pick(run, ("total_seconds", "buckets", "failed_bucket_captures", "reserved_gib"), prefix)
+        figures |= {f"{prefix}{step.replace(' ', '_').replace('-', '_')}_seconds": seconds
+                    for step, seconds in (run.get("seconds") or {}).items() if _number(seconds)}
+        compiled = run.get("triton_compiles") or {}
+        if all(_number(count) for count in compiled.values()) and compiled:
+            figures[f"{prefix}triton_compiles"] = sum(compiled.values())
+    return figures, {}
+
+
 def _evaluation(record: dict) -> tuple[dict, dict]:
     figures = _pick(record, ("rows", "images", "batches", "passes", "loader_workers", "speedup"))
     samples = {}
@@ -233,9 +252,11 @@ def _other(record: dict) -> tuple[dict, dict]:
 
 
 def kind_of(workload: str) -> str:
-    """replay, varied or serving: what a benchmark workload's figures stand for."""
+    """replay, varied, serving or profile: what a benchmark workload's figures stand for."""
     if workload.startswith(("varied_traffic", "real_traffic", "long_context", "training_update_varied", "evaluation")):
         return "varied"
+    if workload == "load_time":
+        return "profile"
     return "serving" if workload.startswith("serving") else "replay"
 
 
@@ -282,6 +303,8 @@ def entries_from_records(records: list[dict], date: str, commit: str, machine: s
             figures, samples = _real_traffic(record)
         elif workload == "long_context":
             figures, samples = _long_context(record)
+        elif workload == "load_time":
+            figures, samples = _load_time(record)
         elif workload == "evaluation_throughput":
             figures, samples = _evaluation(record)
         elif workload == "serving":

@@ -106,7 +106,8 @@ def load_time_measurement(runs: int = 2, checkpoint: str | None = None, out: str
         python benchmarks/run.py load_time --runs 2 --out load.json
 
     Prints a line a load; the record as JSON to `out`."""
-    from ..io import write_json
+    from ..io import read_json, write_json
+    from ..runtime.checkpoint import SETTINGS
     from .shapes import write_shape_checkpoint
 
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -114,7 +115,8 @@ def load_time_measurement(runs: int = 2, checkpoint: str | None = None, out: str
         folder = Path(checkpoint) if checkpoint is not None else write_shape_checkpoint("qwen3_5-0.8b",
                                                                                          Path(made) / "shape")
         record = load_time_record(folder, device, runs, settings=tuple(settings))
-    record["shape_only"] = "qwen3_5-0.8b" if checkpoint is None else None
+        # The ledger's label: a shape-only deployable names its shape (`write_shape_checkpoint`).
+        record["shape_only"] = read_json(folder / SETTINGS)["resolved"].get("shape-only")
     for result in record["runs"]:
         steps = ", ".join(f"{name} {seconds:.1f} s ({result['triton_compiles'][name]} compiled)"
                           for name, seconds in result["seconds"].items())

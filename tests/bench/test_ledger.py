@@ -306,3 +306,21 @@ def test_the_serving_mix_first_sights_are_read_as_real_traffic_is():
     made = ledger.entries_from_records([record], "2026-12-07", "fe2727c", "H100", "r")[0]
     assert made["kind"] == "varied" and made["figures"]["first_sight_p99_ms"] == 19.5
     assert made["samples"]["first_sight_ms"] == [9.5, 19.5]
+
+
+def test_a_load_time_record_gives_each_loads_steps_under_its_kernel_cache():
+    """`load_time` loads cold, then warm: each load's total, steps, compiles and buckets apart."""
+    def run(cache, read, graphs, compiled):
+        return {"kernel_cache": cache, "seconds": {"read": read, "bucket graphs": graphs, "warm-up": 1.0},
+                "total_seconds": read + graphs + 1.0, "triton_compiles": {"read": 0, "bucket graphs": compiled,
+                                                                          "warm-up": 0},
+                "buckets": 243, "failed_bucket_captures": 0}
+    record = {"workload": "load_time", "shape_only": "qwen3_5-0.8b",
+              "runs": [run("cold", 20.0, 90.0, 40), run("warm", 12.0, 50.0, 0), run("warm", 11.0, 49.0, 0)]}
+    [made] = ledger.entries_from_records([record], "2026-12-07", "abc1234", "H200", "r")
+    figures = made["figures"]
+    assert made["kind"] == "profile" and made["shape"] == "shape-only qwen3_5-0.8b"
+    assert figures["cold_total_seconds"] == 111.0 and figures["cold_bucket_graphs_seconds"] == 90.0
+    assert figures["cold_triton_compiles"] == 40 and figures["warm_triton_compiles"] == 0
+    assert figures["warm_read_seconds"] == 12.0 and figures["warm_2_read_seconds"] == 11.0
+    assert figures["warm_warm_up_seconds"] == 1.0 and figures["warm_buckets"] == 243

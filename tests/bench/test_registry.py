@@ -37,7 +37,7 @@ def run_script(*arguments: str, cuda: bool = True) -> subprocess.CompletedProces
 
 def test_every_measurement_accepts_its_declared_arguments_with_the_functions_defaults(runner):
     registry = sys.modules["registry"]
-    assert len(registry.MEASUREMENTS) == 29
+    assert len(registry.MEASUREMENTS) == 30
     for name, measurement in registry.MEASUREMENTS.items():
         assert callable(measurement.run) and measurement.needs in ("cuda", "any"), name
         assert measurement.summary and inspect.getdoc(measurement.function), name
