@@ -316,17 +316,20 @@ def check_delta_rule_scan():
     forked states (long rows, some without a parent), grouped heads and value blocks of 16 with
     a partial last one; each path chosen on the host and routed on the device."""
     default = delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK, delta_scan.FWD_VALUES
+    ahead = delta_scan.FWD_AHEAD
     generator = torch.Generator().manual_seed(9)
     heads, key_dim, value_heads = 2, 8, 4
     try:
         # Each path whatever the count: the parts solved apart and walked (with value blocks of
         # 16 and the default), at 16- and 64-token steps, and the one-kernel walk (its blocks,
-        # `FWD_VALUES`, the same: 16 and 64 where it runs).
-        for value_dim, values, parts_below, step in ((6, default[0], 2**31, 16), (40, 16, 2**31, 16),
-                                                     (6, default[0], 2**31, 64), (40, 16, 2**31, 64),
-                                                     (40, 16, 0, 16), (6, 64, 0, 16)):
+        # `FWD_VALUES`, the same: 16 and 64 where it runs), each part solved in the walk or a
+        # part ahead (`FWD_AHEAD`).
+        for value_dim, values, parts_below, step, early in (
+                (6, default[0], 2**31, 16, False), (40, 16, 2**31, 16, False), (6, default[0], 2**31, 64, False),
+                (40, 16, 2**31, 64, False), (40, 16, 0, 16, False), (6, 64, 0, 16, False), (40, 16, 0, 16, True),
+                (6, 64, 0, 16, True)):
             delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK = values, parts_below, step
-            delta_scan.FWD_VALUES = values
+            delta_scan.FWD_VALUES, delta_scan.FWD_AHEAD = values, early
             for lengths in ([1, 15, 16, 17, 33, 64, 65, 130], [5], [97, 2], [3, 0, 2, 1, 0, 4, 40, 0]):
                 total = sum(lengths)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
@@ -338,7 +341,7 @@ def check_delta_rule_scan():
                 A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
                 log_decay = decay(gate, A_log, dt_bias)
                 case = (f"delta_rule_scan lengths={lengths} V={value_dim} block={values} parts below {parts_below} "
-                        f"steps of {step}")
+                        f"steps of {step}{', a part ahead' if early else ''}")
                 ours, final = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias)
                 reference, reference_final = gated_delta_rule_reference(
                     q[None], k[None], v[None], log_decay[None], beta[None], None, True, cu.long(), normalise=False)
@@ -389,6 +392,7 @@ def check_delta_rule_scan():
                 close(f"{case} final states from beta's input", raw_final, expected_final)
     finally:
         delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK, delta_scan.FWD_VALUES = default
+        delta_scan.FWD_AHEAD = ahead
     for step, last in ((16, "_delta_scan_walk"), (64, "_chunk_output")):
         delta_scan.WALK_CHUNK = step
         try:

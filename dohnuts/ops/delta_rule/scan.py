@@ -110,6 +110,12 @@ PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of part
 # -values-32 and -warps-8).
 FWD_VALUES = 64
 FWD_WARPS = 4
+# On trial (off until measured). The one-kernel walk solves each part in the walk, so a part's
+# loads and its solve (six small products) stand in series with the two products a part that
+# carry the state. With FWD_AHEAD, `_delta_scan_ahead` solves the next part while the state goes
+# through this one: nothing of it waits on the state, so its loads and products can run beside
+# them, at the cost of a part's terms more in registers.
+FWD_AHEAD = False
 # On trial (None: off). A bucket's rows where one long row holds a large share of the tokens (a
 # request without a shared prefix: 14 rows of 1,831 tokens, the longest 510) wait on that row's
 # 16-token parts solved one after another in the one-kernel walk, while the parts solved apart
@@ -456,6 +462,57 @@ def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu
         tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
 
 
+@triton.jit
+def _solved_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb, H: tl.constexpr,
+                 K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, SIGMOID: tl.constexpr):
+    """What of part `part` does not depend on the state entering it (`_delta_scan_parts`' terms,
+    in registers): q and k [BC, BK], W = A beta exp(G) k [BC, BK] in q's dtype, U0 = A beta v
+    [BC, BV] and P [BC, BC] float32, and the cumulative log decay G [BC]; zeros past the end."""
+    q_i, k_i, v_i, g_i, b_i = _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb, H,
+                                        K, HV, V, BC, SIGMOID)
+    g_i = tl.cumsum(g_i, 0)  # from the part's start; 0 added past the sequence's end
+    solve = _unit_lower_inverse(b_i[:, None] * _decayed(tl.dot(k_i, tl.trans(k_i)), g_i, g_i, True, True, BC), BC)
+    u0 = tl.dot(solve, b_i[:, None] * v_i.to(tl.float32))
+    w = tl.dot(solve, (b_i * tl.exp(g_i))[:, None] * k_i.to(tl.float32)).to(q_i.dtype)
+    p = _decayed(tl.dot(q_i, tl.trans(k_i)), g_i, g_i, True, False, BC)
+    return q_i, k_i, w, u0, p, g_i
+
+
+@triton.jit(do_not_specialize=REQUEST_STATES)
+def _delta_scan_ahead(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale, sa, sb, route,
+                      H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr,
+                      SIGMOID: tl.constexpr, ROUTED: tl.constexpr):
+    """`_delta_scan_fwd` with each part solved one step ahead (`FWD_AHEAD`): while the state goes
+    through part i (U = U0 - W S, the outputs, S from U), part i + 1 is loaded and solved, which
+    needs nothing of it. The last step solves a part past the end (zeros), never read."""
+    n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
+    m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
+    if ROUTED:
+        eos, go = _turn(route, False, bos, eos)
+        m_kv = m_kv & (tl.zeros([BK, BV], dtype=tl.int32) + go != 0)
+    h = tl.zeros([BK, BV], dtype=tl.float32)
+    if INITIAL:
+        h = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK)
+    log_a = tl.load(A_log + i_h).to(tl.float32)
+    bias = tl.load(dt_bias + i_h).to(tl.float32)
+    q_i, k_i, w_i, u0_i, p_i, g_i = _solved_part(q, k, v, a, b, bos, eos, 0, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb,
+                                                 H, K, HV, V, BC, SIGMOID)
+    for part in range(0, tl.cdiv(eos - bos, BC)):
+        q_n, k_n, w_n, u0_n, p_n, g_n = _solved_part(q, k, v, a, b, bos, eos, part + 1, i_hk, i_h, log_a, bias, o_k,
+                                                     o_v, sa, sb, H, K, HV, V, BC, SIGMOID)
+        h_in = h.to(q_i.dtype)
+        u_i = u0_i - tl.dot(w_i, h_in)  # 0 past the end
+        o_i = tl.dot(p_i, u_i) + tl.exp(g_i)[:, None] * tl.dot(q_i, h_in)
+        _store_part(o, o_i * scale, bos, eos, part, i_h, o_v, HV, V, BC)
+        # S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T
+        last = _last(g_i, BC)
+        h = h * tl.exp(last) + tl.dot(tl.trans(k_i), (u_i * tl.exp(last - g_i)[:, None]).to(k_i.dtype))
+        q_i, k_i, w_i, u0_i, p_i, g_i = q_n, k_n, w_n, u0_n, p_n, g_n
+    if FINAL:
+        tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
+
+
 @triton.jit(do_not_specialize=["N"])
 def _scan_route(cu_seqlens, route, N, LONG: tl.constexpr, FEW: tl.constexpr, SHARE: tl.constexpr,
                 BN: tl.constexpr):
@@ -542,8 +599,9 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     parents = parents if parents is not None else cu_seqlens
     if routed or sequences >= PARTS_BELOW:  # static in a graph: fixed by the bucket's sequence count
         block_v = max(16, min(FWD_VALUES, triton.next_power_of_2(value_dim)))
+        walk = _delta_scan_ahead if FWD_AHEAD else _delta_scan_fwd
         with _on(q.device):
-            _delta_scan_fwd[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
+            walk[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
                 q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu_seqlens, G, scale, gate_stride,
                 beta_stride, route, heads, key_dim, value_heads, value_dim, block_k, block_v, PART, states is not None,
                 output_final_state, beta_logits, routed, num_warps=FWD_WARPS)
