@@ -478,14 +478,28 @@ def _solved_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v
     return q_i, k_i, w, u0, p, g_i
 
 
+@triton.jit
+def _walked_part(h, q_i, k_i, w_i, u0_i, p_i, g_i, o, scale, bos, eos, part, i_h, o_v, HV: tl.constexpr,
+                 V: tl.constexpr, BC: tl.constexpr):
+    """The state [BK, BV] through a solved part (`_solved_part`): its pseudo-values U = U0 - W S,
+    its outputs o = scale (P U + exp(G) q S) stored, and the state after it."""
+    h_in = h.to(q_i.dtype)
+    u_i = u0_i - tl.dot(w_i, h_in)  # 0 past the end
+    o_i = tl.dot(p_i, u_i) + tl.exp(g_i)[:, None] * tl.dot(q_i, h_in)
+    _store_part(o, o_i * scale, bos, eos, part, i_h, o_v, HV, V, BC)
+    # S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T
+    last = _last(g_i, BC)
+    return h * tl.exp(last) + tl.dot(tl.trans(k_i), (u_i * tl.exp(last - g_i)[:, None]).to(k_i.dtype))
+
+
 @triton.jit(do_not_specialize=REQUEST_STATES)
 def _delta_scan_ahead(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale, sa, sb, route,
                       H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                       BV: tl.constexpr, BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr,
                       SIGMOID: tl.constexpr, ROUTED: tl.constexpr):
     """`_delta_scan_fwd` with each part solved one step ahead (`FWD_AHEAD`): while the state goes
-    through part i (U = U0 - W S, the outputs, S from U), part i + 1 is loaded and solved, which
-    needs nothing of it. The last step solves a part past the end (zeros), never read."""
+    through part i (`_walked_part`), part i + 1 is loaded and solved, which needs nothing of it;
+    the last part walks after the loop, with nothing ahead of it."""
     n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     if ROUTED:
@@ -498,17 +512,15 @@ def _delta_scan_ahead(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, 
     bias = tl.load(dt_bias + i_h).to(tl.float32)
     q_i, k_i, w_i, u0_i, p_i, g_i = _solved_part(q, k, v, a, b, bos, eos, 0, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb,
                                                  H, K, HV, V, BC, SIGMOID)
-    for part in range(0, tl.cdiv(eos - bos, BC)):
+    parts = tl.cdiv(eos - bos, BC)
+    for part in range(0, parts - 1):
         q_n, k_n, w_n, u0_n, p_n, g_n = _solved_part(q, k, v, a, b, bos, eos, part + 1, i_hk, i_h, log_a, bias, o_k,
                                                      o_v, sa, sb, H, K, HV, V, BC, SIGMOID)
-        h_in = h.to(q_i.dtype)
-        u_i = u0_i - tl.dot(w_i, h_in)  # 0 past the end
-        o_i = tl.dot(p_i, u_i) + tl.exp(g_i)[:, None] * tl.dot(q_i, h_in)
-        _store_part(o, o_i * scale, bos, eos, part, i_h, o_v, HV, V, BC)
-        # S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T
-        last = _last(g_i, BC)
-        h = h * tl.exp(last) + tl.dot(tl.trans(k_i), (u_i * tl.exp(last - g_i)[:, None]).to(k_i.dtype))
+        h = _walked_part(h, q_i, k_i, w_i, u0_i, p_i, g_i, o, scale, bos, eos, part, i_h, o_v, HV, V, BC)
         q_i, k_i, w_i, u0_i, p_i, g_i = q_n, k_n, w_n, u0_n, p_n, g_n
+    # The last part (an empty sequence's is all zeros: it stores nothing and keeps the state).
+    h = _walked_part(h, q_i, k_i, w_i, u0_i, p_i, g_i, o, scale, bos, eos, tl.maximum(parts - 1, 0), i_h, o_v, HV,
+                     V, BC)
     if FINAL:
         tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
 
