@@ -181,7 +181,8 @@ def _long_context(record: dict) -> tuple[dict, dict]:
 
 def _load_time(record: dict) -> tuple[dict, dict]:
     """Each load's figures under its kernel cache (`cold_`, then `warm_`, `warm_2_`... for more
-    warm loads): its total and each step's seconds, the Triton variants compiled, the buckets."""
+    warm loads): its steps' total, its process's and each step's seconds, the Triton kernels
+    compiled (those its cache folder gained), the buckets."""
     figures, warm = {}, 0
     for run in record.get("runs", []):
         if run.get("kernel_cache") == "warm":
@@ -189,7 +190,8 @@ def _load_time(record: dict) -> tuple[dict, dict]:
             prefix = "warm_" if warm == 1 else f"warm_{warm}_"
         else:
             prefix = "cold_"
-        figures |= _pick(run, ("total_seconds", "buckets", "failed_bucket_captures", "reserved_gib"), prefix)
+        figures |= _pick(run, ("total_seconds", "process_seconds", "buckets", "failed_bucket_captures",
+                               "reserved_gib"), prefix)
         figures |= {f"{prefix}{step.replace(' ', '_').replace('-', '_')}_seconds": seconds
                     for step, seconds in (run.get("seconds") or {}).items() if _number(seconds)}
         compiled = run.get("triton_compiles") or {}

@@ -312,7 +312,8 @@ def test_a_load_time_record_gives_each_loads_steps_under_its_kernel_cache():
     """`load_time` loads cold, then warm: each load's total, steps, compiles and buckets apart."""
     def run(cache, read, graphs, compiled):
         return {"kernel_cache": cache, "seconds": {"read": read, "bucket graphs": graphs, "warm-up": 1.0},
-                "total_seconds": read + graphs + 1.0, "triton_compiles": {"read": 0, "bucket graphs": compiled,
+                "total_seconds": read + graphs + 1.0, "process_seconds": read + graphs + 9.0,
+                "triton_compiles": {"read": 0, "bucket graphs": compiled,
                                                                           "warm-up": 0},
                 "buckets": 243, "failed_bucket_captures": 0}
     record = {"workload": "load_time", "shape_only": "qwen3_5-0.8b",
@@ -321,6 +322,7 @@ def test_a_load_time_record_gives_each_loads_steps_under_its_kernel_cache():
     figures = made["figures"]
     assert made["kind"] == "profile" and made["shape"] == "shape-only qwen3_5-0.8b"
     assert figures["cold_total_seconds"] == 111.0 and figures["cold_bucket_graphs_seconds"] == 90.0
+    assert figures["cold_process_seconds"] == 119.0
     assert figures["cold_triton_compiles"] == 40 and figures["warm_triton_compiles"] == 0
     assert figures["warm_read_seconds"] == 12.0 and figures["warm_2_read_seconds"] == 11.0
     assert figures["warm_warm_up_seconds"] == 1.0 and figures["warm_buckets"] == 243

@@ -1,5 +1,5 @@
 """The load-time measurement (`bench.load_time`) on the CPU: the tests' tiny deployable loaded
-twice, each in a process of its own, sharing a kernel cache that starts empty."""
+twice, each in a process of its own, sharing a kernel cache folder."""
 
 import pytest
 
@@ -8,19 +8,28 @@ from dohnuts.bench.load_time import STEPS, load_time_record
 
 def test_each_load_runs_in_its_own_process_and_times_every_step(deployable, tmp_path):
     root, _ = deployable
+    seen = []
     record = load_time_record(root / "checkpoint", "cpu", runs=2, cache=tmp_path / "triton",
-                              settings=("graphs.WARM_UPS=1",))
-    assert record["workload"] == "load_time" and len(record["runs"]) == 2
-    assert [run["kernel_cache"] for run in record["runs"]] == ["cold", "warm"]
+                              settings=("graphs.WARM_UPS=1",), on_run=seen.append)
+    assert record["workload"] == "load_time" and record["runs"] == seen and len(seen) == 2
+    # The CPU compiles no Triton kernel: the cache folder stays empty, so both loads find it cold.
+    assert [run["kernel_cache"] for run in record["runs"]] == ["cold", "cold"]
     for run in record["runs"]:
         assert run["settings"]["graphs.WARM_UPS"] == 1  # applied in the load's own process
         assert list(run["seconds"]) == list(STEPS) and list(run["triton_compiles"]) == list(STEPS)
         assert run["seconds"]["read"] > 0 and run["seconds"]["first request"] > 0
         assert run["total_seconds"] == pytest.approx(sum(run["seconds"].values()))
-        # The CPU captures no graph and compiles no Triton kernel.
+        assert run["process_seconds"] > run["total_seconds"]  # Python's start and the imports too
         assert run["buckets"] == run["failed_bucket_captures"] == sum(run["triton_compiles"].values()) == 0
 
 
+def test_a_load_finding_kernels_in_the_cache_is_warm(deployable, tmp_path):
+    root, _ = deployable
+    (tmp_path / "triton" / "a-kernel").mkdir(parents=True)
+    record = load_time_record(root / "checkpoint", "cpu", runs=1, cache=tmp_path / "triton")
+    assert record["runs"][0]["kernel_cache"] == "warm"
+
+
 def test_a_load_that_fails_is_reported_with_its_error(tmp_path):
-    with pytest.raises(RuntimeError, match="load 1 of 1 failed"):
+    with pytest.raises(RuntimeError, match=r"(?s)load 1 of 1 failed \(exit code 1\).*no-such-checkpoint"):
         load_time_record(tmp_path / "no-such-checkpoint", "cpu", runs=1)
