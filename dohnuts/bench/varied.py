@@ -102,7 +102,7 @@ def preparation(predictor) -> dict:
     the seconds their graphs took, the vision buckets and theirs."""
     stats = predictor.scores.stats
     return {"buckets": len(predictor.scores.buckets), "bucket_prepare_seconds": stats["prepare_seconds"],
-            "failed_bucket_captures": stats["failed"],
+            "failed_bucket_captures": stats["failed_buckets"],
             "vision_buckets": [dataclasses.asdict(bucket) for bucket in predictor.model.vision_graphs.buckets],
             "vision_bucket_prepare_seconds": predictor.model.vision_graphs.prepare_seconds}
 

@@ -393,7 +393,8 @@ class GraphedScores:
         self.generation, self.parameters, self.versions = None, [], None
         self._deferred = False
         self.pending: OrderedDict[tuple, Batch] = OrderedDict()  # host batches of layouts due a capture
-        self.stats = {"eager": 0, "captures": 0, "replays": 0, "failed": 0, "bucket_replays": 0,
+        # "failed": captures that failed, a bucket's or a layout's; "failed_buckets": the buckets'.
+        self.stats = {"eager": 0, "captures": 0, "replays": 0, "failed": 0, "failed_buckets": 0, "bucket_replays": 0,
                       "padding_tokens": 0, "prepare_seconds": 0.0, "idle_captures": 0}
 
     @property
@@ -431,12 +432,10 @@ class GraphedScores:
             self.arena = _Arena(model.device, max((bucket.tokens for bucket in self.wanted), default=0))
         budget = memory_fraction * torch.cuda.get_device_properties(model.device).total_memory
         held = torch.cuda.memory_reserved(model.device)
-        progress = Progress("shape buckets' CUDA graphs", len(self.wanted), logger)
+        missing = [bucket for bucket in self.wanted if bucket not in self.buckets]
+        progress = Progress("shape buckets' CUDA graphs", len(missing), logger)
         with torch.no_grad():
-            for bucket in self.wanted:
-                if bucket in self.buckets:
-                    progress.step()
-                    continue
+            for bucket in missing:
                 if torch.cuda.memory_reserved(model.device) - held > budget:
                     kernels.slow_path("bucket-memory", f"the bucket graphs reached {memory_fraction:.0%} of the "
                                                        f"device's memory: {bucket} and larger run eagerly")
@@ -446,6 +445,7 @@ class GraphedScores:
                     self.buckets[bucket] = _BucketGraph(model, bucket, batch, pool, self.arena)
                 except Exception as error:  # noqa: BLE001 - a failed bucket leaves its batches eager
                     self.stats["failed"] += 1
+                    self.stats["failed_buckets"] += 1
                     kernels.slow_path(f"bucket-capture-{bucket}", f"the CUDA graphs of {bucket} failed to capture, "
                                                                   f"so its batches run eagerly: "
                                                                   f"{type(error).__name__}: {error}")
@@ -453,7 +453,7 @@ class GraphedScores:
                 progress.step()
         torch.cuda.synchronize()
         self._ladder_of = None  # the buckets changed: `ladder` is made again
-        self.stats["prepare_seconds"] += progress.end(len(self.buckets))
+        self.stats["prepare_seconds"] += progress.end(sum(bucket in self.buckets for bucket in missing))
         return len(self.buckets)
 
     @property

@@ -19,7 +19,7 @@ class Progress:
         self.what, self.total, self.log, self.period, self.clock = what, total, log, period, clock
         self.done = 0
         self.start = self.last = clock()
-        log.info("%s: %d to prepare", what, total)
+        log.info("%s: %d to capture", what, total)
 
     def step(self, count: int = 1) -> None:
         """`count` more items done; a line when `period` has passed since the last one."""

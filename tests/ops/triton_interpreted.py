@@ -393,12 +393,13 @@ def check_delta_rule_scan():
     finally:
         delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK, delta_scan.FWD_VALUES = default
         delta_scan.FWD_AHEAD = ahead
-    for step, last in ((16, "_delta_scan_walk"), (64, "_chunk_output")):
-        delta_scan.WALK_CHUNK = step
+    for step, last, early in ((16, "_delta_scan_walk", False), (64, "_chunk_output", False),
+                              (16, "_delta_scan_walk", True)):
+        delta_scan.WALK_CHUNK, delta_scan.FWD_AHEAD = step, early
         try:
             check_routes_on_the_device(last)
         finally:
-            delta_scan.WALK_CHUNK = default[2]
+            delta_scan.WALK_CHUNK, delta_scan.FWD_AHEAD = default[2], ahead
 
 
 class _Idle:
@@ -505,14 +506,15 @@ def _check_route(generator, lengths, parts, last, heads, key_dim, value_heads, v
         reference, reference_final = gated_delta_rule_reference(
             q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None], beta[None], initial, forked, cu.long(),
             normalise=False)
-        for idle in (None, last, "_delta_scan_fwd"):  # None: both run, as routed; `last`: the parts path's
+        walk = "_delta_scan_ahead" if delta_scan.FWD_AHEAD else "_delta_scan_fwd"  # the one-kernel walk
+        for idle in (None, last, walk):  # None: both run, as routed; `last`: the parts path's
             out = torch.full((total, value_heads, value_dim), 5.0)
             with _swapped(idle, _Idle()):
                 _, final = delta_scan.delta_rule_scan(
                     q, k, v, gate, beta, states if forked else None, parents if forked else None, cu, forked,
                     A_log, dt_bias, out=out, routed=True)
             case = f"routed lengths={lengths} forked={forked} with {idle} idle"
-            if idle is None or parts == (idle == "_delta_scan_fwd"):
+            if idle is None or parts == (idle == walk):
                 close(case, out, reference[0])
                 if forked:
                     close(f"{case}: final states", final, reference_final)

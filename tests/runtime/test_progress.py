@@ -27,5 +27,5 @@ def test_a_line_at_start_at_most_one_a_period_and_one_at_the_end(caplog):
         progress.step(2)  # all five done: the end's line says so, not this one
         seconds = progress.end(4)
     assert [record.getMessage() for record in caplog.records] == [
-        "graphs: 5 to prepare", "graphs: 2 of 5 after 11 s", "graphs: 4 of 5 ready in 34.0 s"]
+        "graphs: 5 to capture", "graphs: 2 of 5 after 11 s", "graphs: 4 of 5 ready in 34.0 s"]
     assert seconds == 34.0

@@ -111,8 +111,8 @@ PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of part
 FWD_VALUES = 64
 FWD_WARPS = 4
 # On trial (off until measured). The one-kernel walk solves each part in the walk, so a part's
-# loads and its solve (six small products) stand in series with the two products a part that
-# carry the state. With FWD_AHEAD, `_delta_scan_ahead` solves the next part while the state goes
+# loads and its solve (its inverse's six small products and four more) stand in series with the
+# products that carry the state. With FWD_AHEAD, `_delta_scan_ahead` solves the next part while the state goes
 # through this one: nothing of it waits on the state, so its loads and products can run beside
 # them, at the cost of a part's terms more in registers.
 FWD_AHEAD = False
