@@ -474,21 +474,14 @@ def check_routes_on_the_device(last: str):
     """Routed, the path the device picks does all the work and the other none: with one path's
     last kernel idle, the output (and the final states) are the reference where the other path
     was picked (fewer than PARTS_BELOW sequences over 64 tokens: the parts and the walk; more:
-    the one-kernel walk; with ROUTE_SHARE = R, the parts and the walk where those sequences hold
-    fewer than R times the longest one's tokens), and the output untouched where the idle one was;
+    the one-kernel walk), and the output untouched where the idle one was;
     from zero states without final states (a bucket's rows) and from forked states keeping them."""
     generator = torch.Generator().manual_seed(11)
     heads, key_dim, value_heads, value_dim = 1, 8, 2, 16
     assert delta_scan.PARTS_BELOW == 4
-    default = delta_scan.ROUTE_SHARE
-    for lengths, share, parts in (([130, 2, 64, 0], None, True), ([65, 70, 66, 100, 65], None, False),
-                                  ([65, 70, 66, 100, 65], 3, False), ([65, 70, 66, 300, 65], 3, True),
-                                  ([70, 70, 70, 70], 4, False)):  # four of one length: the count's choice
-        delta_scan.ROUTE_SHARE = share
-        try:
-            _check_route(generator, lengths, parts, last, heads, key_dim, value_heads, value_dim)
-        finally:
-            delta_scan.ROUTE_SHARE = default
+    for lengths, parts in (([130, 2, 64, 0], True), ([65, 70, 66, 100, 65], False), ([65, 70, 66, 300, 65], False),
+                           ([70, 70, 70, 70], False)):
+        _check_route(generator, lengths, parts, last, heads, key_dim, value_heads, value_dim)
 
 
 def _check_route(generator, lengths, parts, last, heads, key_dim, value_heads, value_dim):

@@ -116,21 +116,11 @@ FWD_WARPS = 4
 # through this one: nothing of it waits on the state, so its loads and products can run beside
 # them, at the cost of a part's terms more in registers.
 FWD_AHEAD = False
-# On trial (None: off). A bucket's rows where one long row holds a large share of the tokens (a
-# request without a shared prefix: 14 rows of 1,831 tokens, the longest 510) wait on that row's
-# 16-token parts solved one after another in the one-kernel walk, while the parts solved apart
-# would let its walk take two products a part. With ROUTE_SHARE = R the route also takes the parts
-# then the walk when the sequences over 64 tokens hold fewer than R times the longest one's tokens
-# (for sequences of one length: fewer than R of them, so with R <= PARTS_BELOW the count's choice
-# stands there).
-ROUTE_SHARE: int | None = None
-
-
 def routes_to_parts(lengths: list[int]) -> bool:
     """Whether a routed call (a bucket's) of sequences of these lengths takes the parts then the
     walk: `_scan_route`'s rule, on the host."""
     long = [length for length in lengths if length > CHUNK]
-    return len(long) < PARTS_BELOW or bool(ROUTE_SHARE and long and sum(long) < ROUTE_SHARE * max(long))
+    return len(long) < PARTS_BELOW
 
 
 def walks_alone(sequences: int, longest: int, routed: bool) -> bool:
@@ -526,26 +516,16 @@ def _delta_scan_ahead(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, 
 
 
 @triton.jit(do_not_specialize=["N"])
-def _scan_route(cu_seqlens, route, N, LONG: tl.constexpr, FEW: tl.constexpr, SHARE: tl.constexpr,
-                BN: tl.constexpr):
+def _scan_route(cu_seqlens, route, N, LONG: tl.constexpr, FEW: tl.constexpr, BN: tl.constexpr):
     """route [1] int32: 1 (solve the parts apart, then walk) when fewer than FEW of the N
-    sequences are longer than LONG tokens, or (SHARE > 0) when those hold fewer than SHARE times
-    the longest one's tokens; else 0 (the one-kernel walk); one program."""
+    sequences are longer than LONG tokens, else 0 (the one-kernel walk); one program."""
     count = tl.zeros([BN], dtype=tl.int32)
-    tokens = tl.zeros([BN], dtype=tl.int32)
-    longest = tl.zeros([BN], dtype=tl.int32)
     for first in range(0, N, BN):
         o_n = first + tl.arange(0, BN)
         m_n = o_n < N
         length = tl.load(cu_seqlens + o_n + 1, mask=m_n, other=0) - tl.load(cu_seqlens + o_n, mask=m_n, other=0)
-        long = length > LONG
-        count += long.to(tl.int32)
-        tokens += tl.where(long, length, 0)
-        longest = tl.maximum(longest, length)
-    parts = tl.sum(count, 0) < FEW
-    if SHARE > 0:
-        parts = parts | (tl.sum(tokens, 0) < SHARE * tl.max(longest, 0))
-    tl.store(route, parts.to(tl.int32))
+        count += (length > LONG).to(tl.int32)
+    tl.store(route, (tl.sum(count, 0) < FEW).to(tl.int32))
 
 
 def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -571,8 +551,7 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         chunks: the sequences' 64-token chunk plan on q's device (`plan.chunk_plan`, or a
             bucket's `plan.padded_plan`), or None to make it here (reading cu_seqlens back).
         routed: choose the path on the device (`_scan_route`: the parts then the walk for fewer
-            than PARTS_BELOW sequences over 64 tokens, or with ROUTE_SHARE for one long sequence
-            holding a large share of their tokens, else the one-kernel walk), launching both
+            than PARTS_BELOW sequences over 64 tokens, else the one-kernel walk), launching both
             with the other skipping its work: for a bucket's graph, whose count of sequences
             is the padding's, not the request's. Otherwise the count of sequences chooses.
         one_long: the first sequence is the longest and the others (fewer than PARTS_BELOW)
@@ -605,7 +584,7 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if routed:
         route = torch.empty(1, dtype=torch.int32, device=q.device)
         with _on(q.device):
-            _scan_route[(1,)](cu_seqlens, route, sequences, CHUNK, PARTS_BELOW, ROUTE_SHARE or 0, 256)
+            _scan_route[(1,)](cu_seqlens, route, sequences, CHUNK, PARTS_BELOW, 256)
     G = 0 if states is None else states.shape[0]
     scale = key_dim**-0.5 if scale is None else scale
     parents = parents if parents is not None else cu_seqlens
