@@ -115,10 +115,15 @@ class Batch:
         made where pixel_values are (the model's device once the batch is there)."""
         if self.pixel_values is None or self.pixel_settings is None:
             return self.pixel_values
-        sizes = self.image_shapes_cpu.prod(-1).tolist()
-        shapes = self.image_shapes_cpu.tolist()
-        return torch.cat([self.pixel_settings.patches(flat.view(*shape)) for flat, shape
-                          in zip(torch.split(self.pixel_values, sizes), shapes)])
+        # Each run of images of one size goes through `patches` together (the bytes lie one image
+        # after another, so a run is one view).
+        runs, start = [], 0
+        for shape, images in itertools.groupby(map(tuple, self.image_shapes_cpu.tolist())):
+            count = len(list(images))
+            size = count * shape[0] * shape[1] * shape[2]
+            runs.append(self.pixel_settings.patches(self.pixel_values[start:start + size].view(count, *shape)))
+            start += size
+        return runs[0] if len(runs) == 1 else torch.cat(runs)
 
     @property
     def computed_tokens(self) -> int:

@@ -102,31 +102,34 @@ class PixelSettings:
         return torch.tensor([[1, resized_height // self.patch, resized_width // self.patch]], dtype=torch.long)
 
     def layout(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalised pixels [C, H, W] float32 -> patches [H/p * W/p, C * temporal * p * p] in the
-        tower's merge-block order, each patch repeated over the temporal axis."""
+        """Normalised pixels [..., C, H, W] float32 (images of one size) -> patches [images * H/p *
+        W/p, C * temporal * p * p], each image's in the tower's merge-block order, one image after
+        another, each patch repeated over the temporal axis."""
         patch, merge = self.patch, self.merge
-        channels, height, width = x.shape
+        *images, channels, height, width = x.shape
         grid_h, grid_w = height // patch, width // patch
-        blocks = x.reshape(channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
-        blocks = blocks.permute(1, 4, 2, 5, 0, 3, 6)  # (gh/m, gw/m, m, m, C, p, p)
-        patches = blocks[:, :, :, :, :, None].expand(*blocks.shape[:5], self.temporal, patch, patch)
-        return patches.reshape(grid_h * grid_w, channels * self.temporal * patch * patch)
+        blocks = x.reshape(-1, channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
+        blocks = blocks.permute(0, 2, 5, 3, 6, 1, 4, 7)  # (images, gh/m, gw/m, m, m, C, p, p)
+        patches = blocks[:, :, :, :, :, :, None].expand(*blocks.shape[:6], self.temporal, patch, patch)
+        return patches.reshape(-1, channels * self.temporal * patch * patch)
 
     def normalised(self, x: torch.Tensor) -> torch.Tensor:
-        """Bytes [C, H, W] (any dtype holding 0..255) -> (x * scale - mean) / std, float32."""
+        """Bytes [..., C, H, W] (any dtype holding 0..255) -> (x * scale - mean) / std, float32."""
         mean, std = _constants(self.mean, self.std, x.device)
         return (x.float() * self.scale - mean) / std
 
     def patches(self, rgb: torch.Tensor) -> torch.Tensor:
-        """Decoded RGB bytes [H, W, 3] uint8 (on any device) -> the tower's patches, computed
-        there: antialiased bicubic resize to `size` (PIL's filter), rounded and clamped to
-        bytes as PIL's result is, then `normalised` and `layout`."""
-        height, width = rgb.shape[:2]
+        """Decoded RGB bytes [H, W, 3] uint8, or [N, H, W, 3] of N images of one size (on any
+        device) -> the tower's patches, one image after another, computed there: antialiased
+        bicubic resize to `size` (PIL's filter), rounded and clamped to bytes as PIL's result is,
+        then `normalised` and `layout`. Images of one size go through each step together: a
+        handful of launches for them all, where one at a time took that many an image."""
+        height, width = rgb.shape[-3:-1]
         resized_height, resized_width = self.size(height, width)
-        x = rgb.permute(2, 0, 1)
+        x = rgb.reshape(-1, height, width, rgb.shape[-1]).permute(0, 3, 1, 2)
         if (resized_height, resized_width) != (height, width):
-            x = F.interpolate(x[None].float(), size=(resized_height, resized_width), mode="bicubic", antialias=True,
-                              align_corners=False)[0].round().clamp(0, 255)
+            x = F.interpolate(x.float(), size=(resized_height, resized_width), mode="bicubic", antialias=True,
+                              align_corners=False).round().clamp(0, 255)
         return self.layout(self.normalised(x))
 
 

@@ -357,3 +357,28 @@ def test_a_moved_batch_views_its_buffer_as_each_tensor(tiny, monkeypatch):
             assert ours.dtype == theirs.dtype and ours.shape == theirs.shape and torch.equal(ours, theirs)
         assert (moved.fork is None) == (host.fork is None) and moved.cu_seqlens_cpu is host.cu_seqlens_cpu
         assert moved.fork is None or moved.fork.plan() == host.fork.plan()
+
+
+def test_images_of_one_size_make_their_patches_together_as_one_at_a_time():
+    """A batch's new images in runs of one size (two of 40 x 56, one of 90 x 30, two of 40 x 56
+    again) go through `PixelSettings.patches` run by run: bitwise the patches of each image made
+    alone, in the batch's image order."""
+    from dohnuts.inputs.pixels import PixelSettings
+    from dohnuts.model.base import new_image_processor
+
+    settings = PixelSettings.of(new_image_processor(16, 64 * 64))
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(40, 56, 3), (40, 56, 3), (90, 30, 3), (40, 56, 3), (40, 56, 3)]
+    pixels = [torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8) for shape in shapes]
+    images = [EncodedImage(rgb, settings.grid(*rgb.shape[:2]), f"image-{index}", settings)
+              for index, rgb in enumerate(pixels)]
+    blocks = [int(image.tokens) for image in images]
+    ids = []
+    for count in blocks:
+        ids += [9, 50] + [77] * count + [51]
+    row = Row(tuple(ids + [1, 0]), (len(ids) + 1,), QUESTION, 0, tuple(range(len(images))),
+              tuple((int(image.grid_thw[0, 1]) // 2, int(image.grid_thw[0, 2]) // 2) for image in images))
+    batch = pack_rows([row], images, image_pad_id=77)
+    alone = torch.cat([settings.patches(rgb) for rgb in pixels])
+    assert torch.equal(batch.patches(), alone)
+    assert batch.patches().shape[0] == sum(image.tokens * 4 for image in images)
