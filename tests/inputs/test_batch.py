@@ -359,10 +359,11 @@ def test_a_moved_batch_views_its_buffer_as_each_tensor(tiny, monkeypatch):
         assert moved.fork is None or moved.fork.plan() == host.fork.plan()
 
 
-def test_images_of_one_size_make_their_patches_together_as_one_at_a_time():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_images_of_one_size_make_their_patches_together_as_one_at_a_time(device):
     """A batch's new images in runs of one size (two of 40 x 56, one of 90 x 30, two of 40 x 56
     again) go through `PixelSettings.patches` run by run: bitwise the patches of each image made
-    alone, in the batch's image order."""
+    alone, in the batch's image order, where the batch's bytes are (the model's device)."""
     from dohnuts.inputs.pixels import PixelSettings
     from dohnuts.model.base import new_image_processor
 
@@ -379,6 +380,7 @@ def test_images_of_one_size_make_their_patches_together_as_one_at_a_time():
     row = Row(tuple(ids + [1, 0]), (len(ids) + 1,), QUESTION, 0, tuple(range(len(images))),
               tuple((int(image.grid_thw[0, 1]) // 2, int(image.grid_thw[0, 2]) // 2) for image in images))
     batch = pack_rows([row], images, image_pad_id=77)
-    alone = torch.cat([settings.patches(rgb) for rgb in pixels])
-    assert torch.equal(batch.patches(), alone)
+    batch.pixel_values = batch.pixel_values.to(device)
+    alone = torch.cat([settings.patches(rgb.to(device)) for rgb in pixels])
+    assert batch.patches().device.type == device and torch.equal(batch.patches(), alone)
     assert batch.patches().shape[0] == sum(image.tokens * 4 for image in images)
