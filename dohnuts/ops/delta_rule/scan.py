@@ -184,8 +184,10 @@ def _delta_scan_parts(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunks, W, U, P
     for split in tl.static_range(SPLIT):
         part = (chunk * tl.num_programs(2) + i_s) * SPLIT + split
         if bos + part * BC < eos:
-            _, _, w, u0, p, g_i = _solved_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb,
-                                               H, K, HV, V, BC, SIGMOID)
+            # Names of their own for the unused q and k: Triton types a name once in a kernel, and `_`
+            # holds the route's int32 above when ROUTED (a bf16 block here failed to compile).
+            _q, _k, w, u0, p, g_i = _solved_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v,
+                                                 sa, sb, H, K, HV, V, BC, SIGMOID)
             o_t = bos + part * BC + o_c
             m_t = o_t < eos
             row = o_t[:, None] * HV + i_h
