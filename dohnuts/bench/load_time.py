@@ -74,8 +74,22 @@ def load_steps(checkpoint: str, device: str, settings: tuple[str, ...] = ()) -> 
     engine = state["engine"]
     return {"settings": chosen, "seconds": seconds, "total_seconds": sum(seconds.values()),
             "triton_compiles": compiled, "buckets": len(engine.scores.buckets),
-            "failed_bucket_captures": engine.scores.stats["failed_buckets"],
+            "failed_bucket_captures": engine.scores.stats["failed_buckets"], "capture_failures": capture_failures(),
             "reserved_gib": torch.cuda.memory_reserved(where) / 2**30 if where.type == "cuda" else 0.0}
+
+
+def capture_failures(shown: int = 5) -> list[dict]:
+    """Why bucket captures failed in this process: each distinct error (`cuda_graphs` logs it as a
+    slower path, `ops.backends.slow_paths`), its first 500 characters, with the count of buckets
+    it stopped; the `shown` most frequent. (On 2026-12-07, 205 of 243 buckets failed on one error
+    that a load's record did not show.)"""
+    from collections import Counter
+
+    from ..ops.backends import slow_paths
+
+    errors = Counter(reason.partition("run eagerly: ")[2][:500] for key, reason in slow_paths().items()
+                     if key.startswith("bucket-capture-"))
+    return [{"error": error, "buckets": count} for error, count in errors.most_common(shown)]
 
 
 def load_time_record(checkpoint: Path, device: str, runs: int = 2, cache: Path | None = None,
@@ -124,7 +138,9 @@ def _line(result: dict) -> str:
                       for name, seconds in result["seconds"].items())
     return (f"{result['kernel_cache']} kernel cache: {result['total_seconds']:.1f} s of steps, "
             f"{result['process_seconds']:.1f} s of process: {steps}; {result['buckets']} buckets "
-            f"({result['failed_bucket_captures']} failed), {result['reserved_gib']:.1f} GiB reserved")
+            f"({result['failed_bucket_captures']} failed), {result['reserved_gib']:.1f} GiB reserved"
+            + "".join(f"\n  {failure['buckets']} failed on: {failure['error'][:300]}"
+                      for failure in result.get("capture_failures", ())))
 
 
 def load_time_measurement(runs: int = 2, checkpoint: str | None = None, out: str | None = None,

@@ -21,6 +21,28 @@ def test_each_load_runs_in_its_own_process_and_times_every_step(deployable, tmp_
         assert run["total_seconds"] == pytest.approx(sum(run["seconds"].values()))
         assert run["process_seconds"] > run["total_seconds"]  # Python's start and the imports too
         assert run["buckets"] == run["failed_bucket_captures"] == sum(run["triton_compiles"].values()) == 0
+        assert run["capture_failures"] == []
+
+
+def test_a_loads_failed_captures_say_why(monkeypatch):
+    """A load's record names each distinct error its bucket captures failed on, with the count of
+    buckets it stopped, most frequent first."""
+    from dohnuts.bench import load_time
+    from dohnuts.ops import backends
+
+    monkeypatch.setattr(backends, "_SLOW", {})
+    for bucket, error in (("a", "CompilationError: `_` typed twice"), ("b", "CompilationError: `_` typed twice"),
+                          ("c", "OutOfMemoryError: no room")):
+        backends.slow_path(f"bucket-capture-{bucket}", f"the CUDA graphs of {bucket} failed to capture, so its "
+                                                       f"batches run eagerly: {error}")
+    backends.slow_path("bucket-memory", "the bucket graphs reached 40% of the device's memory")
+    assert load_time.capture_failures() == [{"error": "CompilationError: `_` typed twice", "buckets": 2},
+                                            {"error": "OutOfMemoryError: no room", "buckets": 1}]
+    line = load_time._line({"kernel_cache": "cold", "total_seconds": 1.0, "process_seconds": 2.0,
+                            "seconds": {"read": 1.0}, "triton_compiles": {"read": 0}, "buckets": 1,
+                            "failed_bucket_captures": 3, "reserved_gib": 0.5,
+                            "capture_failures": load_time.capture_failures()})
+    assert "2 failed on: CompilationError: `_` typed twice" in line and "1 failed on: OutOfMemoryError" in line
 
 
 def test_a_load_finding_kernels_in_the_cache_is_warm(deployable, tmp_path):
