@@ -11,8 +11,11 @@ export PYTHONPATH=/tmp/gs/site:/tmp/site:$PWD LD_LIBRARY_PATH=/tmp/gs/site/z3/li
 export PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 t0=${t0:-$(date +%s)}
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/timeline.txt"; }
+# Python's own warnings (deprecations and the like) are dropped from the report; the runtime's
+# (a failed capture and why: `WARNING:dohnuts...`) stay.
 run() { local seconds=$1 name=$2; shift 2; stamp "$name"
-  timeout "$seconds" python3 benchmarks/run.py "$@" 2>&1 | grep -v -i warn | tee "$OUT/$name.txt" | tail -40; }
+  timeout "$seconds" python3 benchmarks/run.py "$@" 2>&1 | grep -v -E "Warning: |warnings.warn|warn_once" \
+    | tee "$OUT/$name.txt" | tail -40; }
 # `gpu_tests SECONDS FILTER FILE...`: the tests of FILE... whose names match FILTER (pytest -k),
 # for at most SECONDS, their summary in $OUT/tests.txt.
 gpu_tests() { local seconds=$1 filter=$2; shift 2; stamp "tests"
