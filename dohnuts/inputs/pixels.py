@@ -106,7 +106,7 @@ class PixelSettings:
         W/p, C * temporal * p * p], each image's in the tower's merge-block order, one image after
         another, each patch repeated over the temporal axis."""
         patch, merge = self.patch, self.merge
-        *images, channels, height, width = x.shape
+        channels, height, width = x.shape[-3:]
         grid_h, grid_w = height // patch, width // patch
         blocks = x.reshape(-1, channels, grid_h // merge, merge, patch, grid_w // merge, merge, patch)
         blocks = blocks.permute(0, 2, 5, 3, 6, 1, 4, 7)  # (images, gh/m, gw/m, m, m, C, p, p)
