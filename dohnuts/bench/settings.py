@@ -13,7 +13,6 @@ KNOWN = {
     "scan.ALONE_FROM": ("dohnuts.ops.delta_rule.scan", "ALONE_FROM", TOKENS),
     "scan.FWD_VALUES": ("dohnuts.ops.delta_rule.scan", "FWD_VALUES", (16, 32, 64, 128)),
     "scan.FWD_WARPS": ("dohnuts.ops.delta_rule.scan", "FWD_WARPS", (1, 2, 4, 8)),
-    "scan.FWD_AHEAD": ("dohnuts.ops.delta_rule.scan", "FWD_AHEAD", (False, True)),
     "attention.DENSE_LONE": ("dohnuts.ops.attention", "DENSE_LONE", (False, True)),
     "swiglu.BY_ROWS": ("dohnuts.ops.swiglu.fused", "BY_ROWS", (False, True)),
     "swiglu.BLOCK": ("dohnuts.ops.swiglu.fused", "BLOCK", (256, 512, 1024, 2048, 4096)),

@@ -133,7 +133,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
     apart, 1 or 4 a program, then walked with blocks of 16, 32 or 64 values, pipelined in 1 to 3
     stages, with 2 or 4 warps; 64-token chunks solved whole and walked, `WALK_CHUNK`; the
     one-kernel walk, with the runtime's blocks of values and warps and with others, `FWD_VALUES`
-    and `FWD_WARPS`, and each part solved in the walk or a part ahead, `FWD_AHEAD`), whatever
+    and `FWD_WARPS`), whatever
     the count would choose (`PARTS_BELOW`); `only` keeps the paths whose names contain one of
     its texts. Shape: the Qwen3.5-0.8B delta-rule layer (16 key and
     16 value heads of width 128), bf16. Prints microseconds a layer and tokens a microsecond,
@@ -164,7 +164,7 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
 
     # (name, {setting of `scan`: value}): the parts solved apart, then walked, and the one-kernel walk
     names = ("WALK_VALUES", "PARTS_BELOW", "PARTS_A_PROGRAM", "WALK_STAGES", "WALK_WARPS", "WALK_CHUNK", "SOLVE_WARPS",
-             "FWD_VALUES", "FWD_WARPS", "FWD_AHEAD", "VALUES", "ROW_WARPS")
+             "FWD_VALUES", "FWD_WARPS", "VALUES", "ROW_WARPS")
     defaults = {name: getattr(ops, name) for name in names}
     paths = [(f"parts {split} a program, walk values {values}, stages {stages}, warps {warps}",
               {**defaults, "WALK_VALUES": values, "PARTS_BELOW": 2**31, "PARTS_A_PROGRAM": split,
@@ -188,8 +188,6 @@ def delta_rule_prefixes(lengths: tuple[int, ...] = (256, 1024, 2048), together: 
                   (4, 128, 8, None, 4), (4, 64, 8, None, 4), (4, 32, 2, None, 4), (4, 64, 4, 1, 4), (4, 64, 4, 3, 4),
                   (4, 64, 4, None, 2), (4, 64, 4, None, 8))]
     paths.append(("one kernel", {**defaults, "PARTS_BELOW": 0}))
-    paths.append(("one kernel, solved in the walk" if defaults["FWD_AHEAD"] else "one kernel, a part ahead",
-                  {**defaults, "PARTS_BELOW": 0, "FWD_AHEAD": not defaults["FWD_AHEAD"]}))
     paths += [(f"one kernel, values {values}, warps {warps}",
                {**defaults, "PARTS_BELOW": 0, "FWD_VALUES": values, "FWD_WARPS": warps})
               for values, warps in ((32, 4), (32, 2), (64, 8), (128, 8), (16, 2))

@@ -46,8 +46,7 @@ def test_request_sized_arguments_are_not_specialised():
                               (fused._norm_rotate_fwd, "R"), (fused._rms_norm_gated_fwd, "R"),
                               (fused._split_rotate_fwd, "R"), (swiglu._swiglu_fwd, "N"),
                               (swiglu._gated_fwd, gate_layout), (swiglu._gated_bwd, gate_layout),
-                              (rows._delta_rows_fwd, "G"), (scan._delta_scan_walk, "G"), (scan._delta_scan_fwd, "G"),
-                              (scan._delta_scan_ahead, "G")]:
+                              (rows._delta_rows_fwd, "G"), (scan._delta_scan_walk, "G"), (scan._delta_scan_fwd, "G")]:
         arguments = (arguments,) if isinstance(arguments, str) else arguments
         unspecialised = {parameter.name for parameter in kernel.params if parameter.do_not_specialize}
         assert unspecialised == set(arguments), (kernel.fn.__name__, unspecialised)

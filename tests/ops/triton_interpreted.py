@@ -316,20 +316,17 @@ def check_delta_rule_scan():
     forked states (long rows, some without a parent), grouped heads and value blocks of 16 with
     a partial last one; each path chosen on the host and routed on the device."""
     default = delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK, delta_scan.FWD_VALUES
-    ahead = delta_scan.FWD_AHEAD
     generator = torch.Generator().manual_seed(9)
     heads, key_dim, value_heads = 2, 8, 4
     try:
         # Each path whatever the count: the parts solved apart and walked (with value blocks of
         # 16 and the default), at 16- and 64-token steps, and the one-kernel walk (its blocks,
-        # `FWD_VALUES`, the same: 16 and 64 where it runs), each part solved in the walk or a
-        # part ahead (`FWD_AHEAD`).
-        for value_dim, values, parts_below, step, early in (
-                (6, default[0], 2**31, 16, False), (40, 16, 2**31, 16, False), (6, default[0], 2**31, 64, False),
-                (40, 16, 2**31, 64, False), (40, 16, 0, 16, False), (6, 64, 0, 16, False), (40, 16, 0, 16, True),
-                (6, 64, 0, 16, True)):
+        # `FWD_VALUES`, the same: 16 and 64 where it runs).
+        for value_dim, values, parts_below, step in (
+                (6, default[0], 2**31, 16), (40, 16, 2**31, 16), (6, default[0], 2**31, 64), (40, 16, 2**31, 64),
+                (40, 16, 0, 16), (6, 64, 0, 16)):
             delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK = values, parts_below, step
-            delta_scan.FWD_VALUES, delta_scan.FWD_AHEAD = values, early
+            delta_scan.FWD_VALUES = values
             for lengths in ([1, 15, 16, 17, 33, 64, 65, 130], [5], [97, 2], [3, 0, 2, 1, 0, 4, 40, 0]):
                 total = sum(lengths)
                 cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
@@ -341,7 +338,7 @@ def check_delta_rule_scan():
                 A_log, dt_bias = (torch.randn(value_heads, generator=generator) * 0.5 for _ in range(2))
                 log_decay = decay(gate, A_log, dt_bias)
                 case = (f"delta_rule_scan lengths={lengths} V={value_dim} block={values} parts below {parts_below} "
-                        f"steps of {step}{', a part ahead' if early else ''}")
+                        f"steps of {step}")
                 ours, final = delta_scan.delta_rule_scan(q, k, v, gate, beta, None, None, cu, True, A_log, dt_bias)
                 reference, reference_final = gated_delta_rule_reference(
                     q[None], k[None], v[None], log_decay[None], beta[None], None, True, cu.long(), normalise=False)
@@ -392,14 +389,12 @@ def check_delta_rule_scan():
                 close(f"{case} final states from beta's input", raw_final, expected_final)
     finally:
         delta_scan.WALK_VALUES, delta_scan.PARTS_BELOW, delta_scan.WALK_CHUNK, delta_scan.FWD_VALUES = default
-        delta_scan.FWD_AHEAD = ahead
-    for step, last, early in ((16, "_delta_scan_walk", False), (64, "_chunk_output", False),
-                              (16, "_delta_scan_walk", True)):
-        delta_scan.WALK_CHUNK, delta_scan.FWD_AHEAD = step, early
+    for step, last in ((16, "_delta_scan_walk"), (64, "_chunk_output")):
+        delta_scan.WALK_CHUNK = step
         try:
             check_routes_on_the_device(last)
         finally:
-            delta_scan.WALK_CHUNK, delta_scan.FWD_AHEAD = default[2], ahead
+            delta_scan.WALK_CHUNK = default[2]
 
 
 class _Idle:
@@ -499,7 +494,7 @@ def _check_route(generator, lengths, parts, last, heads, key_dim, value_heads, v
         reference, reference_final = gated_delta_rule_reference(
             q[None], k[None], v[None], decay(gate, A_log, dt_bias)[None], beta[None], initial, forked, cu.long(),
             normalise=False)
-        walk = "_delta_scan_ahead" if delta_scan.FWD_AHEAD else "_delta_scan_fwd"  # the one-kernel walk
+        walk = "_delta_scan_fwd"  # the one-kernel walk
         for idle in (None, last, walk):  # None: both run, as routed; `last`: the parts path's
             out = torch.full((total, value_heads, value_dim), 5.0)
             with _swapped(idle, _Idle()):

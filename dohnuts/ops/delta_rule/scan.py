@@ -110,12 +110,8 @@ PARTS_BELOW = 4  # sequences from which the one-kernel walk runs instead of part
 # -values-32 and -warps-8).
 FWD_VALUES = 64
 FWD_WARPS = 4
-# On trial (off until measured). The one-kernel walk solves each part in the walk, so a part's
-# loads and its solve (its inverse's six small products and four more) stand in series with the
-# products that carry the state. With FWD_AHEAD, `_delta_scan_ahead` solves the next part while the state goes
-# through this one: nothing of it waits on the state, so its loads and products can run beside
-# them, at the cost of a part's terms more in registers.
-FWD_AHEAD = False
+
+
 def routes_to_parts(lengths: list[int]) -> bool:
     """Whether a routed call (a bucket's) of sequences of these lengths takes the parts then the
     walk: `_scan_route`'s rule, on the host."""
@@ -147,7 +143,7 @@ def _turn(route, PARTS: tl.constexpr, bos, eos):
 def _solved_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb, H: tl.constexpr,
                  K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, SIGMOID: tl.constexpr):
     """What of part `part` does not depend on the state entering it (what `_delta_scan_parts`
-    stores, `_delta_scan_ahead` keeps in registers): q and k [BC, BK], W = A beta exp(G) k
+    stores): q and k [BC, BK], W = A beta exp(G) k
     [BC, BK] in q's dtype, U0 = A beta v [BC, BV] and P [BC, BC] float32, and the cumulative log
     decay G [BC]; zeros past the end."""
     q_i, k_i, v_i, g_i, b_i = _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb, H,
@@ -439,7 +435,7 @@ def _chunk_output(q, k, U, Gc, Hs, o, cu_seqlens, chunks, scale, route, H: tl.co
 def _walk_start(A_log, dt_bias, states, parents, cu_seqlens, G, route, H: tl.constexpr, K: tl.constexpr,
                 HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, INITIAL: tl.constexpr,
                 ROUTED: tl.constexpr):
-    """What a one-kernel walk's program starts from (`_delta_scan_fwd`, `_delta_scan_ahead`): its
+    """What a one-kernel walk's program starts from (`_delta_scan_fwd`): its
     `_sequence_program`, its sequence's end (the start when ROUTED to the parts path), the mask of
     its final state [BK, BV], its entering state (zero, or its parent's with INITIAL) and its value
     head's decay parameters."""
@@ -474,45 +470,6 @@ def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu
         # S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T (u is 0 past the end)
         last = _last(g_i, BC)
         h = h * tl.exp(last) + tl.dot(tl.trans(k_i), (u_i * tl.exp(last - g_i)[:, None]).to(k_i.dtype))
-    if FINAL:
-        tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
-
-
-@triton.jit
-def _walked_part(h, q_i, k_i, w_i, u0_i, p_i, g_i, o, scale, bos, eos, part, i_h, o_v, HV: tl.constexpr,
-                 V: tl.constexpr, BC: tl.constexpr):
-    """The state [BK, BV] through a solved part (`_solved_part`): its pseudo-values U = U0 - W S,
-    its outputs o = scale (P U + exp(G) q S) stored, and the state after it."""
-    h_in = h.to(q_i.dtype)
-    u_i = u0_i - tl.dot(w_i, h_in)  # 0 past the end
-    o_i = tl.dot(p_i, u_i) + tl.exp(g_i)[:, None] * tl.dot(q_i, h_in)
-    _store_part(o, o_i * scale, bos, eos, part, i_h, o_v, HV, V, BC)
-    # S <- exp(G_last) S + sum_t exp(G_last - G_t) k_t u_t^T
-    last = _last(g_i, BC)
-    return h * tl.exp(last) + tl.dot(tl.trans(k_i), (u_i * tl.exp(last - g_i)[:, None]).to(k_i.dtype))
-
-
-@triton.jit(do_not_specialize=REQUEST_STATES)
-def _delta_scan_ahead(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale, sa, sb, route,
-                      H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr,
-                      SIGMOID: tl.constexpr, ROUTED: tl.constexpr):
-    """`_delta_scan_fwd` with each part solved one step ahead (`FWD_AHEAD`): while the state goes
-    through part i (`_walked_part`), part i + 1 is loaded and solved, which needs nothing of it;
-    the last part walks after the loop, with nothing ahead of it."""
-    n, i_h, i_hk, bos, eos, o_k, o_v, m_kv, h, log_a, bias = _walk_start(
-        A_log, dt_bias, states, parents, cu_seqlens, G, route, H, K, HV, V, BK, BV, INITIAL, ROUTED)
-    q_i, k_i, w_i, u0_i, p_i, g_i = _solved_part(q, k, v, a, b, bos, eos, 0, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb,
-                                                 H, K, HV, V, BC, SIGMOID)
-    parts = tl.cdiv(eos - bos, BC)
-    for part in range(0, parts - 1):
-        q_n, k_n, w_n, u0_n, p_n, g_n = _solved_part(q, k, v, a, b, bos, eos, part + 1, i_hk, i_h, log_a, bias, o_k,
-                                                     o_v, sa, sb, H, K, HV, V, BC, SIGMOID)
-        h = _walked_part(h, q_i, k_i, w_i, u0_i, p_i, g_i, o, scale, bos, eos, part, i_h, o_v, HV, V, BC)
-        q_i, k_i, w_i, u0_i, p_i, g_i = q_n, k_n, w_n, u0_n, p_n, g_n
-    # The last part (an empty sequence's is all zeros: it stores nothing and keeps the state).
-    h = _walked_part(h, q_i, k_i, w_i, u0_i, p_i, g_i, o, scale, bos, eos, tl.maximum(parts - 1, 0), i_h, o_v, HV,
-                     V, BC)
     if FINAL:
         tl.store(final + ((n * HV + i_h) * K + o_k[:, None]) * V + o_v[None, :], h, mask=m_kv)
 
@@ -592,9 +549,8 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     parents = parents if parents is not None else cu_seqlens
     if routed or sequences >= PARTS_BELOW:  # static in a graph: fixed by the bucket's sequence count
         block_v = max(16, min(FWD_VALUES, triton.next_power_of_2(value_dim)))
-        walk = _delta_scan_ahead if FWD_AHEAD else _delta_scan_fwd
         with _on(q.device):
-            walk[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
+            _delta_scan_fwd[(sequences, value_heads, triton.cdiv(value_dim, block_v))](
                 q, k, v, g, beta, A_log, dt_bias, initial, parents, o, final, cu_seqlens, G, scale, gate_stride,
                 beta_stride, route, heads, key_dim, value_heads, value_dim, block_k, block_v, PART, states is not None,
                 output_final_state, beta_logits, routed, num_warps=FWD_WARPS)
