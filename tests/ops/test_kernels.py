@@ -620,7 +620,20 @@ def test_delta_rule_gradient_matches_reference_and_fla(heads, value_heads, width
     _assert_gradients_close([ours[0][None]], [theirs[0]], leaves, 2e-2)
 
 
-def test_triton_kernels_match_references_under_triton_interpreter():
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """tests/ops/triton_interpreted.py run once in a subprocess under Triton's interpreter: its
+    result and the path of the kernel variants it launched (JSON, `record_launches`)."""
+    pytest.importorskip("triton")
+    launches = tmp_path_factory.mktemp("launches") / "launches.json"
+    script = Path(__file__).with_name("triton_interpreted.py")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "DOHNUTS_LAUNCHES": str(launches)}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1200)
+    return result, launches
+
+
+def test_triton_kernels_match_references_under_triton_interpreter(interpreted):
     """Our Triton kernels on the CPU through Triton's interpreter (tests/ops/triton_interpreted.py):
     conv_split_heads, the norms, the norm fused with the rotary embedding and SwiGLU (also reading
     column blocks of a packed projection's output in place) against their references, outputs and
@@ -629,11 +642,40 @@ def test_triton_kernels_match_references_under_triton_interpreter():
     blocks, against float64); the scan (also as one long sequence, `one_long`) against the recurrence;
     and the decoder with them (its CUDA path) against its CPU path, with prefixes forked to rows,
     short rows taking delta_rule_rows only without gradients."""
-    pytest.importorskip("triton")
-    script = Path(__file__).with_name("triton_interpreted.py")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=1200)
+    result, _ = interpreted
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stdout + result.stderr
+
+
+def test_every_kernel_variant_the_interpreter_ran_compiles_for_hopper(interpreted):
+    """Each variant of our kernels the interpreter launched above (argument types and constexpr
+    values) compiles for sm_90 with Triton's own compiler, on the CPU. The interpreter does not type
+    a kernel's names, so a kernel it runs may not compile: after 5111a3d the routed variant of
+    `_delta_scan_parts` gave `_` an int32 in one branch and a bf16 block in another, every bucket
+    whose delta rule is routed failed its CUDA graph capture, and 205 of 243 ran eagerly."""
+    import importlib
+    import json
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    result, launches = interpreted
+    if result.returncode != 0:
+        pytest.skip("the interpreter's run failed (its own test says why)")
+    variants = json.loads(launches.read_text())
+    kernels_seen = {variant["kernel"] for variant in variants}
+    assert {"_delta_scan_parts", "_delta_scan_walk", "_delta_scan_fwd", "_chunk_walk", "_scan_route",
+            "_conv_heads_fwd", "_swiglu_fwd"} <= kernels_seen, sorted(kernels_seen)
+    failures = []
+    for variant in variants:
+        kernel = getattr(importlib.import_module(variant["module"]), variant["kernel"])
+        constexprs = {(kernel.arg_names.index(name),): value for name, value in variant["constexprs"].items()}
+        source = ASTSource(fn=kernel, signature=variant["signature"], constexprs=constexprs)
+        try:
+            triton.compile(source, target=GPUTarget("cuda", 90, 32), options=variant["options"])
+        except Exception as error:  # noqa: BLE001 - every failing variant is listed
+            failures.append(f"{variant['kernel']} {variant['constexprs']}: {type(error).__name__}: {error}")
+    assert not failures, "\n\n".join(failures)
 
 
 @pytest.mark.gpu

@@ -2,14 +2,20 @@
 `rows`, `scan` and `backward`) against their references, run on the CPU by Triton's
 interpreter.
 `test_kernels.py` runs this file in a subprocess with TRITON_INTERPRET=1, which Triton reads
-when the kernels are defined. Exits non-zero on the first mismatch."""
+when the kernels are defined. Exits non-zero on the first mismatch. With DOHNUTS_LAUNCHES set, it
+writes there (JSON) each variant of our kernels it launched: its argument types and constexpr
+values, which `test_kernels.py` then compiles for a GPU (`record_launches`)."""
 
 import contextlib
 import copy
+import inspect
+import json
 import os
 import sys
 
 import torch
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
@@ -33,6 +39,54 @@ from dohnuts.ops.swiglu import fused as swiglu_fused
 from dohnuts.ops.swiglu.naive import gated_reference, swiglu_reference
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+POINTER_TYPES = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.int32: "*i32",
+                 torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8", torch.int8: "*i8"}
+
+
+def record_launches(path: str) -> None:
+    """Record every launch of our kernels (modules of dohnuts) under the interpreter, and write the
+    distinct variants to `path` at exit: {"module", "kernel", "signature" (argument -> Triton type,
+    "constexpr" for a constexpr or None), "constexprs" (argument -> value), "num_warps"}. The
+    interpreter runs a kernel without typing its names, so a kernel it passes may still fail to
+    compile (a name given an int32 in one branch and a block in another did, 5111a3d)."""
+    import atexit
+
+    variants = {}
+    run = InterpretedFunction.run
+
+    def recording(self, *args, grid, warmup, **kwargs):
+        function = self.fn
+        if function.__module__.startswith("dohnuts."):
+            parameters = inspect.signature(function).parameters
+            bound = dict(zip(self.arg_names, args))
+            bound.update({name: value for name, value in kwargs.items() if name in parameters})
+            signature, constexprs = {}, {}
+            for name, parameter in parameters.items():
+                value = bound.get(name, parameter.default)
+                # Annotations are strings in modules that postpone them (`from __future__ import annotations`).
+                if parameter.annotation in (tl.constexpr, "tl.constexpr") or value is None:
+                    signature[name] = "constexpr"
+                    constexprs[name] = value
+                elif isinstance(value, torch.Tensor):
+                    signature[name] = POINTER_TYPES[value.dtype]
+                elif isinstance(value, bool):
+                    signature[name] = "i1"
+                elif isinstance(value, int):
+                    signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+                else:
+                    signature[name] = "fp32"
+            options = {name: kwargs[name] for name in ("num_warps", "num_stages") if kwargs.get(name) is not None}
+            variant = {"module": function.__module__, "kernel": function.__name__, "signature": signature,
+                       "constexprs": constexprs, "options": options}
+            variants.setdefault(json.dumps(variant, sort_keys=True, default=repr), variant)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    def write():
+        with open(path, "w") as file:
+            json.dump(list(variants.values()), file, default=repr)
+
+    InterpretedFunction.run = recording
+    atexit.register(write)
 
 
 def close(name, actual, expected):
@@ -746,6 +800,8 @@ def check_decoder_with_triton_kernels():
 
 
 if __name__ == "__main__":
+    if os.environ.get("DOHNUTS_LAUNCHES"):
+        record_launches(os.environ["DOHNUTS_LAUNCHES"])
     check_conv_split_heads()
     check_delta_rule_rows()
     check_delta_rule_scan()
