@@ -140,23 +140,6 @@ def _turn(route, PARTS: tl.constexpr, bos, eos):
 
 
 @triton.jit
-def _solved_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb, H: tl.constexpr,
-                 K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, SIGMOID: tl.constexpr):
-    """What of part `part` does not depend on the state entering it (what `_delta_scan_parts`
-    stores): q and k [BC, BK], W = A beta exp(G) k
-    [BC, BK] in q's dtype, U0 = A beta v [BC, BV] and P [BC, BC] float32, and the cumulative log
-    decay G [BC]; zeros past the end."""
-    q_i, k_i, v_i, g_i, b_i = _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb, H,
-                                        K, HV, V, BC, SIGMOID)
-    g_i = tl.cumsum(g_i, 0)  # from the part's start; 0 added past the sequence's end
-    solve = _unit_lower_inverse(b_i[:, None] * _decayed(tl.dot(k_i, tl.trans(k_i)), g_i, g_i, True, True, BC), BC)
-    u0 = tl.dot(solve, b_i[:, None] * v_i.to(tl.float32))
-    w = tl.dot(solve, (b_i * tl.exp(g_i))[:, None] * k_i.to(tl.float32)).to(q_i.dtype)
-    p = _decayed(tl.dot(q_i, tl.trans(k_i)), g_i, g_i, True, False, BC)
-    return q_i, k_i, w, u0, p, g_i
-
-
-@triton.jit
 def _delta_scan_parts(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunks, W, U, P, Gc, sa, sb, route,
                       H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                       BVA: tl.constexpr, BC: tl.constexpr, SPLIT: tl.constexpr, SIGMOID: tl.constexpr,
@@ -180,10 +163,14 @@ def _delta_scan_parts(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunks, W, U, P
     for split in tl.static_range(SPLIT):
         part = (chunk * tl.num_programs(2) + i_s) * SPLIT + split
         if bos + part * BC < eos:
-            # Names of their own for the unused q and k: Triton types a name once in a kernel, and `_`
-            # holds the route's int32 above when ROUTED (a bf16 block here failed to compile).
-            _q, _k, w, u0, p, g_i = _solved_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v,
-                                                 sa, sb, H, K, HV, V, BC, SIGMOID)
+            q_i, k_i, v_i, g_i, b_i = _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v,
+                                                sa, sb, H, K, HV, V, BC, SIGMOID)
+            g_i = tl.cumsum(g_i, 0)  # from the part's start
+            solve = _unit_lower_inverse(b_i[:, None] * _decayed(tl.dot(k_i, tl.trans(k_i)), g_i, g_i, True, True, BC),
+                                        BC)
+            u0 = tl.dot(solve, b_i[:, None] * v_i.to(tl.float32))
+            w = tl.dot(solve, (b_i * tl.exp(g_i))[:, None] * k_i.to(tl.float32))
+            p = _decayed(tl.dot(q_i, tl.trans(k_i)), g_i, g_i, True, False, BC)
             o_t = bos + part * BC + o_c
             m_t = o_t < eos
             row = o_t[:, None] * HV + i_h
@@ -431,14 +418,11 @@ def _chunk_output(q, k, U, Gc, Hs, o, cu_seqlens, chunks, scale, route, H: tl.co
         tl.store(o + row * V + o_v[None, :], (o_i * scale).to(o.dtype.element_ty), mask=m_tv)
 
 
-@triton.jit
-def _walk_start(A_log, dt_bias, states, parents, cu_seqlens, G, route, H: tl.constexpr, K: tl.constexpr,
-                HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, INITIAL: tl.constexpr,
-                ROUTED: tl.constexpr):
-    """What a one-kernel walk's program starts from (`_delta_scan_fwd`): its
-    `_sequence_program`, its sequence's end (the start when ROUTED to the parts path), the mask of
-    its final state [BK, BV], its entering state (zero, or its parent's with INITIAL) and its value
-    head's decay parameters."""
+@triton.jit(do_not_specialize=REQUEST_STATES)
+def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale, sa, sb, route,
+                    H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                    BV: tl.constexpr, BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr,
+                    SIGMOID: tl.constexpr, ROUTED: tl.constexpr):
     n, i_h, i_hk, bos, eos, o_k, o_v = _sequence_program(cu_seqlens, H, HV, BK, BV)
     m_kv = (o_k < K)[:, None] & (o_v < V)[None, :]
     if ROUTED:
@@ -449,16 +433,6 @@ def _walk_start(A_log, dt_bias, states, parents, cu_seqlens, G, route, H: tl.con
         h = _parent_state(states, parents, n, i_h, G, o_k, o_v, K, HV, V, BK)
     log_a = tl.load(A_log + i_h).to(tl.float32)
     bias = tl.load(dt_bias + i_h).to(tl.float32)
-    return n, i_h, i_hk, bos, eos, o_k, o_v, m_kv, h, log_a, bias
-
-
-@triton.jit(do_not_specialize=REQUEST_STATES)
-def _delta_scan_fwd(q, k, v, a, b, A_log, dt_bias, states, parents, o, final, cu_seqlens, G, scale, sa, sb, route,
-                    H: tl.constexpr, K: tl.constexpr, HV: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                    BV: tl.constexpr, BC: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr,
-                    SIGMOID: tl.constexpr, ROUTED: tl.constexpr):
-    n, i_h, i_hk, bos, eos, o_k, o_v, m_kv, h, log_a, bias = _walk_start(
-        A_log, dt_bias, states, parents, cu_seqlens, G, route, H, K, HV, V, BK, BV, INITIAL, ROUTED)
     for part in range(0, tl.cdiv(eos - bos, BC)):
         q_i, k_i, v_i, g_i, b_i = _row_part(q, k, v, a, b, bos, eos, part, i_hk, i_h, log_a, bias, o_k, o_v, sa, sb,
                                             H, K, HV, V, BC, SIGMOID)
