@@ -162,11 +162,16 @@ def _download_snapshot(config: ModelConfig, out: Path) -> None:
     shutil.copytree(folder, out, dirs_exist_ok=True)
 
 
-def load_backbone(folder: Path, dtype: torch.dtype):
-    """The Qwen3.5 backbone (vision tower + language model, no LM head) from a HF folder."""
+def import_backbone():
+    """transformers' Qwen3.5 model class, imported at the first call (seconds of imports)."""
     from transformers import Qwen3_5Model
 
-    return Qwen3_5Model.from_pretrained(folder, dtype=dtype)
+    return Qwen3_5Model
+
+
+def load_backbone(folder: Path, dtype: torch.dtype):
+    """The Qwen3.5 backbone (vision tower + language model, no LM head) from a HF folder."""
+    return import_backbone().from_pretrained(folder, dtype=dtype)
 
 
 def load_processors(folder: Path, config: ModelConfig):

@@ -58,3 +58,22 @@ def test_merged_folder_refuses_to_load_after_tampering(tiny, adapter, tmp_path):
         handle.write(b"\0")
     with pytest.raises(IntegrityError, match="head.safetensors has SHA-256"):
         load_merged(tmp_path / "merged", torch.device("cpu"))
+
+
+def test_changed_weights_are_refused_before_the_backbone_reads_them(tiny, adapter, tmp_path, monkeypatch):
+    """The manifest is checked on a thread while the backbone's code imports
+    (`checked_while_importing`); a changed weights file still stops the load, and nothing reads
+    the weights before the check has passed."""
+    from dohnuts.runtime import checkpoint
+
+    folder, _ = adapter
+    merge(tiny.base, folder, tiny.model, LoraConfig(), tmp_path / "merged")
+    weights = next((tmp_path / "merged").glob("model*.safetensors"))
+    with open(weights, "r+b") as handle:  # one byte of the last tensor's data changed
+        handle.seek(-1, 2)
+        last = handle.read(1)
+        handle.seek(-1, 2)
+        handle.write(bytes([last[0] ^ 1]))
+    monkeypatch.setattr(checkpoint, "load_backbone", lambda *_: pytest.fail("the weights were read unchecked"))
+    with pytest.raises(IntegrityError, match=f"{weights.name} has SHA-256"):
+        load_merged(tmp_path / "merged", torch.device("cpu"))
