@@ -490,11 +490,12 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width, pa
     paths: from zero
     states keeping the final states (as prefixes run), and from forked states (as long rows run),
     against the float32 recurrence and FLA's chunked kernels on the same sequences; also fed
-    beta's logits, whose sigmoid it then takes itself."""
+    beta's logits, whose sigmoid it then takes itself; and routed on the device, as a bucket runs it."""
     lengths = [1, 15, 16, 17, 65, 130, 257, 700, 2048, 44]
     q, k, v, gate, beta, A_log, dt_bias, states, parents, cu = _forked_inputs(lengths, heads, value_heads, width, 3)
     from dohnuts.ops.delta_rule import scan as module
     from dohnuts.ops.delta_rule.scan import delta_rule_scan as scan
+    from dohnuts.ops.plan import chunk_plan, padded_plan
 
     monkeypatch.setattr(module, "PARTS_BELOW", parts_below)
 
@@ -506,6 +507,17 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width, pa
         logits = torch.logit(beta[0].float()).to(beta.dtype)
         fresh_from_logits, final_from_logits = scan(q[0], k[0], v[0], gate[0], logits, None, None, cu, True, A_log,
                                                     dt_bias, beta_logits=True)
+        # Routed on the device as a bucket's graph runs it (a padded plan naming a last, empty
+        # sequence), to the same path: 5 of the 10 sequences are over 64 tokens, so under 8 the
+        # count picks the parts and walk, under 0 the one kernel. The routed parts failed to
+        # compile after 5111a3d, so every such bucket ran eagerly; the interpreter had passed them.
+        monkeypatch.setattr(module, "PARTS_BELOW", 8 if parts_below else 0)
+        padded_cu = torch.cat([cu, cu[-1:]])
+        plan = padded_plan(lengths + [0], len(chunk_plan(lengths)) + 3).to(q.device)
+        routed, routed_final = scan(q[0], k[0], v[0], gate[0], beta[0], None, None, padded_cu, True, A_log, dt_bias,
+                                    chunks=plan, routed=True)
+        routed_continued, _ = scan(q[0], k[0], v[0], gate[0], beta[0], states, parents, cu, False, A_log, dt_bias,
+                                   routed=True)
         fla_fresh, fla_final = kernels.fused(q)["chunk_gated_delta_rule"](
             q, k, v, gate, beta, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=False,
             use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
@@ -522,6 +534,9 @@ def test_delta_rule_scan_matches_reference_and_fla(heads, value_heads, width, pa
     assert _relative_error(continued[None], fla_continued) < 1e-2
     assert _relative_error(fresh_from_logits[None], reference) < 1e-2
     assert _relative_error(final_from_logits, reference_final) < 1e-2
+    assert _relative_error(routed[None], reference) < 1e-2
+    assert _relative_error(routed_final[:-1], reference_final) < 1e-2
+    assert _relative_error(routed_continued[None], reference_continued) < 1e-2
 
 
 @pytest.mark.gpu
