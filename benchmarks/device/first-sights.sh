@@ -4,9 +4,9 @@
 # without the device as on this project's CPU (`host_first_sight`: how fast this machine's host
 # is, which real traffic's p50 follows: 1.80 ms of engine prepare on H200 B43, 4.02 on A48), and
 # where a first sight's time goes (each host step timed in place, then the profile by kind; the
-# bounds add to 605 s, over a call's 600: the profile may be cut); SETTINGS changes runtime settings for the
-# first two (`bench.settings`, space-separated NAME=VALUE: scan.ALONE_FROM=none keeps one long
-# sequence in 16-token steps). Each step is bounded; results land in $OUT, named after SUFFIX (by
+# bounds add to 605 s, over a call's 600: the profile may be cut); SETTINGS changes runtime
+# settings for the first two (`bench.settings`, space-separated NAME=VALUE: scan.ALONE_FROM=none
+# keeps one long sequence in 16-token steps). Each step is bounded; results land in $OUT, named after SUFFIX (by
 # default, after SETTINGS).
 # From the project root, with .gpusite and .whl carried (docs/design.md, "Running it on a GPU
 # machine"):
