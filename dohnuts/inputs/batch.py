@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..ops.plan import Fork, chunk_plan, cumulative, plan_fork
+from ..ops.plan import ChunkedFork, Fork, chunk_plan, cumulative, plan_fork
 from ..schema import Question
 from .pixels import PixelSettings
 from .tokens import SPATIAL_MERGE
@@ -78,7 +78,8 @@ class Batch:
     prefix_cu_seqlens [G + 1] and cu_seqlens [B + 1] (int32) segment the two parts; their
     *_cpu copies stay on the host, so kernels plan their work without a device sync, and
     prefix_chunk_indices and chunk_indices are those plans (`dohnuts.ops.plan.chunk_plan`);
-    fork says which prefix each row continues (None: no shared prefix in this batch);
+    fork says which prefix each row continues (None: no shared prefix in this batch; planned by
+    chunk, a `ChunkedFork`, once padded to a bucket);
     markers [B, K] index the rows' part, candidate_mask [B, K];
     image_slots [I] are the image-token positions in input_ids and image_sources [I] their
     rows in the concatenated features of the batch's images (image_grid_thw_cpu, image_keys for
@@ -95,7 +96,7 @@ class Batch:
     cu_seqlens_cpu: torch.Tensor
     prefix_chunk_indices: torch.Tensor
     chunk_indices: torch.Tensor
-    fork: Fork | None
+    fork: Fork | ChunkedFork | None
     markers: torch.Tensor
     candidate_mask: torch.Tensor
     image_slots: torch.Tensor
@@ -137,7 +138,7 @@ class Batch:
             value = getattr(self, field.name)
             if isinstance(value, torch.Tensor) and not field.name.endswith("_cpu"):
                 value = move(value)
-            elif isinstance(value, Fork):
+            elif isinstance(value, (Fork, ChunkedFork)):
                 value = value.map(move)
             values[field.name] = value
         return Batch(**values)

@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..ops import kernels
 from ..ops.lora import lora_linear
-from ..ops.plan import Fork
+from ..ops.plan import ChunkedFork, Fork
 
 
 def rotary_tables(config, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,7 +83,7 @@ class Prefixes:
 
     tokens: int
     segments: Segments
-    fork: Fork
+    fork: Fork | ChunkedFork
 
 
 def plain_lora(module) -> str | None:
@@ -258,6 +258,8 @@ def attention_core(config, query, key, value, rows: Segments, prefixes: Prefixes
         return kernels.attention(query, key, value, rows.cu_seqlens, rows.cu_seqlens, rows.max_seqlen, rows.max_seqlen,
                                  scale)
     fork = prefixes.fork
+    if isinstance(fork, ChunkedFork):  # a bucket's: shapes fixed by chunk (its CUDA graph captures it)
+        return kernels.chunked_fork_attention(query, key, value, fork, prefixes.tokens, scale)
     return kernels.attention(query, key[fork.key_index], value[fork.key_index], fork.cu_seqlens_q, fork.cu_seqlens_k,
                              fork.max_seqlen_q, fork.max_seqlen_k, scale)
 
@@ -286,7 +288,8 @@ def _delta_mix(module, config, hidden: torch.Tensor, rows: Segments, prefixes: P
         beta = torch.sigmoid(beta)
     weight = module.conv1d.weight.squeeze(1)
 
-    def mix(mixed, gate, beta, segments: Segments, conv_state, states, fork: Fork | None, keep: bool, out=None):
+    def mix(mixed, gate, beta, segments: Segments, conv_state, states, fork: Fork | ChunkedFork | None, keep: bool,
+            out=None):
         """The convolution (split into L2-normalised q, k and v, as Qwen3.5's delta rule wants)
         and the delta rule of whole sequences of `segments`, from the conv states `conv_state`
         and the recurrent states `states` through `fork`'s parents (zeros without): ([t, Hv, V], written

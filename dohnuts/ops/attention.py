@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .plain import unpack
+from .plan import CHUNK
 
 
 def _flash_grouped(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
@@ -99,3 +100,54 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q
     tokens = torch.arange(q.shape[0], device=q.device)
     row = torch.searchsorted(cu_seqlens_q[1:].to(tokens.dtype), tokens, right=True)
     return out[row, tokens - cu_seqlens_q[row].to(tokens.dtype)]
+
+
+# -- a bucket's prefixes and rows by chunk (`plan.ChunkedFork`) ---------------------------------------
+
+
+def chunked_fork_reference(q, k, v, fork, prefix_tokens: int, scale: float):
+    """What `chunked_fork_partials` and their merge compute, as one masked softmax per query over the whole token
+    axis: each token sees its chunk's own keys, causally, and a row's token its prefix's keys
+    too. No device sync (capturable); the queries run in static slices of at most
+    `REFERENCE_SCORES` scores. q [T, H, D], k, v [T, HKV, D] -> [T, H, D]."""
+    total, heads = q.shape[0], q.shape[1]
+    groups = heads // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    tokens = torch.arange(total, device=q.device)
+    keys = tokens[None, :]
+    own_q, own_k, own_used = (x.to(q.device, torch.long) for x in (fork.own_q, fork.own_k, fork.own_used))
+    chunk = torch.searchsorted(own_q[1:].contiguous(), tokens, right=True).clamp(max=len(own_used) - 1)
+    first, length = own_q[chunk], own_q[chunk + 1] - own_q[chunk]
+    start, used = own_k[chunk], own_used[chunk]
+    # Bottom-right causal: the chunk's query i sees its keys up to `used - length + i`.
+    own = (keys >= start[:, None]) & (keys - start[:, None] <= (tokens - first + used - length)[:, None])
+    cross_q, cross_k, cross_used = (x.to(q.device, torch.long) for x in (fork.cross_q, fork.cross_k, fork.cross_used))
+    rows = (tokens - prefix_tokens).clamp(min=0)
+    row_chunk = torch.searchsorted(cross_q[1:].contiguous(), rows, right=True).clamp(max=max(len(cross_used) - 1, 0))
+    low, count = cross_k[row_chunk], cross_used[row_chunk]
+    cross = ((tokens >= prefix_tokens)[:, None] & (keys < prefix_tokens) & (keys >= low[:, None])
+             & (keys < (low + count)[:, None]))
+    mask = own | cross
+    step = max(1, REFERENCE_SCORES // max(1, heads * total))
+    pieces = [F.scaled_dot_product_attention(q[part].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=mask[part][None], scale=scale).transpose(0, 1)
+              for part in (slice(first, first + step) for first in range(0, max(1, total), step))]
+    return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+
+def chunked_fork_partials(q, k, v, fork, prefix_tokens: int, scale: float):
+    """A bucket's attention by chunk (`plan.ChunkedFork`) on CUDA in two calls of flash
+    attention's variable-length kernel, whose grid is the bucket's chunks times the heads: every
+    chunk against its own keys, causally, then every row's chunk against its prefix. Returns
+    (own [T, H, D], its log-sum-exp [H, T], cross [T - prefix_tokens, H, D], its log-sum-exp
+    [H, T - prefix_tokens]), for the rows' two parts to be merged (`merge`)."""
+    flash = torch.ops.aten._flash_attention_forward
+    own, own_lse = flash(q, k, v, fork.own_q, fork.own_k, CHUNK, fork.max_keys, 0.0, True, False, scale=scale,
+                         seqused_k=fork.own_used)[:2]
+    if tuple(own_lse.shape) != (q.shape[1], q.shape[0]):
+        raise RuntimeError(f"flash attention's log-sum-exp came as {tuple(own_lse.shape)}, not [heads, tokens] "
+                           f"{(q.shape[1], q.shape[0])}: this torch release lays it out otherwise")
+    cross, cross_lse = flash(q[prefix_tokens:], k[:prefix_tokens], v[:prefix_tokens], fork.cross_q, fork.cross_k,
+                             CHUNK, max(fork.max_prefix, 1), 0.0, False, False, scale=scale,
+                             seqused_k=fork.cross_used)[:2]
+    return own, own_lse, cross, cross_lse

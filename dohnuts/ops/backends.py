@@ -56,11 +56,12 @@ def _fla():
 
 @functools.cache
 def _triton_kernels():
-    """Our own Triton kernels, a module a family (`conv`, `norm`, `swiglu`, and the delta rule's
-    `rows` and `scan`), or None without Triton."""
+    """Our own Triton kernels, a module a family (`conv`, `merge`, `norm`, `swiglu`, and the delta
+    rule's `rows` and `scan`), or None without Triton."""
     try:
         from .conv import fused as conv
         from .delta_rule import rows, scan
+        from .merge import fused as merge
         from .norm import fused as norm
         from .swiglu import fused as swiglu
     except ImportError:
@@ -71,7 +72,7 @@ def _triton_kernels():
     if version < TRITON_TESTED:
         slow_path("triton-version", f"Triton {triton.__version__} is older than {'.'.join(map(str, TRITON_TESTED))}, "
                                     f"the oldest our kernels are tested on")
-    return types.SimpleNamespace(conv=conv, norm=norm, swiglu=swiglu, rows=rows, scan=scan)
+    return types.SimpleNamespace(conv=conv, merge=merge, norm=norm, swiglu=swiglu, rows=rows, scan=scan)
 
 
 def _ours(x: torch.Tensor):

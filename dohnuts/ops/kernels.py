@@ -2,7 +2,8 @@
 
 On CUDA: flash-linear-attention's chunked gated delta rule (`delta_rule.chunk`), our own
 Triton kernels (a module a family: `conv.fused`, the delta rule's convolution with its head
-split; `norm.fused`, RMSNorm and its fused variants; `swiglu.fused`; `delta_rule.rows`,
+split; `merge.fused`, two attention partials merged; `norm.fused`, RMSNorm and its fused
+variants; `swiglu.fused`; `delta_rule.rows`,
 `delta_rule.scan` and `delta_rule.backward`, the delta rule of short rows continuing forked
 states, of whole sequences, and its gradient), and PyTorch's flash varlen attention
 (`attention`). `backends` loads them. Each public function chooses the fused kernel for CUDA
@@ -16,12 +17,20 @@ from __future__ import annotations
 import torch
 
 from . import attention as attention_ops
-from .attention import _flash_grouped, _varlen, attention_reference, dense_causal
+from .attention import (
+    _flash_grouped,
+    _varlen,
+    attention_reference,
+    chunked_fork_partials,
+    chunked_fork_reference,
+    dense_causal,
+)
 from .backends import _ours, fused, slow_path, slow_paths, uncached_plans
 from .conv.naive import conv_split_heads_reference
 from .delta_rule.chunk import chunk_gated_delta_rule_fla
 from .delta_rule.naive import decay, gated_delta_rule_chunked
 from .derived_cache import derived, holding_derived
+from .merge.naive import merge_partials_reference
 from .norm.naive import (
     add_rms_norm_reference,
     norm_rotate_reference,
@@ -34,9 +43,9 @@ from .swiglu.naive import gated_reference, swiglu_reference
 
 # What the rest of dohnuts calls: the ops, and the runtime's switches and records they share.
 __all__ = [
-    "add_rms_norm", "attention", "chunk_gated_delta_rule", "conv_split_heads", "decay", "delta_rule", "derived",
-    "fork_states", "fused", "gated", "holding_derived", "lone_row_attention", "norm_rotate", "rms_norm",
-    "rms_norm_gated", "slow_path", "slow_paths", "split_rotate", "swiglu", "uncached_plans",
+    "add_rms_norm", "attention", "chunk_gated_delta_rule", "chunked_fork_attention", "conv_split_heads", "decay",
+    "delta_rule", "derived", "fork_states", "fused", "gated", "holding_derived", "lone_row_attention", "norm_rotate",
+    "rms_norm", "rms_norm_gated", "slow_path", "slow_paths", "split_rotate", "swiglu", "uncached_plans",
 ]
 
 
@@ -169,6 +178,29 @@ def lone_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
         return attention(q, k, v, whole, whole, q.shape[0], q.shape[0], scale)
     return attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale)
 
+
+
+def chunked_fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fork, prefix_tokens: int,
+                           scale: float) -> torch.Tensor:
+    """Causal attention of a batch padded to a bucket whose rows continue its prefixes
+    (`plan.ChunkedFork`): each prefix sees its own keys, each row its prefix's and then its own.
+    Every shape the work takes is the bucket's, so a bucket's CUDA graph captures it. On CUDA in
+    bfloat16 or float16 two calls of flash attention merged by their log-sum-exps
+    (`attention.chunked_fork_partials`, `merge`); elsewhere one masked softmax (`chunked_fork_reference`).
+    q [T, H, D], k, v [T, HKV, D] -> [T, H, D]."""
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        out, lse, cross, cross_lse = chunked_fork_partials(q, k, v, fork, prefix_tokens, scale)
+        rows, rows_lse = out[prefix_tokens:], lse[:, prefix_tokens:]
+        ops = _ours(q)
+        if ops is not None:
+            ops.merge.merge_partials(rows, rows_lse, cross, cross_lse, out=rows)
+        else:
+            rows.copy_(merge_partials_reference(rows, rows_lse, cross, cross_lse))
+        return out
+    if q.is_cuda:
+        slow_path("attention-dtype", f"{q.dtype} on CUDA: attention runs the padded reference, since flash varlen "
+                                     f"attention takes bfloat16 or float16 (set model.dtype: bfloat16)")
+    return chunked_fork_reference(q, k, v, fork, prefix_tokens, scale)
 
 # -- gated delta rule -------------------------------------------------------------------------
 

@@ -53,6 +53,52 @@ class Fork:
         return Fork(*(move(tensor) for tensor in self.tensors()), *self.plan())
 
 
+
+@dataclass(frozen=True)
+class ChunkedFork:
+    """How the rows of a batch padded to a bucket continue its prefixes, planned by 64-token
+    chunk (`plan_chunked_fork`), so that attention's work has the bucket's shapes, not the
+    batch's, and a CUDA graph captures it. A `Fork` gathers each row's keys (its prefix's, then
+    its own) into one sequence, whose count of keys is the batch's; here attention runs in two
+    calls of fixed sizes, merged by their log-sum-exps (`kernels.chunked_fork_attention`):
+
+    - own: every chunk of the token axis (the prefixes' chunks, then the rows') sees the keys of
+      its sequence up to its end, causally (aligned bottom-right);
+    - cross: every chunk of the rows sees all of its row's prefix, none for a row without one.
+
+    Each call is flash attention over chunks of at most 64 queries whose keys start where their
+    sequence (or prefix) starts (`seqused_k` keys from there): its grid is the bucket's chunks,
+    not its sequences times the longest, which padding sequences made large.
+
+    parents: [N] the prefix each row continues, -1 for none (the delta rule's fork).
+    own_q: [C + 1] int32 where each chunk's queries start on the token axis, then its end.
+    own_k: [C + 1] int32 where each chunk's keys start (its sequence's first token); the last unread.
+    own_used: [C] int32 keys each chunk sees.
+    cross_q, cross_k, cross_used: the same for the rows' chunks on the rows' part of the axis
+        (queries from the first row token on) against the prefix part's keys.
+    max_keys, max_prefix: bounds on own_used and cross_used (host ints: the bucket's).
+    """
+
+    parents: torch.Tensor
+    own_q: torch.Tensor
+    own_k: torch.Tensor
+    own_used: torch.Tensor
+    cross_q: torch.Tensor
+    cross_k: torch.Tensor
+    cross_used: torch.Tensor
+    max_keys: int
+    max_prefix: int
+    orphans: bool = True
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.parents, self.own_q, self.own_k, self.own_used, self.cross_q, self.cross_k, self.cross_used]
+
+    def plan(self) -> tuple:
+        return self.max_keys, self.max_prefix, self.orphans
+
+    def map(self, move) -> ChunkedFork:
+        return ChunkedFork(*(move(tensor) for tensor in self.tensors()), *self.plan())
+
 # Up to this many sequences given as a list, the plans below are built in plain Python, then one
 # numpy array: numpy's half a dozen calls cost a request of one or two sequences twice as much
 # host time (8 against 4 us for a chunk plan on this project's CPU, three to five times that on
@@ -139,3 +185,58 @@ def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[i
     return Fork(torch.from_numpy(parent_of.copy()), torch.from_numpy(query_cu.astype(np.int32)),
                 torch.from_numpy(key_index), torch.from_numpy(key_cu), int(query_counts.max(initial=0)),
                 int(key_counts.max(initial=0)), bool((parent_of < 0).any()))
+
+
+def _chunk_bounds(lengths: np.ndarray, chunks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For packed sequences of `lengths` cut into 64-token chunks, padded to `chunks` empty ones
+    at the end of the axis: each chunk's sequence, its first token and its end."""
+    counts = -(-lengths // CHUNK)
+    used = int(counts.sum())
+    if used > chunks:
+        raise ValueError(f"{len(lengths)} sequences make {used} chunks, more than the {chunks} planned")
+    starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    sequence = np.full(chunks, len(lengths), dtype=np.int64)  # the padding's: past the last
+    sequence[:used] = np.repeat(np.arange(len(lengths)), counts)
+    index = np.zeros(chunks, dtype=np.int64)
+    index[:used] = np.arange(used) - np.repeat(np.cumsum(counts) - counts, counts)
+    first = np.append(starts, starts[-1])[sequence] + CHUNK * index
+    end = np.minimum(first + CHUNK, starts[np.minimum(sequence + 1, len(lengths))])
+    return sequence, first, np.maximum(end, first)
+
+
+def plan_chunked_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[int], prefix_chunks: int,
+                      row_chunks: int, max_prefix: int, longest_row: int) -> ChunkedFork:
+    """The `ChunkedFork` of rows (own lengths `row_lengths`, continuing `parents`) after
+    prefixes of `prefix_lengths`, their chunks padded to `prefix_chunks` and `row_chunks`; the
+    bounds are a bucket's: its prefix tokens and its longest row.
+
+    Raises:
+        ValueError: the sequences make more chunks than planned for.
+    """
+    prefix = np.asarray(prefix_lengths, dtype=np.int64).reshape(-1)
+    rows = np.asarray(row_lengths, dtype=np.int64).reshape(-1)
+    parent_of = np.asarray(parents, dtype=np.int64).reshape(-1)
+    total = int(prefix.sum())
+    prefix_of, prefix_first, prefix_end = _chunk_bounds(prefix, prefix_chunks)
+    row_of, row_first, row_end = _chunk_bounds(rows, row_chunks)
+    # Each chunk's keys start at its sequence's first token (padding chunks: at the part's end).
+    prefix_starts, row_starts = cumulative(prefix).numpy().astype(np.int64), cumulative(rows).numpy().astype(np.int64)
+    own_first = np.concatenate([prefix_first, total + row_first])
+    own_key = np.concatenate([np.append(prefix_starts, total)[prefix_of],
+                              total + np.append(row_starts, row_starts[-1])[row_of]])
+    own_end = np.concatenate([prefix_end, total + row_end])
+    # A row chunk's prefix is its row's parent's; a row without one (padding too) sees no keys there.
+    parent = np.append(parent_of, -1)[row_of]
+    has = parent >= 0
+    cross_key = np.where(has, prefix_starts[np.maximum(parent, 0)], 0)
+    cross_used = np.where(has, np.append(prefix, 0)[np.maximum(parent, 0)], 0)
+
+    def int32(*parts) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate(parts).astype(np.int32))
+
+    # The query bounds end with the part's last token; the key starts with an entry flash
+    # attention's shape check wants and never reads (`seqused_k` gives every length).
+    return ChunkedFork(torch.from_numpy(parent_of.copy()), int32(own_first, own_end[-1:]), int32(own_key, [0]),
+                       int32(own_end - own_key), int32(row_first, row_end[-1:]), int32(cross_key, [0]),
+                       int32(cross_used), max(max_prefix, longest_row), max_prefix, bool((parent_of < 0).any()))

@@ -655,6 +655,7 @@ def test_triton_kernels_match_references_under_triton_interpreter(interpreted):
     every gradient, on packed sequences of 1 to 130 tokens with and without carried and final
     states; delta_rule_rows against the recurrence on forked states (also on badly conditioned
     blocks, against float64); the scan (also as one long sequence, `one_long`) against the recurrence;
+    the merge of two attention partials (`merge.fused`, in place over a view) against its reference;
     and the decoder with them (its CUDA path) against its CPU path, with prefixes forked to rows,
     short rows taking delta_rule_rows only without gradients."""
     result, _ = interpreted
@@ -680,7 +681,7 @@ def test_every_kernel_variant_the_interpreter_ran_compiles_for_hopper(interprete
     variants = json.loads(launches.read_text())
     kernels_seen = {variant["kernel"] for variant in variants}
     assert {"_delta_scan_parts", "_delta_scan_walk", "_delta_scan_fwd", "_chunk_walk", "_scan_route",
-            "_conv_heads_fwd", "_swiglu_fwd"} <= kernels_seen, sorted(kernels_seen)
+            "_conv_heads_fwd", "_swiglu_fwd", "_merge_fwd"} <= kernels_seen, sorted(kernels_seen)
     failures = []
     for variant in variants:
         kernel = getattr(importlib.import_module(variant["module"]), variant["kernel"])
@@ -794,6 +795,107 @@ def test_the_padded_reference_attention_in_slices_equals_each_sequence_alone(mon
         out = attention_reference(q, k, v, cu_q, cu_k, 0.125, max(queries), max(keys))
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
+
+
+# Prefixes (one empty in the middle, padding ones of at most 64 tokens, an empty last one) and rows
+# (short and long, one empty, padding ones, an empty last one) as a bucket pads them; rows 0 and 1
+# continue prefix 0, row 3 none, row 4 prefix 2, the padding none.
+FORK_PREFIXES, FORK_ROWS, FORK_PARENTS = [100, 0, 70, 64, 6, 0], [20, 130, 0, 7, 64, 64, 11, 0], [0, 0, -1, -1, 2, -1,
+                                                                                                     -1, -1]
+
+
+def _fork_inputs(device, dtype, heads=4, key_heads=2, width=16, seed=0):
+    """q, k, v of FORK_PREFIXES and FORK_ROWS' tokens, their gathering `Fork` and their
+    `ChunkedFork` (chunks padded two past what they need)."""
+    from dohnuts.ops.plan import plan_chunked_fork, plan_fork
+
+    total = sum(FORK_PREFIXES) + sum(FORK_ROWS)
+    generator = torch.Generator(device).manual_seed(seed)
+    q = torch.randn(total, heads, width, device=device, generator=generator).to(dtype)
+    k, v = (torch.randn(total, key_heads, width, device=device, generator=generator).to(dtype) for _ in range(2))
+    gathering = plan_fork(FORK_PREFIXES, FORK_ROWS, FORK_PARENTS)
+    chunked = plan_chunked_fork(FORK_PREFIXES, FORK_ROWS, FORK_PARENTS, 2 + sum(-(-n // 64) for n in FORK_PREFIXES),
+                                2 + sum(-(-n // 64) for n in FORK_ROWS), 256, 192)
+    return q, k, v, gathering.map(lambda t: t.to(device)), chunked.map(lambda t: t.to(device))
+
+
+def test_a_chunked_fork_sees_the_keys_a_gathered_fork_sees(monkeypatch):
+    """`plan_chunked_fork` and its reference (`chunked_fork_reference`: one masked softmax) against
+    the gathering `Fork` through the padded reference, float64: every prefix sees its own keys,
+    every row its prefix's and then its own, in static slices of one query as of all at once."""
+    from dohnuts.ops import attention
+
+    q, k, v, gathering, chunked = _fork_inputs("cpu", torch.float64)
+    expected = attention_reference(q, k[gathering.key_index], v[gathering.key_index], gathering.cu_seqlens_q,
+                                   gathering.cu_seqlens_k, 0.25, gathering.max_seqlen_q, gathering.max_seqlen_k)
+    for budget in (1, attention.REFERENCE_SCORES):
+        monkeypatch.setattr(attention, "REFERENCE_SCORES", budget)
+        out = kernels.chunked_fork_attention(q, k, v, chunked, sum(FORK_PREFIXES), 0.25)
+        torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="more than the 1 planned"):
+        from dohnuts.ops.plan import plan_chunked_fork
+
+        plan_chunked_fork([100], [5], [0], 1, 1, 128, 64)
+
+
+def test_merged_partials_equal_attention_over_both_sets_of_keys():
+    """`merge_partials_reference` of attention over two disjoint sets of keys, each with its log-sum-exp,
+    equals one softmax over both (float64); a query with no key in the second set (flash
+    attention's log-sum-exp +inf and output 0) takes the first's alone."""
+    from dohnuts.ops.merge.naive import merge_partials_reference
+
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(5, 3, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(9, 3, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    scores = torch.einsum("qhd,khd->hqk", q, k)
+
+    def part(keys):
+        lse = torch.logsumexp(scores[..., keys], -1)
+        out = torch.einsum("hqk,khd->qhd", (scores[..., keys] - lse[..., None]).exp(), v[keys])
+        return out, lse
+
+    (first, first_lse), (second, second_lse) = part(slice(0, 4)), part(slice(4, 9))
+    whole, _ = part(slice(0, 9))
+    second_lse[:, 2], second[2] = float("inf"), 0.0  # query 2: no key in the second set
+    merged = merge_partials_reference(first, first_lse, second, second_lse)
+    torch.testing.assert_close(merged[[0, 1, 3, 4]], whole[[0, 1, 3, 4]], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(merged[2], first[2], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_chunked_fork_flash_attention_matches_its_reference_and_replays_in_a_graph():
+    """A bucket's attention by chunk on CUDA (`chunked_fork_partials`: two flash calls, merged by
+    log-sum-exp in one Triton kernel, `merge.fused`; bf16, Qwen3.5's 8 query heads on 2 key
+    heads of 256) against the gathering fork's reference in float32 (relative 1e-2); captured in
+    a CUDA graph, it replays another layout of the same chunk counts (the prefixes and rows
+    moved) as a call of it."""
+    from dohnuts.ops.plan import plan_chunked_fork
+
+    q, k, v, gathering, chunked = _fork_inputs("cuda", torch.bfloat16, heads=8, width=256)
+    prefix_tokens = sum(FORK_PREFIXES)
+    expected = attention_reference(q.float(), k.float()[gathering.key_index], v.float()[gathering.key_index],
+                                   gathering.cu_seqlens_q, gathering.cu_seqlens_k, 0.0625, gathering.max_seqlen_q,
+                                   gathering.max_seqlen_k)
+    out = kernels.chunked_fork_attention(q, k, v, chunked, prefix_tokens, 0.0625)
+    assert _relative_error(out, expected) < 1e-2
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kernels.chunked_fork_attention(q, k, v, chunked, prefix_tokens, 0.0625)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernels.chunked_fork_attention(q, k, v, chunked, prefix_tokens, 0.0625)
+    # Another layout of as many prefix tokens, rows and row tokens within the same chunk counts:
+    # one prefix of 240, rows of 1 to 150 tokens.
+    other = plan_chunked_fork([240, 0], [150, 1, 30, 39, 40, 36, 0, 0], [0, 0, -1, 0, 0, -1, -1, -1],
+                              len(chunked.own_used) - len(chunked.cross_used), len(chunked.cross_used), 256, 192)
+    for mine, theirs in zip(chunked.tensors(), other.tensors()):
+        mine.copy_(theirs)
+    graph.replay()
+    torch.testing.assert_close(captured, kernels.chunked_fork_attention(q, k, v, chunked, prefix_tokens, 0.0625))
+    expected = kernels.chunked_fork_attention(q.float(), k.float(), v.float(), chunked, prefix_tokens, 0.0625)
+    assert _relative_error(captured, expected) < 1e-2
 
 def test_uncached_plans_sets_flas_switch_for_nested_users_and_restores_it(monkeypatch):
     utils = types.ModuleType("fla.utils")

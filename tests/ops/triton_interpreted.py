@@ -33,6 +33,8 @@ from dohnuts.ops.norm.naive import (
     rms_norm_reference,
     split_rotate_reference,
 )
+from dohnuts.ops.merge import fused as merge_fused
+from dohnuts.ops.merge.naive import merge_partials_reference
 from dohnuts.ops.plain import l2norm
 from dohnuts.ops.plan import chunk_plan, padded_plan
 from dohnuts.ops.swiglu import fused as swiglu_fused
@@ -799,6 +801,26 @@ def check_decoder_with_triton_kernels():
             close(f"decoder gradient {index} through delta_rule.backward", a, b)
 
 
+
+def check_merge():
+    """The merge of two attention partials against its reference: bf16 outputs [T, 8, 256] and
+    float32 log-sum-exps [8, T], the first read as a view past a prefix (as a bucket's rows are),
+    one query without keys in the second set (+inf), written in place over the first."""
+    generator = torch.Generator().manual_seed(5)
+    prefix, rows, heads, width = 7, 9, 8, 256
+    own = torch.randn(prefix + rows, heads, width, generator=generator).to(torch.bfloat16)
+    own_lse = torch.randn(heads, prefix + rows, generator=generator) * 3
+    cross = torch.randn(rows, heads, width, generator=generator).to(torch.bfloat16)
+    cross_lse = torch.randn(heads, rows, generator=generator) * 3
+    cross_lse[:, 4], cross[4] = float("inf"), 0.0
+    expected = merge_partials_reference(own[prefix:], own_lse[:, prefix:], cross, cross_lse)
+    before = own.clone()
+    ours = merge_fused.merge_partials(own[prefix:], own_lse[:, prefix:], cross, cross_lse, out=own[prefix:])
+    assert ours.data_ptr() == own[prefix:].data_ptr()
+    torch.testing.assert_close(ours.float(), expected.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(ours[4], before[prefix + 4], rtol=0, atol=0)  # the first's alone
+    assert torch.equal(own[:prefix], before[:prefix])  # nothing before the view written
+
 if __name__ == "__main__":
     if os.environ.get("DOHNUTS_LAUNCHES"):
         record_launches(os.environ["DOHNUTS_LAUNCHES"])
@@ -810,5 +832,6 @@ if __name__ == "__main__":
     check_norms_and_swiglu()
     check_norm_rotate()
     check_add_rms_norm()
+    check_merge()
     check_decoder_with_triton_kernels()
     print("ok")
