@@ -21,6 +21,7 @@ KNOWN = {
     "conv.TOKENS": ("dohnuts.ops.conv.fused", "TOKENS", (8, 16, 32, 64)),
     "conv.WARPS": ("dohnuts.ops.conv.fused", "WARPS", (1, 2, 4, 8)),
     "graphs.WARM_UPS": ("dohnuts.runtime.cuda_graphs", "WARM_UPS", (1, 2)),
+    "graphs.WHOLE_BUCKETS": ("dohnuts.runtime.cuda_graphs", "WHOLE_BUCKETS", (False, True)),
 }
 
 

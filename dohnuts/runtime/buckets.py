@@ -23,10 +23,11 @@ than any row it is the smallest fit for). Padding tokens are real tokens of padd
 the batch alone, up to floating-point order. Only the device contents of the plan change within
 a bucket; what the kernels decide on the host (grid sizes, the longest row) is the bucket's,
 and the delta rule's walk picks its path on the device from the real sequences (`Segments.
-routed`), since the bucket's count of sequences is its padding's. Attention, whose work depends
-on the keys each row sees, runs eagerly between graphs (`cuda_graphs`), except in a one-row
-bucket: there every sequence's keys are its own tokens, so their count is the bucket's, and its
-forward is one graph, attention planned for sequences of up to the bucket's row tokens.
+routed`), since the bucket's count of sequences is its padding's. Attention, whose keys per row
+(its prefix's, then its own) are the batch's, is planned by 64-token chunk (`plan.ChunkedFork`):
+each chunk's queries against its own sequence's keys, and each row's chunk against its prefix,
+two calls whose grids are the bucket's chunk counts; so a bucket's forward is one graph
+(`cuda_graphs`). A one-row bucket has no prefix: every sequence's keys are its own tokens.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 
 from ..inputs.batch import SHARED_MIN, Batch
-from ..ops.plan import CHUNK, chunk_plan, cumulative, padded_plan, plan_fork
+from ..ops.plan import CHUNK, chunk_plan, cumulative, padded_plan, plan_chunked_fork
 
 # The sizes captured at load: prefix tokens, and the rows' tokens for short rows (at most 64
 # own tokens, `delta_rule_rows`) and for long ones (`delta_rule_scan`). Each is twice the one
@@ -285,7 +286,9 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
         prefixes = prefix_lengths + padding + [0] * (bucket.prefixes - len(prefix_lengths) - len(padding))
         parents = (batch.fork.parents.tolist() if batch.fork is not None else [-1] * len(row_lengths))
         parents += [-1] * (len(rows) - len(row_lengths))  # the padding rows'
-        prefix_plan, fork = padded_plan(prefixes, bucket.prefix_chunks), plan_fork(prefixes, rows, parents)
+        prefix_plan = padded_plan(prefixes, bucket.prefix_chunks)
+        fork = plan_chunked_fork(prefixes, rows, parents, bucket.prefix_chunks, bucket.row_chunks,
+                                 bucket.prefix_tokens, bucket.longest_row)
     P, S = batch.prefix_tokens, batch.computed_tokens - batch.prefix_tokens
 
     # In numpy: a torch operation on the host costs several times a numpy one.

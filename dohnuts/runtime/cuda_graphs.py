@@ -59,7 +59,7 @@ def layout_key(batch: Batch) -> tuple:
            tuple(batch.input_ids.shape)]
     key += [(name, tuple(getattr(batch, name).shape)) for name in GRAPH_FIELDS]
     if batch.fork is not None:
-        key.append(("fork", tuple(batch.fork.key_index.shape), *batch.fork.plan()))
+        key.append(("fork", *(tuple(tensor.shape) for tensor in batch.fork.tensors()), *batch.fork.plan()))
     return tuple(key)
 
 
@@ -72,6 +72,11 @@ BUCKET_MEMORY = 0.4  # the share of the device's memory the bucket graphs may ho
 # Each costs about a third of a bucket's preparation; on trial (`bench.settings`
 # "graphs.WARM_UPS"): whether one suffices, every bucket still captured and no request compiling.
 WARM_UPS = 2
+# Whether a bucket with prefixes is one graph, attention captured with the rest (its fork
+# planned by chunk, `plan.ChunkedFork`), or pieces between attention layers, attention eager
+# between them (`bench.settings` "graphs.WHOLE_BUCKETS" off, to compare). A one-row bucket is
+# always one graph.
+WHOLE_BUCKETS = True
 
 
 class _PackedInputs:
@@ -205,27 +210,28 @@ class _Graph:
 
 
 class _BucketGraph:
-    """A bucket's forward (`dohnuts.model.buckets`) as one CUDA graph per stretch of layers
-    between attention cores, which run eagerly between the replays: each row's keys (its
-    prefix's, then its own) are the one part of the work whose size varies within a bucket,
-    and flash attention plans it on the host in microseconds.
+    """A bucket's forward (`dohnuts.model.buckets`) as one CUDA graph (`whole`), or as one per
+    stretch of layers between attention cores, which then run eagerly between the replays.
 
-    Piece j replays the output side of attention layer j - 1 (its gate, projection and MLP),
-    the delta-rule layers up to attention layer j, and that layer's norm and projections; the
-    last piece ends with the final norm and the head at the markers. Each piece's outputs pass
-    to the next through buffers every bucket shares (`_Arena`); what a piece makes on the way
-    goes back to the memory pool the bucket graphs share.
+    Whole, every shape its work takes is the bucket's. A bucket with prefixes plans its rows'
+    fork by 64-token chunk (`plan.ChunkedFork`): attention's two flash calls have the bucket's
+    chunks as their grid, whatever the batch's rows (`kernels.chunked_fork_attention`). A
+    one-row bucket has no prefix, so each sequence's keys are its own tokens: the whole bucket
+    as one causal sequence (`attention.DENSE_LONE`, the padding seeing the row's keys, which no
+    candidate reads), or with it off each sequence planned for up to the bucket's row tokens
+    (flash attention skips the blocks past a sequence's end). One launch where the pieces take
+    thirteen, and no attention planned on the host between them. Only its logits outlive the
+    capture: what the forward made on the way goes back to the pool the bucket graphs share,
+    for the next capture (replays run one at a time, each read before the next).
 
-    A one-row bucket's graph is `whole`: it has no prefix, so each sequence's keys are its own
-    tokens, and attention is captured too: the whole bucket as one causal sequence
-    (`attention.DENSE_LONE`, the padding seeing the row's keys, which no candidate reads), or
-    with it off each sequence planned for up to the bucket's row tokens (flash attention skips
-    the blocks past a sequence's end). The forward is one graph,
-    one launch where the pieces take thirteen. The device is the bound there, not the host: on
-    the H200 a 1,287-token question took 9.79 ms (p50) whole against 9.91 in pieces, 2,787
-    tokens 15.94 against 16.05 (alternated in one process, docs/changelog.md). Only its logits
-    outlive the capture: what the forward made on the way goes back to the pool the bucket
-    graphs share, for the next capture (replays run one at a time, each read before the next)."""
+    In pieces (`WHOLE_BUCKETS` off, to compare), piece j replays the output side of attention
+    layer j - 1 (its gate, projection and MLP), the delta-rule layers up to attention layer j,
+    and that layer's norm and projections; the last piece ends with the final norm and the head
+    at the markers. Each piece's outputs pass to the next through buffers every bucket shares
+    (`_Arena`); what a piece makes on the way goes back to the memory pool the bucket graphs
+    share. For a one-row bucket the device is the bound, not the host: on the H200 a 1,287-token
+    question took 9.79 ms (p50) whole against 9.91 in pieces, 2,787 tokens 15.94 against 16.05
+    (alternated in one process, docs/changelog.md)."""
 
     FIELDS = ("position_ids", "prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices", "chunk_indices", "markers",
               "candidate_mask")
@@ -235,7 +241,7 @@ class _BucketGraph:
         self.model, self.bucket, self.config = model, bucket, language.config
         self.layers = language.layers
         self.attention = [index for index, kind in enumerate(self.config.layer_types) if kind == "full_attention"]
-        self.whole = bucket.single
+        self.whole = bucket.single or WHOLE_BUCKETS
         # Every padded batch of the bucket has these shapes: a text one moves straight in (`load`).
         self.inputs = _PackedInputs(batch, batch.input_ids.device)
         self.static = self.inputs.batch
@@ -263,7 +269,7 @@ class _BucketGraph:
             if self.whole:
                 self.graphs = [torch.cuda.CUDAGraph()]
                 with torch.cuda.graph(self.graphs[0], pool=pool):
-                    self._forward(None)
+                    self._forward(self.fork)
                 self.outputs, self.attended = self.outputs[-1:], [None] * len(self.attention)  # the logits alone
             else:
                 # Each piece's outputs pass through the arena, so what the graph makes on the way
@@ -337,10 +343,12 @@ class _BucketGraph:
         self.embeds.copy_(embeds)
         fields = [getattr(self.static, name) for name in self.FIELDS], [getattr(batch, name) for name in self.FIELDS]
         _copy_in(*fields)
+        if self.fork is not None:  # the whole graph reads all of it; the pieces the delta rule's parents
+            _copy_in(*((self.fork.tensors(), batch.fork.tensors()) if self.whole else
+                       ([self.fork.parents], [batch.fork.parents])))
         if self.whole:
             self.graphs[0].replay()
             return self.outputs[-1].clone()
-        _copy_in([self.fork.parents], [batch.fork.parents])
         for index, graph in enumerate(self.graphs):
             graph.replay()
             if index < len(self.attention):

@@ -48,25 +48,31 @@ def test_a_padded_batch_gives_its_rows_the_logits_of_the_batch_alone(parts, name
     monkeypatch.setattr(attention_ops, "DENSE_LONE", dense)
     with torch.no_grad():
         alone = model(batch)
-        sequences = []  # of each attention call
-        plain = kernels.attention
+        sequences = []  # of each attention call: tokens and sequences, or chunks of a chunked fork
+        plain, chunked = kernels.attention, kernels.chunked_fork_attention
         monkeypatch.setattr(kernels, "attention", lambda q, k, v, cu, *rest: sequences.append(
             (q.shape[0], len(cu) - 1)) or plain(q, k, v, cu, *rest))
+        monkeypatch.setattr(kernels, "chunked_fork_attention", lambda q, k, v, fork, *rest: sequences.append(
+            (q.shape[0], "chunks", len(fork.own_used))) or chunked(q, k, v, fork, *rest))
         inside = model(padded)
     layers = model.backbone.config.text_config.layer_types.count("full_attention")
     assert len(sequences) == layers
     if bucket.single:  # its row, its padding and an empty row; or all as one
         assert set(sequences) == {(bucket.tokens, 1 if dense else 3)}
+    else:  # the prefixes and rows by chunk, the bucket's count of them
+        assert set(sequences) == {(bucket.tokens, "chunks", bucket.prefix_chunks + bucket.row_chunks)}
     rows, candidates = batch.markers.shape
     torch.testing.assert_close(inside[:rows, :candidates], alone, rtol=1e-5, atol=1e-5)
     assert not inside[rows:].any() and not inside[:, candidates:].any()  # padding has no candidate
 
 
 def layout(batch):
-    """The shapes of a padded batch's device tensors (the fork's parents, when it has one)."""
+    """The shapes of a padded batch's device tensors (the fork's too, when it has one) and the
+    fork's host plan."""
+    fork = [] if batch.fork is None else [tuple(tensor.shape) for tensor in batch.fork.tensors()] + [batch.fork.plan()]
     return [tuple(getattr(batch, name).shape) for name in
             ("input_ids", "position_ids", "prefix_cu_seqlens", "cu_seqlens", "prefix_chunk_indices", "chunk_indices",
-             "markers", "candidate_mask")] + ([tuple(batch.fork.parents.shape)] if batch.fork is not None else [])
+             "markers", "candidate_mask")] + fork
 
 
 def test_padding_keeps_the_shapes_the_bucket_fixes(parts):

@@ -233,19 +233,30 @@ def _questions_of(count):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dense", [False, True], ids=["attention by sequence", "one-row dense"])
+@pytest.mark.parametrize("whole", [False, True], ids=["pieces, attention by sequence", "whole graphs, one-row dense"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtype, dense, monkeypatch):
+def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtype, whole, monkeypatch):
     """Every host batch of a new layout replays its bucket's graphs (captured by `prepare`, none
     on a request), with the logits of the eager forward of the batch alone: to 1e-4 in float32;
     in bf16 (padding changes the matrix products' shapes) each held to the model in float64,
-    the replay erring at most twice what the eager forward errs plus 1% of the largest logit
-    (the two differed by 2.75% of the largest logit of this tiny model on the H200). Also with
-    a one-row bucket's attention as one sequence in its graph (`attention.DENSE_LONE`, on by default)."""
+    the replay erring at most twice what the eager forward errs plus 2% of the largest logit
+    (the two differed by 2.75% of the largest logit of this tiny model on the H200). Where rows
+    continue prefixes, a bucket's attention merges two bf16 outputs, its rows' own and their
+    prefix's (`kernels.chunked_fork_attention`), one rounding more than the eager forward's one
+    softmax: on an H100 the shared-prefix batch erred 4.4% of the largest logit against the
+    eager forward's 1.5%, over a floor of 1% (each merge is held to a float32 reference in
+    `test_chunked_fork_flash_attention_matches_its_reference_and_replays_in_a_graph`, and the
+    float32 replay to the eager forward at 1e-4). With the
+    defaults, every bucket is one graph, attention in it (`cuda_graphs.WHOLE_BUCKETS`; by chunk
+    where rows continue prefixes, `kernels.chunked_fork_attention`), and a one-row bucket's
+    attention is one sequence (`attention.DENSE_LONE`); also with both off: a bucket with
+    prefixes in pieces, attention eager between them, a one-row bucket's by sequence."""
     from dohnuts.ops import attention
+    from dohnuts.runtime import cuda_graphs
     from dohnuts.runtime.buckets import all_buckets, bucket_for, pad_to_bucket
 
-    monkeypatch.setattr(attention, "DENSE_LONE", dense)
+    monkeypatch.setattr(attention, "DENSE_LONE", whole)
+    monkeypatch.setattr(cuda_graphs, "WHOLE_BUCKETS", whole)
     template, model, graphed = _on_cuda(tiny, dtype)
     exact = copy.deepcopy(model).double().cpu()
     graphed.pad_id = template.pad_id
@@ -253,14 +264,17 @@ def test_bucket_graphs_serve_first_seen_layouts_with_the_eager_logits(tiny, dtyp
     assert graphed.prepare(buckets) == len(buckets)
     batches = _varied(template)
     assert any(bucket_for(batch, graphed.buckets).single for batch in batches)  # one graph, attention in it
+    used = [graphed.buckets[bucket_for(batch, graphed.buckets)] for batch in batches]
+    assert any(graphs.fork is not None for graphs in used)  # rows continuing prefixes too
+    assert all(len(graphs.graphs) == 1 for graphs in used if whole or graphs.fork is None)
     with torch.no_grad():
         for batch in batches:
             ours = graphed(batch)
             eager = model(batch.to("cuda"))
             if dtype == torch.float32:
                 torch.testing.assert_close(ours, eager, rtol=1e-4, atol=1e-4)
-            else:
-                assert errs_like(ours, eager, exact(batch))
+            else:  # a floor of 2% of the largest logit: see the docstring
+                assert errs_like(ours, eager, exact(batch), floor=2e-2)
     assert graphed.stats["bucket_replays"] == len(batches)
     assert graphed.stats["captures"] == graphed.stats["eager"] == 0 and graphed.stats["padding_tokens"] > 0
     # A padded text batch moves straight into its bucket's inputs: the replay copies nothing more.
