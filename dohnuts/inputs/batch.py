@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..ops.plan import ChunkedFork, Fork, chunk_plan, cumulative, plan_fork
+from ..ops.plan import ChunkedFork, Fork, ForkPlan, chunk_plan, cumulative, plan_fork
 from ..schema import Question
 from .pixels import PixelSettings
 from .tokens import SPATIAL_MERGE
@@ -138,7 +138,7 @@ class Batch:
             value = getattr(self, field.name)
             if isinstance(value, torch.Tensor) and not field.name.endswith("_cpu"):
                 value = move(value)
-            elif isinstance(value, (Fork, ChunkedFork)):
+            elif isinstance(value, ForkPlan):
                 value = value.map(move)
             values[field.name] = value
         return Batch(**values)

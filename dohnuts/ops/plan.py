@@ -16,8 +16,23 @@ import torch
 CHUNK = 64  # the delta-rule kernels' chunk size
 
 
+class ForkPlan:
+    """What a fork's kinds share: its device tensors (`tensors`, its first fields) and the host
+    values its work depends on besides their shapes (`plan`, the rest), and `map`."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def plan(self) -> tuple:
+        raise NotImplementedError
+
+    def map(self, move):
+        """The same fork with `move` applied to its tensors (device copies, pinning)."""
+        return type(self)(*(move(tensor) for tensor in self.tensors()), *self.plan())
+
+
 @dataclass(frozen=True)
-class Fork:
+class Fork(ForkPlan):
     """How packed rows continue shared prefixes; planned on the host by `plan_fork`.
 
     The token axis holds the prefixes' tokens first, then the rows' own tokens. Attention sees
@@ -45,17 +60,11 @@ class Fork:
         return [self.parents, self.cu_seqlens_q, self.key_index, self.cu_seqlens_k]
 
     def plan(self) -> tuple:
-        """The host values the work depends on (besides tensor shapes)."""
         return self.max_seqlen_q, self.max_seqlen_k, self.orphans
-
-    def map(self, move) -> Fork:
-        """The same fork with `move` applied to its tensors (device copies, pinning)."""
-        return Fork(*(move(tensor) for tensor in self.tensors()), *self.plan())
-
 
 
 @dataclass(frozen=True)
-class ChunkedFork:
+class ChunkedFork(ForkPlan):
     """How the rows of a batch padded to a bucket continue its prefixes, planned by 64-token
     chunk (`plan_chunked_fork`), so that attention's work has the bucket's shapes, not the
     batch's, and a CUDA graph captures it. A `Fork` gathers each row's keys (its prefix's, then
@@ -95,9 +104,6 @@ class ChunkedFork:
 
     def plan(self) -> tuple:
         return self.max_keys, self.max_prefix, self.orphans
-
-    def map(self, move) -> ChunkedFork:
-        return ChunkedFork(*(move(tensor) for tensor in self.tensors()), *self.plan())
 
 # Up to this many sequences given as a list, the plans below are built in plain Python, then one
 # numpy array: numpy's half a dozen calls cost a request of one or two sequences twice as much
