@@ -26,6 +26,8 @@ from dohnuts.ops.delta_rule import backward as delta_backward
 from dohnuts.ops.delta_rule import rows as delta_rows
 from dohnuts.ops.delta_rule import scan as delta_scan
 from dohnuts.ops.delta_rule.naive import decay, gated_delta_rule_reference
+from dohnuts.ops.merge import fused as merge_fused
+from dohnuts.ops.merge.naive import merge_partials_reference
 from dohnuts.ops.norm import fused as norm_fused
 from dohnuts.ops.norm.naive import (
     norm_rotate_reference,
@@ -33,8 +35,6 @@ from dohnuts.ops.norm.naive import (
     rms_norm_reference,
     split_rotate_reference,
 )
-from dohnuts.ops.merge import fused as merge_fused
-from dohnuts.ops.merge.naive import merge_partials_reference
 from dohnuts.ops.plain import l2norm
 from dohnuts.ops.plan import chunk_plan, padded_plan
 from dohnuts.ops.swiglu import fused as swiglu_fused
