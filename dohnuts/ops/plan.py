@@ -193,56 +193,46 @@ def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[i
                 int(key_counts.max(initial=0)), bool((parent_of < 0).any()))
 
 
-def _chunk_bounds(lengths: np.ndarray, chunks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For packed sequences of `lengths` cut into 64-token chunks, padded to `chunks` empty ones
-    at the end of the axis: each chunk's sequence, its first token and its end."""
-    counts = -(-lengths // CHUNK)
-    used = int(counts.sum())
-    if used > chunks:
-        raise ValueError(f"{len(lengths)} sequences make {used} chunks, more than the {chunks} planned")
-    starts = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=starts[1:])
-    sequence = np.full(chunks, len(lengths), dtype=np.int64)  # the padding's: past the last
-    sequence[:used] = np.repeat(np.arange(len(lengths)), counts)
-    index = np.zeros(chunks, dtype=np.int64)
-    index[:used] = np.arange(used) - np.repeat(np.cumsum(counts) - counts, counts)
-    first = np.append(starts, starts[-1])[sequence] + CHUNK * index
-    end = np.minimum(first + CHUNK, starts[np.minimum(sequence + 1, len(lengths))])
-    return sequence, first, np.maximum(end, first)
-
-
-def plan_chunked_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[int], prefix_chunks: int,
-                      row_chunks: int, max_prefix: int, longest_row: int) -> ChunkedFork:
+def plan_chunked_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[int],
+                      prefix_plan: torch.Tensor, row_plan: torch.Tensor, max_prefix: int,
+                      longest_row: int) -> ChunkedFork:
     """The `ChunkedFork` of rows (own lengths `row_lengths`, continuing `parents`) after
-    prefixes of `prefix_lengths`, their chunks padded to `prefix_chunks` and `row_chunks`; the
-    bounds are a bucket's: its prefix tokens and its longest row.
-
-    Raises:
-        ValueError: the sequences make more chunks than planned for.
-    """
-    prefix = np.asarray(prefix_lengths, dtype=np.int64).reshape(-1)
-    rows = np.asarray(row_lengths, dtype=np.int64).reshape(-1)
-    parent_of = np.asarray(parents, dtype=np.int64).reshape(-1)
-    total = int(prefix.sum())
-    prefix_of, prefix_first, prefix_end = _chunk_bounds(prefix, prefix_chunks)
-    row_of, row_first, row_end = _chunk_bounds(rows, row_chunks)
-    # Each chunk's keys start at its sequence's first token (padding chunks: at the part's end).
-    prefix_starts, row_starts = cumulative(prefix).numpy().astype(np.int64), cumulative(rows).numpy().astype(np.int64)
-    own_first = np.concatenate([prefix_first, total + row_first])
-    own_key = np.concatenate([np.append(prefix_starts, total)[prefix_of],
-                              total + np.append(row_starts, row_starts[-1])[row_of]])
-    own_end = np.concatenate([prefix_end, total + row_end])
-    # A row chunk's prefix is its row's parent's; a row without one (padding too) sees no keys there.
-    parent = np.append(parent_of, -1)[row_of]
+    prefixes of `prefix_lengths`, by the chunks of their padded chunk plans (`padded_plan`,
+    whose padding names an empty last sequence); the bounds are a bucket's: its prefix tokens
+    and its longest row. In numpy, into one int32 buffer its tensors view: a new request's
+    padding is on its critical path."""
+    prefix_starts = np.zeros(len(prefix_lengths) + 1, dtype=np.int64)
+    np.cumsum(prefix_lengths, out=prefix_starts[1:])
+    row_starts = np.zeros(len(row_lengths) + 1, dtype=np.int64)
+    np.cumsum(row_lengths, out=row_starts[1:])
+    total = int(prefix_starts[-1])
+    prefix_of, row_of = (plan.numpy()[:, 0].astype(np.int64) for plan in (prefix_plan, row_plan))
+    own, rows = len(prefix_of) + len(row_of), len(row_of)
+    buffer = np.empty(3 * own + 3 * rows + 4, dtype=np.int32)
+    own_q, own_k, own_used = buffer[:own + 1], buffer[own + 1:2 * own + 2], buffer[2 * own + 2:3 * own + 2]
+    cross_q, cross_k = buffer[3 * own + 2:3 * own + rows + 3], buffer[3 * own + rows + 3:3 * own + 2 * rows + 4]
+    cross_used = buffer[3 * own + 2 * rows + 4:]
+    # Each chunk's queries: its sequence's first token plus 64 per chunk before it, up to the
+    # sequence's end (a padding chunk's sequence is empty: it starts and ends at the part's end).
+    # Its keys start at its sequence's first token.
+    for part, (of, plan, starts, offset) in enumerate(((prefix_of, prefix_plan, prefix_starts, 0),
+                                                       (row_of, row_plan, row_starts, total))):
+        span = slice(0, len(of)) if part == 0 else slice(len(prefix_of), own)
+        first = starts[of] + CHUNK * plan.numpy()[:, 1]
+        end = np.minimum(first + CHUNK, starts[of + 1])
+        own_q[span], own_k[span], own_used[span] = first + offset, starts[of] + offset, end - starts[of]
+        if part == 1:
+            cross_q[:-1], cross_q[-1] = first, row_starts[-1]
+    own_q[-1], own_k[-1] = total + row_starts[-1], 0
+    # A row chunk's prefix is its row's parent's; a row without one (padding too) sees no keys
+    # there. The key starts end with an entry flash attention's shape check wants and never
+    # reads (`seqused_k` gives every length).
+    parent = np.asarray(parents, dtype=np.int64)[row_of]
     has = parent >= 0
-    cross_key = np.where(has, prefix_starts[np.maximum(parent, 0)], 0)
-    cross_used = np.where(has, np.append(prefix, 0)[np.maximum(parent, 0)], 0)
-
-    def int32(*parts) -> torch.Tensor:
-        return torch.from_numpy(np.concatenate(parts).astype(np.int32))
-
-    # The query bounds end with the part's last token; the key starts with an entry flash
-    # attention's shape check wants and never reads (`seqused_k` gives every length).
-    return ChunkedFork(torch.from_numpy(parent_of.copy()), int32(own_first, own_end[-1:]), int32(own_key, [0]),
-                       int32(own_end - own_key), int32(row_first, row_end[-1:]), int32(cross_key, [0]),
-                       int32(cross_used), max(max_prefix, longest_row), max_prefix, bool((parent_of < 0).any()))
+    lengths = prefix_starts[1:] - prefix_starts[:-1]
+    cross_k[:-1] = np.where(has, prefix_starts[:-1][np.maximum(parent, 0)], 0)
+    cross_k[-1] = 0
+    cross_used[:] = np.where(has, lengths[np.maximum(parent, 0)], 0)
+    tensors = torch.from_numpy(buffer).split([own + 1, own + 1, own, rows + 1, rows + 1, rows])
+    return ChunkedFork(torch.from_numpy(np.asarray(parents, dtype=np.int64).reshape(-1)), *tensors,
+                       max(max_prefix, longest_row), max_prefix, bool(min(parents, default=0) < 0))

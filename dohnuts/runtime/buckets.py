@@ -277,6 +277,7 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
                          f"does not fit {bucket}")
     spare = bucket.prefix_tokens - batch.prefix_tokens
     rows = row_lengths + _row_padding(bucket, len(row_lengths), sum(row_lengths))
+    row_plan = padded_plan(rows, bucket.row_chunks)
     prefixes, prefix_plan, fork = [], chunk_plan([]), None  # a one-row bucket's: its row runs alone
     if not bucket.single:
         padding = _pieces(spare)
@@ -287,8 +288,8 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
         parents = (batch.fork.parents.tolist() if batch.fork is not None else [-1] * len(row_lengths))
         parents += [-1] * (len(rows) - len(row_lengths))  # the padding rows'
         prefix_plan = padded_plan(prefixes, bucket.prefix_chunks)
-        fork = plan_chunked_fork(prefixes, rows, parents, bucket.prefix_chunks, bucket.row_chunks,
-                                 bucket.prefix_tokens, bucket.longest_row)
+        fork = plan_chunked_fork(prefixes, rows, parents, prefix_plan, row_plan, bucket.prefix_tokens,
+                                 bucket.longest_row)
     P, S = batch.prefix_tokens, batch.computed_tokens - batch.prefix_tokens
 
     # In numpy: a torch operation on the host costs several times a numpy one.
@@ -315,7 +316,7 @@ def pad_to_bucket(batch: Batch, bucket: Bucket, pad_id: int) -> Batch:
         batch, input_ids=spread(batch.input_ids, pad_id), position_ids=spread(batch.position_ids, 0),
         prefix_tokens=bucket.prefix_tokens, prefix_cu_seqlens=prefix_cu, prefix_cu_seqlens_cpu=prefix_cu,
         cu_seqlens=row_cu, cu_seqlens_cpu=row_cu, prefix_chunk_indices=prefix_plan,
-        chunk_indices=padded_plan(rows, bucket.row_chunks), fork=fork, markers=markers,
+        chunk_indices=row_plan, fork=fork, markers=markers,
         candidate_mask=mask, image_slots=slots, rows_bound=bucket.longest_row, lone_row=bucket.single)
 
 

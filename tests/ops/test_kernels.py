@@ -807,16 +807,24 @@ FORK_PREFIXES, FORK_ROWS, FORK_PARENTS = [100, 0, 70, 64, 6, 0], [20, 130, 0, 7,
 def _fork_inputs(device, dtype, heads=4, key_heads=2, width=16, seed=0):
     """q, k, v of FORK_PREFIXES and FORK_ROWS' tokens, their gathering `Fork` and their
     `ChunkedFork` (chunks padded two past what they need)."""
-    from dohnuts.ops.plan import plan_chunked_fork, plan_fork
+    from dohnuts.ops.plan import plan_fork
 
     total = sum(FORK_PREFIXES) + sum(FORK_ROWS)
     generator = torch.Generator(device).manual_seed(seed)
     q = torch.randn(total, heads, width, device=device, generator=generator).to(dtype)
     k, v = (torch.randn(total, key_heads, width, device=device, generator=generator).to(dtype) for _ in range(2))
     gathering = plan_fork(FORK_PREFIXES, FORK_ROWS, FORK_PARENTS)
-    chunked = plan_chunked_fork(FORK_PREFIXES, FORK_ROWS, FORK_PARENTS, 2 + sum(-(-n // 64) for n in FORK_PREFIXES),
-                                2 + sum(-(-n // 64) for n in FORK_ROWS), 256, 192)
+    chunked = _chunked(FORK_PREFIXES, FORK_ROWS, FORK_PARENTS, 2 + sum(-(-n // 64) for n in FORK_PREFIXES),
+                       2 + sum(-(-n // 64) for n in FORK_ROWS))
     return q, k, v, gathering.map(lambda t: t.to(device)), chunked.map(lambda t: t.to(device))
+
+
+def _chunked(prefixes, rows, parents, prefix_chunks, row_chunks):
+    """The `ChunkedFork` of a bucket's padded layout, its chunk plans padded to these counts."""
+    from dohnuts.ops.plan import padded_plan, plan_chunked_fork
+
+    return plan_chunked_fork(prefixes, rows, parents, padded_plan(prefixes, prefix_chunks),
+                             padded_plan(rows, row_chunks), 256, 192)
 
 
 def test_a_chunked_fork_sees_the_keys_a_gathered_fork_sees(monkeypatch):
@@ -832,10 +840,11 @@ def test_a_chunked_fork_sees_the_keys_a_gathered_fork_sees(monkeypatch):
         monkeypatch.setattr(attention, "REFERENCE_SCORES", budget)
         out = kernels.chunked_fork_attention(q, k, v, chunked, sum(FORK_PREFIXES), 0.25)
         torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
-    with pytest.raises(ValueError, match="more than the 1 planned"):
-        from dohnuts.ops.plan import plan_chunked_fork
-
-        plan_chunked_fork([100], [5], [0], 1, 1, 128, 64)
+    # Each chunk's queries, its keys' start and count, and each row chunk's prefix: chunk by chunk.
+    assert chunked.own_q.tolist()[:5] == [0, 64, 100, 164, 170] and chunked.own_k.tolist()[:4] == [0, 0, 100, 100]
+    assert chunked.own_used.tolist()[:4] == [64, 100, 64, 70]
+    assert chunked.cross_k.tolist()[:5] == [0, 0, 0, 0, 0] and chunked.cross_used.tolist()[:6] == [100, 100, 100, 100,
+                                                                                                   0, 70]
 
 
 def test_merged_partials_equal_attention_over_both_sets_of_keys():
@@ -869,8 +878,6 @@ def test_chunked_fork_flash_attention_matches_its_reference_and_replays_in_a_gra
     heads of 256) against the gathering fork's reference in float32 (relative 1e-2); captured in
     a CUDA graph, it replays another layout of the same chunk counts (the prefixes and rows
     moved) as a call of it."""
-    from dohnuts.ops.plan import plan_chunked_fork
-
     q, k, v, gathering, chunked = _fork_inputs("cuda", torch.bfloat16, heads=8, width=256)
     prefix_tokens = sum(FORK_PREFIXES)
     expected = attention_reference(q.float(), k.float()[gathering.key_index], v.float()[gathering.key_index],
@@ -888,8 +895,8 @@ def test_chunked_fork_flash_attention_matches_its_reference_and_replays_in_a_gra
         captured = kernels.chunked_fork_attention(q, k, v, chunked, prefix_tokens, 0.0625)
     # Another layout of as many prefix tokens, rows and row tokens within the same chunk counts:
     # one prefix of 240, rows of 1 to 150 tokens.
-    other = plan_chunked_fork([240, 0], [150, 1, 30, 39, 40, 36, 0, 0], [0, 0, -1, 0, 0, -1, -1, -1],
-                              len(chunked.own_used) - len(chunked.cross_used), len(chunked.cross_used), 256, 192)
+    other = _chunked([240, 0], [150, 1, 30, 39, 40, 36, 0, 0], [0, 0, -1, 0, 0, -1, -1, -1],
+                     len(chunked.own_used) - len(chunked.cross_used), len(chunked.cross_used))
     for mine, theirs in zip(chunked.tensors(), other.tensors()):
         mine.copy_(theirs)
     graph.replay()
