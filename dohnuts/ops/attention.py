@@ -102,13 +102,13 @@ def attention_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, max_seqlen_q
     return out[row, tokens - cu_seqlens_q[row].to(tokens.dtype)]
 
 
-# -- a bucket's prefixes and rows by chunk (`plan.ChunkedFork`) ---------------------------------------
+# -- a bucket's prefixes and rows by chunk (`plan.ChunkedFork`) --------------------------------
 
 
 def chunked_fork_reference(q, k, v, fork, prefix_tokens: int, scale: float):
-    """What `chunked_fork_partials` and their merge compute, as one masked softmax per query over the whole token
-    axis: each token sees its chunk's own keys, causally, and a row's token its prefix's keys
-    too. No device sync (capturable); the queries run in static slices of at most
+    """What `chunked_fork_partials` and their merge compute, as one masked softmax per query over
+    the whole token axis: each token sees its chunk's own keys, causally, and a row's token its
+    prefix's keys too. No device sync (capturable); the queries run in static slices of at most
     `REFERENCE_SCORES` scores. q [T, H, D], k, v [T, HKV, D] -> [T, H, D]."""
     total, heads = q.shape[0], q.shape[1]
     groups = heads // k.shape[1]

@@ -179,15 +179,14 @@ def lone_row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seq
     return attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale)
 
 
-
 def chunked_fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fork, prefix_tokens: int,
                            scale: float) -> torch.Tensor:
     """Causal attention of a batch padded to a bucket whose rows continue its prefixes
     (`plan.ChunkedFork`): each prefix sees its own keys, each row its prefix's and then its own.
     Every shape the work takes is the bucket's, so a bucket's CUDA graph captures it. On CUDA in
     bfloat16 or float16 two calls of flash attention merged by their log-sum-exps
-    (`attention.chunked_fork_partials`, `merge`); elsewhere one masked softmax (`chunked_fork_reference`).
-    q [T, H, D], k, v [T, HKV, D] -> [T, H, D]."""
+    (`attention.chunked_fork_partials`, `merge`); elsewhere one masked softmax
+    (`attention.chunked_fork_reference`). q [T, H, D], k, v [T, HKV, D] -> [T, H, D]."""
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         out, lse, cross, cross_lse = chunked_fork_partials(q, k, v, fork, prefix_tokens, scale)
         rows, rows_lse = out[prefix_tokens:], lse[:, prefix_tokens:]
@@ -201,6 +200,7 @@ def chunked_fork_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fo
         slow_path("attention-dtype", f"{q.dtype} on CUDA: attention runs the padded reference, since flash varlen "
                                      f"attention takes bfloat16 or float16 (set model.dtype: bfloat16)")
     return chunked_fork_reference(q, k, v, fork, prefix_tokens, scale)
+
 
 # -- gated delta rule -------------------------------------------------------------------------
 
