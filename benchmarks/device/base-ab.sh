@@ -5,6 +5,8 @@
 # base first, here, from a revision (its dohnuts and benchmarks; xz keeps the carry under 64 MiB):
 #   git archive REV dohnuts benchmarks | xz -9 > .gpusite/base.tar.xz
 #   bash benchmarks/device/base-ab.sh
+# With it, the carry (.gpusite and .whl) and the tree came to about 64 MiB, the device tool's
+# limit: a wheel this command does not import (uvloop's, for the server) can wait outside .whl.
 # Each process's "AB {...}" line lands in $OUT/ab.txt.
 set -u
 cd "$(dirname "$0")/../.."
