@@ -193,46 +193,42 @@ def plan_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[i
                 int(key_counts.max(initial=0)), bool((parent_of < 0).any()))
 
 
+def _chunk_spans(plan: torch.Tensor, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each chunk of a padded chunk plan [chunks, 2] (sequence, chunk within it) over sequences
+    starting at `starts` [N + 1]: its first token, its end and its sequence's first token (a
+    padding chunk names the empty last sequence: it starts and ends at the part's end)."""
+    of, index = plan.numpy().T
+    opening = starts[of]
+    first = opening + CHUNK * index
+    return first, np.minimum(first + CHUNK, starts[of + 1]), opening
+
+
 def plan_chunked_fork(prefix_lengths: list[int], row_lengths: list[int], parents: list[int],
                       prefix_plan: torch.Tensor, row_plan: torch.Tensor, max_prefix: int,
                       longest_row: int) -> ChunkedFork:
     """The `ChunkedFork` of rows (own lengths `row_lengths`, continuing `parents`) after
     prefixes of `prefix_lengths`, by the chunks of their padded chunk plans (`padded_plan`,
     whose padding names an empty last sequence); the bounds are a bucket's: its prefix tokens
-    and its longest row. In numpy, into one int32 buffer its tensors view: a new request's
+    and its longest row. In numpy, its tensors views of one int32 array: a new request's
     padding is on its critical path."""
-    prefix_starts = np.zeros(len(prefix_lengths) + 1, dtype=np.int64)
-    np.cumsum(prefix_lengths, out=prefix_starts[1:])
-    row_starts = np.zeros(len(row_lengths) + 1, dtype=np.int64)
-    np.cumsum(row_lengths, out=row_starts[1:])
-    total = int(prefix_starts[-1])
-    prefix_of, row_of = (plan.numpy()[:, 0].astype(np.int64) for plan in (prefix_plan, row_plan))
-    own, rows = len(prefix_of) + len(row_of), len(row_of)
-    buffer = np.empty(3 * own + 3 * rows + 4, dtype=np.int32)
-    own_q, own_k, own_used = buffer[:own + 1], buffer[own + 1:2 * own + 2], buffer[2 * own + 2:3 * own + 2]
-    cross_q, cross_k = buffer[3 * own + 2:3 * own + rows + 3], buffer[3 * own + rows + 3:3 * own + 2 * rows + 4]
-    cross_used = buffer[3 * own + 2 * rows + 4:]
-    # Each chunk's queries: its sequence's first token plus 64 per chunk before it, up to the
-    # sequence's end (a padding chunk's sequence is empty: it starts and ends at the part's end).
-    # Its keys start at its sequence's first token.
-    for part, (of, plan, starts, offset) in enumerate(((prefix_of, prefix_plan, prefix_starts, 0),
-                                                       (row_of, row_plan, row_starts, total))):
-        span = slice(0, len(of)) if part == 0 else slice(len(prefix_of), own)
-        first = starts[of] + CHUNK * plan.numpy()[:, 1]
-        end = np.minimum(first + CHUNK, starts[of + 1])
-        own_q[span], own_k[span], own_used[span] = first + offset, starts[of] + offset, end - starts[of]
-        if part == 1:
-            cross_q[:-1], cross_q[-1] = first, row_starts[-1]
-    own_q[-1], own_k[-1] = total + row_starts[-1], 0
+    prefix_starts, row_starts = cumulative(prefix_lengths).numpy(), cumulative(row_lengths).numpy()
+    total, row_tokens = int(prefix_starts[-1]), int(row_starts[-1])
+    prefix_first, prefix_end, prefix_key = _chunk_spans(prefix_plan, prefix_starts)
+    row_first, row_end, row_key = _chunk_spans(row_plan, row_starts)
     # A row chunk's prefix is its row's parent's; a row without one (padding too) sees no keys
     # there. The key starts end with an entry flash attention's shape check wants and never
     # reads (`seqused_k` gives every length).
-    parent = np.asarray(parents, dtype=np.int64)[row_of]
-    has = parent >= 0
-    lengths = prefix_starts[1:] - prefix_starts[:-1]
-    cross_k[:-1] = np.where(has, prefix_starts[:-1][np.maximum(parent, 0)], 0)
-    cross_k[-1] = 0
-    cross_used[:] = np.where(has, lengths[np.maximum(parent, 0)], 0)
-    tensors = torch.from_numpy(buffer).split([own + 1, own + 1, own, rows + 1, rows + 1, rows])
-    return ChunkedFork(torch.from_numpy(np.asarray(parents, dtype=np.int64).reshape(-1)), *tensors,
-                       max(max_prefix, longest_row), max_prefix, bool(min(parents, default=0) < 0))
+    parent_of = np.asarray(parents, dtype=np.int64).reshape(-1)
+    parent = parent_of[row_plan.numpy()[:, 0]]
+    has, known = parent >= 0, np.maximum(parent, 0)
+    parts = [prefix_first, total + row_first, [total + row_tokens],  # own: queries
+             prefix_key, total + row_key, [0],  # own: where the keys start
+             prefix_end - prefix_key, row_end - row_key,  # own: how many
+             row_first, [row_tokens],  # cross: queries
+             np.where(has, prefix_starts[known], 0), [0],  # cross: where the prefix starts
+             np.where(has, prefix_starts[known + 1] - prefix_starts[known], 0)]  # cross: how many
+    chunks, rows = len(prefix_first) + len(row_first), len(row_first)
+    tensors = torch.from_numpy(np.concatenate(parts).astype(np.int32)).split(
+        [chunks + 1, chunks + 1, chunks, rows + 1, rows + 1, rows])
+    return ChunkedFork(torch.from_numpy(parent_of), *tensors, max(max_prefix, longest_row), max_prefix,
+                       bool((parent_of < 0).any()))

@@ -1,5 +1,5 @@
 """Two attention partials merged by their log-sum-exps as one Triton kernel (CUDA): a bucket's
-rows attend to their prefix and to their own keys in two calls (`attention.chunked_fork_flash`),
+rows attend to their prefix and to their own keys in two calls (`attention.chunked_fork_partials`),
 and the merge in plain PyTorch took a dozen elementwise kernels a layer."""
 
 from __future__ import annotations
