@@ -63,7 +63,10 @@ def doctor(path, params_path, base, report):
 @click.option("--max-queue-seconds", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Refuse new requests (429) while an engine's oldest waiting request has waited this long: "
                    "past the device's rate the excess is refused at once instead of queueing.")
-def serve(checkpoint, host, port, workers, gpus, api_key_env, model_name, max_queue_seconds):
+@click.option("--drain-seconds", default=30.0, show_default=True, type=click.FloatRange(min=0),
+              help="On SIGTERM or SIGINT, how long the front ends keep answering the requests they hold "
+                   "(new connections are no longer taken); what is left after it is answered 503.")
+def serve(checkpoint, host, port, workers, gpus, api_key_env, model_name, max_queue_seconds, drain_seconds):
     """Serve a calibrated CHECKPOINT (runs/calibrate/checkpoint) over TypeSafe Jev's /v1/systemone:
     front-end processes and one engine process a device, restarted if they die."""
     import logging
@@ -88,7 +91,7 @@ def serve(checkpoint, host, port, workers, gpus, api_key_env, model_name, max_qu
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     settings = ServeSettings(str(folder), model_name or folder.name, host, port,
                              workers or max(1, min(8, (os.cpu_count() or 2) // 2)), _devices(gpus), api_key,
-                             _release_date(folder), max_wait=max_queue_seconds)
+                             _release_date(folder), max_wait=max_queue_seconds, drain=drain_seconds)
     Supervisor(settings).run()
 
 

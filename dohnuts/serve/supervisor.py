@@ -32,6 +32,8 @@ from ..runtime.engine_process import DOWN, GENERATION, REFUSING, SLOTS, STARTING
 
 LOG = logging.getLogger(__name__)
 RESTART_PAUSES = (0.5, 30.0)  # the first pause after a death, and the longest
+FRONT_EXIT = 5.0  # seconds a front end may take to exit once its drain is over
+ENGINE_GRACE = 30.0  # seconds an engine may take to stop once its front ends are gone
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class ServeSettings:
     release_date: str | None = None
     deadline: float = 120.0  # seconds a front end waits for an engine's answer
     max_wait: float | None = MAX_WAIT  # seconds an engine's oldest request may wait before new ones get 429
+    drain: float = 30.0  # seconds SIGTERM gives the front ends to answer what they hold
 
 
 def _orphan_guard() -> None:
@@ -91,7 +94,7 @@ def front_main(settings: ServeSettings, listening: socket.socket, addresses: lis
         return front.engines
 
     app = front_app(front, settings.model_name, settings.api_key, settings.release_date, start=start)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=10,
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=settings.drain,
                                            timeout_keep_alive=KEEP_ALIVE))
     server.run(sockets=[listening])
 
@@ -186,11 +189,12 @@ class Supervisor:
             if child.process is None and not self.stopping and now >= child.due:
                 child.start(self.context)
 
-    def stop(self, grace: float = 30.0) -> None:
-        """Front ends first (they finish what they hold), then engines; what is still running
-        after `grace` seconds is killed. The private folder goes."""
+    def stop(self) -> None:
+        """Front ends first (they answer what they hold for up to the settings' `drain` seconds),
+        then engines; a front end still running a few seconds past its drain, or an engine
+        ENGINE_GRACE seconds after the front ends, is killed. The private folder goes."""
         self.stopping = True
-        for group in (self.fronts, self.engines):
+        for group, grace in ((self.fronts, self.settings.drain + FRONT_EXIT), (self.engines, ENGINE_GRACE)):
             for child in group:
                 if child.process is not None and child.process.is_alive():
                     child.process.terminate()

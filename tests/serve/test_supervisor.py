@@ -133,9 +133,10 @@ def test_sigterm_drains_the_requests_in_flight(deployable):
 
     def send():
         try:
-            return httpx2.post(f"{running.url}/v1/systemone", json=heavy, timeout=60).status_code
+            response = httpx2.post(f"{running.url}/v1/systemone", json=heavy, timeout=60)
         except httpx2.ConnectError:  # never reached the server: not in flight
             return "not connected"
+        return 200 if response.status_code == 200 else (response.status_code, response.text)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=16) as pool:
         sent = [pool.submit(send) for _ in range(16)]
