@@ -111,23 +111,34 @@ class Disconnected(Exception):
     """The client closed its connection before its answer was ready."""
 
 
-async def unless_disconnected(request: Request, work):
-    """The result of the coroutine `work`, unless the client disconnects first: `work` is then
-    cancelled (an engine drops the request if it still waits) and `Disconnected` raised. Call it
-    once the body has been read: it listens for the client's next message, its disconnect."""
+class Drained(Exception):
+    """The server stopped before the request's answer was ready: its drain ran out."""
+
+
+async def unless_disconnected(request: Request, work, drained: asyncio.Event | None = None):
+    """The result of the coroutine `work`, unless the client disconnects first (`Disconnected`)
+    or `drained` is set first (`Drained`): `work` is then cancelled (an engine drops the request
+    if it still waits). Call it once the body has been read: it listens for the client's next
+    message, its disconnect."""
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnect(request.receive))
+    waiters = {task, asyncio.ensure_future(_disconnect(request.receive))}
+    stop = asyncio.ensure_future(drained.wait()) if drained is not None else None
+    if stop is not None:
+        waiters.add(stop)
     try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        task.cancel()
-        gone.cancel()
+        for waiter in waiters:
+            waiter.cancel()
         raise
-    gone.cancel()
+    for waiter in waiters - {task}:
+        waiter.cancel()
     if task.done():
         return task.result()
     task.cancel()
     await asyncio.wait({task})  # its cancellation runs now: the engine hears of it
+    if stop is not None and stop.done() and not stop.cancelled():
+        raise Drained("the server is stopping")
     raise Disconnected("the client went away")
 
 
@@ -235,13 +246,23 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
     the engines at startup (returning them); they are closed at shutdown. Past `max_in_flight`
     requests at once, a request is refused with 429 and Retry-After before any work. A request
     is due `deadline` seconds after it arrives, or as its DEADLINE_HEADER (milliseconds) says:
-    past it, it is answered 504 and its work dropped if it has not started."""
+    past it, it is answered 504 and its work dropped if it has not started. Once running,
+    `app.state.drain_after(seconds)` (safe from a signal handler) answers what is still in flight
+    that many seconds later with 503 and Retry-After, its work dropped: a stop's drain."""
     state = {"stopping": False, "in_flight": 0}
     released = release_date or datetime.date.today().isoformat()
     counted = metrics()
+    drained = asyncio.Event()  # set once a stop's drain has run out (`drain_after`)
 
     @asynccontextmanager
     async def lifespan(app):
+        loop = asyncio.get_running_loop()
+
+        def drain_after(seconds: float) -> None:
+            # From a signal handler or another thread: the loop sets the event in `seconds`.
+            loop.call_soon_threadsafe(loop.call_later, seconds, drained.set)
+
+        app.state.drain_after = drain_after
         if start is not None:
             start()
         yield
@@ -320,9 +341,12 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
             return _error(404, "not_found_error", f"model {model!r} is not served here; this server serves "
                                                   f"{model_name!r} (or {ALIAS!r})")
         try:
-            result = await unless_disconnected(request, front.answer(state_value, questions, due_at, risk))
+            result = await unless_disconnected(request, front.answer(state_value, questions, due_at, risk), drained)
         except Disconnected:  # no one to answer; its work was dropped if it had not started
             return Response(status_code=DISCONNECTED)
+        except Drained:
+            return _error(503, "overloaded_error", "the server stopped before this request was answered (its "
+                                                   "drain ran out); retry", RETRY)
         except OverBudget as error:
             return _error(413, "request_too_large", str(error))
         except (TypeError, ValueError) as error:  # the schema's own message, as `predict` raises it

@@ -33,6 +33,7 @@ from ..runtime.engine_process import DOWN, GENERATION, REFUSING, SLOTS, STARTING
 LOG = logging.getLogger(__name__)
 RESTART_PAUSES = (0.5, 30.0)  # the first pause after a death, and the longest
 FRONT_EXIT = 5.0  # seconds a front end may take to exit once its drain is over
+DRAIN_MARGIN = 1.0  # seconds uvicorn waits past the drain: what is left has been answered 503 by then
 ENGINE_GRACE = 30.0  # seconds an engine may take to stop once its front ends are gone
 
 
@@ -74,10 +75,23 @@ def _orphan_guard() -> None:
 KEEP_ALIVE = 75
 
 
-def front_main(settings: ServeSettings, listening: socket.socket, addresses: list[str], states) -> None:
-    """A front-end process: the template, uvicorn on the supervisor's socket, the remote engines."""
+def draining_server(app, drain: float, **config):
+    """A uvicorn server of a `front_app` whose first SIGTERM or SIGINT also starts the app's
+    drain: the requests still in flight `drain` seconds later are answered 503 with Retry-After
+    (uvicorn alone would cancel them at its graceful timeout and answer 500)."""
     import uvicorn
 
+    class Draining(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                app.state.drain_after(drain)
+            super().handle_exit(sig, frame)
+
+    return Draining(uvicorn.Config(app, timeout_graceful_shutdown=drain + DRAIN_MARGIN, **config))
+
+
+def front_main(settings: ServeSettings, listening: socket.socket, addresses: list[str], states) -> None:
+    """A front-end process: the template, uvicorn on the supervisor's socket, the remote engines."""
     _orphan_guard()
 
     from ..runtime.checkpoint import load_front
@@ -94,8 +108,7 @@ def front_main(settings: ServeSettings, listening: socket.socket, addresses: lis
         return front.engines
 
     app = front_app(front, settings.model_name, settings.api_key, settings.release_date, start=start)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=settings.drain,
-                                           timeout_keep_alive=KEEP_ALIVE))
+    server = draining_server(app, settings.drain, log_level="warning", timeout_keep_alive=KEEP_ALIVE)
     server.run(sockets=[listening])
 
 

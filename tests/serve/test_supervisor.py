@@ -203,3 +203,51 @@ def test_a_cpu_engine_loads_in_a_thread_that_ends_and_its_errors_reach_the_calle
     with pytest.raises(IntegrityError, match="no manifest.json"):
         engine_process._loaded(engine_process.EngineSettings("/nonexistent", "cpu", "ipc:///unused"),
                                torch.device("cpu"))
+
+
+def test_what_a_drain_leaves_unanswered_is_answered_503_not_500():
+    """A request still in flight when a front end's drain runs out gets 503 with Retry-After
+    (uvicorn alone cancels it at its graceful timeout and answers a plain 500), and the front
+    end then exits."""
+    import asyncio
+    import socket
+    import threading
+    from types import SimpleNamespace
+
+    from dohnuts.serve.app import front_app
+    from dohnuts.serve.supervisor import draining_server
+
+    asked = threading.Event()
+
+    class Waiting:  # the engines: ready, never answering
+        refusing, ready, depth = False, True, 0
+
+        def close(self):
+            pass
+
+    class Front:
+        template, engines = SimpleNamespace(max_images=8), None
+
+        async def answer(self, state, questions, deadline=None, risk=None):
+            asked.set()
+            await asyncio.sleep(3600)
+
+    front = Front()
+    app = front_app(front, "tiny", start=lambda: setattr(front, "engines", Waiting()))
+    listening = socket.create_server(("127.0.0.1", 0))
+    server = draining_server(app, 0.5, log_level="critical")
+    serving = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    serving.start()
+    while not server.started:
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{listening.getsockname()[1]}/v1/systemone"
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        sent = pool.submit(httpx2.post, url, json=BODY | {"model": "tiny"}, timeout=30)
+        assert asked.wait(10)
+        stopped = time.monotonic()
+        server.handle_exit(signal.SIGTERM, None)  # what the front end's SIGTERM handler calls
+        response = sent.result()
+    serving.join(10)
+    assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
+    assert "drain" in response.json()["detail"]["message"]
+    assert 0.4 < time.monotonic() - stopped < 5 and not serving.is_alive()
