@@ -110,7 +110,8 @@ MEASUREMENTS: dict[str, Measurement] = {
     "real_traffic_host": Measurement(
         device.real_traffic_host, "real-traffic first sights under cProfile: the host's functions by own time",
         "cuda", (Argument("count", int, 40, "profiled requests (10 others warm up first)"),
-                 Argument("seed", int, 37, "the generator's seed"), Argument("rows", int, 40, "functions listed"))),
+                 Argument("seed", int, 37, "the generator's seed"), Argument("rows", int, 40, "functions listed"),
+                 Argument("kind", str, "all", "the requests profiled: all, text or image"))),
     "real_traffic_profile": Measurement(
         device.real_traffic_profile, "real-traffic first sights under the profiler: wall vs device busy, kernels",
         "cuda", (Argument("count", int, 80, "timed requests (10 others warm up first)"),

@@ -350,16 +350,25 @@ def _first_sight_host(predictor, state, questions, count: int) -> None:
 
 
 @torch.no_grad()
-def real_traffic_host(count: int = 40, seed: int = 37, rows: int = 40) -> None:
+def real_traffic_host(count: int = 40, seed: int = 37, rows: int = 40, kind: str = "all") -> None:
     """Where a real-traffic request's first sight spends its host time (issue 37): the
     workload of `real_traffic` on the shape-only Qwen3.5-0.8B predictor (graphs prepared, 10
-    warm-up requests), `count` first sights under cProfile (`host.cprofiled`, `rows` rows).
+    warm-up requests), `count` first sights under cProfile (`host.cprofiled`, `rows` rows):
+    every request, or only those of `kind` "text" or "image" (those with a new image) among them.
 
-        python benchmarks/run.py real_traffic_host --count 40
+        python benchmarks/run.py real_traffic_host --count 40 --kind image
+
+    Raises:
+        ValueError: a kind other than "all", "text" and "image".
     """
+    if kind not in ("all", "text", "image"):
+        raise ValueError(f"--kind is all, text or image, got {kind!r}")
     require_cuda()
     predictor, requests = real_traffic_warmed(count, seed)
+    chosen = [(state, questions) for state, questions in requests
+              if kind == "all" or traffic_kind(state, False).startswith(kind)]
+    print(f"{len(chosen)} of {len(requests)} requests ({kind})", flush=True)
     torch.cuda.synchronize()
     cprofiled([lambda state=state, questions=questions: predictor.predict(state, questions)
-              for state, questions in requests], rows)
+              for state, questions in chosen], rows)
 
