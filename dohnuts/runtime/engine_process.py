@@ -124,6 +124,8 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
                     early.add((identity, request_id))
             if isinstance(result, Expired):
                 message = pack_error(request_id, "expired", str(result))
+            elif isinstance(result, Closed):  # the loop stopped (a device error): a 503, retried elsewhere
+                message = pack_error(request_id, "closed", str(result))
             elif isinstance(result, BaseException):
                 message = pack_error(request_id, "failed", f"{type(result).__name__}: {result}")
             else:
@@ -166,8 +168,11 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
                     try:
                         cancelled = unpack_cancel(frames)
                         if cancelled is not None:  # its caller went away: dropped if it still waits
-                            place = queued.pop((identity, cancelled), None)
-                            if place is not None and loop.cancel(place):
+                            with places:
+                                place = queued.get((identity, cancelled))
+                            if place is not None and loop.cancel(place):  # else its answer comes and is dropped
+                                with places:
+                                    queued.pop((identity, cancelled), None)
                                 counted.cancelled.inc()
                             continue
                         request_id, request = unpack_request(frames[0], pixels)

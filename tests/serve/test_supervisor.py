@@ -251,3 +251,60 @@ def test_what_a_drain_leaves_unanswered_is_answered_503_not_500():
     assert response.status_code == 503 and response.headers["retry-after"] == "1", response.text
     assert "drain" in response.json()["detail"]["message"]
     assert 0.4 < time.monotonic() - stopped < 5 and not serving.is_alive()
+
+
+def test_when_an_engine_loop_dies_what_waits_is_answered_closed(deployable, monkeypatch, tmp_path):
+    """A device error that stops an engine's loop fails the invocation it hit ("failed": 500)
+    and answers the requests waiting behind it "closed" (503 with Retry-After at the front end,
+    retried once the engine is back), and the engine process exits to be started again."""
+    import threading
+
+    import zmq
+
+    from dohnuts.runtime import engine_process
+    from dohnuts.runtime.checkpoint import load_front
+    from dohnuts.runtime.engine_process import READY, SLOTS, STATE, EngineSettings
+    from dohnuts.runtime.messages import pack_request, unpack_reply
+    from dohnuts.runtime.predict import encode_request
+    from dohnuts.schema import parse_request
+
+    root, _ = deployable
+    real = engine_process.EngineLoop
+
+    def dying(engine, **settings):
+        def launch(*args, **kwargs):
+            time.sleep(0.5)  # the others arrive meanwhile and wait
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        engine.launch = engine.run = launch
+        return real(engine, **settings)
+
+    monkeypatch.setattr(engine_process, "EngineLoop", dying)
+    template, config, _ = load_front(root / "checkpoint")
+    address, states, replies = f"ipc://{tmp_path}/engine", [0] * SLOTS, []
+
+    def client():
+        while states[STATE] != READY:
+            time.sleep(0.02)
+        socket = zmq.Context.instance().socket(zmq.DEALER)
+        socket.connect(address)
+        for index in range(3):
+            request = parse_request(f"ticket {index}", {"q": {"type": "noul"}}, template.reserved)
+            socket.send(pack_request(index, encode_request(template, config, request)))
+            time.sleep(0.1)
+        while len(replies) < 3 and socket.poll(20_000):
+            replies.append(unpack_reply(socket.recv()))
+        socket.close()
+
+    asking = threading.Thread(target=client, daemon=True)
+    asking.start()
+    previous = signal.getsignal(signal.SIGTERM)  # serve_engine sets its own
+    try:
+        with pytest.raises(SystemExit, match="engine loop stopped"):
+            engine_process.serve_engine(EngineSettings(str(root / "checkpoint"), "cpu", address, max_wait=None),
+                                        states)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    asking.join(30)
+    kinds = sorted(result[0] for _, result in replies)
+    assert kinds == ["closed", "closed", "failed"], replies
