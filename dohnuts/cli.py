@@ -92,7 +92,11 @@ def serve(checkpoint, host, port, workers, gpus, api_key_env, model_name, max_qu
     settings = ServeSettings(str(folder), model_name or folder.name, host, port,
                              workers or max(1, min(8, (os.cpu_count() or 2) // 2)), _devices(gpus), api_key,
                              _release_date(folder), max_wait=max_queue_seconds, drain=drain_seconds)
-    Supervisor(settings).run()
+    try:
+        supervisor = Supervisor(settings)
+    except OSError as error:  # the port is taken, or the address is not this machine's
+        raise click.ClickException(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    supervisor.run()
 
 
 def _devices(gpus: str | None) -> tuple[str, ...]:

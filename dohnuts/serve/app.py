@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as StarletteRequest
 
 from ..config import ModelConfig
@@ -166,13 +167,12 @@ def decompressed(data: bytes, encoding: str, limit: int) -> bytes:
         if encoding in ("", "identity"):
             out = data
         elif encoding in ("gzip", "x-gzip", "deflate"):
-            decoder = zlib.decompressobj(wbits=47 if encoding != "deflate" else 15)  # 47: gzip or zlib header
-            out = decoder.decompress(data, limit + 1)
+            out = _inflated(data, 47 if encoding != "deflate" else 15, limit)  # 47: gzip or zlib header
         elif encoding == "zstd":
             import zstandard
 
-            try:
-                with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as reader:
+            try:  # every frame, as `zstd -d` reads a file of several
+                with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True) as reader:
                     out = reader.read(limit + 1)
             except zstandard.ZstdError as error:  # not a ValueError: a corrupt body was a 500
                 raise ValueError(str(error)) from None
@@ -184,6 +184,25 @@ def decompressed(data: bytes, encoding: str, limit: int) -> bytes:
         raise WireError(f"the {encoding} body cannot be decoded ({error})", status=400) from None
     if len(out) > limit:
         raise WireError(f"the request body is over {limit} bytes", status=413)
+    return out
+
+
+def _inflated(data: bytes, wbits: int, limit: int) -> bytes:
+    """A gzip or zlib body decompressed, every member of a gzip file of several (as `gzip -d`
+    reads them), up to `limit` + 1 bytes.
+
+    Raises:
+        zlib.error: a corrupt or cut member, or bytes after the last that are not one.
+    """
+    out, rest = b"", data
+    while rest and len(out) <= limit:
+        decoder = zlib.decompressobj(wbits=wbits)
+        out += decoder.decompress(rest, limit + 1 - len(out))
+        if decoder.unconsumed_tail:  # over the limit: the caller refuses it
+            break
+        if not decoder.eof:
+            raise zlib.error("the compressed body ends before its end")
+        rest = decoder.unused_data
     return out
 
 
@@ -209,8 +228,10 @@ async def _body_and_parts(request: Request, limit: int) -> tuple[object, dict[st
         async def receive():
             return {"type": "http.request", "body": data, "more_body": False}
 
-        form = await StarletteRequest({**request.scope, "headers": headers}, receive).form(max_files=64,
-                                                                                            max_fields=64)
+        # A part may be as large as the body (the official client sends `request`, the JSON, as
+        # a field: Starlette's default of 1 MiB a part refused a body that plain JSON may send).
+        form = await StarletteRequest({**request.scope, "headers": headers}, receive).form(
+            max_files=64, max_fields=64, max_part_size=limit)
         for name, value in form.multi_items():
             parts[name] = await value.read() if hasattr(value, "read") else str(value).encode()
         if "request" not in parts:
@@ -326,7 +347,9 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
                                                    "bound for the device); retry shortly", RETRY)
         try:
             due_at = due(request)
-            body, parts = await _body_and_parts(request, max_body_bytes)
+            # A body that stops coming holds its slot only until the request is due.
+            body, parts = await asyncio.wait_for(_body_and_parts(request, max_body_bytes),
+                                                 max(0.0, due_at - time.monotonic()))
             if parts or (isinstance(body, dict) and body.get("assets")):  # images decode off the event loop
                 state_value, questions, model = await asyncio.to_thread(parse_system_one, body, parts,
                                                                         front.template.max_images)
@@ -337,6 +360,11 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
             if error.status == 422:
                 return _invalid(str(error), error.loc, error.error_type)
             return _error(error.status, "invalid_request_error", str(error))
+        except TimeoutError:
+            return _error(408, "invalid_request_error", "the request body did not arrive before the request's "
+                                                        "deadline")
+        except ClientDisconnect:  # gone while sending its body: no one to answer
+            return Response(status_code=DISCONNECTED)
         if model not in (model_name, ALIAS):
             return _error(404, "not_found_error", f"model {model!r} is not served here; this server serves "
                                                   f"{model_name!r} (or {ALIAS!r})")

@@ -83,8 +83,9 @@ def draining_server(app, drain: float, **config):
 
     class Draining(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
-            if not self.should_exit:
-                app.state.drain_after(drain)
+            drain_after = getattr(app.state, "drain_after", None)  # None before the app has started
+            if drain_after is not None and not self.should_exit:
+                drain_after(drain)
             super().handle_exit(sig, frame)
 
     return Draining(uvicorn.Config(app, timeout_graceful_shutdown=drain + DRAIN_MARGIN, **config))

@@ -102,6 +102,16 @@ def test_a_large_zstd_or_gzip_body_is_decoded(served, predictor):
                           headers={"content-type": "application/json", "content-encoding": "gzip"})
     assert gzipped.status_code == 200 and gzipped.json()["answers"]["refund"]["noul"] == pytest.approx(
         alone["refund"]["noul"], abs=1e-6)
+    # A body of several gzip members or zstd frames is decoded whole, as `gzip -d` and `zstd -d` do.
+    import zstandard
+
+    text = json.dumps(body).encode()
+    halves = text[: len(text) // 2], text[len(text) // 2:]
+    for encoding, pack in (("gzip", gzip.compress), ("zstd", zstandard.ZstdCompressor().compress)):
+        joined = httpx2.post(f"{served.url}/v1/systemone", content=b"".join(map(pack, halves)),
+                             headers={"content-type": "application/json", "content-encoding": encoding})
+        assert joined.status_code == 200, (encoding, joined.text)
+        assert joined.json()["answers"]["refund"]["noul"] == pytest.approx(alone["refund"]["noul"], abs=1e-6)
 
 
 class HeldEngines:
@@ -242,6 +252,29 @@ def _post(server, body, **options):
     return httpx2.post(f"{server.url}/v1/systemone", timeout=30, **({"json": body} | options))
 
 
+def test_a_body_that_stops_coming_gets_408_by_its_deadline_and_a_large_part_is_read(served, predictor):
+    """A client that sends part of its body and stops holds its slot only until the request is
+    due (408); a multipart `request` part over Starlette's 1 MiB default is read as plain JSON
+    of that size would be."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", served.port), timeout=10) as stalled:
+        stalled.sendall(b"POST /v1/systemone HTTP/1.1\r\nhost: local\r\ncontent-type: application/json\r\n"
+                        b"content-length: 1000\r\nx-dohnuts-deadline-ms: 500\r\n\r\n{\"model\": ")
+        begun = time.monotonic()
+        answer = stalled.recv(4096).decode()
+    assert answer.startswith("HTTP/1.1 408") and "deadline" in answer, answer
+    assert time.monotonic() - begun < 5
+    padded = ('{"model": "jev-latest", "state": "hello",' + " " * 1_200_000
+              + '"questions": {"ok": {"type": "noul"}}}')  # valid JSON of 1.2 MB
+    larger = Served(create_app(predictor, "dohnuts-tiny", max_body_bytes=4 * 2**20))
+    try:
+        response = httpx2.post(f"{larger.url}/v1/systemone", files={"request": (None, padded, "application/json")})
+    finally:
+        larger.close()
+    assert response.status_code == 200, response.text
+
+
 def test_every_invalid_request_gets_its_4xx_and_the_server_keeps_serving(served):
     good = {"model": "jev-latest", "state": "hello", "questions": {"ok": {"type": "noul"}}}
     cases = [
@@ -256,6 +289,8 @@ def test_every_invalid_request_gets_its_4xx_and_the_server_keeps_serving(served)
                                                      "content-encoding": "br"}), 415),
         (_post(served, None, content=b"(\xb5/\xfd not zstd", headers={"content-type": "application/json",
                                                                     "content-encoding": "zstd"}), 400),
+        (_post(served, None, content=gzip.compress(json.dumps(good).encode()) + b"trailing bytes",
+               headers={"content-type": "application/json", "content-encoding": "gzip"}), 400),
         (_post(served, {**good, "state": "a <|fim_suffix|> b"}), 422),
         (_post(served, {**good, "state": {"a": PLACEHOLDERS[0], "b": PLACEHOLDERS[1]},
                         "assets": {key: {"type": "image", "format": "png", "data_base64": "AA=="}

@@ -308,3 +308,18 @@ def test_when_an_engine_loop_dies_what_waits_is_answered_closed(deployable, monk
     asking.join(30)
     kinds = sorted(result[0] for _, result in replies)
     assert kinds == ["closed", "closed", "failed"], replies
+
+
+def test_serve_on_a_taken_port_says_so_without_a_traceback(deployable):
+    import socket
+
+    from click.testing import CliRunner
+
+    from dohnuts.cli import main
+
+    root, _ = deployable
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", str(root / "checkpoint"), "--port", str(port)])
+    assert result.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in result.output, result.output
+    assert "Traceback" not in result.output
