@@ -86,6 +86,25 @@ def test_over_budget_input_is_rejected_not_truncated(tiny):
         template.encode(request, length - 1)
 
 
+def test_a_text_that_cannot_fit_is_refused_before_it_is_tokenised(tiny, monkeypatch):
+    """Each token stands for at most `longest_token_bytes` bytes, so a text of more bytes than
+    that many times the budget is refused without tokenising it; a text that may fit is
+    tokenised and counted exactly."""
+    template = tiny.template()
+    budget = 64
+    huge = "word " * (budget * template.longest_token_bytes // 5 + 1)  # more bytes than budget tokens can hold
+    tokenised = []
+    monkeypatch.setattr(template, "tokenize", lambda texts: tokenised.append(texts) or [])
+    with pytest.raises(ValueError, match=f"at least {-(-len(huge) // template.longest_token_bytes)} tokens .* over "
+                                         f"the budget of {budget}"):
+        template.encode(parse_request(huge, QUESTIONS, template.reserved), budget)
+    assert tokenised == []
+    monkeypatch.undo()
+    near = "word " * (budget * template.longest_token_bytes // 5 - 1)  # may fit by bytes: counted exactly
+    with pytest.raises(ValueError, match=r"the input is \d+ tokens, over the budget"):
+        template.encode(parse_request(near, QUESTIONS, template.reserved), budget)
+
+
 def test_mrope_positions_match_hugging_face(tiny):
     template = tiny.template()
     backbone = load_backbone(tiny.base, torch.float32)
