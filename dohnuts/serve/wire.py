@@ -20,6 +20,7 @@ WHERE_IMAGES_GO = ("images go in the state, as the whole state or as a value at 
 
 
 MAX_IMAGE_PIXELS = 40_000_000  # an image's width x height, read from its header before decoding
+MAX_REQUEST_PIXELS = 2 * MAX_IMAGE_PIXELS  # a request's images together (about 240 MB of RGB bytes decoded)
 
 
 class WireError(ValueError):
@@ -69,13 +70,22 @@ def parse_system_one(body: object, parts: dict[str, bytes] | None = None,
     if len(places) > max_images:
         raise WireError(f"the state holds {len(places)} images, over this model's limit of {max_images}",
                         status=413, loc=("body", "state"))
-    # Decoding comes last: no image work for a request that fails on something cheaper.
-    decoded = {}
+    # Decoding comes last: no image work for a request that fails on something cheaper. Each
+    # image's size is read from its header first, and the request's total bounded before any
+    # decoding (eight images of the limit each would decode to about a gigabyte).
+    data = {}
     for container, key in places:
         name = container[key]
-        if name not in decoded:  # one placeholder placed twice: decoded once
-            decoded[name] = _decode(name, assets[name], parts)
-        container[key] = decoded[name]
+        if name not in data:  # one placeholder placed twice: decoded once
+            data[name] = _asset_bytes(name, assets[name], parts)
+    sizes = {name: _size(name, content) for name, content in data.items()}
+    total = sum(width * height for width, height in sizes.values())
+    if total > MAX_REQUEST_PIXELS:
+        raise WireError(f"the request's {len(sizes)} images hold {total:,} pixels together, over this server's "
+                        f"limit of {MAX_REQUEST_PIXELS:,} a request", status=413, loc=("body", "assets"))
+    decoded = {name: _decode(name, content) for name, content in data.items()}
+    for container, key in places:
+        container[key] = decoded[container[key]]
     return state, questions, body["model"]
 
 
@@ -271,7 +281,8 @@ def _check_asset(key, asset) -> None:
                         error_type="missing" if asset.get(source) is None else "string_type")
 
 
-def _decode(key: str, asset: Mapping, parts: dict[str, bytes] | None) -> Image.Image:
+def _asset_bytes(key: str, asset: Mapping, parts: dict[str, bytes] | None) -> bytes:
+    """An asset's encoded image bytes, from its part or its base64 text."""
     loc = ("body", "assets", key)
     # With a part named, data_base64 is ignored (the format's rule).
     if asset.get("part") is not None:
@@ -287,16 +298,30 @@ def _decode(key: str, asset: Mapping, parts: dict[str, bytes] | None) -> Image.I
             raise WireError(f"asset {key!r}: data_base64 is not valid base64", loc=(*loc, "data_base64")) from None
     if not data:
         raise WireError(f"asset {key!r} is empty", loc=loc)
+    return data
+
+
+def _size(key: str, data: bytes) -> tuple[int, int]:
+    """An image's (width, height) from its header, before any decoding: a small file may decode
+    to gigabytes."""
+    loc = ("body", "assets", key)
     try:
         with Image.open(io.BytesIO(data)) as image:
-            # The header's size, before any decoding: a small file may decode to gigabytes.
             width, height = image.size
-            if width * height > MAX_IMAGE_PIXELS:
-                raise WireError(f"asset {key!r} is {width} x {height} pixels, over this server's limit of "
-                                f"{MAX_IMAGE_PIXELS:,}", status=413, loc=loc)
+    except Exception as error:  # Pillow's decoders raise many types: OSError, SyntaxError...
+        raise WireError(f"asset {key!r} is not an image this server can decode: {error}", loc=loc) from None
+    if width * height > MAX_IMAGE_PIXELS:
+        raise WireError(f"asset {key!r} is {width} x {height} pixels, over this server's limit of "
+                        f"{MAX_IMAGE_PIXELS:,}", status=413, loc=loc)
+    return width, height
+
+
+def _decode(key: str, data: bytes) -> Image.Image:
+    """An image's RGB pixels (its size already checked by `_size`)."""
+    loc = ("body", "assets", key)
+    try:
+        with Image.open(io.BytesIO(data)) as image:
             return image.convert("RGB")
-    except WireError:
-        raise
     except Image.DecompressionBombError as error:  # Pillow's own bound, past twice its default
         raise WireError(f"asset {key!r}: {error}; this server's limit is {MAX_IMAGE_PIXELS:,} pixels", status=413,
                         loc=loc) from None

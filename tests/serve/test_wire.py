@@ -95,6 +95,23 @@ def test_several_images_at_any_depth_in_the_order_of_the_text():
     assert isinstance(listed[0], Image.Image) and listed[1] == "caption"
 
 
+def test_a_request_whose_images_together_are_too_many_pixels_is_refused_before_decoding(monkeypatch):
+    """Each image within its own limit, the request's total over its: 413 from the headers alone
+    (no image decoded); one placeholder placed twice counts once."""
+    from dohnuts.serve import wire
+
+    monkeypatch.setattr(wire, "MAX_REQUEST_PIXELS", 1000)
+    decoded = []
+    monkeypatch.setattr(wire, "_decode", lambda key, data: decoded.append(key) or Image.new("RGB", (30, 30)))
+    parts = {"asset-0": image_bytes((30, 30)), "asset-1": image_bytes((30, 30))}
+    with pytest.raises(WireError, match="2 images hold 1,800 pixels together, over this server's limit of 1,000") \
+            as caught:
+        parse_system_one(request({"a": REFERENCE, "b": OTHER}, assets=IMAGES), parts)
+    assert caught.value.status == 413 and decoded == []
+    state, _, _ = parse_system_one(request({"a": REFERENCE, "b": REFERENCE}, assets={REFERENCE: PART}), parts)
+    assert decoded == [REFERENCE] and state["a"] is state["b"]
+
+
 def test_more_images_than_the_limit_are_refused_before_decoding():
     body = request({"photos": [REFERENCE] * 3}, assets={REFERENCE: PART})
     with pytest.raises(WireError) as caught:
