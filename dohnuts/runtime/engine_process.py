@@ -142,6 +142,10 @@ def serve_engine(settings: EngineSettings, states=None, stop: threading.Event | 
                       max_wait=settings.max_wait)
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 2000)  # the last replies still go out on close
+    # Unbounded: past its high-water mark a ROUTER drops replies unsaid; a front end has at most
+    # MAX_IN_FLIGHT (1,024) requests here, over ZMQ's default of 1,000 messages.
+    router.setsockopt(zmq.SNDHWM, 0)
+    router.setsockopt(zmq.RCVHWM, 0)
     router.bind(settings.address)
     stop = stop or threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -127,6 +127,9 @@ class RemoteEngines:
             socket = self.context.socket(zmq.DEALER)
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.IMMEDIATE, 1)  # queue only to an engine that is connected
+            # Unbounded: a front end holds at most MAX_IN_FLIGHT (1,024) requests, over ZMQ's default
+            # of 1,000 queued messages, past which a send would fail as if no engine were there.
+            socket.setsockopt(zmq.SNDHWM, 0)
             socket.connect(address)
             self.sockets.append(socket)
         self.states, self.deadline = states, deadline
