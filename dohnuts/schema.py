@@ -107,10 +107,44 @@ def parse_request(state, questions, reserved: Sequence[str] = (), max_images: in
     return Request(state_text, images, parsed, state_parts)
 
 
+class ImageText(tuple):
+    """A text with images inside it: its texts and images in order, e.g. ("Before: ", image,
+    " after: ", image). In a state it stands where a string would: as the whole state, its
+    texts and the images' places in turn; as a value, a JSON string with each image's place
+    inside its quotes. The wire format's placeholders inside a longer string become one."""
+
+    __slots__ = ()
+
+    def __new__(cls, items):
+        items = tuple(items)
+        wrong = [type(item).__name__ for item in items if not isinstance(item, str) and not _is_image(item)]
+        if wrong or not any(_is_image(item) for item in items):
+            raise TypeError(f"an ImageText holds texts and at least one PIL image, got {wrong or 'no image'}")
+        return super().__new__(cls, items)
+
+    @property
+    def images(self) -> list:
+        return [item for item in self if not isinstance(item, str)]
+
+
+def _image_text_parts(value: ImageText, quoted: bool) -> list:
+    """`_segments` of an ImageText: its texts (escaped as a JSON string's content when `quoted`,
+    inside quotes) and its images in their places."""
+    texts = [json.dumps(item, ensure_ascii=False)[1:-1] if quoted and isinstance(item, str) else item
+             for item in value]
+    return ['"', *texts, '"'] if quoted else texts
+
+
 def _parse_state(state, max_images: int) -> tuple[str, tuple[Image.Image, ...], tuple[str, ...]]:
     """(state_text, images, state_parts) of `Request`."""
     if isinstance(state, str):
         return state, (), (state,)
+    if isinstance(state, ImageText):
+        images = state.images
+        if len(images) > max_images:
+            raise ValueError(f"the state holds {len(images)} images, over the limit of {max_images} a state "
+                             f"(model.max_images)")
+        return front_text(state), tuple(rgb(image) for image in images), tuple(_joined(_image_text_parts(state, False)))
     mapping = _is_mapping(state)
     if not mapping and not _is_list(state):
         raise TypeError(f"state must be a string, a mapping or a list, got {type(state).__name__}")
@@ -149,6 +183,8 @@ def replaced_images(value, change, is_image=_is_image):
     they are."""
     if is_image(value):
         return change(value)
+    if isinstance(value, ImageText):  # a text again, each image's place as `change` writes it
+        return "".join(item if isinstance(item, str) else str(change(item)) for item in value)
     if _is_mapping(value):
         return {key: replaced_images(item, change, is_image) for key, item in value.items()}
     if _is_list(value):
@@ -159,8 +195,8 @@ def replaced_images(value, change, is_image=_is_image):
 def front_text(state, is_image=_is_image) -> str:
     """`Request.state_text` of a state: its JSON with each image's place reading "<image>" and a
     top-level "image" key left out where it holds an image."""
-    if isinstance(state, str):
-        return state
+    if isinstance(state, str | ImageText):
+        return replaced_images(state, lambda _: IMAGE_TEXT, is_image)
     if _is_mapping(state) and is_image(state.get("image")):
         state = {key: value for key, value in state.items() if key != "image"}
     return json.dumps(replaced_images(state, lambda _: IMAGE_TEXT, is_image), ensure_ascii=False)
@@ -176,6 +212,8 @@ def _images_in(state) -> list[Image.Image]:
             found.append(item)
         elif type(item) is str:
             continue
+        elif isinstance(item, ImageText):
+            found.extend(item.images)
         elif _is_mapping(item):
             pending.extend(reversed(list(item.values())))
         elif _is_list(item):
@@ -188,6 +226,8 @@ def _segments(value) -> list:
     and the images in their places."""
     if _is_image(value):
         return [value]
+    if isinstance(value, ImageText):
+        return _image_text_parts(value, True)
     if _is_mapping(value):
         out = ["{"]
         for index, (key, item) in enumerate(value.items()):

@@ -5,7 +5,7 @@ import math
 import pytest
 from PIL import Image
 
-from dohnuts.schema import answer, parse_request
+from dohnuts.schema import ImageText, answer, parse_request
 
 RESERVED = ("<|fim_suffix|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>")
 NOUL = {"q": {"type": "noul", "instructions": "Is it red?"}}
@@ -66,6 +66,24 @@ def test_mapping_state_renders_as_json_split_at_its_images():
     assert request.state_text == '{"images": ["<image>", {"x": 1, "2": "<image>"}], "t": true}'
     # Without images the text is json.dumps' own.
     assert parse_request({"a": [1, {"b": None}]}, NOUL, RESERVED).state_parts == ('{"a": [1, {"b": null}]}',)
+
+
+def test_images_inside_a_text_take_their_places_in_it():
+    """An ImageText renders as a JSON string (a value) or as the state's own text (the whole
+    state), each image's place inside it; its images count toward the state's limit."""
+    image, other = Image.new("L", (8, 8)), Image.new("RGB", (4, 4))
+    text = ImageText(('Before "', image, '", after ', other, "."))
+    request = parse_request({"note": text, "n": 1}, NOUL, RESERVED)
+    assert request.state_parts == ('{"note": "Before \\"', '\\", after ', '.", "n": 1}')
+    assert request.state_text == '{"note": "Before \\"<image>\\", after <image>.", "n": 1}'
+    assert [picture.size for picture in request.images] == [(8, 8), (4, 4)]
+    alone = parse_request(text, NOUL, RESERVED)
+    assert alone.state_parts == ('Before "', '", after ', ".")
+    assert alone.state_text == 'Before "<image>", after <image>.'
+    with pytest.raises(ValueError, match="holds 2 images, over the limit of 1"):
+        parse_request({"a": text}, NOUL, RESERVED, max_images=1)
+    with pytest.raises(TypeError, match="at least one PIL image"):
+        ImageText(("no image here",))
 
 
 @pytest.mark.parametrize("state, questions, error, message", [

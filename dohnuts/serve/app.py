@@ -47,6 +47,7 @@ MAX_BODY_BYTES = 32 * 2**20  # after decompression
 RETRY = {"Retry-After": "1", "retry-after-ms": "200"}
 MAX_IN_FLIGHT = 1024  # requests a front end holds at once (each engine queues 4,096)
 DEADLINE = 60.0  # seconds a request may take unless its header says otherwise
+BODY_SECONDS = 1.0  # the least time a request's body may take to arrive, whatever its deadline
 DEADLINE_HEADER = "x-dohnuts-deadline-ms"  # a request's own time budget, in milliseconds from its arrival
 
 
@@ -347,9 +348,10 @@ def front_app(front: Front, model_name: str, api_key: str | None = None, release
                                                    "bound for the device); retry shortly", RETRY)
         try:
             due_at = due(request)
-            # A body that stops coming holds its slot only until the request is due.
+            # A body that stops coming holds its slot only until the request is due (a second at
+            # least: a body sent whole is read even when its deadline is near, and answered 504).
             body, parts = await asyncio.wait_for(_body_and_parts(request, max_body_bytes),
-                                                 max(0.0, due_at - time.monotonic()))
+                                                 max(BODY_SECONDS, due_at - time.monotonic()))
             if parts or (isinstance(body, dict) and body.get("assets")):  # images decode off the event loop
                 state_value, questions, model = await asyncio.to_thread(parse_system_one, body, parts,
                                                                         front.template.max_images)

@@ -10,13 +10,14 @@ from collections.abc import Mapping
 
 from PIL import Image
 
-from ..schema import MAX_IMAGES
+from ..schema import MAX_IMAGES, ImageText
 
 QUESTION_TYPES = ("choice", "noul", "score")
 # The official client's own placeholder form: the only one that text can hold inside a longer string (str(image)).
 REFERENCE_PATTERN = re.compile(r"<image:[0-9a-f]{32}>")
-WHERE_IMAGES_GO = ("images go in the state, as the whole state or as a value at any depth in it (a placeholder "
-                   "string on its own)")
+REFERENCE_SPLIT = re.compile(r"(<image:[0-9a-f]{32}>)")  # a text split around them, kept
+WHERE_IMAGES_GO = ("images go in the state: as the whole state, as a value at any depth in it, or inside a text "
+                   "of it in the official client's form <image:32 hex digits>")
 
 
 MAX_IMAGE_PIXELS = 40_000_000  # an image's width x height, read from its header before decoding
@@ -67,25 +68,29 @@ def parse_system_one(body: object, parts: dict[str, bytes] | None = None,
         _check_asset(key, asset)
     state, places = _state(body["state"], assets)
     questions = _questions(body["questions"], assets)
-    if len(places) > max_images:
-        raise WireError(f"the state holds {len(places)} images, over this model's limit of {max_images}",
+    count = sum(1 if pieces is None else len(pieces) // 2 for _, _, pieces in places)
+    if count > max_images:
+        raise WireError(f"the state holds {count} images, over this model's limit of {max_images}",
                         status=413, loc=("body", "state"))
     # Decoding comes last: no image work for a request that fails on something cheaper. Each
     # image's size is read from its header first, and the request's total bounded before any
     # decoding (eight images of the limit each would decode to about a gigabyte).
     data = {}
-    for container, key in places:
-        name = container[key]
-        if name not in data:  # one placeholder placed twice: decoded once
-            data[name] = _asset_bytes(name, assets[name], parts)
+    for container, key, pieces in places:
+        for name in [container[key]] if pieces is None else pieces[1::2]:
+            if name not in data:  # one placeholder placed twice: decoded once
+                data[name] = _asset_bytes(name, assets[name], parts)
     sizes = {name: _size(name, content) for name, content in data.items()}
     total = sum(width * height for width, height in sizes.values())
     if total > MAX_REQUEST_PIXELS:
         raise WireError(f"the request's {len(sizes)} images hold {total:,} pixels together, over this server's "
                         f"limit of {MAX_REQUEST_PIXELS:,} a request", status=413, loc=("body", "assets"))
     decoded = {name: _decode(name, content) for name, content in data.items()}
-    for container, key in places:
-        container[key] = decoded[container[key]]
+    for container, key, pieces in places:
+        container[key] = (decoded[container[key]] if pieces is None else
+                          ImageText(decoded[piece] if index % 2 else piece for index, piece in enumerate(pieces)))
+    if isinstance(state, list) and len(state) == 2 and state[1] is _WHOLE:  # one text with images inside
+        state = state[0]
     return state, questions, body["model"]
 
 
@@ -160,23 +165,54 @@ def score_confidence(probabilities: list[float]) -> float:
     return float(min(1.0, max(0.0, 1 - distance / spread)))
 
 
-def _state(state, assets) -> tuple[object, list[tuple[object, object]]]:
-    """The state as `parse_request` takes it, and each place in it holding an image's placeholder
-    as (container, key or index), in the order of the state's text; raises where a placeholder
-    sits inside a longer text or as a key. A state that is a placeholder alone becomes
-    {"image": placeholder}."""
+_WHOLE = object()  # marks the holder of a state that is one text with images inside
+
+
+def _inside(text: str, assets) -> list[str] | None:
+    """A text's pieces around the official placeholders inside it that name assets: texts at
+    even indices, placeholders at odd ones (one more text than placeholders); None when it holds
+    none."""
+    pieces = REFERENCE_SPLIT.split(text)
+    if len(pieces) == 1 or not any(name in assets for name in pieces[1::2]):
+        return None
+    merged = [pieces[0]]
+    for name, after in zip(pieces[1::2], pieces[2::2]):
+        if name in assets:
+            merged += [name, after]
+        else:  # not an asset of this request: text
+            merged[-1] += name + after
+    return merged
+
+
+def _state(state, assets) -> tuple[object, list[tuple[object, object, list[str] | None]]]:
+    """The state as `parse_request` takes it, and each place in it holding images as (container,
+    key or index, pieces), in the order of the state's text: pieces None for a placeholder on its
+    own, else the text's pieces around the official placeholders inside it (`_inside`; they
+    become a `schema.ImageText`). A state that is a placeholder alone becomes {"image":
+    placeholder}; one text with placeholders inside comes back in a holder list ending in
+    _WHOLE. Raises where a placeholder is a key."""
     loc = ("body", "state")
     if isinstance(state, str) and state in assets:
         state = {"image": state}
+    if isinstance(state, str):
+        pieces = _inside(state, assets)
+        if pieces is None:
+            return state, []
+        holder = [state, _WHOLE]
+        return holder, [(holder, 0, pieces)]
     if not isinstance(state, Mapping | list):
         _reject_images(state, assets, loc)
-        return state if isinstance(state, str) else _json_text(state, loc), []
+        return _json_text(state, loc), []
     places = []
     for container, key, value, where in _walk(state, loc):
         if isinstance(key, str):
             _reject_images(key, assets, where)
         if isinstance(value, str) and value in assets:
-            places.append((container, key))
+            places.append((container, key, None))
+        elif isinstance(value, str):
+            pieces = _inside(value, assets)
+            if pieces is not None:
+                places.append((container, key, pieces))
         elif not isinstance(value, Mapping | list):
             _reject_images(value, assets, where)
     if not places:

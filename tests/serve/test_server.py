@@ -27,6 +27,7 @@ from typesafe_sdk import Image as SdkImage
 from wire_questions import OURS, QUESTIONS
 
 from dohnuts import Predictor
+from dohnuts.schema import ImageText
 from dohnuts.serve.app import Front, create_app, front_app
 from dohnuts.serve.wire import choice_confidence, score_confidence
 
@@ -73,15 +74,21 @@ def test_the_official_client_parses_noul_choice_and_score_answers(served, predic
 
 
 def test_images_sent_as_the_client_sends_them(served, predictor, tmp_path):
-    """One image, then four (one of them twice, in a list and nested) through the official client's
-    multipart form: the answers `predict` gives the same state with the images in place."""
+    """One image, two inside a text, then four (one of them twice, in a list and nested) through
+    the official client's multipart form: the answers `predict` gives the same state with the
+    images in place."""
     pictures = saved_pictures(tmp_path)
     sent = [SdkImage(tmp_path / f"{index}.png") for index in range(3)]
+    # Images inside a text, as the client's documented f-string puts them there (`attach_assets`,
+    # then f"Product: {photo}"): a value of the state, and the whole state.
+    inline = ImageText(("before ", pictures[0], ", after ", pictures[1], " (same parcel?)"))
     states = [({"photo": sent[0], "note": "parcel arrived"}, {"photo": pictures[0], "note": "parcel arrived"}),
+              ({"note": f"before {sent[0]}, after {sent[1]} (same parcel?)", "n": 2}, {"note": inline, "n": 2}),
+              (f"before {sent[0]}, after {sent[1]} (same parcel?)", inline),
               ({"photos": [sent[0], sent[1]], "note": "listing", "detail": {"label": sent[2], "again": sent[0]}},
                {"photos": [pictures[0], pictures[1]], "note": "listing",
                 "detail": {"label": pictures[2], "again": pictures[0]}})]
-    with _client(served) as client:
+    with _client(served) as client, client.attach_assets(sent):  # attached: found inside texts too
         for wire_state, state in states:
             response = client.system_one(state=wire_state, questions=QUESTIONS)
             alone = _alone(predictor, state)

@@ -173,11 +173,8 @@ IMAGES = {REFERENCE: PART, OTHER: {"type": "image", "part": "asset-1"}}
 @pytest.mark.parametrize(("body", "parts", "loc", "fragment"), [
     (request("s", {"q": {"type": "box", "instructions": "the dog"}}), None, ("body", "questions", "q", "type"),
      "box questions are not supported"),
-    (request({"a": {"deep": f"see {REFERENCE}"}}, assets=IMAGES), {}, ("body", "state", "a", "deep"),
-     "images go in the state"),
     (request({"a": {REFERENCE: "as a key"}}, assets=IMAGES), {}, ("body", "state", "a", REFERENCE),
      "images go in the state"),
-    (request(f"look: {REFERENCE}", assets=IMAGES), {}, ("body", "state"), "images go in the state"),
     (request("s", {"q": {"type": "noul", "instructions": f"Is {REFERENCE} red?"}}, assets=IMAGES), {},
      ("body", "questions", "q", "instructions"), "images go in the state"),
     (request("s", {"q": {"type": "choice", "instructions": "Pick", "criteria": {"x": REFERENCE, "y": None}}},
