@@ -129,7 +129,12 @@ def predict(checkpoint, source, output, device):
     """Answer every request of --input with a calibrated CHECKPOINT into --output."""
     from .serve.batch_predict import predict_file
 
-    counts = predict_file(_load(Path(checkpoint), device), Path(source), Path(output))
+    try:
+        counts = predict_file(_load(Path(checkpoint), device), Path(source), Path(output))
+    except ValueError as error:  # the output is not this input's answers, or the input is not UTF-8
+        raise click.ClickException(str(error)) from None
+    except OSError as error:  # the output's folder cannot be made or written
+        raise click.ClickException(f"{error.filename or output}: {error.strerror or error}") from None
     click.echo(f"{counts['answered']} answered, {counts['errors']} invalid, {counts['skipped']} already answered "
                f"of {counts['lines']} lines -> {output}")
 
@@ -196,8 +201,17 @@ def public_fingerprint(texts):
 
 
 def _load(folder: Path, device):
+    import torch
+
     from .runtime.predict import Predictor
 
+    if device is not None:
+        try:
+            chosen = torch.device(device)
+        except RuntimeError:
+            raise click.ClickException(f"--device {device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+        if chosen.type == "cuda" and not torch.cuda.is_available():
+            raise click.ClickException(f"--device {device}: this machine has no CUDA device")
     try:
         return Predictor.from_checkpoint(folder, device)
     except (ValueError, FileNotFoundError) as error:

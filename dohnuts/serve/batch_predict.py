@@ -8,7 +8,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..data.user_records import decoded_state
+from ..data.user_records import KEYS, decoded_state
 
 CHUNK = 64  # requests a model invocation, and a chunk of output written and synced together
 
@@ -19,7 +19,7 @@ def _request(line: str, folder: Path) -> tuple[object, dict]:
     record = json.loads(line)
     if not isinstance(record, dict):
         raise ValueError(f"a request line must be a JSON object, got {type(record).__name__}")
-    unknown = set(record) - {"id", "state", "questions", "group", "labels", "split"}
+    unknown = set(record) - KEYS
     if unknown:
         raise ValueError(f"unknown keys {sorted(unknown)}")
     if "state" not in record or "questions" not in record:
@@ -30,12 +30,44 @@ def _request(line: str, folder: Path) -> tuple[object, dict]:
     return state, record["questions"]
 
 
-def answered_lines(output: Path) -> int:
-    """Complete lines already in `output` (a line cut by a kill is removed), so a rerun skips them."""
+def input_lines(source: Path) -> list[str]:
+    """The lines of a JSONL file, split at line feeds only (JSON text may hold U+2028 and the
+    like raw, which `str.splitlines` would also split at), a carriage return before one dropped.
+
+    Raises:
+        ValueError: the file is not UTF-8.
+    """
+    try:
+        text = source.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{source} is not UTF-8 text: {error}") from None
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def answered_lines(output: Path, lines: list[str]) -> int:
+    """Lines of `lines` already answered in `output` by an earlier run of this input, so a rerun
+    skips them; a last line cut by a kill is removed. Only a file of such answers is touched.
+
+    Raises:
+        ValueError: `output` holds something else: a line that is not the answer to the input's
+            line of its number (another file, another input), which a rerun must not append to.
+    """
     if not output.is_file():
         return 0
     data = output.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
+    for number, text in enumerate(complete.decode("utf-8", errors="replace").split("\n")[:-1], 1):
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            answer = None
+        if not (isinstance(answer, dict) and answer.get("line") == number and number <= len(lines)
+                and answer.get("id") == _identifier(lines[number - 1])):
+            raise ValueError(f"{output} line {number} is not the answer to line {number} of this input: it holds "
+                             f"something else (another file, or another input's answers); choose another output")
     if len(complete) != len(data):
         with open(output, "r+b") as handle:
             handle.truncate(len(complete))
@@ -51,10 +83,16 @@ def predict_file(predictor, source: Path, output: Path, chunk: int = CHUNK, prog
 
     Returns:
         {"lines", "skipped" (answered before), "answered", "errors"}
+
+    Raises:
+        ValueError: the output is the input, holds something other than this input's answers,
+            or the input is not UTF-8.
     """
     source, output = Path(source), Path(output)
-    lines = source.read_text(encoding="utf-8").splitlines()
-    done = answered_lines(output)
+    if output.resolve() == source.resolve():
+        raise ValueError(f"the output {output} is the input file: choose another")
+    lines = input_lines(source)
+    done = answered_lines(output, lines)
     counts = {"lines": len(lines), "skipped": min(done, len(lines)), "answered": 0, "errors": 0}
     bar = tqdm(total=len(lines), initial=counts["skipped"], desc="predict", unit="request", disable=not progress)
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ from PIL import Image
 
 from dohnuts import Predictor
 from dohnuts.cli import main
-from dohnuts.serve.batch_predict import answered_lines, predict_file
+from dohnuts.serve.batch_predict import answered_lines, input_lines, predict_file
 
 QUESTIONS = {"refund": {"type": "noul", "instructions": "Refund?"},
              "team": {"type": "choice", "instructions": "Which team?", "criteria": ["billing", "tech"]}}
@@ -90,7 +90,7 @@ def test_a_rerun_after_a_kill_keeps_what_was_answered_and_finishes(tmp_path, pre
     with pytest.raises(Killed):
         predict_file(DiesOnTheSecondChunk(), source, output, chunk=3, progress=False)
     first = output.read_text()
-    assert answered_lines(output) == 3
+    assert answered_lines(output, input_lines(source)) == 3
     with open(output, "a") as handle:
         handle.write('{"id": "q-3", "line": 4, "answ')  # a line cut by the kill
     counts = predict_file(predictor, source, output, chunk=3, progress=False)
@@ -98,6 +98,35 @@ def test_a_rerun_after_a_kill_keeps_what_was_answered_and_finishes(tmp_path, pre
     text = output.read_text()
     assert text.startswith(first) and [json.loads(line)["line"] for line in text.splitlines()] == list(range(1, 10))
     assert predict_file(predictor, source, output, progress=False)["skipped"] == 9  # nothing left to do
+
+
+def test_an_output_that_is_not_this_inputs_answers_is_left_alone(tmp_path, predictor):
+    """A rerun appends only to this input's own answers: a file of something else (its last
+    line without a newline), another input's answers or the input itself are refused, untouched."""
+    source, _ = _requests(tmp_path)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\nthe last line, no newline")
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"id": "elsewhere", "line": 1, "answers": {}}\n')
+    for output, message in ((notes, "line 1 is not the answer"), (other, "line 1 is not the answer"),
+                            (source, "is the input file")):
+        before = output.read_bytes()
+        with pytest.raises(ValueError, match=message):
+            predict_file(predictor, source, output, progress=False)
+        assert output.read_bytes() == before
+
+
+def test_a_line_separator_inside_a_json_string_does_not_split_a_request(tmp_path, predictor):
+    """JSON text may hold U+2028 raw (json.dumps with ensure_ascii off writes it so): output line
+    n still answers input line n."""
+    source = tmp_path / "requests.jsonl"
+    lines = [{"id": f"r{index}", "state": f"line\u2028separated {index}\u0085",
+              "questions": {"q": {"type": "noul"}}} for index in range(3)]
+    source.write_text("".join(json.dumps(line, ensure_ascii=False) + "\r\n" for line in lines), encoding="utf-8")
+    counts = predict_file(predictor, source, tmp_path / "answers.jsonl", progress=False)
+    assert counts == {"lines": 3, "skipped": 0, "answered": 3, "errors": 0}
+    out = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text(encoding="utf-8").split("\n")[:-1]]
+    assert [(line["id"], line["line"]) for line in out] == [("r0", 1), ("r1", 2), ("r2", 3)]
 
 
 def test_the_predict_command_writes_the_answers(tmp_path, deployable):
