@@ -65,34 +65,44 @@ def read_json(path: Path):
         return json.load(handle)
 
 
-def foreign_files(folder: Path, ignore: tuple[str, ...] = ()) -> list[str]:
-    """Files of an existing `folder` that dohnuts did not write: all of them (but the names in
-    `ignore` and dotfiles) unless its manifest lists them. Empty when the folder is missing."""
+def foreign_files(folder: Path, keep: tuple[str, ...] = ()) -> list[str]:
+    """Files of an existing `folder` that dohnuts did not write: every file but its manifest,
+    those the manifest lists and the top-level names in `keep`, hidden ones and those in hidden
+    folders too. Empty when the folder is missing."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
     present = sorted(str(path.relative_to(folder)) for path in folder.rglob("*")
-                     if path.is_file() and path.name != MANIFEST and path.name not in ignore
-                     and not any(part.startswith(".") for part in path.relative_to(folder).parts))
+                     if path.is_file() and path.name != MANIFEST and str(path.relative_to(folder)) not in keep)
     if (folder / MANIFEST).is_file():
         listed = set(read_json(folder / MANIFEST).get("files", {}))
         return [name for name in present if name not in listed]
     return present
 
 
+def kept_files(folder: Path) -> tuple[str, ...]:
+    """The top-level files of `folder` a published checkpoint keeps across a replacement and its
+    verification: a README.md and hidden files (.gitattributes and the like)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return ()
+    return tuple(sorted(path.name for path in folder.iterdir()
+                        if path.is_file() and (path.name == "README.md" or path.name.startswith("."))))
+
+
 @contextlib.contextmanager
-def atomic_directory(path: Path, ignore: tuple[str, ...] = ()):
+def atomic_directory(path: Path, keep: tuple[str, ...] = ()):
     """Yield a temporary sibling folder; on success it replaces `path` whole, else it is removed.
 
     Nothing is deleted that dohnuts did not write: an existing `path` holding files its manifest
-    does not list (`foreign_files`; names in `ignore` and dotfiles aside) is refused before
-    anything is written.
+    does not list (`foreign_files`) is refused before anything is written, unless they are
+    top-level files named in `keep`, which are copied into the new folder first.
 
     Raises:
         FileExistsError: `path` holds files dohnuts did not write.
     """
     path = Path(path)
-    foreign = foreign_files(path, ignore)
+    foreign = foreign_files(path, keep)
     if foreign:
         raise FileExistsError(f"{path} holds files dohnuts did not write ({', '.join(foreign[:5])}"
                               f"{', ...' if len(foreign) > 5 else ''}): refusing to replace it; "
@@ -100,6 +110,9 @@ def atomic_directory(path: Path, ignore: tuple[str, ...] = ()):
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
+        for name in keep:
+            if (path / name).is_file():
+                shutil.copy2(path / name, temporary / name)
         yield temporary
         if path.exists():
             old = path.with_name(f".{path.name}.old")
@@ -157,7 +170,7 @@ def verify_manifest(folder: Path, required: tuple[str, ...] = (), complete: bool
         actual = sha256_file(path)
         if actual != entry["sha256"]:
             raise IntegrityError(f"{path} has SHA-256 {actual}, manifest says {entry['sha256']}")
-    unlisted = foreign_files(folder, ("README.md",)) if complete else []
+    unlisted = foreign_files(folder, kept_files(folder)) if complete else []
     if unlisted:
         raise IntegrityError(f"{folder} holds files its {MANIFEST} does not list: {', '.join(unlisted[:5])}")
     return manifest

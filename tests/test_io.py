@@ -58,8 +58,17 @@ def test_atomic_directory_replaces_only_what_dohnuts_wrote(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["mine", "theirs"]  # no temporary left
     (tmp_path / "readme-only").mkdir()
     (tmp_path / "readme-only" / "README.md").write_text("kept")
-    with atomic_directory(tmp_path / "readme-only", ignore=("README.md",)) as tmp:
+    with atomic_directory(tmp_path / "readme-only", keep=("README.md",)) as tmp:
         (tmp / "w.bin").write_bytes(b"1")
+    assert (tmp_path / "readme-only" / "README.md").read_text() == "kept"  # carried into the new folder
+    # Hidden files and hidden folders' files are a user's too: refused, never deleted.
+    for hidden in ("cfg/.secret", ".notes/todo.txt", ".env"):
+        folder = tmp_path / f"hidden-{hidden.replace('/', '-')}"
+        (folder / hidden).parent.mkdir(parents=True)
+        (folder / hidden).write_text("mine")
+        with pytest.raises(FileExistsError, match=hidden.replace(".", "\\.")), atomic_directory(folder):
+            pass
+        assert (folder / hidden).read_text() == "mine"
 
 
 def test_a_complete_manifest_check_refuses_unlisted_files_but_a_readme(tmp_path):

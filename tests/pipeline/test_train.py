@@ -380,10 +380,16 @@ def test_publish_refuses_a_target_holding_other_files(tmp_path, uninterrupted):
     publish(whole / "checkpoints" / "step-000005", target)
     publish(whole / "checkpoints" / "step-000004", target)  # a published checkpoint is replaced
     assert (target / "README.md").read_text() == "kept" and read_json(target / "manifest.json")["step"] == 4
-    (target / "mine.bin").write_bytes(b"x")
-    with pytest.raises(FileExistsError, match="mine.bin"):
-        publish(whole / "checkpoints" / "step-000005", target)
-    assert read_json(target / "manifest.json")["step"] == 4
+    (target / ".gitattributes").write_text("*.safetensors filter=lfs")  # a hidden file at the top: kept
+    publish(whole / "checkpoints" / "step-000005", target)
+    assert (target / ".gitattributes").is_file() and read_json(target / "manifest.json")["step"] == 5
+    for theirs in ("mine.bin", "notes/README.md", ".git/config"):  # anything else, hidden or nested: refused
+        (target / theirs).parent.mkdir(exist_ok=True)
+        (target / theirs).write_bytes(b"x")
+        with pytest.raises(FileExistsError, match=theirs.replace(".", "\\.")):
+            publish(whole / "checkpoints" / "step-000004", target)
+        assert (target / theirs).read_bytes() == b"x" and read_json(target / "manifest.json")["step"] == 5
+        (target / theirs).unlink()
 
 
 def test_the_saved_state_holds_no_pickle(uninterrupted):
