@@ -270,9 +270,10 @@ def _parse_question(qid, question) -> Question:
         raise ValueError(f"question {qid!r} has unknown type {kind!r}; expected one of {QUESTION_TYPES}")
     # Instructions may be left out (the wire format allows it): the candidates then carry the
     # question alone.
-    instructions = question.get("instructions", "")
+    instructions = _as_text(question.get("instructions", ""))
     if not isinstance(instructions, str):
-        raise TypeError(f"question {qid!r} needs string instructions, got {instructions!r}")
+        raise TypeError(f"question {qid!r} needs instructions as a string, an object or an array, got "
+                        f"{instructions!r}")
     criteria = question.get("criteria")
     labels, candidates = _CANDIDATES[kind](qid, criteria)
     if not MIN_CANDIDATES <= len(labels) <= MAX_CANDIDATES:
@@ -288,9 +289,10 @@ def _choice(qid, criteria):
         labels, candidates = [], []
         for key, description in criteria.items():
             # A null description is the wire format's "the name alone describes it", as "" is.
+            description = _as_text(description)
             if not isinstance(key, str) or not isinstance(description, (str, type(None))):
-                raise TypeError(f"choice question {qid!r}: criteria mapping must be str -> str or null, "
-                                f"got {key!r}: {description!r}")
+                raise TypeError(f"choice question {qid!r}: criteria mapping must be str -> a description (a "
+                                f"string, an object or an array) or null, got {key!r}: {description!r}")
             labels.append(key)
             candidates.append(f"{key}: {description}" if description else key)
     elif _is_list(criteria):
@@ -318,8 +320,10 @@ def _noul(qid, criteria):
         for key, description in criteria.items():
             if description is None:  # null: the side keeps its default description
                 continue
+            description = _as_text(description)
             if not isinstance(description, str):
-                raise TypeError(f"noul question {qid!r}: criteria[{key!r}] must be a string or null")
+                raise TypeError(f"noul question {qid!r}: criteria[{key!r}] must be a string, an object, an array "
+                                f"or null")
             descriptions[key] = description
     labels = ["false", "true"]
     return labels, [f"{label}: {descriptions[label]}" for label in labels]
@@ -329,11 +333,28 @@ def _score(qid, criteria):
     if not _is_list(criteria):
         raise TypeError(f"score question {qid!r} needs criteria as an ordered list of level descriptions, "
                         f"got {criteria!r}")
+    criteria = [_as_text(item) for item in criteria]
     for item in criteria:
         if not isinstance(item, str):
-            raise TypeError(f"score question {qid!r}: level descriptions must be strings, got {item!r}")
+            raise TypeError(f"score question {qid!r}: level descriptions must be strings, objects or arrays, "
+                            f"got {item!r}")
     labels = [str(level) for level in range(len(criteria))]
     return labels, [f"level {level}: {text}" for level, text in enumerate(criteria)]
+
+
+def _as_text(value):
+    """An object or array as its JSON text (the wire format: instructions and descriptions may
+    be either, rendered as JSON); anything else as it is, for the caller to judge.
+
+    Raises:
+        TypeError: an object or array that is not JSON (an image, a set, nested too deep).
+    """
+    if not (_is_mapping(value) or (_is_list(value) and not isinstance(value, ImageText))):
+        return value
+    try:
+        return json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError) as error:
+        raise TypeError(f"an object or array in a question must be JSON: {error}") from None
 
 
 _CANDIDATES = {"choice": _choice, "noul": _noul, "score": _score}  # each type's (labels, candidate texts)

@@ -31,7 +31,7 @@ def test_a_null_description_reads_as_none_as_the_wire_format_writes_it():
         "n": {"type": "noul", "instructions": "Holds?", "criteria": {"true": "it does"}},
     }, RESERVED)
     assert written == empty  # the same candidates, so the same rows and answers
-    with pytest.raises(TypeError, match="str -> str or null, got 'y': 3"):
+    with pytest.raises(TypeError, match="or null, got 'y': 3"):
         parse_request("s", {"c": {"type": "choice", "instructions": "Pick", "criteria": {"x": "", "y": 3}}}, RESERVED)
 
 
@@ -68,6 +68,22 @@ def test_mapping_state_renders_as_json_split_at_its_images():
     assert parse_request({"a": [1, {"b": None}]}, NOUL, RESERVED).state_parts == ('{"a": [1, {"b": null}]}',)
 
 
+def test_instructions_and_descriptions_may_be_objects_or_arrays_rendered_as_json():
+    """The wire format's own forms, taken by `predict` as the server takes them."""
+    request = parse_request("s", {
+        "c": {"type": "choice", "instructions": {"task": "route", "langs": ["en", "fr"]},
+              "criteria": {"billing": {"about": "money"}, "tech": None}},
+        "n": {"type": "noul", "criteria": {"true": ["yes", "sure"], "false": None}},
+        "s": {"type": "score", "criteria": [{"level": "calm"}, "angry"]}}, RESERVED)
+    choice, noul, score = request.questions
+    assert choice.instructions == '{"task": "route", "langs": ["en", "fr"]}'
+    assert choice.candidates == ('billing: {"about": "money"}', "tech")
+    assert noul.candidates[1] == 'true: ["yes", "sure"]'
+    assert score.candidates == ('level 0: {"level": "calm"}', "level 1: angry")
+    with pytest.raises(TypeError, match="must be JSON"):
+        parse_request("s", {"q": {"type": "noul", "instructions": {"x": {1, 2}}}}, RESERVED)
+
+
 def test_images_inside_a_text_take_their_places_in_it():
     """An ImageText renders as a JSON string (a value) or as the state's own text (the whole
     state), each image's place inside it; its images count toward the state's limit."""
@@ -98,7 +114,7 @@ def test_images_inside_a_text_take_their_places_in_it():
     ("s", {"q": {"type": "choice", "instructions": "x", "criteria": "ab"}}, TypeError, "list or a mapping"),
     ("s", {"q": {"type": "score", "instructions": "x", "criteria": ["one"]}}, ValueError, "1 candidates"),
     ("s", {"q": {"type": "noul", "instructions": "x", "criteria": {"maybe": "?"}}}, ValueError, "'false'/'true'"),
-    ("s", {"q": {"type": "noul", "instructions": 3}}, TypeError, "needs string instructions"),
+    ("s", {"q": {"type": "noul", "instructions": 3}}, TypeError, "needs instructions as a string, an object"),
     ("s", {"q": {"type": "noul", "instructions": "x", "extra": 1}}, ValueError, "unknown keys ['extra']"),
     ("a <|fim_suffix|> b", NOUL, ValueError, "state contains the reserved candidate marker"),
     ("s", {"q": {"type": "noul", "instructions": "x<|fim_suffix|>"}}, ValueError, "reserved candidate marker"),
