@@ -181,7 +181,7 @@ def examine(path, model, data, train_tokens: int, base=None) -> dict:
         model, data: the ModelConfig (marker, inference budget) and DataConfig.
         train_tokens: the training token budget.
     """
-    states, problems = read_records(path, tuple(special_tokens(model.marker_token)))
+    states, problems = read_records(path, tuple(special_tokens(model.marker_token)), model.max_images)
     lengths = None
     if base is not None:
         tokenizer, processor = load_processors(base, model)

@@ -37,7 +37,7 @@ from pathlib import Path
 import pandas as pd
 from PIL import Image, UnidentifiedImageError
 
-from ..schema import parse_request
+from ..schema import MAX_IMAGES, parse_request
 from .image_files import ImageFile, pil_state
 from .isolation import PARTITIONS
 
@@ -121,14 +121,21 @@ def _lines(file: Path) -> Iterator[tuple[int, object]]:
         for index, row in enumerate(table.to_dict("records"), start=1):
             yield index, {key: value for key, value in row.items() if not _missing(value)}
         return
-    with open(file, encoding="utf-8") as handle:
+    with open(file, encoding="utf-8", errors="surrogateescape") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
+                continue
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError:
+                yield number, "not UTF-8 text (a records file is UTF-8 JSON Lines)"
                 continue
             try:
                 yield number, json.loads(line)
             except json.JSONDecodeError as error:
                 yield number, f"not valid JSON ({error.msg} at column {error.colno})"
+            except RecursionError:
+                yield number, "nested too deep to read"
 
 
 def _missing(value) -> bool:
@@ -144,13 +151,15 @@ def _json_field(value, name: str):
     return value
 
 
-def read_records(path: Path, reserved: tuple[str, ...] = ()) -> tuple[list[SourceState], list[Problem]]:
+def read_records(path: Path, reserved: tuple[str, ...] = (),
+                 max_images: int = MAX_IMAGES) -> tuple[list[SourceState], list[Problem]]:
     """Every record of `path` validated: the valid states, and a Problem for each invalid
     record (a record with any problem is left out whole).
 
     Args:
         path: a records file or a folder of them (`record_files`).
         reserved: special-token strings no text may contain (the template's).
+        max_images: the most images a state may hold (`model.max_images`).
     """
     states, problems = [], []
     seen_lines = 0
@@ -158,7 +167,10 @@ def read_records(path: Path, reserved: tuple[str, ...] = ()) -> tuple[list[Sourc
         for number, record in _lines(file):
             seen_lines += 1
             where = f"{file}:{number}"
-            found = validate_record(record, f"{file}:{number}", file.stem, reserved, file.parent)
+            try:
+                found = validate_record(record, f"{file}:{number}", file.stem, reserved, file.parent, max_images)
+            except RecursionError:
+                found = [(None, "the record is nested too deep to read")]
             if isinstance(found, SourceState):
                 states.append(found)
             else:
@@ -168,8 +180,8 @@ def read_records(path: Path, reserved: tuple[str, ...] = ()) -> tuple[list[Sourc
     return states, problems
 
 
-def validate_record(record, where: str, group: str, reserved: tuple[str, ...] = (),
-                    folder: Path | None = None) -> SourceState | list[tuple[str | None, str]]:
+def validate_record(record, where: str, group: str, reserved: tuple[str, ...] = (), folder: Path | None = None,
+                    max_images: int = MAX_IMAGES) -> SourceState | list[tuple[str | None, str]]:
     """A SourceState, or the (qid or None, reason) problems of one record.
 
     Args:
@@ -178,6 +190,7 @@ def validate_record(record, where: str, group: str, reserved: tuple[str, ...] = 
         group: the group of a record that names none.
         reserved: special-token strings no text may contain.
         folder: where an image's path is relative to (None: images must be decoded already).
+        max_images: the most images a state may hold.
     """
     if isinstance(record, str):
         return [(None, record)]
@@ -207,7 +220,7 @@ def validate_record(record, where: str, group: str, reserved: tuple[str, ...] = 
     # question, each label of the questions that are valid.
     state, image_problems = decoded_state(folder, record["state"])
     problems += [(None, problem) for problem in image_problems]
-    questions, found = _questions(pil_state(state), record["questions"], reserved)
+    questions, found = _questions(pil_state(state), record["questions"], reserved, max_images)
     problems += found
     if "labels" not in record:
         return problems
@@ -235,17 +248,18 @@ def validate_record(record, where: str, group: str, reserved: tuple[str, ...] = 
                        links=(f"photo:{record['photo']}",) if record.get("photo") else ())
 
 
-def _questions(state, questions, reserved: tuple[str, ...]) -> tuple[list, list[tuple[str | None, str]]]:
+def _questions(state, questions, reserved: tuple[str, ...],
+               max_images: int = MAX_IMAGES) -> tuple[list, list[tuple[str | None, str]]]:
     """(the valid questions, the problems of the state and of each invalid question): the state
     and each question checked as `parse_request` checks them, so every mistake is named."""
     try:
-        return list(parse_request(state, questions, reserved).questions), []
+        return list(parse_request(state, questions, reserved, max_images).questions), []
     except (TypeError, ValueError) as error:
         if not isinstance(questions, Mapping) or not questions:
             return [], [(None, str(error))]
     problems = []
     try:
-        parse_request(state, {"state": {"type": "noul"}}, reserved)
+        parse_request(state, {"state": {"type": "noul"}}, reserved, max_images)
     except (TypeError, ValueError) as error:
         problems.append((None, str(error)))
     valid = []
@@ -302,7 +316,10 @@ def decoded_state(folder: Path | None, state) -> tuple[object, list[str]]:
 
     if not isinstance(state, Mapping | list):
         return state, []
-    return visit(state, "state", False), problems
+    try:
+        return visit(state, "state", False), problems
+    except RecursionError:
+        return state, ["state is nested too deep to read"]
 
 
 def _decoded_image(folder: Path | None, value: str, where: str) -> tuple[Image.Image | None, str | None]:
@@ -314,7 +331,10 @@ def _decoded_image(folder: Path | None, value: str, where: str) -> tuple[Image.I
             header, _, payload = value.partition(",")
             if not header.startswith("data:image/") or ";base64" not in header:
                 return None, f"{where} data URL must be data:image/...;base64,..."
-            data = base64.b64decode(payload, validate=True)
+            try:
+                data = base64.b64decode("".join(payload.split()), validate=True)  # wrapped base64 too
+            except (binascii.Error, ValueError) as error:
+                return None, f"{where} data URL is not valid base64 ({error})"
         else:
             image_path = Path(folder) / value
             if not image_path.is_file():
@@ -322,10 +342,10 @@ def _decoded_image(folder: Path | None, value: str, where: str) -> tuple[Image.I
             data = image_path.read_bytes()
         with Image.open(io.BytesIO(data)) as image:
             return image.convert("RGB"), None
-    except (binascii.Error, ValueError) as error:
-        return None, f"{where} data URL is not valid base64 ({error})"
-    except (UnidentifiedImageError, OSError) as error:
-        return None, f"{where} {value[:60]} cannot be decoded as an image ({type(error).__name__})"
+    except Image.DecompressionBombError as error:
+        return None, f"{where} {value[:60]} is too large an image to decode ({error})"
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:  # Pillow's decoders' errors
+        return None, f"{where} {value[:60]} cannot be decoded as an image ({type(error).__name__}: {error})"
 
 
 def label_target(question, label) -> list[float] | str:

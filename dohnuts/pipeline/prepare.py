@@ -32,7 +32,7 @@ def source_states(model: ModelConfig, data: DataConfig) -> tuple[list, list, dic
     if data.source == "public":
         # The sources' own rows are not the user's to fix: invalid ones are dropped and counted.
         return public_states(data.cache, data.seed, data.public_pool, data.groups or None, reserved)
-    states, problems = read_records(Path(data.path), reserved)
+    states, problems = read_records(Path(data.path), reserved, model.max_images)
     if problems and not data.skip_invalid:
         raise RecordsError(problems)
     return states, problems, None

@@ -89,11 +89,18 @@ def test_each_kind_of_mistake_is_one_clear_line_and_prepare_writes_nothing(tmp_p
          "labels": {"q": "a"}},
         {**_record(14), "state": "the marker <|fim_suffix|> inside"},
         {**_record(15), "state": {"message": "x", "image": "data:image/png;base64,@@@"}},
+        {**_record(16), "state": {"photos": ["images/a.png"] * 3}},  # over model.max_images (2 here)
+        {**_record(17), "state": {"message": "x", "image": "images/huge.png"}},  # over Pillow's pixel bound
+        {**_record(18), "state": json.loads('{"k": ' * 900 + '"x"' + "}" * 900)},
     ]
-    file = _write(tmp_path / "bad.jsonl", mistakes + [_record(16)])
+    Image.new("RGB", (8, 8)).save(tmp_path / "images" / "a.png")
+    Image.new("1", (20_000, 20_000)).save(tmp_path / "images" / "huge.png")  # 400 megapixels, a small file
+    file = _write(tmp_path / "bad.jsonl", mistakes + [_record(19)])
+    with open(file, "ab") as handle:
+        handle.write(json.dumps(_record(20)).encode().replace(b"message 20", b"caf\xe9") + b"\n")  # Latin-1
     out = tmp_path / "runs" / "prepare"
     with pytest.raises(RecordsError) as caught:
-        prepare(ModelConfig(), DataConfig(source="records", path=str(tmp_path)), 2048, out / "base", out)
+        prepare(ModelConfig(max_images=2), DataConfig(source="records", path=str(tmp_path)), 2048, out / "base", out)
     assert not out.exists()  # nothing written, not even the base
     lines = str(caught.value).splitlines()[1:]
     expected = [
@@ -104,12 +111,14 @@ def test_each_kind_of_mistake_is_one_clear_line_and_prepare_writes_nothing(tmp_p
         (11, "state.image: no such file images/missing.png"), (12, "cannot be decoded as an image"),
         (13, "split must be one of"), (14, "question 'q' has 1 candidates"),
         (15, "contains the reserved candidate marker"), (16, "not valid base64"),
+        (17, "holds 3 images, over the limit of 2"), (18, "too large an image to decode"),
+        (19, "nested too deep to read"), (21, "not UTF-8 text"),
     ]
     assert len(lines) == len(expected)
     for line, (number, reason) in zip(lines, expected):
         assert line.startswith(f"{file}:{number}: ") and reason in line, line
-    states, problems = read_records(tmp_path, ("<|fim_suffix|>",))
-    assert [state.state_id for state in states] == ["r-16"] and len(problems) == len(expected)
+    states, problems = read_records(tmp_path, ("<|fim_suffix|>",), max_images=2)
+    assert [state.state_id for state in states] == ["r-19"] and len(problems) == len(expected)
 
 
 def test_every_mistake_of_one_record_is_listed_not_only_the_first(tmp_path):
