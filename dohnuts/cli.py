@@ -33,7 +33,7 @@ def main():
 def doctor(path, params_path, base, report):
     """Check the decision records at PATH (a JSONL or Parquet file, or a folder of them) and
     report everything that would spoil a run. Exits 1 when a record is invalid."""
-    params = read_params(params_path) if Path(params_path).is_file() else {}
+    params = _params(params_path)
     try:
         result = examine(Path(path), section(params, "model"), section(params, "data"),
                          section(params, "train").max_tokens, Path(base) if base else None)
@@ -144,11 +144,19 @@ def public():
     """The upstream public mixture (data.source: public): its sources, fetching them, the guard."""
 
 
+def _params(params_path: str) -> dict:
+    """The params file's mapping ({} when it does not exist); a bad one is a one-line error."""
+    try:
+        return read_params(params_path) if Path(params_path).is_file() else {}
+    except ValueError as error:  # ConfigError: not YAML, not UTF-8, not a mapping
+        raise click.ClickException(str(error)) from None
+
+
 def _public_sources(params_path: str, groups: tuple[str, ...]):
     from .data.public.mixture import select
 
-    data = section(read_params(params_path), "data") if Path(params_path).is_file() else section({}, "data")
     try:
+        data = section(_params(params_path), "data")
         return data, select(groups or data.groups or None)
     except ValueError as error:
         raise click.ClickException(str(error)) from None
@@ -194,7 +202,11 @@ def public_fingerprint(texts):
     file data.guard names to keep those texts out of every partition."""
     from .data.guard import fingerprint
 
-    for line in texts:
+    try:
+        lines = list(texts)
+    except UnicodeDecodeError as error:
+        raise click.ClickException(f"{texts.name} is not UTF-8 text: {error}") from None
+    for line in lines:
         digest = fingerprint(line.rstrip("\n"))
         if digest is not None:
             click.echo(digest)

@@ -417,10 +417,19 @@ def json_ready(value):
 
 
 def read_params(path) -> dict:
-    """The params mapping from a YAML file whose path the caller (a stage script) gives."""
+    """The params mapping from a YAML file whose path the caller (a stage script) gives.
+
+    Raises:
+        ConfigError: not YAML, not UTF-8, or not a mapping.
+    """
     import yaml
 
-    with open(path, encoding="utf-8") as handle:
-        params = yaml.safe_load(handle) or {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            params = yaml.safe_load(handle) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path} is not valid YAML: {error}") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path} is not UTF-8 text: {error}") from None
     _check(isinstance(params, dict), f"{path} must hold a mapping of sections, got {type(params).__name__}")
     return params

@@ -48,3 +48,15 @@ def test_public_fingerprint_prints_what_the_guard_matches_and_sources_show_the_c
     result = CliRunner().invoke(main, ["public", "sources", "--params", str(params)])
     assert result.exit_code == 0, result.output
     assert "boolq" in result.output and "2 of 2 files missing" in result.output and "xnli" not in result.output
+
+
+def test_a_params_file_that_is_not_yaml_or_not_utf8_is_one_clear_error(tmp_path):
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"state": "s", "questions": {"q": {"type": "noul"}}, "labels": {"q": true}}\n')
+    (tmp_path / "broken.yaml").write_text("model:\n  max_tokens: [1, 2\n")
+    (tmp_path / "latin.yaml").write_bytes("model:\n  marker_token: caf\xe9\n".encode("latin-1"))
+    for name, message in (("broken.yaml", "is not valid YAML"), ("latin.yaml", "is not UTF-8 text")):
+        for arguments in (["doctor", str(records)], ["public", "sources"]):
+            result = CliRunner().invoke(main, [*arguments, "--params", str(tmp_path / name)])
+            assert result.exit_code == 1 and message in result.output, result.output
+            assert result.exception is None or isinstance(result.exception, SystemExit)
