@@ -285,9 +285,10 @@ def names_an_image(text: str) -> bool:
 def decoded_state(folder: Path | None, state) -> tuple[object, list[str]]:
     """The state with its images decoded, and the problems of those that cannot be.
 
-    An image is any value under an "image" key, or any string of the state (at any depth) that
-    `names_an_image`: a path relative to `folder` (the records file's), or a data: URL; a PIL
-    image or an `ImageFile` is kept. A value that cannot be decoded stays as it was written.
+    An image is any value under an "image" key, or any string of the state (at any depth, or the
+    whole state, which then reads as {"image": it}) that `names_an_image`: a path relative to
+    `folder` (the records file's), or a data: URL; a PIL image or an `ImageFile` is kept. A
+    value that cannot be decoded stays as it was written.
 
     Returns:
         (state, a problem for each image that cannot be decoded, named by its place: "state.image",
@@ -314,6 +315,8 @@ def decoded_state(folder: Path | None, state) -> tuple[object, list[str]]:
             return [visit(item, f"{where}[{index}]", False) for index, item in enumerate(value)]
         return value
 
+    if isinstance(state, str) and names_an_image(state):  # a state that is one image, as on the wire
+        state = {"image": state}
     if not isinstance(state, Mapping | list):
         return state, []
     try:

@@ -253,3 +253,17 @@ def test_jsonl_and_parquet_give_identical_partitions(tmp_path):
     second, _, _ = partition_rows(from_parquet, 0, FRACTIONS)
     assert first == second
     assert any(first[name] for name in PARTITIONS if name != "train")
+
+
+def test_a_state_that_is_one_image_path_reads_as_that_image(tmp_path):
+    """As on the wire, where a state that is one placeholder is {"image": it}: the image is read,
+    and a missing file is a problem, not a text."""
+    (tmp_path / "images").mkdir()
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "images" / "red.png")
+    _write(tmp_path / "r.jsonl", [{**_record(1), "state": "images/red.png"},
+                                  {**_record(2), "state": "images/missing.png"}])
+    states, problems = read_records(tmp_path)
+    assert [state.state_id for state in states] == ["r-1"]
+    image = states[0].state["image"]
+    assert isinstance(image, Image.Image) and image.getpixel((0, 0)) == (255, 0, 0)
+    assert len(problems) == 1 and "no such file images/missing.png" in problems[0].reason
