@@ -34,6 +34,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from PIL import Image, UnidentifiedImageError
 
@@ -119,7 +120,7 @@ def _lines(file: Path) -> Iterator[tuple[int, object]]:
     if file.suffix == ".parquet":
         table = pd.read_parquet(file)
         for index, row in enumerate(table.to_dict("records"), start=1):
-            yield index, {key: value for key, value in row.items() if not _missing(value)}
+            yield index, {key: _plain(value) for key, value in row.items() if not _missing(value)}
         return
     with open(file, encoding="utf-8", errors="surrogateescape") as handle:
         for number, line in enumerate(handle, start=1):
@@ -138,6 +139,18 @@ def _lines(file: Path) -> Iterator[tuple[int, object]]:
                 yield number, "nested too deep to read"
 
 
+def _plain(value):
+    """A Parquet cell as JSON would give it: a native list column's numpy arrays as lists, at
+    any depth (a struct column's mappings are kept; their keys are the column's, every row's)."""
+    if isinstance(value, np.ndarray):
+        return [_plain(item) for item in value.tolist()]
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
+
+
 def _missing(value) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
@@ -146,8 +159,11 @@ def _json_field(value, name: str):
     """A Parquet cell may hold JSON text for a mapping field."""
     if isinstance(value, str) and name in ("questions", "labels"):
         return json.loads(value)
-    if isinstance(value, str) and name == "state" and value[:1] in ('"', "{"):
-        return json.loads(value)
+    if isinstance(value, str) and name == "state" and value[:1] in ('"', "{", "["):
+        try:  # a mapping or list as JSON text; a text that merely starts so is a text
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
     return value
 
 

@@ -267,3 +267,27 @@ def test_a_state_that_is_one_image_path_reads_as_that_image(tmp_path):
     image = states[0].state["image"]
     assert isinstance(image, Image.Image) and image.getpixel((0, 0)) == (255, 0, 0)
     assert len(problems) == 1 and "no such file images/missing.png" in problems[0].reason
+
+
+def test_parquet_native_lists_and_texts_that_look_like_json_are_read_as_written(tmp_path):
+    """A native list column comes back from Parquet as numpy arrays: read as lists; a plain text
+    state that starts with a quote stays a text; a list state as JSON text is parsed."""
+    pd.DataFrame({
+        "id": ["a", "b", "c"],
+        "state": ['"quoted" says the customer', '["images/x.png", "a caption"]', "plain"],
+        "questions": [json.dumps({"urgency": QUESTIONS["urgency"]})] * 3,
+        "labels": [json.dumps({"urgency": 1})] * 3,
+        "photo": [None, None, None],
+    }).to_parquet(tmp_path / "r.parquet")
+    (tmp_path / "images").mkdir()
+    Image.new("RGB", (8, 8), "blue").save(tmp_path / "images" / "x.png")
+    states, problems = read_records(tmp_path)
+    assert problems == [] and [state.state_id for state in states] == ["a", "b", "c"]
+    assert states[0].state == '"quoted" says the customer'
+    assert isinstance(states[1].state[0], Image.Image) and states[1].state[1] == "a caption"
+    native = tmp_path / "native"
+    native.mkdir()
+    pd.DataFrame({"state": ["s"], "questions": [{"urgency": {"type": "score", "criteria": ["none", "low", "high"]}}],
+                  "labels": [{"urgency": 2}]}).to_parquet(native / "r.parquet")
+    states, problems = read_records(native)
+    assert problems == [] and len(states) == 1
