@@ -121,7 +121,8 @@ def _devices(gpus: str | None) -> tuple[str, ...]:
 @main.command()
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.option("--input", "source", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="Requests, one JSON object a line: the record format without labels.")
+              help="Requests, one JSON object a line: the record format without labels, or /v1/systemone "
+                   "bodies (base64 assets).")
 @click.option("--output", required=True, type=click.Path(dir_okay=False),
               help="Answers, one line per input line in order; a rerun skips lines already answered.")
 @click.option("--device", default=None, help="torch device (default: CUDA when present, else the CPU).")

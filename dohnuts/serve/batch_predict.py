@@ -9,21 +9,30 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..data.user_records import KEYS, decoded_state
+from .wire import parse_system_one
 
 CHUNK = 64  # requests a model invocation, and a chunk of output written and synced together
+WIRE_KEYS = {"model", "assets"}  # a /v1/systemone body's own fields (and any x_ one), read too
+ALIAS = "jev-latest"
 
 
 def _request(line: str, folder: Path) -> tuple[object, dict]:
-    """(state, questions) of one input line: the record format without labels; an image path is
-    relative to the input file, as in records."""
+    """(state, questions) of one input line: the record format without labels (an image path is
+    relative to the input file, as in records), or a /v1/systemone body as a client sends it
+    (`model`, `assets` of base64 images named by placeholders, `x_` fields)."""
     record = json.loads(line)
     if not isinstance(record, dict):
         raise ValueError(f"a request line must be a JSON object, got {type(record).__name__}")
-    unknown = set(record) - KEYS
+    unknown = {key for key in set(record) - KEYS - WIRE_KEYS if not key.startswith("x_")}
     if unknown:
         raise ValueError(f"unknown keys {sorted(unknown)}")
     if "state" not in record or "questions" not in record:
         raise ValueError("a request needs 'state' and 'questions'")
+    if record.get("assets") is not None:  # the wire format's images: as the server reads them
+        body = {"model": ALIAS, **{key: value for key, value in record.items()
+                                    if key in ("state", "questions") or key not in KEYS}}
+        state, questions, _ = parse_system_one(body)
+        return state, questions
     state, problems = decoded_state(folder, record["state"])
     if problems:
         raise ValueError("; ".join(problems))

@@ -137,3 +137,29 @@ def test_the_predict_command_writes_the_answers(tmp_path, deployable):
     assert result.exit_code == 0, result.output
     assert "4 answered, 1 invalid, 0 already answered of 5 lines" in result.output
     assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 5
+
+
+def test_a_systemone_body_is_a_request_line_too(tmp_path, predictor):
+    """A body as a client sends it (model, base64 assets, a placeholder inside a text, an x_
+    field) is answered as `predict` answers the same state with the image in place."""
+    import base64
+    import io
+
+    from dohnuts.schema import ImageText
+
+    picture = Image.new("RGB", (40, 24), (200, 30, 30))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    reference = "<image:" + "ab" * 16 + ">"
+    body = {"model": "jev-latest", "x_trace_id": "t-1", "id": "wire-1", "state": {"note": f"see {reference} now"},
+            "questions": QUESTIONS,
+            "assets": {reference: {"type": "image", "format": "png",
+                                   "data_base64": base64.b64encode(buffer.getvalue()).decode()}}}
+    source = tmp_path / "bodies.jsonl"
+    source.write_text(json.dumps(body) + "\n")
+    counts = predict_file(predictor, source, tmp_path / "answers.jsonl", progress=False)
+    assert counts["answered"] == 1, (tmp_path / "answers.jsonl").read_text()
+    out = json.loads((tmp_path / "answers.jsonl").read_text())
+    alone = predictor.predict({"note": ImageText(("see ", picture, " now"))}, QUESTIONS)
+    assert out["id"] == "wire-1" and out["usage"] == alone["usage"]
+    assert out["answers"]["refund"]["noul"] == pytest.approx(alone["answers"]["refund"]["noul"], abs=1e-5)
