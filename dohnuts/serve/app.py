@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as StarletteRequest
 
@@ -231,8 +232,11 @@ async def _body_and_parts(request: Request, limit: int) -> tuple[object, dict[st
 
         # A part may be as large as the body (the official client sends `request`, the JSON, as
         # a field: Starlette's default of 1 MiB a part refused a body that plain JSON may send).
-        form = await StarletteRequest({**request.scope, "headers": headers}, receive).form(
-            max_files=64, max_fields=64, max_part_size=limit)
+        try:
+            form = await StarletteRequest({**request.scope, "headers": headers}, receive).form(
+                max_files=64, max_fields=64, max_part_size=limit)
+        except HTTPException as error:  # Starlette's own 400 (a malformed body, too many parts)
+            raise WireError(f"the multipart body cannot be read: {error.detail}", status=400) from None
         for name, value in form.multi_items():
             parts[name] = await value.read() if hasattr(value, "read") else str(value).encode()
         if "request" not in parts:

@@ -298,6 +298,9 @@ def test_every_invalid_request_gets_its_4xx_and_the_server_keeps_serving(served)
                                                                     "content-encoding": "zstd"}), 400),
         (_post(served, None, content=gzip.compress(json.dumps(good).encode()) + b"trailing bytes",
                headers={"content-type": "application/json", "content-encoding": "gzip"}), 400),
+        (_post(served, None, files={"request": (None, json.dumps(good), "application/json"),
+                                    **{f"asset-{i}": (f"{i}.png", b"x", "image/png") for i in range(65)}}),
+         400),  # more parts than a request may have: Starlette's refusal, in the wire format's shape
         (_post(served, {**good, "state": "a <|fim_suffix|> b"}), 422),
         (_post(served, {**good, "state": {"a": PLACEHOLDERS[0], "b": PLACEHOLDERS[1]},
                         "assets": {key: {"type": "image", "format": "png", "data_base64": "AA=="}
