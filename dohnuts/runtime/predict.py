@@ -101,8 +101,12 @@ class Predictor:
         """(encoded requests, validated requests, input tokens, {index: error}) of `requests`;
         with `collect`, an invalid request is left out and its error kept, else it raises."""
         encoded, parsed, tokens, failures = [], [], [], {}
-        for index, (state, questions) in enumerate(requests):
+        for index, pair in enumerate(requests):
             try:
+                if not isinstance(pair, tuple | list) or len(pair) != 2:
+                    raise TypeError(f"request {index} must be a (state, questions) pair, got {type(pair).__name__}"
+                                    f"{f' of {len(pair)}' if isinstance(pair, tuple | list) else ''}")
+                state, questions = pair
                 request = parse_request(state, questions, self.template.reserved, self.template.max_images)
                 own = self.encode_request(request)
             except (TypeError, ValueError) as error:
@@ -161,8 +165,11 @@ class Predictor:
             One `predict` result per request, in order.
 
         Raises:
-            TypeError, ValueError: an invalid request, with errors="raise".
+            TypeError, ValueError: an invalid request, with errors="raise"; ValueError: another
+                `errors`.
         """
+        if errors not in ("raise", "return"):
+            raise ValueError(f'errors must be "raise" or "return", got {errors!r}')
         if risk is not None:
             self.calibrator.threshold("choice", risk)  # ValueError, before any work, for a risk not fitted
         with self.lock:

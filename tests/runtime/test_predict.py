@@ -177,3 +177,8 @@ def test_predict_many_answers_each_request_as_alone_and_returns_each_invalid_one
             assert list(answer["probabilities"].values()) == pytest.approx(expected, abs=1e-5)
     with pytest.raises(ValueError, match="questions is empty"):
         predictor.predict_many(broken)
+    odd = predictor.predict_many([requests[0], ("only a state",), "neither"], errors="return")
+    assert isinstance(odd[0], dict) and "request 1 must be a (state, questions) pair, got tuple of 1" in str(odd[1])
+    assert isinstance(odd[2], TypeError) and "got str" in str(odd[2])
+    with pytest.raises(ValueError, match='errors must be "raise" or "return"'):
+        predictor.predict_many(requests, errors="ignore")
