@@ -122,7 +122,7 @@ def _lines(file: Path) -> Iterator[tuple[int, object]]:
         for index, row in enumerate(table.to_dict("records"), start=1):
             yield index, {key: _plain(value) for key, value in row.items() if not _missing(value)}
         return
-    with open(file, encoding="utf-8", errors="surrogateescape") as handle:
+    with open(file, encoding="utf-8-sig", errors="surrogateescape") as handle:  # a BOM first is dropped
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue

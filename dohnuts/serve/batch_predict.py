@@ -47,7 +47,7 @@ def input_lines(source: Path) -> list[str]:
         ValueError: the file is not UTF-8.
     """
     try:
-        text = source.read_text(encoding="utf-8")
+        text = source.read_text(encoding="utf-8-sig")  # a BOM first is dropped
     except UnicodeDecodeError as error:
         raise ValueError(f"{source} is not UTF-8 text: {error}") from None
     lines = text.split("\n")

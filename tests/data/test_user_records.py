@@ -291,3 +291,9 @@ def test_parquet_native_lists_and_texts_that_look_like_json_are_read_as_written(
                   "labels": [{"urgency": 2}]}).to_parquet(native / "r.parquet")
     states, problems = read_records(native)
     assert problems == [] and len(states) == 1
+
+
+def test_a_byte_order_mark_before_the_first_record_is_dropped(tmp_path):
+    (tmp_path / "r.jsonl").write_bytes(b"\xef\xbb\xbf" + (json.dumps(_record(1)) + "\n").encode())
+    states, problems = read_records(tmp_path)
+    assert problems == [] and [state.state_id for state in states] == ["r-1"]
