@@ -40,9 +40,8 @@ from ..runtime.predict import answers_of, candidate_mask, encode_request
 from ..schema import parse_request
 from ..scoring.calibrator import Calibrator
 from .engines import Closed, EngineFailed, Expired, LocalEngine, Overloaded, Unavailable
-from .wire import WireError, parse_system_one, render_response, requested_risk
+from .wire import ALIAS, WireError, parse_system_one, render_response, requested_risk
 
-ALIAS = "jev-latest"  # the official client's default model name
 REQUEST_ID = "x-typesafe-request-id"
 MAX_BODY_BYTES = 32 * 2**20  # after decompression
 RETRY = {"Retry-After": "1", "retry-after-ms": "200"}

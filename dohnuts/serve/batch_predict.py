@@ -9,11 +9,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..data.user_records import KEYS, decoded_state
-from .wire import parse_system_one
+from .wire import ALIAS, parse_system_one
 
 CHUNK = 64  # requests a model invocation, and a chunk of output written and synced together
 WIRE_KEYS = {"model", "assets"}  # a /v1/systemone body's own fields (and any x_ one), read too
-ALIAS = "jev-latest"
 
 
 def _request(line: str, folder: Path) -> tuple[object, dict]:

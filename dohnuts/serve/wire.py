@@ -12,6 +12,7 @@ from PIL import Image
 
 from ..schema import MAX_IMAGES, ImageText
 
+ALIAS = "jev-latest"  # the official client's default model name
 QUESTION_TYPES = ("choice", "noul", "score")
 # The official client's own placeholder form: the only one that text can hold inside a longer string (str(image)).
 REFERENCE_PATTERN = re.compile(r"<image:[0-9a-f]{32}>")
